@@ -1,0 +1,9 @@
+"""shardwise: ZeRO data parallelism, offload and tensor parallelism on torch.distributed."""
+
+from __future__ import annotations
+
+from shardwise.comm import RanksDivergedError, init_distributed
+from shardwise.initialize import initialize
+
+__all__ = ["initialize", "init_distributed", "RanksDivergedError"]
+__version__ = "0.1.0"

@@ -1,0 +1,214 @@
+"""Process groups and the few collectives shardwise needs, with byte accounting.
+
+Every collective the library issues goes through :class:`Comm`, so that
+``engine.comm_stats()`` can report what each rank moved, and so that a failed or
+timed-out collective becomes one clear error instead of a hang.
+
+Byte accounting follows the ZeRO paper's volume model (per rank, before the ring
+factor (N-1)/N): an all-reduce of S bytes counts 2S (a reduce-scatter plus an
+all-gather), an all-gather counts its output, a reduce-scatter its input, a
+broadcast its tensor.
+
+The physical algorithm is chosen per backend, because gloo's all-gather and
+reduce-scatter are about 3x slower than its all-reduce of the same full buffer
+(measured here, 2 ranks, 32 MiB fp32: all_reduce 44 ms, reduce_scatter 149 ms,
+all_gather 133 ms). On gloo an all-gather is therefore an all-reduce of a
+zero-filled buffer holding only this rank's shard (exact: x + 0 == x), and a
+reduce-scatter is an all-reduce followed by taking the shard. NCCL uses the
+native collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class RanksDivergedError(RuntimeError):
+    """A collective failed or timed out: ranks are out of step, or a peer died."""
+
+
+def init_distributed(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
+    """Join the job torchrun started (or run as a plain single process, world 1).
+
+    NCCL with CUDA, gloo otherwise; each rank is bound to its local GPU. ``timeout``
+    (seconds) bounds every collective: ranks that fall out of step fail within it
+    with :class:`RanksDivergedError` instead of waiting out the 30-minute default.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout is None:
+        timeout = datetime.timedelta(seconds=float(os.environ.get("SHARDWISE_TIMEOUT", 600)))
+    if "RANK" not in os.environ:  # a plain `python script.py`: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, timeout=timeout)
+    _GLOBAL_TIMEOUT[0] = timeout.total_seconds()
+
+
+_GLOBAL_TIMEOUT = [600.0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compute_device() -> torch.device:
+    """The device this rank computes on: its local GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class CommStats:
+    """Bytes and calls per collective kind, since start (shared by every Comm)."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    def as_dict(self) -> dict[str, int]:
+        out = {k: 0 for k in ("all_gather", "reduce_scatter", "all_reduce", "broadcast")}
+        out.update(self.bytes)
+        return out
+
+
+class Work:
+    """A pending collective; ``wait()`` finishes it (and any copy-out it needs)."""
+
+    def __init__(self, handle, comm: Comm, kind: str, finish=None):
+        self._handle, self._comm, self._kind, self._finish = handle, comm, kind, finish
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            self._comm._guard(self._kind, self._handle.wait)
+            self._handle = None
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+
+class Comm:
+    """Collectives over one process group, counted into a shared :class:`CommStats`."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None):
+        self.group = group
+        self.stats = stats if stats is not None else CommStats()
+        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.backend = dist.get_backend(group) if dist.is_initialized() else "none"
+        self._emulate = self.backend == "gloo"
+
+    # -- error handling -------------------------------------------------------------
+    def _guard(self, kind: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistBackendError) as e:  # gloo: timeout, peer gone
+            raise RanksDivergedError(
+                f"{kind} failed on rank {dist.get_rank()} of {dist.get_world_size()}: the ranks have "
+                f"diverged (one rank skipped or added a collective, or a peer process died) or the "
+                f"collective exceeded the timeout of {_GLOBAL_TIMEOUT[0]:.0f}s "
+                f"(init_distributed(timeout=...)). The process group is unusable now; restart the job. "
+                f"Backend said: {e}"
+            ) from e
+
+    # -- collectives ----------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False) -> Work | None:
+        self.stats.add("all_reduce", 2 * t.numel() * t.element_size())
+        if self.size == 1:
+            return Work(None, self, "all_reduce") if async_op else None
+        h = self._guard("all_reduce", dist.all_reduce, t, op=op, group=self.group, async_op=async_op)
+        return Work(h, self, "all_reduce") if async_op else None
+
+    def all_gather(self, full: torch.Tensor, async_op: bool = False) -> Work | None:
+        """Fill ``full`` (1-D, size multiple of world) from every rank's shard of it, in place."""
+        self.stats.add("all_gather", full.numel() * full.element_size())
+        if self.size == 1:
+            return Work(None, self, "all_gather") if async_op else None
+        shard = full.numel() // self.size
+        mine = full.narrow(0, self.rank * shard, shard)
+        if self._emulate:
+            if self.rank > 0:
+                full.narrow(0, 0, self.rank * shard).zero_()
+            full.narrow(0, (self.rank + 1) * shard, full.numel() - (self.rank + 1) * shard).zero_()
+            h = self._guard("all_gather", dist.all_reduce, full, group=self.group, async_op=async_op)
+        else:
+            h = self._guard("all_gather", _all_gather_single, full, mine, group=self.group,
+                            async_op=async_op)
+        return Work(h, self, "all_gather") if async_op else None
+
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = False,
+                       accumulate: bool = False) -> Work | None:
+        """Sum ``full`` (1-D) over ranks and write (or add, ``accumulate``) this rank's shard into ``out``.
+
+        ``full`` is clobbered. ``out`` may alias ``full``'s own shard (not with ``accumulate``).
+        """
+        self.stats.add("reduce_scatter", full.numel() * full.element_size())
+        shard = full.numel() // self.size
+        mine = full.narrow(0, self.rank * shard, shard)
+
+        def copy_out() -> None:
+            if accumulate:
+                out.add_(mine)
+            elif out.data_ptr() != mine.data_ptr():
+                out.copy_(mine)
+
+        if self.size == 1:
+            copy_out()
+            return Work(None, self, "reduce_scatter") if async_op else None
+        if self._emulate:
+            h = self._guard("reduce_scatter", dist.all_reduce, full, group=self.group, async_op=async_op)
+            if not async_op:
+                copy_out()
+                return None
+            return Work(h, self, "reduce_scatter", copy_out)
+        aliased = out.data_ptr() == mine.data_ptr()
+        target = torch.empty_like(out) if (aliased or accumulate) else out
+        h = self._guard("reduce_scatter", _reduce_scatter_single, target, full, group=self.group,
+                        async_op=async_op)
+
+        def finish() -> None:
+            if accumulate:
+                out.add_(target)
+            elif target is not out:
+                out.copy_(target)
+
+        if not async_op:
+            finish()
+            return None
+        return Work(h, self, "reduce_scatter", finish)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        """Broadcast from group-rank ``src``."""
+        self.stats.add("broadcast", t.numel() * t.element_size())
+        if self.size > 1:
+            self._guard("broadcast", dist.broadcast, t, src=dist.get_global_rank(self.group, src)
+                        if self.group is not None else src, group=self.group)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._guard("barrier", dist.barrier, group=self.group)

@@ -1,0 +1,242 @@
+"""The training engine: forward, backward, step, accumulation, clipping, reports.
+
+It owns no sharding logic of its own: the model's trainable parameters live in
+:class:`~shardwise.zero.flat_group.ShardedGroup` buckets, and the ZeRO stage is
+only the policy those buckets were built with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.comm import Comm, compute_device
+from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_optimizer
+from shardwise.precision import DynamicLossScaler
+from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
+from shardwise.zero.partition import broadcast_model, build_groups, normalize_param_groups
+
+log = logging.getLogger("shardwise")
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class Engine(nn.Module):
+    """DeepSpeed-style engine around ``module`` (see DESIGN.md §2 for the contract)."""
+
+    def __init__(self, model: nn.Module, config, model_parameters=None, optimizer=None,
+                 lr_scheduler=None, comm: Comm | None = None):
+        super().__init__()
+        self.config = config
+        self.comm = comm if comm is not None else Comm()
+        self.dp_world = self.comm.size
+        self.stage = config.zero_stage
+        self.gas = config.gradient_accumulation_steps
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._in_no_sync = False
+        self._last_loss: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
+
+        device = compute_device()
+        model.to(device)
+        self.compute_dtype: torch.dtype = config.compute_dtype
+        if self.compute_dtype != torch.float32:  # params only; buffers (rotary freqs) stay fp32
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(self.compute_dtype)
+        self.module = model
+
+        zero = config.zero_optimization
+        offload = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
+        self.offload_optimizer = offload == "cpu"
+        if self.offload_optimizer and self.stage == 0:
+            raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1: "
+                             "the optimizer state is offloaded shard by shard")
+        param_groups = normalize_param_groups(model, model_parameters)
+        if optimizer is not None and model_parameters is None and not callable(optimizer):
+            param_groups = [dict(g) for g in optimizer.param_groups]
+        bucket = int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
+        self.policy = ShardPolicy.for_stage(self.stage)
+        self.groups_by_pg = build_groups(
+            model, param_groups, self.comm, self.policy, bucket,
+            offload_device=torch.device("cpu") if self.offload_optimizer else None,
+            pin_memory=bool(self.offload_optimizer and zero.offload_optimizer.pin_memory),
+            overlap_comm=bool(zero.overlap_comm),
+        )
+        self.groups: list[ShardedGroup] = [g for gs in self.groups_by_pg for g in gs]
+        broadcast_model(model, self.groups_by_pg, self.comm)
+
+        master_groups = []
+        for pg, gs in zip(param_groups, self.groups_by_pg, strict=True):
+            d = {k: v for k, v in pg.items() if k != "params"}
+            d["params"] = [g.master for g in gs]
+            master_groups.append(d)
+        self.optimizer = self._make_optimizer(optimizer, master_groups)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+
+        self.fp16 = config.precision == "fp16"
+        self.loss_scaler = DynamicLossScaler.from_fp16_config(config.fp16) if self.fp16 else None
+
+    # -- construction ---------------------------------------------------------------
+    def _make_optimizer(self, client, master_groups: list[dict]) -> torch.optim.Optimizer:
+        if client is not None:
+            if self.config.optimizer is not None:
+                raise ValueError("an optimizer was given both as the `optimizer` argument and in the "
+                                 "config's `optimizer` section; keep one")
+            return rebuild_client_optimizer(client, [g["params"] for g in master_groups])
+        if self.config.optimizer is None:
+            raise ValueError("no optimizer: add an `optimizer` section to the config "
+                             '(e.g. {"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer=')
+        return build_optimizer(self.config.optimizer.type, dict(self.config.optimizer.params), master_groups)
+
+    def _make_scheduler(self, client):
+        if client is not None:
+            if callable(client) and not hasattr(client, "step"):
+                return client(self.optimizer)
+            client.optimizer = self.optimizer  # re-point a scheduler built on the user's optimizer
+            return client
+        if self.config.scheduler is None:
+            return None
+        return build_scheduler(self.config.scheduler.type, dict(self.config.scheduler.params), self.optimizer)
+
+    # -- forward / backward ---------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gas == 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction in this context (stages 0 and 1: grads stay whole)."""
+        if self.policy.shard_grads:
+            raise RuntimeError(f"no_sync() is not possible at zero_optimization.stage {self.stage}: "
+                               "gradients are reduce-scattered during backward so only the shard is "
+                               "kept; use gradient_accumulation_steps instead")
+        prev, self._in_no_sync = self._in_no_sync, True
+        try:
+            yield
+        finally:
+            self._in_no_sync = prev
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss`` scaled for accumulation (1/gas) and fp16 loss scaling."""
+        reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        for g in self.groups:
+            g.begin_backward(reduce_now)
+        scale = 1.0 / self.gas
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.scale
+        (loss * scale).backward(retain_graph=retain_graph)
+        for g in self.groups:
+            g.end_backward()
+        self._last_loss = loss.detach()
+        return loss
+
+    # -- step -----------------------------------------------------------------------
+    def step(self) -> None:
+        """Call after every micro-batch; steps and zeroes grads at the accumulation boundary."""
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        if self._in_no_sync:
+            raise RuntimeError("step() at an accumulation boundary inside no_sync(): gradients were "
+                               "not reduced; leave no_sync() for the last micro-batch")
+        for g in self.groups:
+            g.wait()
+        unscale = 1.0 / self.dp_world
+        if self.loss_scaler is not None:
+            unscale /= self.loss_scaler.scale
+        grads = [g.attach_master_grad(unscale) for g in self.groups]
+        norm = self._global_grad_norm(grads)
+        overflow = not math.isfinite(norm)
+        skip = self.loss_scaler.update(overflow) if self.loss_scaler is not None else False
+        if overflow and self.loss_scaler is not None:
+            if dist.get_rank() == 0 if dist.is_initialized() else True:
+                log.warning(self.loss_scaler.overflow_message(self.global_steps))
+        if overflow and self.loss_scaler is None:
+            raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss "
+                                     "diverged (no fp16 loss scaler to skip the step)")
+        if not skip:
+            clip = self.config.gradient_clipping
+            if clip and clip > 0:
+                coef = min(1.0, clip / (norm + 1e-6))
+                if coef < 1.0:
+                    torch._foreach_mul_(grads, coef)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            for g in self.groups:
+                g.publish_master()
+        else:
+            self.skipped_steps += 1
+        self.last_grad_norm = norm
+        for g in self.groups:
+            g.zero_grad()
+        self.global_steps += 1
+        self.micro_steps += 1
+        self._maybe_log()
+
+    def _global_grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """L2 norm over every shard on every rank (inf/nan when any rank overflowed)."""
+        if grads:
+            local = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+            sq = local.square().sum().to(torch.float64)
+        else:
+            sq = torch.zeros((), dtype=torch.float64)
+        sq = sq.reshape(1)
+        if self.policy.shard_optimizer:
+            self.comm.all_reduce(sq)
+        return float(sq.sqrt().item())
+
+    def _maybe_log(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
+        scale = f", loss_scale={self.loss_scaler.scale:g}" if self.loss_scaler else ""
+        log.info(f"step {self.global_steps}: loss={loss:.4f} lr={self.get_lr()[0]:.3e} "
+                 f"grad_norm={self.last_grad_norm:.3f}{scale} skipped={self.skipped_steps}")
+
+    # -- DeepSpeed-style accessors --------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [pg["lr"] for pg in self.optimizer.param_groups]
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.zero_grad()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind (tensor bytes, not RSS)."""
+        rep = {k: 0 for k in ("params", "grads", "master_params", "optimizer_states", "buffers")}
+        grouped = set()
+        for g in self.groups:
+            for k, v in g.memory().items():
+                rep[k] += v
+            grouped.update(id(p) for p in g.params)
+        for p in self.module.parameters():
+            if id(p) not in grouped:
+                rep["params"] += _nbytes(p.data)
+                rep["grads"] += _nbytes(p.grad)
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and v.numel() > 1:
+                    rep["optimizer_states"] += _nbytes(v)
+        rep["buffers"] = sum(_nbytes(b) for b in self.module.buffers())
+        rep["total"] = sum(rep.values())
+        return rep
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank moved per collective kind since start (see shardwise.comm)."""
+        return self.comm.stats.as_dict()

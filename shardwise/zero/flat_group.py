@@ -1,0 +1,213 @@
+"""The one sharding mechanism: a group of parameters flattened into one buffer.
+
+Every ZeRO stage is a policy of :class:`ShardedGroup` (see ``docs/architecture.md``):
+
+* the group's parameters are views into one flat, padded buffer ``flat_param``
+  whose ``torch.chunk(world)`` piece ``rank`` is this rank's shard;
+* stage >= 1: the optimizer steps only on this rank's shard (the fp32 "master");
+  the updated shards are all-gathered back into ``flat_param``;
+* stage >= 2: gradients are reduce-scattered as soon as the group's backward is
+  done, and only the shard is kept.
+
+Stage 0 is the same group with the whole buffer "owned" by every rank (an
+all-reduce instead of a reduce-scatter, no all-gather): DDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardwise.comm import Comm, Work
+
+
+@dataclass(frozen=True)
+class ShardPolicy:
+    """What a ZeRO stage shards."""
+
+    shard_optimizer: bool
+    shard_grads: bool
+    shard_params: bool
+
+    @classmethod
+    def for_stage(cls, stage: int) -> ShardPolicy:
+        return cls(shard_optimizer=stage >= 1, shard_grads=stage >= 2, shard_params=stage >= 3)
+
+
+class ShardedGroup:
+    """Parameters of one bucket (or one module) sharing a flat buffer and its shards.
+
+    ``master`` is what the optimizer steps on: a view of this rank's shard of
+    ``flat_param`` when the parameters are fp32 and stay on their device (no
+    second copy, so fp32 training holds K = 8 bytes of optimizer state and no
+    master), otherwise a separate fp32 tensor, on the CPU with optimizer offload.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        comm: Comm,
+        policy: ShardPolicy,
+        master_dtype: torch.dtype = torch.float32,
+        offload_device: torch.device | None = None,
+        pin_memory: bool = False,
+        overlap_comm: bool = False,
+    ):
+        if len({p.dtype for p in params}) != 1:
+            raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
+        self.params, self.names, self.comm, self.policy = params, names, comm, policy
+        self.overlap_comm = overlap_comm
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        world = comm.size
+        self.shard_numel = -(-self.numel // world)
+        self.padded_numel = self.shard_numel * world
+        if policy.shard_optimizer:
+            self.own_start, self.own_numel = comm.rank * self.shard_numel, self.shard_numel
+        else:
+            self.own_start, self.own_numel = 0, self.padded_numel
+
+        self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p, off, n in zip(params, self.offsets, self.numels, strict=True):
+                self.flat_param[off : off + n].copy_(p.detach().reshape(-1))
+                p.data = self._view(self.flat_param, off, p)
+
+        owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
+        self.master_is_view = master_dtype == self.dtype and offload_device is None
+        if self.master_is_view:
+            self.master = owned
+        else:
+            dev = offload_device if offload_device is not None else self.device
+            self.master = torch.empty(self.own_numel, dtype=master_dtype, device=dev,
+                                      pin_memory=pin_memory and torch.cuda.is_available())
+            self.master.copy_(owned)
+
+        # Gradients. Without grad sharding the flat grad buffer is persistent and
+        # every param.grad is a view of it (gradients accumulate in place).
+        self.flat_grad: torch.Tensor | None = None
+        self.shard_grad: torch.Tensor | None = None  # stage >= 2: reduced shard, accumulated
+        if policy.shard_grads:
+            self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        else:
+            self._alloc_flat_grad()
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._ready = 0
+        self._reduce_now = False
+        self._pending: list[Work] = []
+        self._bucket_in_flight: torch.Tensor | None = None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    # -- layout -----------------------------------------------------------------------
+    @staticmethod
+    def _view(flat: torch.Tensor, off: int, p: torch.Tensor) -> torch.Tensor:
+        return flat.narrow(0, off, p.numel()).view(p.shape)
+
+    def _alloc_flat_grad(self) -> None:
+        self.flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        for p, off in zip(self.params, self.offsets, strict=True):
+            p.grad = self._view(self.flat_grad, off, p)
+
+    # -- backward ---------------------------------------------------------------------
+    def begin_backward(self, reduce_now: bool) -> None:
+        """Arm the group for one backward; ``reduce_now`` at an accumulation boundary."""
+        self._ready = 0
+        self._reduce_now = reduce_now or self.policy.shard_grads
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self.flat_grad is None:  # stage >= 2: the bucket lives only during its backward
+            self.flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        i = self._index[id(p)]
+        view = self._view(self.flat_grad, self.offsets[i], p)
+        if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
+            view.add_(p.grad)  # autograd stole a fresh tensor (grad was None): fold it in
+            p.grad = None if self.policy.shard_grads else view
+        self._ready += 1
+        if self._ready == len(self.params) and self._reduce_now:
+            self.reduce_grads()
+
+    def end_backward(self) -> None:
+        """Reduce what backward left pending (groups whose params were unused)."""
+        if self._reduce_now and self._ready < len(self.params) and self.flat_grad is not None:
+            self.reduce_grads()
+        elif self._reduce_now and self.flat_grad is None and self.policy.shard_grads:
+            self._ready = len(self.params)  # no param of this group got a gradient
+
+    def reduce_grads(self) -> None:
+        """Sum gradients over ranks: all-reduce (stage 0), or reduce-scatter to the shard."""
+        self._ready = len(self.params)
+        assert self.flat_grad is not None
+        if not self.policy.shard_optimizer:
+            w = self.comm.all_reduce(self.flat_grad, async_op=self.overlap_comm)
+        elif not self.policy.shard_grads:
+            owned = self.flat_grad.narrow(0, self.own_start, self.own_numel)
+            w = self.comm.reduce_scatter(self.flat_grad, owned, async_op=self.overlap_comm)
+        else:
+            w = self.comm.reduce_scatter(self.flat_grad, self.shard_grad, async_op=self.overlap_comm,
+                                         accumulate=True)
+            self._bucket_in_flight = self.flat_grad if w is not None else None
+            self.flat_grad = None  # the bucket lives only until its reduce-scatter is done
+        if w is not None:
+            self._pending.append(w)
+
+    def wait(self) -> None:
+        for w in self._pending:
+            w.wait()
+        self._pending.clear()
+        self._bucket_in_flight = None
+
+    # -- step -------------------------------------------------------------------------
+    def owned_grad(self) -> torch.Tensor:
+        """This rank's reduced (unscaled) gradient for ``master``, in the group's dtype."""
+        if self.policy.shard_grads:
+            return self.shard_grad
+        return self.flat_grad.narrow(0, self.own_start, self.own_numel)
+
+    def attach_master_grad(self, scale: float) -> torch.Tensor:
+        """Give ``master.grad`` the owned gradient times ``scale``; returns it (fp32)."""
+        g = self.owned_grad()
+        if self.master_is_view:
+            g.mul_(scale)
+            self.master.grad = g
+        else:
+            mg = g.to(device=self.master.device, dtype=self.master.dtype, non_blocking=True)
+            self.master.grad = mg.mul_(scale)
+        return self.master.grad
+
+    def publish_master(self, async_op: bool = False) -> Work | None:
+        """Write the stepped master into ``flat_param`` and share it with every rank."""
+        owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
+        if not self.master_is_view:
+            owned.copy_(self.master, non_blocking=True)
+        if self.policy.shard_optimizer:
+            return self.comm.all_gather(self.flat_param, async_op=async_op)
+        return None
+
+    def zero_grad(self) -> None:
+        self.master.grad = None
+        if self.flat_grad is not None and not self.policy.shard_grads:
+            self.flat_grad.zero_()
+        if self.shard_grad is not None:
+            self.shard_grad.zero_()
+
+    # -- reports ----------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return {
+            "params": nbytes(self.flat_param),
+            "grads": nbytes(self.flat_grad) + nbytes(self.shard_grad),
+            "master_params": 0 if self.master_is_view else nbytes(self.master),
+        }
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,136 @@
+"""Rank-side training runs and their single-process reference (used by test_zero*.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import shardwise
+from tiny_models import batches, build
+
+LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
+
+
+def make_config(stage: int, *, precision: str = "fp32", micro: int = 2, gas: int = 1, clip: float = 0.0,
+                offload: bool = False, overlap: bool = False, bucket: int = 20_000, dp: int = 2,
+                optimizer: bool = True, **zero_extra) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * gas * dp,
+        "gradient_clipping": clip,
+        "steps_per_print": 0,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              "overlap_comm": overlap, **zero_extra},
+    }
+    if optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                        "weight_decay": WD}}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_optimizer: bool = False,
+                return_engine_info: bool = True) -> dict:
+    """Train on this rank's slice of the same global batches the reference sees."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(kind)
+    micro, gas = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+    data = batches(steps, gas, micro * world, seq)
+    opt = None
+    if client_optimizer:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    engine, _, _, _ = shardwise.initialize(model=model, config=config, model_parameters=None, optimizer=opt)
+    losses = []
+    for s in range(steps):
+        for m in range(gas):
+            ids = data[s, m, rank * micro:(rank + 1) * micro]
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(float(out.loss))
+    result = {"losses": losses, "memory": engine.memory_report(), "comm": engine.comm_stats(),
+              "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
+              "numel": sum(p.numel() for p in model.parameters())}
+    if engine.groups:
+        g = engine.groups[0]
+        result["master_device"] = str(g.master.device)
+        result["master_is_view"] = g.master_is_view
+        result["opt_state_devices"] = sorted({str(v.device) for st in engine.optimizer.state.values()
+                                              for v in st.values() if torch.is_tensor(v)})
+    out_emb = model.get_output_embeddings()
+    result["tied"] = out_emb is not None and out_emb.weight is model.get_input_embeddings().weight
+    if rank == 0:
+        result["weights"] = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        result["masters"] = [g.master.detach().float().clone() for g in engine.groups]
+    return result
+
+
+def reference(kind: str, config: dict, world: int = 2, steps: int = 3, seq: int = 16) -> dict:
+    """Plain PyTorch, one process: AdamW over the same global batch, same loss averaging."""
+    torch.manual_seed(0)
+    model = build(kind)
+    micro, gas = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+    clip = config.get("gradient_clipping", 0.0)
+    data = batches(steps, gas, micro * world, seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses = {r: [] for r in range(world)}
+    for s in range(steps):
+        opt.zero_grad(set_to_none=False)
+        for m in range(gas):
+            for r in range(world):
+                ids = data[s, m, r * micro:(r + 1) * micro]
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / (gas * world)).backward()
+                losses[r].append(float(loss.detach()))
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+# Elements whose exact gradient is 0 but whose computed gradient is round-off noise (GPT-2's key
+# bias: softmax is shift invariant) take O(lr) Adam steps in the noise's direction, which differs
+# with reduction order. An absolute floor of 1% of one step covers them and nothing else.
+NOISE_FLOOR = 1e-2 * LR
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Worst over tensors of (max |a - b| - NOISE_FLOOR) / max |b|."""
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in a:
+        d = (a[k].float() - b[k].float()).abs().max().item() - NOISE_FLOOR
+        worst = max(worst, d / max(b[k].float().abs().max().item(), 1e-12))
+    return worst
+
+
+def no_sync_stage2() -> None:
+    engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(2))
+    with engine.no_sync():
+        pass
+
+
+def desync() -> None:
+    """Rank 1 skips a collective that rank 0 makes: both must fail, not hang."""
+    from shardwise.comm import Comm
+
+    comm = Comm()
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        comm.all_reduce(t)
+    comm.all_reduce(t)
+    comm.barrier()
+
+
+def update_rel_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], kind: str) -> float:
+    """||got - ref|| / ||ref - initial||: error relative to how far training moved the weights."""
+    w0 = dict(build(kind).named_parameters())
+    num = sum(((got[k].float() - ref[k]) ** 2).sum() for k in ref)
+    den = sum(((w0[k].detach() - ref[k]) ** 2).sum() for k in ref)
+    return float((num / den).sqrt())
