@@ -115,12 +115,15 @@ class Work:
 class Comm:
     """Collectives over one process group, counted into a shared :class:`CommStats`."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None,
+                 solo: bool = False):
+        """``solo``: a group of this rank alone (every collective is a no-op, counted as nothing)."""
         self.group = group
         self.stats = stats if stats is not None else CommStats()
-        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.backend = dist.get_backend(group) if dist.is_initialized() else "none"
+        on = dist.is_initialized() and not solo
+        self.size = dist.get_world_size(group) if on else 1
+        self.rank = dist.get_rank(group) if on else 0
+        self.backend = dist.get_backend(group) if on else "none"
         self._emulate = self.backend == "gloo"
 
     # -- error handling -------------------------------------------------------------
@@ -138,17 +141,17 @@ class Comm:
 
     # -- collectives ----------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False) -> Work | None:
-        self.stats.add("all_reduce", 2 * t.numel() * t.element_size())
         if self.size == 1:
             return Work(None, self, "all_reduce") if async_op else None
+        self.stats.add("all_reduce", 2 * t.numel() * t.element_size())
         h = self._guard("all_reduce", dist.all_reduce, t, op=op, group=self.group, async_op=async_op)
         return Work(h, self, "all_reduce") if async_op else None
 
     def all_gather(self, full: torch.Tensor, async_op: bool = False) -> Work | None:
         """Fill ``full`` (1-D, size multiple of world) from every rank's shard of it, in place."""
-        self.stats.add("all_gather", full.numel() * full.element_size())
         if self.size == 1:
             return Work(None, self, "all_gather") if async_op else None
+        self.stats.add("all_gather", full.numel() * full.element_size())
         shard = full.numel() // self.size
         mine = full.narrow(0, self.rank * shard, shard)
         if self._emulate:
@@ -167,7 +170,8 @@ class Comm:
 
         ``full`` is clobbered. ``out`` may alias ``full``'s own shard (not with ``accumulate``).
         """
-        self.stats.add("reduce_scatter", full.numel() * full.element_size())
+        if self.size > 1:
+            self.stats.add("reduce_scatter", full.numel() * full.element_size())
         shard = full.numel() // self.size
         mine = full.narrow(0, self.rank * shard, shard)
 
@@ -204,8 +208,8 @@ class Comm:
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group-rank ``src``."""
-        self.stats.add("broadcast", t.numel() * t.element_size())
         if self.size > 1:
+            self.stats.add("broadcast", t.numel() * t.element_size())
             self._guard("broadcast", dist.broadcast, t, src=dist.get_global_rank(self.group, src)
                         if self.group is not None else src, group=self.group)
 

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from shardwise.comm import Comm, init_distributed
+from shardwise.comm import init_distributed
 from shardwise.config import load_config
 from shardwise.engine import Engine
+from shardwise.mesh import get_mesh
 
 
 def _setup_logging() -> None:
@@ -52,7 +53,7 @@ def initialize(
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     cfg = load_config(config, world_size=dist.get_world_size(), hidden_size=hidden)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, comm=Comm())
+                    lr_scheduler=lr_scheduler, comm=get_mesh(cfg.tp_size).dp)
     loader = None
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.comm.rank,
