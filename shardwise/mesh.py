@@ -29,23 +29,24 @@ class Mesh:
         return self.tp.size
 
 
-_MESHES: dict[int, Mesh] = {}
+_GROUPS: dict[int, tuple] = {}  # tp size -> (dp group, tp group): process groups are made once
 
 
 def get_mesh(tp_size: int = 1) -> Mesh:
-    """Build (once per tp size) the dp and tp groups; every rank must call this."""
-    if tp_size in _MESHES:
-        return _MESHES[tp_size]
+    """The dp and tp groups, with a fresh :class:`CommStats`; every rank must call this."""
+    stats = CommStats()
+    if tp_size in _GROUPS:
+        dp_group, tp_group = _GROUPS[tp_size]
+        return Mesh(dp=_comm(dp_group, stats), tp=_comm(tp_group, stats), stats=stats)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if tp_size < 1 or world % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} must divide the world size {world} "
                          "(tensor_parallel.autotp_size)")
-    stats = CommStats()
     if tp_size == 1:
-        mesh = Mesh(dp=Comm(None, stats), tp=Comm(None, stats, solo=True), stats=stats)
+        dp_group, tp_group = "world", "solo"
     elif tp_size == world:
-        mesh = Mesh(dp=Comm(None, stats, solo=True), tp=Comm(None, stats), stats=stats)
+        dp_group, tp_group = "solo", "world"
     else:
         tp_group = dp_group = None
         for d in range(world // tp_size):  # every rank creates every group, in the same order
@@ -56,6 +57,11 @@ def get_mesh(tp_size: int = 1) -> Mesh:
             g = dist.new_group(list(range(t, world, tp_size)))
             if rank % tp_size == t:
                 dp_group = g
-        mesh = Mesh(dp=Comm(dp_group, stats), tp=Comm(tp_group, stats), stats=stats)
-    _MESHES[tp_size] = mesh
-    return mesh
+    _GROUPS[tp_size] = (dp_group, tp_group)
+    return get_mesh(tp_size)
+
+
+def _comm(group, stats: CommStats) -> Comm:
+    if group == "solo":
+        return Comm(None, stats, solo=True)
+    return Comm(None if group == "world" else group, stats)
