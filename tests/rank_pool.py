@@ -26,8 +26,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue, outbox: mp.Queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
     sys.path.insert(0, TESTS_DIR)
     import importlib
 
@@ -71,8 +72,9 @@ class RankPool:
         port = _free_port()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, self.inboxes[r], self.outbox),
-                                  daemon=True) for r in range(world)]
+        self.procs = [ctx.Process(target=_worker, daemon=True,
+                                  args=(r, world, port, timeout_s, self.inboxes[r], self.outbox))
+                      for r in range(world)]
         for p in self.procs:
             p.start()
 
