@@ -21,7 +21,9 @@ from shardwise.comm import Comm, compute_device
 from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
+from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.partition import broadcast_model, build_groups, normalize_param_groups
+from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
 
 log = logging.getLogger("shardwise")
 
@@ -68,14 +70,28 @@ class Engine(nn.Module):
             param_groups = [dict(g) for g in optimizer.param_groups]
         bucket = int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
         self.policy = ShardPolicy.for_stage(self.stage)
-        self.groups_by_pg = build_groups(
-            model, param_groups, self.comm, self.policy, bucket,
+        self.offload_param = zero.offload_param.device == "cpu"
+        unit_params = None
+        self.units: list[nn.Module] = []
+        if self.stage == 3:
+            self.units = find_units(model)
+            owned = assign_params(model, self.units)
+            unit_params = [owned[i] for i in range(len(self.units))]
+        self.groups_by_pg, self.unit_groups = build_groups(
+            model, param_groups, self.comm, self.policy, bucket, units=unit_params,
+            persistence_threshold=int(zero.stage3_param_persistence_threshold),
             offload_device=torch.device("cpu") if self.offload_optimizer else None,
-            pin_memory=bool(self.offload_optimizer and zero.offload_optimizer.pin_memory),
+            pin_memory=bool((self.offload_optimizer and zero.offload_optimizer.pin_memory)
+                            or (self.offload_param and zero.offload_param.pin_memory)),
             overlap_comm=bool(zero.overlap_comm),
+            param_offload_device=torch.device("cpu") if self.offload_param else None,
         )
         self.groups: list[ShardedGroup] = [g for gs in self.groups_by_pg for g in gs]
-        broadcast_model(model, self.groups_by_pg, self.comm)
+        broadcast_model(model, self.groups + [g for gs in self.unit_groups for g in gs], self.comm)
+        self.fetcher = (ParamFetcher(self.units, self.unit_groups, int(zero.stage3_prefetch_bucket_size))
+                        if self.stage == 3 else None)
+        if self.stage == 3:
+            guard_state_dict(model)
 
         master_groups = []
         for pg, gs in zip(param_groups, self.groups_by_pg, strict=True):
@@ -141,6 +157,8 @@ class Engine(nn.Module):
         (loss * scale).backward(retain_graph=retain_graph)
         for g in self.groups:
             g.end_backward()
+        if self.fetcher is not None:
+            self.fetcher.release_all()  # frozen groups, and any a skipped branch left gathered
         self._last_loss = loss.detach()
         return loss
 
@@ -209,6 +227,37 @@ class Engine(nn.Module):
         log.info(f"step {self.global_steps}: loss={loss:.4f} lr={self.get_lr()[0]:.3e} "
                  f"grad_norm={self.last_grad_norm:.3f}{scale} skipped={self.skipped_steps}")
 
+    # -- inference ------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, *args: Any, gather_whole_model: bool | None = None, **kwargs: Any) -> Any:
+        """HF ``generate()`` at every stage.
+
+        At stage 3 the whole model is gathered once when it fits (default: when the full
+        16-bit weights take under half of the free accelerator memory, always on CPU), so
+        decoding costs no communication; otherwise units are gathered per forward with
+        prefetch and ``synced_gpus=True`` keeps every rank running the same number of forward
+        calls even when its sequences finish early.
+        """
+        if self.fetcher is None:
+            return self.module.generate(*args, **kwargs)
+        if gather_whole_model is None:
+            gather_whole_model = self._whole_model_fits()
+        if not gather_whole_model:
+            kwargs.setdefault("synced_gpus", self.dp_world > 1)
+            return self.module.generate(*args, **kwargs)
+        self.fetcher.gather_all()
+        try:
+            return self.module.generate(*args, **kwargs)
+        finally:
+            self.fetcher.release_all()
+
+    def _whole_model_fits(self) -> bool:
+        if not torch.cuda.is_available():
+            return True
+        full = sum(g.padded_numel * g.flat_param.element_size() for gs in self.unit_groups for g in gs)
+        free, _ = torch.cuda.mem_get_info()
+        return full < free / 2
+
     # -- DeepSpeed-style accessors --------------------------------------------------
     def get_lr(self) -> list[float]:
         return [pg["lr"] for pg in self.optimizer.param_groups]
@@ -233,10 +282,38 @@ class Engine(nn.Module):
             for v in state.values():
                 if torch.is_tensor(v) and v.numel() > 1:
                     rep["optimizer_states"] += _nbytes(v)
+        for gs in self.unit_groups:  # stage 3 frozen groups hold params only
+            for g in gs:
+                if not g.trainable:
+                    rep["params"] += g.memory()["params"]
         rep["buffers"] = sum(_nbytes(b) for b in self.module.buffers())
         rep["total"] = sum(rep.values())
+        rep["peak_gathered_params"] = self.fetcher.peak_gathered_bytes if self.fetcher else 0
         return rep
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank moved per collective kind since start (see shardwise.comm)."""
         return self.comm.stats.as_dict()
+
+    # -- checkpoints (implemented in shardwise.checkpoint; these only delegate) -------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
+        """Sharded checkpoint of model, optimizer, scheduler, counters and RNG (collective)."""
+        from shardwise.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,  # noqa: ARG002
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """Load a checkpoint saved at any world size / stage; returns ``(path, client_state)``."""
+        from shardwise.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename=None, max_shard_size="5GB") -> None:  # noqa: ARG002
+        """HF-format weights (config.json + model*.safetensors) in the compute dtype (collective)."""
+        from shardwise.checkpoint import save_16bit_model
+
+        save_16bit_model(self, save_dir, max_shard_size=max_shard_size)

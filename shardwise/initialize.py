@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardwise.comm import init_distributed
-from shardwise.config import load_config
+from shardwise.config import SupportedFeatures, load_config
 from shardwise.engine import Engine
 from shardwise.mesh import get_mesh
 
@@ -51,7 +51,8 @@ def initialize(
     init_distributed()
     _setup_logging()
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    cfg = load_config(config, world_size=dist.get_world_size(), hidden_size=hidden)
+    cfg = load_config(config, world_size=dist.get_world_size(), hidden_size=hidden,
+                      supported=SupportedFeatures(stage3=True, offload_param=True))
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, comm=get_mesh(cfg.tp_size).dp)
     loader = None

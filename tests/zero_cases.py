@@ -7,6 +7,7 @@ import torch.distributed as dist
 from tiny_models import batches, build
 
 import shardwise
+from shardwise.zero import GatheredParameters
 
 LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
 
@@ -53,7 +54,7 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
             out = engine(input_ids=ids, labels=ids)
             engine.backward(out.loss)
             engine.step()
-            losses.append(float(out.loss))
+            losses.append(float(out.loss.detach()))
     result = {"losses": losses, "memory": engine.memory_report(), "comm": engine.comm_stats(),
               "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
               "numel": sum(p.numel() for p in model.parameters())}
@@ -65,9 +66,11 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
                                               for v in st.values() if torch.is_tensor(v)})
     out_emb = model.get_output_embeddings()
     result["tied"] = out_emb is not None and out_emb.weight is model.get_input_embeddings().weight
+    result["shapes_outside_forward"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    with GatheredParameters(model.parameters()):  # a no-op below stage 3
+        weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     if rank == 0:
-        result["weights"] = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-        result["masters"] = [g.master.detach().float().clone() for g in engine.groups]
+        result["weights"] = weights
     return result
 
 

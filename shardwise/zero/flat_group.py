@@ -7,7 +7,11 @@ Every ZeRO stage is a policy of :class:`ShardedGroup` (see ``docs/architecture.m
 * stage >= 1: the optimizer steps only on this rank's shard (the fp32 "master");
   the updated shards are all-gathered back into ``flat_param``;
 * stage >= 2: gradients are reduce-scattered as soon as the group's backward is
-  done, and only the shard is kept.
+  done, and only the shard is kept;
+* stage 3: only the shard (``param_shard``) persists; ``gather()`` refills the
+  flat buffer just before the group's module runs and ``release()`` frees it
+  after (the buffer's storage is resized, so views that autograd saved during
+  forward see the refilled data in backward).
 
 Stage 0 is the same group with the whole buffer "owned" by every rank (an
 all-reduce instead of a reduce-scatter, no all-gather): DDP.
@@ -21,6 +25,10 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, Work
+
+def owner_of(p: torch.Tensor) -> ShardedGroup | None:
+    """The group holding parameter ``p`` (None if it is not sharded by shardwise)."""
+    return getattr(p, "_shardwise_group", None)
 
 
 @dataclass(frozen=True)
@@ -55,11 +63,14 @@ class ShardedGroup:
         offload_device: torch.device | None = None,
         pin_memory: bool = False,
         overlap_comm: bool = False,
+        param_offload_device: torch.device | None = None,
+        trainable: bool = True,
     ):
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
         self.params, self.names, self.comm, self.policy = params, names, comm, policy
         self.overlap_comm = overlap_comm
+        self.trainable = trainable
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.numels = [p.numel() for p in params]
@@ -78,10 +89,29 @@ class ShardedGroup:
             for p, off, n in zip(params, self.offsets, self.numels, strict=True):
                 self.flat_param[off : off + n].copy_(p.detach().reshape(-1))
                 p.data = self._view(self.flat_param, off, p)
+        comm.broadcast(self.flat_param, src=0)  # every rank starts from rank 0's weights
+        for p in params:
+            p._shardwise_group = self
 
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
-        self.master_is_view = master_dtype == self.dtype and offload_device is None
-        if self.master_is_view:
+        # Stage 3: the persistent copy of the parameters is only this shard (on the CPU with
+        # parameter offload); the flat buffer is refilled from it by gather().
+        self.param_shard: torch.Tensor | None = None
+        self._gathered = True
+        self._gather_work: Work | None = None
+        if policy.shard_params:
+            self.param_shard = torch.empty(self.own_numel, dtype=self.dtype,
+                                           device=param_offload_device or self.device,
+                                           pin_memory=pin_memory and torch.cuda.is_available()
+                                           and param_offload_device is not None)
+            self.param_shard.copy_(owned)
+            owned = self.param_shard
+            self.release()
+        same_device = owned.device == (offload_device or owned.device)
+        self.master_is_view = master_dtype == self.dtype and offload_device is None and same_device
+        if not trainable:
+            self.master = None
+        elif self.master_is_view:
             self.master = owned
         else:
             dev = offload_device if offload_device is not None else self.device
@@ -93,7 +123,9 @@ class ShardedGroup:
         # every param.grad is a view of it (gradients accumulate in place).
         self.flat_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None  # stage >= 2: reduced shard, accumulated
-        if policy.shard_grads:
+        if not trainable:
+            pass
+        elif policy.shard_grads:
             self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
         else:
             self._alloc_flat_grad()
@@ -102,12 +134,66 @@ class ShardedGroup:
         self._reduce_now = False
         self._pending: list[Work] = []
         self._bucket_in_flight: torch.Tensor | None = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in params] if trainable else []
 
     # -- layout -----------------------------------------------------------------------
     @staticmethod
     def _view(flat: torch.Tensor, off: int, p: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, off, p.numel()).view(p.shape)
+
+    # -- stage 3: gather before use, release after ---------------------------------------
+    @property
+    def is_gathered(self) -> bool:
+        return self._gathered
+
+    def gather(self, async_op: bool = False) -> None:
+        """Make the full parameters available (all-gather into the flat buffer)."""
+        if self._gathered:
+            if not async_op:
+                self.wait_gathered()
+            return
+        nbytes = self.padded_numel * self.flat_param.element_size()
+        self.flat_param.untyped_storage().resize_(nbytes)
+        with torch.no_grad():
+            self.flat_param.narrow(0, self.own_start, self.own_numel).copy_(self.param_shard)
+        self._gather_work = self.comm.all_gather(self.flat_param, async_op=async_op)
+        self._gathered = True
+        for p, off in zip(self.params, self.offsets, strict=True):
+            p.data = self._view(self.flat_param, off, p)
+        if not async_op:
+            self.wait_gathered()
+
+    def wait_gathered(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+
+    def release(self) -> None:
+        """Free the full parameters; each param becomes a 1-element NaN placeholder of full shape.
+
+        The placeholder keeps ``p.shape`` right for code that reads shapes, makes any compute
+        with a released parameter loudly NaN (never a silent size-0 or zero tensor), and
+        refuses writes.
+        """
+        if not self.policy.shard_params or not self._gathered:
+            return
+        self.wait_gathered()
+        nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = nan.expand(p.shape)
+        self.flat_param.untyped_storage().resize_(0)
+        self._gathered = False
+
+    @torch.no_grad()
+    def adopt_full(self, src: int) -> None:
+        """Take the full parameters of group-rank ``src`` (edited in place) as everyone's new value."""
+        self.comm.broadcast(self.flat_param, src=src)
+        owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
+        if self.param_shard is not None:
+            self.param_shard.copy_(owned)
+        if self.master is not None and not self.master_is_view:
+            self.master.copy_(owned)
 
     def _alloc_flat_grad(self) -> None:
         self.flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
@@ -153,6 +239,7 @@ class ShardedGroup:
                                          accumulate=True)
             self._bucket_in_flight = self.flat_grad if w is not None else None
             self.flat_grad = None  # the bucket lives only until its reduce-scatter is done
+            self.release()  # stage 3: backward of this group is over
         if w is not None:
             self._pending.append(w)
 
@@ -182,6 +269,10 @@ class ShardedGroup:
 
     def publish_master(self, async_op: bool = False) -> Work | None:
         """Write the stepped master into ``flat_param`` and share it with every rank."""
+        if self.policy.shard_params:  # the next gather() reads the shard
+            if not self.master_is_view:
+                self.param_shard.copy_(self.master, non_blocking=True)
+            return None
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         if not self.master_is_view:
             owned.copy_(self.master, non_blocking=True)
@@ -190,7 +281,8 @@ class ShardedGroup:
         return None
 
     def zero_grad(self) -> None:
-        self.master.grad = None
+        if self.master is not None:
+            self.master.grad = None
         if self.flat_grad is not None and not self.policy.shard_grads:
             self.flat_grad.zero_()
         if self.shard_grad is not None:
@@ -201,8 +293,9 @@ class ShardedGroup:
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
+        live = self.flat_param.untyped_storage().nbytes()
         return {
-            "params": nbytes(self.flat_param),
+            "params": live + nbytes(self.param_shard),
             "grads": nbytes(self.flat_grad) + nbytes(self.shard_grad),
             "master_params": 0 if self.master_is_view else nbytes(self.master),
         }

@@ -32,54 +32,93 @@ def normalize_param_groups(model: nn.Module, model_parameters: Iterable | None) 
     return [{"params": items}]
 
 
+def _pg_index(model: nn.Module, param_groups: list[dict]) -> dict[int, int]:
+    """Parameter id -> optimizer param group index, validating the groups."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    where: dict[int, int] = {}
+    for gi, group in enumerate(param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"model_parameters group {gi} holds a tensor that is not a parameter of "
+                                 "the model; pass model.parameters() or groups of them")
+            if id(p) in where:
+                raise ValueError(f"parameter {names[id(p)]!r} appears in two optimizer param groups")
+            where[id(p)] = gi
+    return where
+
+
+def _buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of one dtype, each at most ``bucket_numel`` elements (or one param)."""
+    out: list[list[nn.Parameter]] = []
+    for p in params:
+        cur = out[-1] if out else None
+        if cur is None or cur[0].dtype != p.dtype or sum(q.numel() for q in cur) + p.numel() > bucket_numel:
+            out.append([p])
+        else:
+            cur.append(p)
+    return out
+
+
 def build_groups(
     model: nn.Module,
     param_groups: list[dict],
     comm: Comm,
     policy: ShardPolicy,
     bucket_numel: int,
+    units: list[list[nn.Parameter]] | None = None,
+    persistence_threshold: int = 0,
     **group_kwargs,
-) -> list[list[ShardedGroup]]:
-    """Returns, per optimizer param group, its buckets (in backward order)."""
+) -> tuple[list[list[ShardedGroup]], list[list[ShardedGroup]]]:
+    """Cut the model into groups; returns (trainable groups per optimizer param group, groups per unit).
+
+    Stages 0-2 (``units`` None): size-bounded buckets in backward order. Stage 3: one group per
+    (unit, param group, dtype), frozen parameters in groups of their own (sharded, no optimizer
+    state), and parameters of at most ``persistence_threshold`` elements kept whole in buckets.
+    """
     names = {id(p): n for n, p in model.named_parameters()}
     order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
-    seen: set[int] = set()
-    out: list[list[ShardedGroup]] = []
-    for gi, group in enumerate(param_groups):
-        params = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(f"model_parameters group {gi} holds a tensor that is not a parameter of "
-                                 "the model; pass model.parameters() or groups of them")
-            if id(p) in seen:
-                raise ValueError(f"parameter {names[id(p)]!r} appears in two optimizer param groups")
-            seen.add(id(p))
-            if p.requires_grad:
-                params.append(p)
-        params.sort(key=lambda p: -order[id(p)])
-        buckets: list[list[nn.Parameter]] = []
-        for p in params:
-            cur = buckets[-1] if buckets else None
-            if (cur is None or cur[0].dtype != p.dtype
-                    or sum(q.numel() for q in cur) + p.numel() > bucket_numel):
-                buckets.append([p])
-            else:
-                cur.append(p)
-        out.append([ShardedGroup(b, [names[id(p)] for p in b], comm, policy, **group_kwargs)
-                    for b in buckets])
-    return out
+    pg_of = _pg_index(model, param_groups)
+    by_pg: list[list[ShardedGroup]] = [[] for _ in param_groups]
+
+    def make(ps: list[nn.Parameter], pol: ShardPolicy, trainable: bool = True) -> ShardedGroup:
+        return ShardedGroup(ps, [names[id(p)] for p in ps], comm, pol, trainable=trainable, **group_kwargs)
+
+    if units is None:
+        for gi in range(len(param_groups)):
+            ps = [p for p in param_groups[gi]["params"] if p.requires_grad]
+            ps.sort(key=lambda p: -order[id(p)])
+            by_pg[gi] = [make(b, policy) for b in _buckets(ps, bucket_numel)]
+        return by_pg, []
+
+    keep_whole = ShardPolicy.for_stage(2)
+    persistent: list[list[nn.Parameter]] = [[] for _ in param_groups]
+    by_unit: list[list[ShardedGroup]] = []
+    for unit_params in units:
+        groups: list[ShardedGroup] = []
+        frozen = [p for p in unit_params if not p.requires_grad]
+        for b in _buckets(frozen, 1 << 62):
+            groups.append(make(b, policy, trainable=False))
+        for gi in range(len(param_groups)):
+            ps = [p for p in unit_params if p.requires_grad and pg_of.get(id(p)) == gi]
+            big = [p for p in ps if p.numel() > persistence_threshold]
+            persistent[gi] += [p for p in ps if p.numel() <= persistence_threshold]
+            for b in _buckets(big, 1 << 62):
+                g = make(b, policy)
+                groups.append(g)
+                by_pg[gi].append(g)
+        by_unit.append(groups)
+    for gi, ps in enumerate(persistent):
+        ps.sort(key=lambda p: -order[id(p)])
+        by_pg[gi] += [make(b, keep_whole) for b in _buckets(ps, bucket_numel)]
+    return by_pg, by_unit
 
 
 @torch.no_grad()
-def broadcast_model(model: nn.Module, groups: list[list[ShardedGroup]], comm: Comm) -> None:
-    """Start every rank from rank 0's weights: one broadcast per bucket, then the rest."""
+def broadcast_model(model: nn.Module, groups: list[ShardedGroup], comm: Comm) -> None:
+    """Start every rank from rank 0's weights (groups broadcast theirs when built), then the rest."""
     grouped = set()
-    for buckets in groups:
-        for g in buckets:
-            comm.broadcast(g.flat_param, src=0)
-            if not g.master_is_view:
-                g.master.copy_(g.flat_param.narrow(0, g.own_start, g.own_numel))
-            grouped.update(id(p) for p in g.params)
+    for g in groups:
+        grouped.update(id(p) for p in g.params)
     for p in model.parameters():
         if id(p) not in grouped:
             comm.broadcast(p.data, src=0)

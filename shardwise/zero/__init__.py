@@ -1,0 +1,6 @@
+"""ZeRO: the sharded parameter group and what schedules it (see docs/architecture.md)."""
+
+from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
+from shardwise.zero.gathered import GatheredParameters
+
+__all__ = ["GatheredParameters", "ShardedGroup", "ShardPolicy"]

@@ -1,0 +1,66 @@
+"""Full parameters on demand: ``GatheredParameters`` and the stage-3 state_dict guard."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from shardwise.zero.flat_group import ShardedGroup, owner_of
+
+
+def _groups_of(params: Iterable[torch.Tensor]) -> list[ShardedGroup]:
+    seen: dict[int, ShardedGroup] = {}
+    for p in params:
+        g = owner_of(p)
+        if g is not None:
+            seen.setdefault(id(g), g)
+    return list(seen.values())
+
+
+class GatheredParameters:
+    """Inside the block the given parameters are whole on every rank; re-sharded on exit.
+
+    With ``modifier_rank`` set, that rank's edits made inside the block are broadcast to
+    every rank and written into the shards (and fp32 masters) on exit. All ranks of the
+    data-parallel group must enter the block together (it is a collective).
+    """
+
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
+                 enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.groups = _groups_of(params) if enabled else []
+        self.modifier_rank = modifier_rank
+        self._was_gathered: list[bool] = []
+
+    def __enter__(self) -> GatheredParameters:
+        self._was_gathered = [g.is_gathered for g in self.groups]
+        for g in self.groups:
+            g.gather()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.modifier_rank is not None and exc[0] is None:
+            for g in self.groups:
+                g.adopt_full(src=self.modifier_rank)
+        for g, was in zip(self.groups, self._was_gathered, strict=True):
+            if not was:
+                g.release()
+
+
+def guard_state_dict(model: nn.Module) -> None:
+    """At stage 3 a state_dict of released parameters would hold placeholders: refuse it clearly."""
+
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        released = [n for n, p in module.named_parameters()
+                    if owner_of(p) is not None and not owner_of(p).is_gathered]
+        if released:
+            raise RuntimeError(
+                f"state_dict() at ZeRO stage 3: {len(released)} parameters (e.g. {released[0]!r}) are "
+                "sharded across ranks right now. Call it inside "
+                "`with shardwise.zero.GatheredParameters(model.parameters()):` on every rank, or use "
+                "engine.save_16bit_model(dir) / engine.save_checkpoint(dir)")
+
+    model.register_state_dict_pre_hook(hook)

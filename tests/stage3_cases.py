@@ -1,0 +1,104 @@
+"""Rank-side stage-3 checks (used by test_stage3.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tiny_models import batches, build
+from zero_cases import make_config
+
+import shardwise
+from shardwise.zero import GatheredParameters
+
+GEN = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+def prompt() -> torch.Tensor:
+    return batches(1, 1, 2, 5, seed=7)[0, 0]
+
+
+def generate_stage3(kind: str, gather_whole_model: bool) -> list:
+    engine, *_ = shardwise.initialize(model=build(kind), config=make_config(3))
+    engine.eval()
+    out = engine.generate(prompt(), gather_whole_model=gather_whole_model, **GEN)
+    return out.tolist()
+
+
+def reference_generate(kind: str) -> list:
+    model = build(kind).eval()
+    with torch.no_grad():
+        return model.generate(prompt(), **GEN).tolist()
+
+
+def placeholders_and_guard() -> dict:
+    """Outside forward: full shapes, NaN (never size-0) values, and a clear state_dict error."""
+    model = build("llama")
+    engine, *_ = shardwise.initialize(model=model, config=make_config(3, stage3_param_persistence_threshold=0))
+    w = model.model.layers[0].mlp.up_proj.weight
+    out = {"shape": tuple(w.shape), "all_nan": bool(torch.isnan(w).all())}
+    try:
+        model.state_dict()
+        out["state_dict_error"] = None
+    except RuntimeError as e:
+        out["state_dict_error"] = str(e)
+    with GatheredParameters(model.parameters()):
+        sd = model.state_dict()
+        out["gathered_ok"] = all(torch.isfinite(t).all() for t in sd.values())
+    return out
+
+
+def modifier_rank_broadcast() -> dict:
+    model = build("llama")
+    engine, *_ = shardwise.initialize(model=model, config=make_config(3))
+    w = model.model.layers[1].self_attn.q_proj.weight
+    with GatheredParameters([w], modifier_rank=0):
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                w.fill_(0.125)
+    with GatheredParameters([w]):
+        seen = float(w.mean())
+    # the edit reached the master too: one SGD-free check is that a forward still works
+    ids = prompt()
+    loss = engine(input_ids=ids, labels=ids).loss
+    return {"seen": seen, "loss_finite": bool(torch.isfinite(loss))}
+
+
+def frozen_embeddings(stage: int) -> dict:
+    model = build("llama")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    engine, *_ = shardwise.initialize(model=model, config=make_config(stage))
+    data = batches(2, 1, 4, 16)
+    rank = dist.get_rank()
+    losses = []
+    for s in range(2):
+        ids = data[s, 0, rank * 2:(rank + 1) * 2]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    state_numel = sum(v.numel() for st in engine.optimizer.state.values() for v in st.values()
+                      if torch.is_tensor(v) and v.numel() > 1)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    with GatheredParameters(model.parameters()):
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "state_numel": state_numel, "trainable": trainable,
+            "weights": weights if rank == 0 else None}
+
+
+def reference_frozen() -> dict:
+    model = build("llama")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    from zero_cases import BETAS, EPS, LR, WD
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=BETAS,
+                            eps=EPS, weight_decay=WD)
+    data = batches(2, 1, 4, 16)
+    losses = {0: [], 1: []}
+    for s in range(2):
+        opt.zero_grad()
+        for r in range(2):
+            ids = data[s, 0, r * 2:(r + 1) * 2]
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / 2).backward()
+            losses[r].append(float(loss.detach()))
+        opt.step()
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
