@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from shardwise import zero
 from shardwise.comm import RanksDivergedError, init_distributed
 from shardwise.initialize import initialize
 
-__all__ = ["initialize", "init_distributed", "RanksDivergedError"]
+__all__ = ["initialize", "init_distributed", "RanksDivergedError", "zero"]
 __version__ = "0.1.0"

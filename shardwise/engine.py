@@ -22,6 +22,13 @@ from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_opt
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
 from shardwise.zero.gathered import guard_state_dict
+from shardwise.zero.init import (
+    SafetensorsSource,
+    is_deferred,
+    materialize_by_init,
+    swap_meta_parameters,
+    tied_aliases,
+)
 from shardwise.zero.partition import broadcast_model, build_groups, normalize_param_groups
 from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
 
@@ -30,6 +37,18 @@ log = logging.getLogger("shardwise")
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _remap_params(model_parameters: Any, swapped: dict[int, nn.Parameter]) -> Any:
+    """Point user-given ``model_parameters`` at the parameters that replaced meta ones."""
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": [swapped.get(id(p), p) for p in g["params"]]} for g in items]
+    if items and isinstance(items[0], tuple):
+        return [(n, swapped.get(id(p), p)) for n, p in items]
+    return [swapped.get(id(p), p) for p in items]
 
 
 class Engine(nn.Module):
@@ -51,7 +70,18 @@ class Engine(nn.Module):
         self.last_grad_norm: float | None = None
 
         device = compute_device()
-        model.to(device)
+        deferred = is_deferred(model)
+        if deferred and config.zero_stage != 3:
+            raise ValueError("the model was built under shardwise.zero.Init (its parameters are not "
+                             "materialized yet), which needs zero_optimization.stage 3")
+        if deferred:
+            swapped = swap_meta_parameters(model, device)  # real values arrive unit by unit below
+            model_parameters = _remap_params(model_parameters, swapped)
+            for m in model.modules():
+                for name, b in list(m.named_buffers(recurse=False)):
+                    setattr(m, name, b.to(device))
+        else:
+            model.to(device)
         self.compute_dtype: torch.dtype = config.compute_dtype
         if self.compute_dtype != torch.float32:  # params only; buffers (rotary freqs) stay fp32
             for p in model.parameters():
@@ -77,8 +107,10 @@ class Engine(nn.Module):
             self.units = find_units(model)
             owned = assign_params(model, self.units)
             unit_params = [owned[i] for i in range(len(self.units))]
+        materialize, reader = self._deferred_sources(model, device) if deferred else (None, None)
         self.groups_by_pg, self.unit_groups = build_groups(
             model, param_groups, self.comm, self.policy, bucket, units=unit_params,
+            materialize=materialize, shard_reader=reader, device=device,
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
             offload_device=torch.device("cpu") if self.offload_optimizer else None,
             pin_memory=bool((self.offload_optimizer and zero.offload_optimizer.pin_memory)
@@ -105,6 +137,22 @@ class Engine(nn.Module):
         self.loss_scaler = DynamicLossScaler.from_fp16_config(config.fp16) if self.fp16 else None
 
     # -- construction ---------------------------------------------------------------
+    @staticmethod
+    def _deferred_sources(model: nn.Module, device: torch.device):
+        """zero.Init: read shards from the checkpoint folder, or run the model's init per unit."""
+        source = getattr(model, "_shardwise_source", None)
+        if source is None:
+            return (lambda ps: materialize_by_init(model, ps, device)), None
+        files = SafetensorsSource(source)
+        model._shardwise_files = files
+        aliases = tied_aliases(model)
+
+        def read(p: nn.Parameter, start: int, end: int) -> torch.Tensor:
+            names = aliases[id(p)]
+            return files.read(names[0], p.shape, start, end, names[1:])
+
+        return None, read
+
     def _make_optimizer(self, client, master_groups: list[dict]) -> torch.optim.Optimizer:
         if client is not None:
             if self.config.optimizer is not None:

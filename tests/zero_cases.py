@@ -37,10 +37,20 @@ def make_config(stage: int, *, precision: str = "fp32", micro: int = 2, gas: int
 
 
 def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_optimizer: bool = False,
-                return_engine_info: bool = True) -> dict:
-    """Train on this rank's slice of the same global batches the reference sees."""
+                pretrained: str | None = None) -> dict:
+    """Train on this rank's slice of the same global batches the reference sees.
+
+    ``pretrained``: build the model under ``shardwise.zero.Init`` from that saved folder.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build(kind)
+    if pretrained is not None:
+        from transformers import AutoModelForCausalLM
+
+        with shardwise.zero.Init():
+            model = AutoModelForCausalLM.from_pretrained(pretrained)
+        model.train()
+    else:
+        model = build(kind)
     micro, gas = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
     data = batches(steps, gas, micro * world, seq)
     opt = None
@@ -55,7 +65,8 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
             engine.backward(out.loss)
             engine.step()
             losses.append(float(out.loss.detach()))
-    result = {"losses": losses, "memory": engine.memory_report(), "comm": engine.comm_stats(),
+    files = getattr(model, "_shardwise_files", None)
+    result = {"bytes_read": files.bytes_read if files is not None else None, "losses": losses, "memory": engine.memory_report(), "comm": engine.comm_stats(),
               "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
               "numel": sum(p.numel() for p in model.parameters())}
     if engine.groups:

@@ -2,5 +2,6 @@
 
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
 from shardwise.zero.gathered import GatheredParameters
+from shardwise.zero.init import Init
 
-__all__ = ["GatheredParameters", "ShardedGroup", "ShardPolicy"]
+__all__ = ["GatheredParameters", "Init", "ShardedGroup", "ShardPolicy"]

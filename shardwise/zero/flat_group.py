@@ -19,12 +19,14 @@ all-reduce instead of a reduce-scatter, no all-gather): DDP.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from shardwise.comm import Comm, Work
+
 
 def owner_of(p: torch.Tensor) -> ShardedGroup | None:
     """The group holding parameter ``p`` (None if it is not sharded by shardwise)."""
@@ -65,6 +67,8 @@ class ShardedGroup:
         overlap_comm: bool = False,
         param_offload_device: torch.device | None = None,
         trainable: bool = True,
+        shard_reader: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None,
+        device: torch.device | None = None,
     ):
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
@@ -72,7 +76,7 @@ class ShardedGroup:
         self.overlap_comm = overlap_comm
         self.trainable = trainable
         self.dtype = params[0].dtype
-        self.device = params[0].device
+        self.device = device if device is not None else params[0].device
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
@@ -84,13 +88,20 @@ class ShardedGroup:
         else:
             self.own_start, self.own_numel = 0, self.padded_numel
 
-        self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for p, off, n in zip(params, self.offsets, self.numels, strict=True):
-                self.flat_param[off : off + n].copy_(p.detach().reshape(-1))
+        # Read straight into the shard (zero.Init from a checkpoint): the full group is never built.
+        from_files = shard_reader is not None and policy.shard_params
+        if from_files:
+            self.flat_param = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        else:
+            self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                for p, off, n in zip(params, self.offsets, self.numels, strict=True):
+                    src = shard_reader(p, 0, n) if shard_reader is not None else p.detach().reshape(-1)
+                    self.flat_param[off : off + n].copy_(src)
+            comm.broadcast(self.flat_param, src=0)  # every rank starts from rank 0's weights
+        for p, off in zip(params, self.offsets, strict=True):
+            if not from_files:
                 p.data = self._view(self.flat_param, off, p)
-        comm.broadcast(self.flat_param, src=0)  # every rank starts from rank 0's weights
-        for p in params:
             p._shardwise_group = self
 
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
@@ -104,7 +115,10 @@ class ShardedGroup:
                                            device=param_offload_device or self.device,
                                            pin_memory=pin_memory and torch.cuda.is_available()
                                            and param_offload_device is not None)
-            self.param_shard.copy_(owned)
+            if from_files:
+                self._read_shard(shard_reader)
+            else:
+                self.param_shard.copy_(owned)
             owned = self.param_shard
             self.release()
         same_device = owned.device == (offload_device or owned.device)
@@ -184,6 +198,15 @@ class ShardedGroup:
             p.data = nan.expand(p.shape)
         self.flat_param.untyped_storage().resize_(0)
         self._gathered = False
+
+    @torch.no_grad()
+    def _read_shard(self, reader: Callable[[nn.Parameter, int, int], torch.Tensor]) -> None:
+        self.param_shard.zero_()
+        lo, hi = self.own_start, self.own_start + self.own_numel
+        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+            s, e = max(off, lo), min(off + n, hi)
+            if s < e:
+                self.param_shard[s - lo:e - lo].copy_(reader(p, s - off, e - off))
 
     @torch.no_grad()
     def adopt_full(self, src: int) -> None:

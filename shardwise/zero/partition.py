@@ -8,7 +8,7 @@ learning rate) nor dtypes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -67,6 +67,7 @@ def build_groups(
     bucket_numel: int,
     units: list[list[nn.Parameter]] | None = None,
     persistence_threshold: int = 0,
+    materialize: Callable[[list[nn.Parameter]], None] | None = None,
     **group_kwargs,
 ) -> tuple[list[list[ShardedGroup]], list[list[ShardedGroup]]]:
     """Cut the model into groups; returns (trainable groups per optimizer param group, groups per unit).
@@ -74,6 +75,8 @@ def build_groups(
     Stages 0-2 (``units`` None): size-bounded buckets in backward order. Stage 3: one group per
     (unit, param group, dtype), frozen parameters in groups of their own (sharded, no optimizer
     state), and parameters of at most ``persistence_threshold`` elements kept whole in buckets.
+    ``materialize`` (zero.Init) gives a unit's meta parameters real values just before its groups
+    are built, so only one unit is ever whole.
     """
     names = {id(p): n for n, p in model.named_parameters()}
     order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
@@ -94,6 +97,8 @@ def build_groups(
     persistent: list[list[nn.Parameter]] = [[] for _ in param_groups]
     by_unit: list[list[ShardedGroup]] = []
     for unit_params in units:
+        if materialize is not None:
+            materialize(unit_params)
         groups: list[ShardedGroup] = []
         frozen = [p for p in unit_params if not p.requires_grad]
         for b in _buckets(frozen, 1 << 62):
@@ -108,6 +113,8 @@ def build_groups(
                 by_pg[gi].append(g)
         by_unit.append(groups)
     for gi, ps in enumerate(persistent):
+        if materialize is not None:
+            materialize(ps)
         ps.sort(key=lambda p: -order[id(p)])
         by_pg[gi] += [make(b, keep_whole) for b in _buckets(ps, bucket_numel)]
     return by_pg, by_unit
