@@ -106,24 +106,29 @@ def reference_frozen() -> dict:
 
 def build_under_init_peak(layers: int, hidden: int) -> dict:
     """Peak RSS growth while building and sharding a from_config model under zero.Init."""
+    import gc
     import resource
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)
+    def cfg(n_layers: int, h: int) -> LlamaConfig:
+        return LlamaConfig(vocab_size=1024, hidden_size=h, intermediate_size=h * 2, num_hidden_layers=n_layers,
+                           num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)
+
+    AutoModelForCausalLM.from_config(cfg(1, 64))  # import and warm up everything outside the window
+    gc.collect()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with shardwise.zero.Init():
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = AutoModelForCausalLM.from_config(cfg(layers, hidden))
     engine, *_ = shardwise.initialize(model=model, config=make_config(3, stage3_param_persistence_threshold=0))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     numel = sum(g.numel for gs in engine.unit_groups for g in gs)
-    layer = sum(p.numel() for p in model.model.layers[0].parameters()) if False else None
-    std = None
-    with GatheredParameters(list(model.model.layers[0].parameters())):
-        std = float(model.model.layers[0].mlp.up_proj.weight.std())
-        norm_ok = bool((model.model.layers[0].input_layernorm.weight == 1).all())
+    layer0 = model.model.layers[0]
+    with GatheredParameters(list(layer0.parameters())):
+        std = float(layer0.mlp.up_proj.weight.std())
+        norm_ok = bool((layer0.input_layernorm.weight == 1).all())
+        layer_bytes = 4 * sum(p.numel() for p in layer0.parameters())
     ids = prompt()
     loss = float(engine(input_ids=ids, labels=ids).loss)
-    return {"peak": peak, "model_bytes": 4 * numel, "layer_bytes": 4 * (4 * hidden * hidden + 3 * hidden * 2 * hidden),
-            "std": std, "norm_ok": norm_ok, "loss": loss, "layer": layer}
+    return {"peak": peak, "model_bytes": 4 * numel, "layer_bytes": layer_bytes, "std": std,
+            "norm_ok": norm_ok, "loss": loss}

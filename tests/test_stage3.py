@@ -125,12 +125,18 @@ def test_zero_init_from_pretrained_reads_slices_and_trains_identically(pool2, ki
         assert r["bytes_read"] < 0.6 * file_bytes, (r["bytes_read"], file_bytes)
 
 
-def test_zero_init_from_config_peak_memory():
-    """A ~180 MB model built under zero.Init on 2 ranks: peak growth ~ model/2 + a unit, not the model."""
+def test_zero_init_from_config_peak_memory(monkeypatch):
+    """A ~490 MB model built under zero.Init on 2 ranks: peak growth ~ model/2 + a unit, not the model.
+
+    RSS is made honest by having glibc return every freed block over 64 KiB to the OS (otherwise
+    it keeps freed memory and the peak hides the savings). Measured: 300 MB per rank (model/2 is
+    244 MB, one unit 40 MB).
+    """
     from rank_pool import run_fresh
 
-    out = run_fresh(2, "stage3_cases:build_under_init_peak", 12, 512, timeout_s=120)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    out = run_fresh(2, "stage3_cases:build_under_init_peak", 12, 1024, timeout_s=120)
     for r in out:
         assert r["norm_ok"] and 0.015 < r["std"] < 0.025  # the model's own init ran (std 0.02)
-        assert r["peak"] < 0.5 * r["model_bytes"] + 4 * r["layer_bytes"] + 64 * 2**20, r
+        assert r["peak"] < 0.5 * r["model_bytes"] + 2 * r["layer_bytes"] + 32 * 2**20, r
         assert r["peak"] < 0.9 * r["model_bytes"], r

@@ -20,12 +20,33 @@ all-reduce instead of a reduce-scatter, no all-gather): DDP.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from shardwise.comm import Comm, Work
+
+
+class _ReadWork:
+    """A shard read running on the reader thread (offload="disk" prefetch); ``wait()`` joins it."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """One reader thread per process: reads stay in order, one stream from the disk."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-read"))
+    return _POOL[0]
 
 
 def owner_of(p: torch.Tensor) -> ShardedGroup | None:
@@ -69,6 +90,7 @@ class ShardedGroup:
         trainable: bool = True,
         shard_reader: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None,
         device: torch.device | None = None,
+        reread_shard: bool = False,
     ):
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
@@ -109,14 +131,21 @@ class ShardedGroup:
         # parameter offload); the flat buffer is refilled from it by gather().
         self.param_shard: torch.Tensor | None = None
         self._gathered = True
-        self._gather_work: Work | None = None
-        if policy.shard_params:
+        self._gather_work: Work | _ReadWork | None = None
+        # ZeRO-Inference offload="disk": the files are the persistent copy, nothing stays resident
+        # and every gather() reads the shard again through shard_reader.
+        self._reread = shard_reader if reread_shard else None
+        if reread_shard and not (from_files and not trainable):
+            raise ValueError("reread_shard needs shard_reader, stage-3 policy and trainable=False")
+        if self._reread is not None:
+            self.release()
+        elif policy.shard_params:
             self.param_shard = torch.empty(self.own_numel, dtype=self.dtype,
                                            device=param_offload_device or self.device,
                                            pin_memory=pin_memory and torch.cuda.is_available()
                                            and param_offload_device is not None)
             if from_files:
-                self._read_shard(shard_reader)
+                self._read_shard(shard_reader, self.param_shard)
             else:
                 self.param_shard.copy_(owned)
             owned = self.param_shard
@@ -137,12 +166,8 @@ class ShardedGroup:
         # every param.grad is a view of it (gradients accumulate in place).
         self.flat_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None  # stage >= 2: reduced shard, accumulated
-        if not trainable:
-            pass
-        elif policy.shard_grads:
-            self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-        else:
-            self._alloc_flat_grad()
+        if trainable and not policy.shard_grads:
+            self._alloc_flat_grad()  # stage >= 2: shard_grad is made by the first reduction
         self._index = {id(p): i for i, p in enumerate(params)}
         self._ready = 0
         self._reduce_now = False
@@ -169,9 +194,17 @@ class ShardedGroup:
             return
         nbytes = self.padded_numel * self.flat_param.element_size()
         self.flat_param.untyped_storage().resize_(nbytes)
-        with torch.no_grad():
-            self.flat_param.narrow(0, self.own_start, self.own_numel).copy_(self.param_shard)
-        self._gather_work = self.comm.all_gather(self.flat_param, async_op=async_op)
+        owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
+        if self._reread is not None and async_op and self.comm.size == 1:
+            # a file read needs a thread to overlap compute (gloo collectives are async already)
+            self._gather_work = _ReadWork(_read_pool().submit(self._read_shard, self._reread, owned))
+        else:
+            if self._reread is not None:
+                self._read_shard(self._reread, owned)
+            else:
+                with torch.no_grad():
+                    owned.copy_(self.param_shard)
+            self._gather_work = self.comm.all_gather(self.flat_param, async_op=async_op)
         self._gathered = True
         for p, off in zip(self.params, self.offsets, strict=True):
             p.data = self._view(self.flat_param, off, p)
@@ -200,13 +233,14 @@ class ShardedGroup:
         self._gathered = False
 
     @torch.no_grad()
-    def _read_shard(self, reader: Callable[[nn.Parameter, int, int], torch.Tensor]) -> None:
-        self.param_shard.zero_()
+    def _read_shard(self, reader: Callable[[nn.Parameter, int, int], torch.Tensor], dest: torch.Tensor) -> None:
+        """Fill ``dest`` (this rank's shard) from ``reader``; only the padding is zeroed."""
         lo, hi = self.own_start, self.own_start + self.own_numel
+        dest[max(self.numel - lo, 0):].zero_()
         for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
             s, e = max(off, lo), min(off + n, hi)
             if s < e:
-                self.param_shard[s - lo:e - lo].copy_(reader(p, s - off, e - off))
+                dest[s - lo:e - lo].copy_(reader(p, s - off, e - off))
 
     @torch.no_grad()
     def adopt_full(self, src: int) -> None:
@@ -258,6 +292,8 @@ class ShardedGroup:
             owned = self.flat_grad.narrow(0, self.own_start, self.own_numel)
             w = self.comm.reduce_scatter(self.flat_grad, owned, async_op=self.overlap_comm)
         else:
+            if self.shard_grad is None:
+                self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             w = self.comm.reduce_scatter(self.flat_grad, self.shard_grad, async_op=self.overlap_comm,
                                          accumulate=True)
             self._bucket_in_flight = self.flat_grad if w is not None else None
@@ -276,6 +312,8 @@ class ShardedGroup:
     def owned_grad(self) -> torch.Tensor:
         """This rank's reduced (unscaled) gradient for ``master``, in the group's dtype."""
         if self.policy.shard_grads:
+            if self.shard_grad is None:  # no backward reached this group yet
+                self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             return self.shard_grad
         return self.flat_grad.narrow(0, self.own_start, self.own_numel)
 
