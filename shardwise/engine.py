@@ -120,7 +120,8 @@ class Engine(nn.Module):
         )
         self.groups: list[ShardedGroup] = [g for gs in self.groups_by_pg for g in gs]
         broadcast_model(model, self.groups + [g for gs in self.unit_groups for g in gs], self.comm)
-        self.fetcher = (ParamFetcher(self.units, self.unit_groups, int(zero.stage3_prefetch_bucket_size))
+        self.fetcher = (ParamFetcher(self.units, self.unit_groups, int(zero.stage3_prefetch_bucket_size),
+                                     int(zero.stage3_max_live_parameters))
                         if self.stage == 3 else None)
         if self.stage == 3:
             guard_state_dict(model)

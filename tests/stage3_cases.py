@@ -132,3 +132,55 @@ def build_under_init_peak(layers: int, hidden: int) -> dict:
     loss = float(engine(input_ids=ids, labels=ids).loss)
     return {"peak": peak, "model_bytes": 4 * numel, "layer_bytes": layer_bytes, "std": std,
             "norm_ok": norm_ok, "loss": loss}
+
+
+class Branchy(torch.nn.Module):
+    """Three units; ``skip`` leaves the middle one out, so the forward order changes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b, self.c = (torch.nn.Linear(12, 12) for _ in range(3))
+
+    def forward(self, x, skip: bool):
+        h = torch.tanh(self.a(x))
+        if not skip:
+            h = torch.tanh(self.b(h))
+        return self.c(h)
+
+
+def branchy_train(world: int | None = None) -> dict:
+    """Paths A, B, A, B...: stage 3 (re-recording its order) against one-process AdamW."""
+    import logging
+
+    from zero_cases import BETAS, EPS, LR, WD
+
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(5))
+    skips = [False, True, False, True, True, False]
+    if world is None:  # the reference
+        model = Branchy()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        for skip in skips:
+            # zeros, not None: a flat sharded optimizer steps an unused parameter with a zero
+            # gradient (momentum and weight decay go on), as DeepSpeed does
+            opt.zero_grad(set_to_none=False)
+            loss = model(x, skip).square().mean()
+            loss.backward()
+            opt.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = Branchy()
+    cfg = make_config(3, micro=4, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=1000)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("shardwise").addHandler(handler)
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    rank = dist.get_rank()
+    for skip in skips:
+        loss = engine(x[rank * 4:(rank + 1) * 4], skip).square().mean()
+        engine.backward(loss)
+        engine.step()
+    logging.getLogger("shardwise").removeHandler(handler)
+    with GatheredParameters(model.parameters()):
+        w = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"weights": w, "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}

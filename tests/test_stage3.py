@@ -140,3 +140,12 @@ def test_zero_init_from_config_peak_memory(monkeypatch):
         assert r["norm_ok"] and 0.015 < r["std"] < 0.025  # the model's own init ran (std 0.02)
         assert r["peak"] < 0.5 * r["model_bytes"] + 2 * r["layer_bytes"] + 32 * 2**20, r
         assert r["peak"] < 0.9 * r["model_bytes"], r
+
+
+def test_stage3_changing_forward_path_rerecords_order_silently(pool2):
+    from stage3_cases import branchy_train
+
+    res = pool2.run("stage3_cases:branchy_train", 2)
+    ref = branchy_train(None)
+    assert max_rel_diff(res[0]["weights"], ref) < FP32_TOL
+    assert res[0]["warnings"] == []

@@ -59,8 +59,10 @@ def assign_params(model: nn.Module, units: list[nn.Module]) -> dict[int, list[nn
 class ParamFetcher:
     """Installs the gather/release hooks on every unit and keeps the prefetch order."""
 
-    def __init__(self, units: list[nn.Module], groups: list[list[ShardedGroup]], prefetch_numel: int):
+    def __init__(self, units: list[nn.Module], groups: list[list[ShardedGroup]], prefetch_numel: int,
+                 max_live_numel: int = 1 << 62):
         self.units, self.groups, self.prefetch_numel = units, groups, prefetch_numel
+        self.max_live_numel = max_live_numel  # stage3_max_live_parameters: prefetch stops there
         self.order: list[int] = []
         self._trace: list[int] = []
         self.all_gathered = False  # generate(): the whole model stays gathered
@@ -122,9 +124,10 @@ class ParamFetcher:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
     def _prefetch(self, upcoming: list[int]) -> None:
-        budget = self.prefetch_numel
+        live = sum(g.padded_numel for gs in self.groups for g in gs if g.is_gathered and g.policy.shard_params)
+        budget = min(self.prefetch_numel, self.max_live_numel - live)
         for uj in upcoming:
-            size = sum(g.padded_numel for g in self.groups[uj])
+            size = sum(g.padded_numel for g in self.groups[uj] if not g.is_gathered)
             if size > budget:
                 break
             budget -= size
