@@ -18,11 +18,13 @@ from shardwise.mesh import get_mesh
 
 def _setup_logging() -> None:
     log = logging.getLogger("shardwise")
-    if not log.handlers:
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if not any(getattr(h, "_shardwise", False) for h in log.handlers):
         h = logging.StreamHandler()
+        h._shardwise = True
         h.setFormatter(logging.Formatter("[shardwise] %(message)s"))
         log.addHandler(h)
-        log.setLevel(logging.INFO)
         log.propagate = False
 
 

@@ -142,3 +142,16 @@ def test_diverged_ranks_fail_within_timeout():
     with pytest.raises(RankError, match="diverged"):
         run_fresh(2, "zero_cases:desync", timeout_s=5.0)
     assert time.monotonic() - t0 < 60
+
+
+def test_training_data_loader_and_rank0_logging(pool2):
+    res = pool2.run("zero_cases:dataloader_and_logging")
+    assert res[0]["batch"] == [2, 8]
+    assert sorted(res[0]["seen"] + res[1]["seen"]) == list(range(16))  # a distributed sampler
+    assert res[0]["steps"] == 4
+    assert len([m for m in res[0]["logs"] if m.startswith("step ")]) == 2 and res[1]["logs"] == []
+
+
+def test_client_lr_scheduler_callable(pool2):
+    lrs = pool2.run("zero_cases:client_scheduler")[0]
+    assert lrs == pytest.approx([1e-3 / 2, 1e-3 / 3, 1e-3 / 4])

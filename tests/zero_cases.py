@@ -66,7 +66,8 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
             engine.step()
             losses.append(float(out.loss.detach()))
     files = getattr(model, "_shardwise_files", None)
-    result = {"bytes_read": files.bytes_read if files is not None else None, "losses": losses, "memory": engine.memory_report(), "comm": engine.comm_stats(),
+    result = {"bytes_read": files.bytes_read if files is not None else None,
+              "losses": losses, "memory": engine.memory_report(), "comm": engine.comm_stats(),
               "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
               "numel": sum(p.numel() for p in model.parameters())}
     if engine.groups:
@@ -148,3 +149,39 @@ def update_rel_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], k
     num = sum(((got[k].float() - ref[k]) ** 2).sum() for k in ref)
     den = sum(((w0[k].detach() - ref[k]) ** 2).sum() for k in ref)
     return float((num / den).sqrt())
+
+
+def dataloader_and_logging() -> dict:
+    """training_data gives each rank distinct micro-batches; steps_per_print logs on rank 0 only."""
+    import logging
+
+    dataset = [{"input_ids": torch.full((8,), i), "labels": torch.full((8,), i)} for i in range(16)]
+    cfg = make_config(1, micro=2)
+    cfg["steps_per_print"] = 2
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("shardwise").addHandler(handler)
+    engine, _, loader, _ = shardwise.initialize(model=build("llama"), config=cfg, training_data=dataset)
+    seen = []
+    for batch in loader:
+        seen += batch["input_ids"][:, 0].tolist()
+        out = engine(**batch)
+        engine.backward(out.loss)
+        engine.step()
+    logging.getLogger("shardwise").removeHandler(handler)
+    return {"seen": seen, "batch": list(batch["input_ids"].shape), "logs": [r.getMessage() for r in records],
+            "steps": engine.global_steps, "lr": engine.get_lr()}
+
+
+def client_scheduler() -> list[float]:
+    cfg = make_config(2)
+    sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))  # noqa: E731
+    engine, _, _, lr_sched = shardwise.initialize(model=build("llama"), config=cfg, lr_scheduler=sched)
+    lrs = []
+    ids = batches(1, 1, 2, 8)[0, 0, :2]
+    for _ in range(3):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    return lrs
