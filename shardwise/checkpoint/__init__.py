@@ -1,0 +1,19 @@
+"""Sharded checkpoints: save from any layout, load into any layout, export to Hugging Face format.
+
+Public API (the engine's ``save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model`` call these):
+
+- :func:`save_checkpoint` / :func:`load_checkpoint`: collective, every rank reads and writes only
+  its own shards; see ``docs/checkpoints.md`` for the on-disk format.
+- :func:`consolidate` / :func:`consolidate_main`: offline, single process, streams tensor by tensor.
+- :func:`save_16bit_model`: HF weights from a live engine.
+"""
+
+from __future__ import annotations
+
+from shardwise.checkpoint.fileio import CheckpointError
+from shardwise.checkpoint.hf import consolidate, consolidate_main, save_16bit_model
+from shardwise.checkpoint.load import load_checkpoint
+from shardwise.checkpoint.save import save_checkpoint
+
+__all__ = ["CheckpointError", "consolidate", "consolidate_main", "load_checkpoint", "save_16bit_model",
+           "save_checkpoint"]

@@ -1,0 +1,281 @@
+"""File-level pieces of the checkpoint format: streaming safetensors writer, verified reader, JSON.
+
+The writer plans the safetensors header from shapes up front and then streams each tensor's bytes,
+so neither a rank's shard file nor a consolidated HF file is ever built in memory (and views of
+the flat buffers are written without copies). The reader opens files with ``safe_open`` (no
+pickle) after checking each file's size and sha256 against the metadata, so a corrupt or
+truncated file is refused by name before any of its bytes are used.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from shardwise.comm import Comm, CommStats
+
+FORMAT = "shardwise-checkpoint"
+VERSION = 1
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in _ST_DTYPES}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, truncated, or does not fit the engine it is loaded into."""
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float32"`` / ``"bf16"`` / ``"torch.float16"`` -> torch dtype."""
+    alias = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+             "float": "float32"}
+    key = name.removeprefix("torch.")
+    key = alias.get(key, key)
+    if key not in _TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16 or a torch dtype name")
+    return _TORCH_DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SafetensorsWriter:
+    """Writes one .safetensors file tensor by tensor, in the order the header was planned.
+
+    Why not ``safetensors.torch.save_file``: it needs every tensor at once (a whole model in
+    memory for consolidation) and refuses views that share storage (our flat-buffer slices).
+    """
+
+    def __init__(self, path: str | Path, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        self._order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        pos = 0
+        for name, dtype, shape in specs:
+            n = 1
+            for s in shape:
+                n *= int(s)
+            nbytes = n * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": [int(s) for s in shape],
+                            "data_offsets": [pos, pos + nbytes]}
+            self._order.append((name, dtype, tuple(int(s) for s in shape)))
+            pos += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._f = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._sha = hashlib.sha256()
+        self._put(len(raw).to_bytes(8, "little") + raw)
+        self._next = 0
+
+    def _put(self, data: bytes | memoryview) -> None:
+        self._f.write(data)
+        self._sha.update(data)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append ``tensor``; must be the next planned name, with the planned dtype and shape."""
+        want, dtype, shape = self._order[self._next]
+        if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{self.path.name}: expected {want} {dtype} {shape}, got {name} "
+                             f"{tensor.dtype} {tuple(tensor.shape)}")
+        t = tensor.detach().reshape(-1).contiguous().cpu()
+        if t.numel():
+            self._put(memoryview(t.view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self) -> tuple[str, int]:
+        """Flush to disk; returns (sha256 hex, size in bytes)."""
+        if self._next != len(self._order):
+            raise ValueError(f"{self.path.name}: {len(self._order) - self._next} planned tensors unwritten")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        size = self._f.tell()
+        self._f.close()
+        return self._sha.hexdigest(), size
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class ShardReader:
+    """Reads element ranges of saved tensors from a checkpoint folder, verifying files first."""
+
+    def __init__(self, folder: Path, files: dict[str, dict], verify: bool = True):
+        self.folder, self.files, self.verify = folder, files, verify
+        self._verified: set[str] = set()
+        self._open: dict[str, Any] = {}
+
+    def check(self, fname: str) -> None:
+        """Refuse a file whose size or sha256 differs from the metadata, naming it."""
+        if fname in self._verified:
+            return
+        path = self.folder / fname
+        info = self.files.get(fname)
+        if info is None:
+            raise CheckpointError(f"{path}: not listed in the checkpoint's metadata.json")
+        if not path.is_file():
+            raise CheckpointError(f"{path}: file is missing")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path}: file is truncated or was modified ({size} bytes, "
+                                  f"metadata.json says {info['bytes']})")
+        if self.verify and sha256_file(path) != info["sha256"]:
+            raise CheckpointError(f"{path}: sha256 mismatch, the file is corrupt")
+        self._verified.add(fname)
+
+    def handle(self, fname: str):
+        if fname not in self._open:
+            self.check(fname)
+            self._open[fname] = safe_open(str(self.folder / fname), framework="pt")
+        return self._open[fname]
+
+    def read_range(self, key: str, segments: list[dict], lo: int, hi: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (1-D, hi - lo elements) with elements [lo, hi) of ``key`` from its segments."""
+        covered = 0
+        for seg in segments:
+            a, b = max(lo, seg["start"]), min(hi, seg["stop"])
+            if a >= b:
+                continue
+            piece = self.handle(seg["file"]).get_slice(key)[a - seg["start"]: b - seg["start"]]
+            out.narrow(0, a - lo, b - a).copy_(piece)
+            covered += b - a
+        if covered != hi - lo:
+            raise CheckpointError(f"{self.folder}: {key} elements [{lo}, {hi}) are not all in the checkpoint")
+
+    def read_full(self, key: str, fname: str) -> torch.Tensor:
+        return self.handle(fname).get_tensor(key)
+
+    def release(self) -> None:
+        """Close open files (unmaps them, so pages read so far leave the resident set)."""
+        self._open.clear()
+
+
+# -- JSON helpers -------------------------------------------------------------------------------
+def to_json(obj: Any, path: str) -> Any:
+    """Plain-JSON copy of ``obj`` (tensors of one element become numbers, tuples lists); else error."""
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if torch.is_tensor(obj) and obj.numel() == 1:
+        return obj.item()
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{path} has a non-string key {k!r}: checkpoints store JSON only")
+            out[k] = to_json(v, f"{path}[{k!r}]")
+        return out
+    if isinstance(obj, list | tuple):
+        return [to_json(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(f"{path} is a {type(obj).__name__}, which is not JSON-serializable; checkpoints "
+                    "store JSON only (no pickle): convert it to numbers, strings, lists and dicts")
+
+
+def like(current: Any, saved: Any) -> Any:
+    """Saved JSON value restored to the live value's type (tuple, tensor)."""
+    if torch.is_tensor(current):
+        return torch.tensor(saved, dtype=current.dtype, device=current.device)
+    if isinstance(current, tuple):
+        return tuple(saved)
+    return saved
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: file is missing") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt): {e}") from e
+
+
+def write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- RNG states (JSON) --------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def rng_state() -> dict:
+    """This rank's RNG states (torch, CUDA, Python, NumPy) as JSON."""
+    import numpy as np
+
+    v, state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"torch": _b64(torch.get_rng_state()), "python": [v, list(state), gauss],
+           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    if torch.cuda.is_available():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(s: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(_unb64(s["torch"]))
+    v, state, gauss = s["python"]
+    random.setstate((v, tuple(state), gauss))
+    kind, keys, pos, has_gauss, cached = s["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in s and torch.cuda.is_available() and len(s["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([_unb64(x) for x in s["cuda"]])
+
+
+# -- cross-rank agreement -----------------------------------------------------------------------
+def world_comm() -> Comm:
+    """All ranks (dp x tp), with its own byte counter so checkpoint traffic stays out of comm_stats."""
+    return Comm(None, CommStats())
+
+
+def agree(comm: Comm, err: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed ``what``; then all raise the first failure.
+
+    Without this a rank that failed alone (a bad file, a full disk) would leave its peers
+    blocked in the next collective until the timeout.
+    """
+    if comm.size == 1:
+        if err is not None:
+            raise err
+        return
+    flag = torch.tensor([comm.rank if err is not None else comm.size], dtype=torch.int64)
+    comm.all_reduce(flag, op=dist.ReduceOp.MIN)
+    src = int(flag.item())
+    if src == comm.size:
+        return
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    if comm.rank == src:
+        msg = f"{type(err).__name__}: {err}".encode()[:4096]
+        buf[: len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+    comm.broadcast(buf, src=src)
+    if err is not None and comm.rank == src:
+        raise err
+    text = bytes(buf.numpy()).rstrip(b"\0").decode(errors="replace")
+    raise CheckpointError(f"{what} failed on rank {src}: {text}")

@@ -1,0 +1,258 @@
+"""Sharded save: each rank writes the state it owns, described independently of the layout.
+
+Every saved piece is "elements [a, b) of the flattened parameter NAME" (of its TP piece, when the
+parameter is TP-split), so a loader with any world size, stage, or bucketing finds the slices it
+needs from the metadata alone. See docs/checkpoints.md for the format.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardwise.checkpoint.fileio import (
+    FORMAT,
+    VERSION,
+    SafetensorsWriter,
+    agree,
+    dtype_name,
+    rng_state,
+    to_json,
+    world_comm,
+)
+
+if TYPE_CHECKING:
+    from shardwise.engine import Engine
+
+# optimizer param_group keys that pick a kernel, not a hyperparameter: the loading side keeps its own
+IMPL_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
+def tp_split(p: torch.Tensor) -> dict | None:
+    """How a parameter is split by tensor parallelism: ``{"dim", "parts", "index"}`` or None.
+
+    Integration point for the TP layer: it marks a TP-sharded parameter with ``p.tp_split``.
+    """
+    return getattr(p, "tp_split", None)
+
+
+def full_shape(p: torch.Tensor) -> list[int]:
+    """The parameter's logical shape (``p.ds_shape`` when stage 3 keeps a placeholder tensor)."""
+    return [int(s) for s in getattr(p, "ds_shape", p.shape)]
+
+
+def module_extras(engine: Engine) -> dict[str, torch.Tensor]:
+    """Frozen parameters and persistent buffers by state_dict name (tied tensors once).
+
+    Walks the modules instead of calling ``state_dict()``, which stage 3 refuses while sharded.
+    """
+    from shardwise.zero.flat_group import owner_of
+
+    grouped = {id(p) for g in engine.groups for p in g.params}
+    out: dict[str, torch.Tensor] = {}
+    for name, p in engine.module.named_parameters():
+        if id(p) in grouped:
+            continue
+        if owner_of(p) is not None:
+            raise NotImplementedError(f"frozen parameter {name} is sharded (stage 3): checkpoints of "
+                                      "frozen stage-3 parameters are not supported yet")
+        out[name] = p
+    seen: set[int] = set()
+    for mname, m in engine.module.named_modules():
+        for bname, b in m.named_buffers(recurse=False):
+            if b is None or bname in m._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out[f"{mname}.{bname}" if mname else bname] = b
+    return out
+
+
+def _after_file_written(path: Path) -> None:
+    """Test seam: called after each shard file is complete (tests raise here to simulate a crash)."""
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def _split_state(g, state: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Optimizer state of one master: per-element tensors, and scalars (Adam's ``step``)."""
+    elem, scalars = {}, {}
+    for k, v in state.items():
+        if torch.is_tensor(v) and v.shape == g.master.shape:  # step has shape ()
+            elem[k] = v
+        elif torch.is_tensor(v) and v.numel() == 1:
+            scalars[k] = {"value": v.item(), "dtype": dtype_name(v.dtype)}
+        elif isinstance(v, bool | int | float):
+            scalars[k] = {"value": v, "dtype": None}
+        else:
+            raise TypeError(f"optimizer state {k!r} ({type(v).__name__}) is neither per-element nor a "
+                            "scalar; the checkpoint format cannot shard it")
+    return elem, scalars
+
+
+def _write_rank(engine: Engine, folder: Path, rank: int) -> dict:
+    """Write this rank's shard file; returns its manifest (merged into metadata.json by rank 0)."""
+    writes = engine.stage >= 1 or engine.comm.rank == 0  # stage 0: replicated, dp rank 0 writes
+    pieces: list[tuple[str, torch.Tensor]] = []
+    segments: dict[str, list[int]] = {}
+    scalars: dict[str, dict] = {}
+    state_dtypes: dict[str, str] = {}
+    if writes:
+        for g in engine.groups:
+            elem, sc = _split_state(g, engine.optimizer.state.get(g.master, {}))
+            state_dtypes.update({k: dtype_name(v.dtype) for k, v in elem.items()})
+            for name, off, n in zip(g.names, g.offsets, g.numels, strict=True):
+                a, b = max(off, g.own_start), min(off + n, g.own_start + g.own_numel)
+                if a >= b:
+                    continue
+                segments[name] = [a - off, b - off]
+                scalars[name] = sc
+                lo = a - g.own_start
+                pieces.append((f"master/{name}", g.master.narrow(0, lo, b - a)))
+                pieces += [(f"{k}/{name}", v.narrow(0, lo, b - a)) for k, v in elem.items()]
+    module: dict[str, dict] = {}
+    if engine.comm.rank == 0:  # frozen params and persistent buffers are replicated
+        for name, t in module_extras(engine).items():
+            module[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+            pieces.append((f"module/{name}", t.detach()))
+    manifest: dict[str, Any] = {"rank": rank, "file": None, "segments": segments, "scalars": scalars,
+                                "state_dtypes": state_dtypes, "module": module, "rng": rng_state()}
+    if pieces:
+        fname = _rank_file(rank)
+        w = SafetensorsWriter(folder / fname, [(k, t.dtype, tuple(t.shape)) for k, t in pieces])
+        for k, t in pieces:
+            w.write(k, t)
+        sha, size = w.close()
+        manifest.update(file=fname, sha256=sha, bytes=size)
+        _after_file_written(folder / fname)
+    return manifest
+
+
+def _model_config(module: torch.nn.Module) -> dict | None:
+    """The HF config as JSON, with ``architectures`` filled so from_pretrained picks the class."""
+    cfg = getattr(module, "config", None)
+    if cfg is None or not hasattr(cfg, "to_json_string"):
+        return None
+    d = json.loads(cfg.to_json_string(use_diff=False))
+    d["architectures"] = [type(module).__name__]
+    return d
+
+
+def _metadata(engine: Engine, manifests: list[dict], world: int, client_state: dict) -> dict:
+    tensors: dict[str, dict] = {}
+    for g in engine.groups:
+        for name, p, n in zip(g.names, g.params, g.numels, strict=True):
+            tensors[name] = {"shape": full_shape(p), "numel": n, "dtype": dtype_name(g.dtype),
+                             "tp": tp_split(p), "segments": []}
+    files, scalars, module, state_dtypes = {}, {}, {}, {}
+    for m in manifests:
+        if m["file"] is not None:
+            files[m["file"]] = {"sha256": m["sha256"], "bytes": m["bytes"]}
+        for name, (a, b) in m["segments"].items():
+            tensors[name]["segments"].append({"file": m["file"], "start": a, "stop": b})
+        scalars.update(m["scalars"])
+        state_dtypes.update(m["state_dtypes"])
+        module.update({k: {**v, "file": m["file"]} for k, v in m["module"].items()})
+    for name, t in tensors.items():  # the shards must tile every parameter exactly
+        t["segments"].sort(key=lambda s: s["start"])
+        pos = 0
+        for s in t["segments"]:
+            assert s["start"] == pos, f"{name}: segments leave a gap at {pos}"
+            pos = s["stop"]
+        assert pos == t["numel"], f"{name}: segments cover {pos} of {t['numel']} elements"
+    order = [n for n, _ in engine.module.named_parameters() if n in tensors or n in module]
+    order += [n for n in module if n not in order]
+    opt = engine.optimizer
+    sched = engine.lr_scheduler
+    return {
+        "format": FORMAT, "version": VERSION,
+        "layout": {"world": world, "dp": engine.dp_world, "tp": world // max(engine.dp_world, 1),
+                   "stage": engine.stage, "compute_dtype": dtype_name(engine.groups[0].dtype)
+                   if engine.groups else None},
+        "order": order,
+        "tensors": tensors,
+        "states": sorted(state_dtypes),
+        "state_dtypes": state_dtypes,
+        "scalars": scalars,
+        "module": module,
+        "files": files,
+        "param_groups": [to_json({k: v for k, v in pg.items() if k != "params" and k not in IMPL_KEYS},
+                                 f"optimizer.param_groups[{i}]") for i, pg in enumerate(opt.param_groups)],
+        "lr_scheduler": to_json(sched.state_dict(), "lr_scheduler.state_dict()") if sched else None,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                     "skipped_steps": engine.skipped_steps},
+        "rng": [m["rng"] for m in manifests],
+        "client_state": client_state,
+        "has_model_config": _model_config(engine.module) is not None,
+    }
+
+
+def _finalize(engine: Engine, root: Path, tmp: Path, tag: str, world: int, client_state: dict,
+              save_latest: bool) -> None:
+    """Rank 0: merge the rank manifests, then rename the folder into place and update ``latest``."""
+    from shardwise.checkpoint.fileio import read_json, write_json
+
+    manifests = [read_json(tmp / f"rank{r:05d}.json") for r in range(world)]
+    write_json(tmp / "metadata.json", _metadata(engine, manifests, world, client_state))
+    cfg = _model_config(engine.module)
+    if cfg is not None:
+        write_json(tmp / "config.json", cfg)
+    for r in range(world):
+        (tmp / f"rank{r:05d}.json").unlink()
+    final, old = root / tag, root / f".{tag}.old"
+    if final.exists():  # overwrite a tag: keep the old one until the new one is in place
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        (root / "latest.tmp").write_text(tag)
+        (root / "latest.tmp").replace(root / "latest")
+
+
+def save_checkpoint(engine: Engine, save_dir: str | Path, tag: str | None = None,
+                    client_state: dict | None = None, save_latest: bool = True) -> str:
+    """Write ``save_dir/tag`` (default ``global_step{N}``) from every rank; returns its path.
+
+    Collective: every rank must call it. Files go to ``save_dir/.tag.partial`` first and the folder
+    is renamed into place only once every rank's file and the metadata are on disk.
+    """
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    if not tag or "/" in tag or tag.startswith(".") or tag in ("latest", "latest.tmp"):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name (no '/', not hidden)")
+    client_state = to_json(client_state or {}, "client_state")
+    comm = world_comm()
+    root = Path(save_dir)
+    tmp = root / f".{tag}.partial"
+    err: BaseException | None = None
+    try:
+        if comm.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crashed save
+            tmp.mkdir()
+    except Exception as e:  # noqa: BLE001 - re-raised by agree() on every rank
+        err = e
+    agree(comm, err, "save_checkpoint (creating the folder)")
+    err = None
+    try:
+        from shardwise.checkpoint.fileio import write_json
+
+        manifest = _write_rank(engine, tmp, comm.rank)
+        write_json(tmp / f"rank{comm.rank:05d}.json", manifest)
+    except BaseException as e:  # noqa: BLE001
+        err = e
+    agree(comm, err, "save_checkpoint (writing shards)")
+    err = None
+    try:
+        if comm.rank == 0:
+            _finalize(engine, root, tmp, tag, comm.size, client_state, save_latest)
+    except BaseException as e:  # noqa: BLE001
+        err = e
+    agree(comm, err, "save_checkpoint (writing metadata)")
+    return str(root / tag)
