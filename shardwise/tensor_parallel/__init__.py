@@ -1,0 +1,31 @@
+"""Tensor parallelism (Megatron-style) for HF causal LMs: layers, vocab-parallel loss, plans, inference."""
+
+from __future__ import annotations
+
+from shardwise.tensor_parallel.cross_entropy import causal_lm_loss, vocab_parallel_cross_entropy
+from shardwise.tensor_parallel.inference import init_inference
+from shardwise.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    scatter_to_tp,
+)
+from shardwise.tensor_parallel.plan import (
+    TPReport,
+    apply_tensor_parallel,
+    gather_param,
+    gather_state_dict,
+    resolve_plan,
+    tp_grad_norm,
+)
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ShardSpec", "TPReport",
+    "apply_tensor_parallel", "resolve_plan", "gather_param", "gather_state_dict", "tp_grad_norm",
+    "vocab_parallel_cross_entropy", "causal_lm_loss", "init_inference",
+    "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp",
+]

@@ -1,0 +1,129 @@
+"""Tensor-parallel inference without a training engine, reading only this rank's weight slices.
+
+From a directory, the model is built with its parameters on the meta device (no memory), the TP
+plan is applied (the parallel layers slice meta tensors for free), and then each parameter is
+read from the safetensors files with ``get_slice`` for exactly the ranges this rank holds, so a
+rank never holds (or reads) the full weights of a sharded layer. Buffers (rotary frequencies) are
+built normally on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from shardwise.comm import compute_device, init_distributed
+from shardwise.mesh import get_mesh
+from shardwise.tensor_parallel.layers import ShardSpec
+from shardwise.tensor_parallel.plan import apply_tensor_parallel
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Create module parameters on the meta device (buffers stay real)."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
+        if param is not None and param.device.type != "meta":
+            p = self._parameters[name]
+            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, from the index or the single file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"no model.safetensors(.index.json) in {path}: "
+                                "init_inference reads safetensors only")
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+
+
+def _read_local(sl, spec: ShardSpec | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's part of one stored tensor, read by slices (zero where the vocabulary is padded)."""
+    if spec is None:
+        return sl[:].to(dtype)
+    out = torch.zeros(shape, dtype=dtype)
+    for a, b, d in spec.pieces():
+        index = [slice(None)] * len(shape)
+        index[spec.dim] = slice(a, b)
+        out.narrow(spec.dim, d, b - a).copy_(sl[tuple(index)])
+    return out
+
+
+def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel_size: int = 1,
+                   dtype: torch.dtype | None = None, **config_kwargs) -> nn.Module:
+    """A TP-sharded causal LM in eval mode whose ``generate()`` works; every rank must call this.
+
+    ``model_or_path``: a model (sharded in place) or a ``save_pretrained`` directory (only this
+    rank's slices are read). Sampling draws from a seed shared within the TP group. The report
+    of what was sharded is ``model._tp_report``; bytes read from disk ``model._tp_bytes_loaded``.
+    """
+    init_distributed()
+    tp = get_mesh(tensor_parallel_size).tp
+    if isinstance(model_or_path, nn.Module):
+        model = model_or_path.to(dtype) if dtype is not None else model_or_path
+        apply_tensor_parallel(model, tp)
+        return model.eval()
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.fspath(model_or_path)
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with params_on_meta():
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    apply_tensor_parallel(model, tp)
+    files = _weight_files(path)
+    prefix = f"{model.base_model_prefix}."
+    replaced: dict[int, nn.Parameter] = {}
+    loaded = 0
+    handles: dict[str, object] = {}
+    with contextlib.ExitStack() as stack:
+        for name, p in model.named_parameters():
+            key = name if name in files else name.removeprefix(prefix) if name.removeprefix(prefix) in files \
+                else None
+            if key is None:
+                raise KeyError(f"{name} is not in the safetensors files of {path}")
+            if files[key] not in handles:
+                handles[files[key]] = stack.enter_context(safe_open(files[key], "pt"))
+            t = _read_local(handles[files[key]].get_slice(key), p._tp_spec, tuple(p.shape), dtype)
+            loaded += t.numel() * t.element_size()
+            new = nn.Parameter(t.to(compute_device()), requires_grad=False)
+            new._tp_spec = p._tp_spec  # type: ignore[attr-defined]
+            replaced[id(p)] = new
+    for mod in model.modules():  # swap in place; a tied weight is one object in two modules
+        for pname, p in list(mod._parameters.items()):
+            if p is not None and id(p) in replaced:
+                mod._parameters[pname] = replaced[id(p)]
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"parameters not loaded: {left[:5]}")
+    model.to(compute_device())
+    model._tp_bytes_loaded = loaded  # type: ignore[attr-defined]
+    return model.eval()
