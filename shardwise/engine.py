@@ -55,10 +55,12 @@ class Engine(nn.Module):
     """DeepSpeed-style engine around ``module`` (see DESIGN.md §2 for the contract)."""
 
     def __init__(self, model: nn.Module, config, model_parameters=None, optimizer=None,
-                 lr_scheduler=None, comm: Comm | None = None):
+                 lr_scheduler=None, comm: Comm | None = None, tp: Comm | None = None):
+        """``comm`` is the data-parallel group ZeRO shards over; ``tp`` the tensor-parallel one."""
         super().__init__()
         self.config = config
         self.comm = comm if comm is not None else Comm()
+        self.tp = tp if tp is not None else Comm(None, self.comm.stats, solo=True)
         self.dp_world = self.comm.size
         self.stage = config.zero_stage
         self.gas = config.gradient_accumulation_steps
@@ -82,6 +84,18 @@ class Engine(nn.Module):
                     setattr(m, name, b.to(device))
         else:
             model.to(device)
+        self.tp_report = None
+        if self.tp.size > 1:
+            if deferred:
+                raise ValueError("tensor_parallel.autotp_size > 1 with a model built under zero.Init is not "
+                                 "supported yet; build the model normally (TP shards it first)")
+            from shardwise.tensor_parallel import apply_tensor_parallel
+
+            world = Comm(None, self.comm.stats)
+            with torch.no_grad():  # every TP rank must slice the same weights
+                for t in list(model.parameters()) + list(model.buffers()):
+                    world.broadcast(t.data, src=0)
+            self.tp_report = apply_tensor_parallel(model, self.tp)
         self.compute_dtype: torch.dtype = config.compute_dtype
         if self.compute_dtype != torch.float32:  # params only; buffers (rotary freqs) stay fp32
             for p in model.parameters():
@@ -257,15 +271,18 @@ class Engine(nn.Module):
 
     def _global_grad_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm over every shard on every rank (inf/nan when any rank overflowed)."""
-        if grads:
-            local = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-            sq = local.square().sum().to(torch.float64)
-        else:
-            sq = torch.zeros((), dtype=torch.float64)
-        sq = sq.reshape(1)
+        # [replicated, TP-sharded]: TP-sharded gradients are summed over the TP group too, while
+        # replicated ones (identical on every TP rank) count once.
+        sq = torch.zeros(2, dtype=torch.float64)
+        for g, grad in zip(self.groups, grads, strict=True):
+            sq[int(g.tp_sharded)] += torch.linalg.vector_norm(grad.float()).double().square()
         if self.policy.shard_optimizer:
             self.comm.all_reduce(sq)
-        return float(sq.sqrt().item())
+        if self.tp.size > 1:
+            tp_part = sq[1:].clone()
+            self.tp.all_reduce(tp_part)
+            sq[1] = tp_part[0]
+        return float(sq.sum().sqrt().item())
 
     def _maybe_log(self) -> None:
         every = self.config.steps_per_print

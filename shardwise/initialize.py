@@ -54,9 +54,10 @@ def initialize(
     _setup_logging()
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     cfg = load_config(config, world_size=dist.get_world_size(), hidden_size=hidden,
-                      supported=SupportedFeatures(stage3=True, offload_param=True))
+                      supported=SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True))
+    mesh = get_mesh(cfg.tp_size)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, comm=get_mesh(cfg.tp_size).dp)
+                    lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp)
     loader = None
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.comm.rank,

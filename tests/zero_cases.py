@@ -14,7 +14,7 @@ LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
 
 def make_config(stage: int, *, precision: str = "fp32", micro: int = 2, gas: int = 1, clip: float = 0.0,
                 offload: bool = False, overlap: bool = False, bucket: int = 20_000, dp: int = 2,
-                optimizer: bool = True, **zero_extra) -> dict:
+                optimizer: bool = True, tp: int = 1, **zero_extra) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
@@ -24,6 +24,8 @@ def make_config(stage: int, *, precision: str = "fp32", micro: int = 2, gas: int
         "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                               "overlap_comm": overlap, **zero_extra},
     }
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
     if optimizer:
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                         "weight_decay": WD}}
@@ -52,7 +54,9 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
     else:
         model = build(kind)
     micro, gas = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
-    data = batches(steps, gas, micro * world, seq)
+    tp = config.get("tensor_parallel", {}).get("autotp_size", 1)
+    dp_world, dp_rank = world // tp, rank // tp  # TP groups are consecutive ranks
+    data = batches(steps, gas, micro * dp_world, seq)
     opt = None
     if client_optimizer:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -60,7 +64,7 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
     losses = []
     for s in range(steps):
         for m in range(gas):
-            ids = data[s, m, rank * micro:(rank + 1) * micro]
+            ids = data[s, m, dp_rank * micro:(dp_rank + 1) * micro]
             out = engine(input_ids=ids, labels=ids)
             engine.backward(out.loss)
             engine.step()
@@ -80,7 +84,12 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
     result["tied"] = out_emb is not None and out_emb.weight is model.get_input_embeddings().weight
     result["shapes_outside_forward"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
     with GatheredParameters(model.parameters()):  # a no-op below stage 3
-        weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        if tp > 1:
+            from shardwise.tensor_parallel import gather_state_dict
+
+            weights = {n: t.float() for n, t in gather_state_dict(model, engine.tp).items()}
+        else:
+            weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     if rank == 0:
         result["weights"] = weights
     return result

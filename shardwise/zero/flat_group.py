@@ -98,6 +98,7 @@ class ShardedGroup:
         self.overlap_comm = overlap_comm
         self.trainable = trainable
         self.dtype = params[0].dtype
+        self.tp_sharded = getattr(params[0], "_tp_spec", None) is not None
         self.device = device if device is not None else params[0].device
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
@@ -234,12 +235,19 @@ class ShardedGroup:
 
     @torch.no_grad()
     def _read_shard(self, reader: Callable[[nn.Parameter, int, int], torch.Tensor], dest: torch.Tensor) -> None:
-        """Fill ``dest`` (this rank's shard) from ``reader``; only the padding is zeroed."""
+        """Fill ``dest`` (this rank's shard) from ``reader``; only the padding is zeroed.
+
+        A reader with ``fills_out = True`` is called as ``reader(p, start, end, out)`` and writes
+        into ``out`` itself (no temporary per parameter: offload="disk" reads at every gather).
+        """
         lo, hi = self.own_start, self.own_start + self.own_numel
         dest[max(self.numel - lo, 0):].zero_()
+        fills_out = getattr(reader, "fills_out", False)
         for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
             s, e = max(off, lo), min(off + n, hi)
-            if s < e:
+            if s < e and fills_out:
+                reader(p, s - off, e - off, dest[s - lo:e - lo])
+            elif s < e:
                 dest[s - lo:e - lo].copy_(reader(p, s - off, e - off))
 
     @torch.no_grad()

@@ -47,12 +47,17 @@ def _pg_index(model: nn.Module, param_groups: list[dict]) -> dict[int, int]:
     return where
 
 
+def _kind(p: nn.Parameter) -> tuple:
+    """What must be equal inside one group: dtype, and whether TP sharded it (for the grad norm)."""
+    return p.dtype, getattr(p, "_tp_spec", None) is not None
+
+
 def _buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
-    """Consecutive runs of one dtype, each at most ``bucket_numel`` elements (or one param)."""
+    """Consecutive runs of one kind, each at most ``bucket_numel`` elements (or one param)."""
     out: list[list[nn.Parameter]] = []
     for p in params:
         cur = out[-1] if out else None
-        if cur is None or cur[0].dtype != p.dtype or sum(q.numel() for q in cur) + p.numel() > bucket_numel:
+        if cur is None or _kind(cur[0]) != _kind(p) or sum(q.numel() for q in cur) + p.numel() > bucket_numel:
             out.append([p])
         else:
             cur.append(p)
@@ -101,12 +106,14 @@ def build_groups(
             materialize(unit_params)
         groups: list[ShardedGroup] = []
         frozen = [p for p in unit_params if not p.requires_grad]
+        frozen.sort(key=lambda p: str(_kind(p)))  # one group per kind
         for b in _buckets(frozen, 1 << 62):
             groups.append(make(b, policy, trainable=False))
         for gi in range(len(param_groups)):
             ps = [p for p in unit_params if p.requires_grad and pg_of.get(id(p)) == gi]
             big = [p for p in ps if p.numel() > persistence_threshold]
             persistent[gi] += [p for p in ps if p.numel() <= persistence_threshold]
+            big.sort(key=lambda p: str(_kind(p)))
             for b in _buckets(big, 1 << 62):
                 g = make(b, policy)
                 groups.append(g)
