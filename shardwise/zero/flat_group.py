@@ -19,6 +19,7 @@ all-reduce instead of a reduce-scatter, no all-gather): DDP.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,23 @@ def _read_pool() -> ThreadPoolExecutor:
 def owner_of(p: torch.Tensor) -> ShardedGroup | None:
     """The group holding parameter ``p`` (None if it is not sharded by shardwise)."""
     return getattr(p, "_shardwise_group", None)
+
+
+class InflightLimit:
+    """At most ``limit`` gradient buckets reduce asynchronously at once (stage >= 2).
+
+    Each pending reduce-scatter keeps its full-size bucket alive; without a bound every bucket
+    of the model would still be held when backward ends (4 bytes x params in fp32).
+    """
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._queue: deque[ShardedGroup] = deque()
+
+    def admit(self, group: ShardedGroup) -> None:
+        self._queue.append(group)
+        while len(self._queue) > self.limit:
+            self._queue.popleft().wait()
 
 
 @dataclass(frozen=True)
@@ -91,11 +109,14 @@ class ShardedGroup:
         shard_reader: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None,
         device: torch.device | None = None,
         reread_shard: bool = False,
+        inflight: InflightLimit | None = None,
     ):
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
         self.params, self.names, self.comm, self.policy = params, names, comm, policy
         self.overlap_comm = overlap_comm
+        self.inflight = inflight
+        self._filled: list[bool] = []
         self.trainable = trainable
         self.dtype = params[0].dtype
         self.tp_sharded = getattr(params[0], "_tp_spec", None) is not None
@@ -273,12 +294,20 @@ class ShardedGroup:
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self.flat_grad is None:  # stage >= 2: the bucket lives only during its backward
-            self.flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            self.flat_grad = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            self._filled = [False] * len(self.params)
         i = self._index[id(p)]
         view = self._view(self.flat_grad, self.offsets[i], p)
         if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
-            view.add_(p.grad)  # autograd stole a fresh tensor (grad was None): fold it in
+            # autograd stole a fresh tensor (grad was None): copy it into the bucket (the first
+            # gradient of a fresh stage >= 2 bucket) or fold it in
+            if self.policy.shard_grads and not self._filled[i]:
+                view.copy_(p.grad)
+            else:
+                view.add_(p.grad)
             p.grad = None if self.policy.shard_grads else view
+        if self.policy.shard_grads:
+            self._filled[i] = True
         self._ready += 1
         if self._ready == len(self.params) and self._reduce_now:
             self.reduce_grads()
@@ -302,13 +331,23 @@ class ShardedGroup:
         else:
             if self.shard_grad is None:
                 self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            self._zero_unfilled()
             w = self.comm.reduce_scatter(self.flat_grad, self.shard_grad, async_op=self.overlap_comm,
                                          accumulate=True)
+            if w is not None and self.inflight is not None:
+                self.inflight.admit(self)
             self._bucket_in_flight = self.flat_grad if w is not None else None
             self.flat_grad = None  # the bucket lives only until its reduce-scatter is done
             self.release()  # stage 3: backward of this group is over
         if w is not None:
             self._pending.append(w)
+
+    def _zero_unfilled(self) -> None:
+        """A stage >= 2 bucket starts uninitialized: zero the padding and params without a grad."""
+        self.flat_grad.narrow(0, self.numel, self.padded_numel - self.numel).zero_()
+        for i, filled in enumerate(self._filled):
+            if not filled:
+                self.flat_grad.narrow(0, self.offsets[i], self.numels[i]).zero_()
 
     def wait(self) -> None:
         for w in self._pending:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
-from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
+from shardwise.zero.flat_group import InflightLimit, ShardedGroup, ShardPolicy
 
 
 def normalize_param_groups(model: nn.Module, model_parameters: Iterable | None) -> list[dict]:
@@ -88,8 +88,11 @@ def build_groups(
     pg_of = _pg_index(model, param_groups)
     by_pg: list[list[ShardedGroup]] = [[] for _ in param_groups]
 
+    inflight = InflightLimit()
+
     def make(ps: list[nn.Parameter], pol: ShardPolicy, trainable: bool = True) -> ShardedGroup:
-        return ShardedGroup(ps, [names[id(p)] for p in ps], comm, pol, trainable=trainable, **group_kwargs)
+        return ShardedGroup(ps, [names[id(p)] for p in ps], comm, pol, trainable=trainable,
+                            inflight=inflight, **group_kwargs)
 
     if units is None:
         for gi in range(len(param_groups)):
