@@ -20,7 +20,7 @@ from torch import nn
 from shardwise.comm import Comm, compute_device
 from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
-from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
+from shardwise.zero.flat_group import ShardedGroup, ShardPolicy, owner_of
 from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.init import (
     SafetensorsSource,
@@ -37,6 +37,14 @@ log = logging.getLogger("shardwise")
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _waiter(groups: list[ShardedGroup]):
+    def hook(module: nn.Module, args: Any) -> None:
+        for g in groups:
+            g.wait_gathered()
+
+    return hook
 
 
 def _remap_params(model_parameters: Any, swapped: dict[int, nn.Parameter]) -> Any:
@@ -139,6 +147,9 @@ class Engine(nn.Module):
                         if self.stage == 3 else None)
         if self.stage == 3:
             guard_state_dict(model)
+        self._async_publish = self.stage in (1, 2)
+        if self._async_publish:
+            self._install_param_waits(model)
 
         master_groups = []
         for pg, gs in zip(param_groups, self.groups_by_pg, strict=True):
@@ -152,6 +163,18 @@ class Engine(nn.Module):
         self.loss_scaler = DynamicLossScaler.from_fp16_config(config.fp16) if self.fp16 else None
 
     # -- construction ---------------------------------------------------------------
+    def _install_param_waits(self, model: nn.Module) -> None:
+        """Stages 1-2: a module's forward waits for the all-gather of the buckets it uses."""
+        for m in model.modules():
+            groups = {id(g): g for p in m.parameters(recurse=False) if (g := owner_of(p)) is not None}
+            if groups:
+                m.register_forward_pre_hook(_waiter(list(groups.values())))
+
+    def wait_for_params(self) -> None:
+        """Finish the asynchronous all-gathers of the last step (before reading parameters)."""
+        for g in self.groups:
+            g.wait_gathered()
+
     @staticmethod
     def _deferred_sources(model: nn.Module, device: torch.device):
         """zero.Init: read shards from the checkpoint folder, or run the model's init per unit."""
@@ -236,6 +259,7 @@ class Engine(nn.Module):
                                "not reduced; leave no_sync() for the last micro-batch")
         for g in self.groups:
             g.wait()
+            g.wait_gathered()
         unscale = 1.0 / self.dp_world
         if self.loss_scaler is not None:
             unscale /= self.loss_scaler.scale
@@ -258,8 +282,10 @@ class Engine(nn.Module):
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            for g in self.groups:
-                g.publish_master()
+            # Stages 1-2: the updated shards travel while the next forward starts; each module
+            # waits for its own bucket (forward order: the last bucket holds the first layers).
+            for g in reversed(self.groups):
+                g.publish_master(async_op=self._async_publish)
         else:
             self.skipped_steps += 1
         self.last_grad_norm = norm
@@ -334,6 +360,7 @@ class Engine(nn.Module):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind (tensor bytes, not RSS)."""
+        self.wait_for_params()
         rep = {k: 0 for k in ("params", "grads", "master_params", "optimizer_states", "buffers")}
         grouped = set()
         for g in self.groups:

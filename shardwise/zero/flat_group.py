@@ -385,7 +385,8 @@ class ShardedGroup:
         if not self.master_is_view:
             owned.copy_(self.master, non_blocking=True)
         if self.policy.shard_optimizer:
-            return self.comm.all_gather(self.flat_param, async_op=async_op)
+            self._gather_work = self.comm.all_gather(self.flat_param, async_op=async_op)
+            return self._gather_work
         return None
 
     def zero_grad(self) -> None:
