@@ -124,13 +124,17 @@ class ParamFetcher:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
     def _prefetch(self, upcoming: list[int]) -> None:
+        """Gather ahead: the next units while they fit in ``prefetch_numel`` (counting those
+        already in flight, so the window does not slide ahead) and in ``max_live_numel``."""
         live = sum(g.padded_numel for gs in self.groups for g in gs if g.is_gathered and g.policy.shard_params)
-        budget = min(self.prefetch_numel, self.max_live_numel - live)
+        window = 0
         for uj in upcoming:
-            size = sum(g.padded_numel for g in self.groups[uj] if not g.is_gathered)
-            if size > budget:
+            size = sum(g.padded_numel for g in self.groups[uj] if g.policy.shard_params)
+            new = sum(g.padded_numel for g in self.groups[uj] if g.policy.shard_params and not g.is_gathered)
+            window += size
+            if window > self.prefetch_numel or live + new > self.max_live_numel:
                 break
-            budget -= size
+            live += new
             for g in self.groups[uj]:
                 g.gather(async_op=True)
         self._measure()

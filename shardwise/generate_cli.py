@@ -1,0 +1,113 @@
+"""``shardwise generate``: stream text from an HF model folder, its layers streamed if asked.
+
+Tokens are printed as they come (HF ``TextStreamer``, rank 0 only); at the end one line gives
+tokens/s and peak memory. With ``--nproc N`` the command relaunches itself on N ranks through
+``shardwise launch`` (stage-3 inference: each rank holds 1/N of every layer; or ``--tp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+EXAMPLES = """examples:
+  shardwise generate --model llama_dir --prompt "Once upon a time" --max-new-tokens 32
+  shardwise generate --model big_dir --prompt "Hello" --offload disk          (weights stay on disk)
+  shardwise generate --model big_dir --prompt "Hello" --offload cpu --dtype bf16
+  shardwise generate --model dir --prompt "Hello" --nproc 2                  (each rank holds 1/2)
+  shardwise generate --model dir --prompt "Hello" --tp 2 --nproc 2           (tensor parallel)
+  shardwise generate --model dir --prompt "Hi" --temperature 0.8 --top-p 0.95 --seed 1
+"""
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="shardwise generate", epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Generate text from a save_pretrained folder (safetensors and "
+                                            "its tokenizer), streaming tokens to stdout.")
+    p.add_argument("--model", required=True, help="folder with config, safetensors weights and tokenizer")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--offload", choices=["disk", "cpu"], default=None,
+                   help="stream decoder layers from disk (nothing resident) or from CPU memory")
+    p.add_argument("--prefetch", type=int, default=1, help="layers read ahead of the running one (default 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--nproc", type=int, default=1, help="ranks to run on (relaunches via `shardwise launch`)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: the model's)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+    mode.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --temperature)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank")
+    args = p.parse_args(argv)
+    if args.top_p is not None and args.temperature is None:
+        p.error("--top-p needs --temperature (sampling); greedy decoding ignores it")
+    if args.tp > max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))):
+        p.error(f"--tp {args.tp} needs at least as many ranks: add --nproc {args.tp}")
+    return args
+
+
+def _peak_memory() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB on the GPU"
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MiB RSS"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    if args.nproc > 1 and "RANK" not in os.environ:  # not a rank yet: start the ranks
+        from shardwise.cli import launch
+
+        rest = [a for i, a in enumerate(argv)  # the ranks must not see --nproc (nor torchrun)
+                if not a.startswith("--nproc") and not (i > 0 and argv[i - 1] == "--nproc")]
+        return launch(["--nproc", str(args.nproc), "--", "generate", *rest])
+
+    import torch
+    from transformers import AutoTokenizer, TextStreamer
+
+    from shardwise.inference import init_inference
+
+    rank = int(os.environ.get("RANK", "0"))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    model = init_inference(args.model, tensor_parallel_size=args.tp, offload=args.offload, dtype=dtype,
+                           prefetch=args.prefetch)
+    device = next(model.buffers(), next(model.parameters())).device
+    ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature is not None)
+    if args.temperature is not None:
+        gen.update(temperature=args.temperature, top_p=args.top_p if args.top_p is not None else 1.0)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is not None:
+        gen["pad_token_id"] = pad
+    torch.manual_seed(args.seed)  # every rank draws the same tokens
+    streamer = TextStreamer(tokenizer) if rank == 0 else None
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, streamer=streamer, **gen)
+    seconds = time.perf_counter() - start
+    new = out.shape[-1] - ids.shape[-1]
+    if rank == 0:
+        fetcher = getattr(model, "shardwise_fetcher", None)
+        gathered = f", whole layers at most {fetcher.peak_gathered_bytes / 2**20:.1f} MiB" if fetcher else ""
+        print(f"\n[shardwise generate] {new} tokens in {seconds:.2f} s: {new / seconds:.2f} tokens/s; "
+              f"peak memory {_peak_memory()}{gathered}", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the rank
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
