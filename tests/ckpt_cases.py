@@ -11,15 +11,18 @@ from zero_cases import make_config
 
 import shardwise
 import shardwise.checkpoint.save as ckpt_save
+from shardwise.tensor_parallel import ShardSpec, gather_state_dict
 from shardwise.zero import GatheredParameters
 
 GLOBAL_MICRO, SEQ, STEPS = 4, 16, 4  # global batch of 4 sequences: micro 2 at world 2, 1 at world 4
 
 
-def config(stage: int, world: int, bucket: int = 20_000, precision: str = "fp32", offload: bool = False) -> dict:
+def config(stage: int, world: int, bucket: int = 20_000, precision: str = "fp32", offload: bool = False,
+           tp: int = 1) -> dict:
     """AdamW + a warmup scheduler, so a resume that drops scheduler or Adam state shows up."""
-    cfg = make_config(stage, micro=GLOBAL_MICRO // world, dp=world, bucket=bucket, precision=precision,
-                      offload=offload)
+    dp = world // tp
+    cfg = make_config(stage, micro=GLOBAL_MICRO // dp, dp=dp, bucket=bucket, precision=precision,
+                      offload=offload, tp=tp)
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3,
                                                         "warmup_num_steps": 6, "warmup_type": "linear"}}
     return cfg
@@ -36,7 +39,8 @@ def _logits(model) -> torch.Tensor:
 
 def _train(engine, start: int, stop: int) -> list[float]:
     """Global steps [start, stop) on this rank's slice of the shared global batches."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = engine.tp.size
+    rank, world = dist.get_rank() // tp, dist.get_world_size() // tp  # TP groups: consecutive ranks
     micro = GLOBAL_MICRO // world
     data = batches(STEPS, 1, GLOBAL_MICRO, SEQ)
     losses = []
@@ -52,14 +56,29 @@ def _train(engine, start: int, stop: int) -> list[float]:
 def _result(engine, losses: list[float], extra: dict | None = None) -> dict:
     res = {"losses": losses, "global_steps": engine.global_steps, "lr": engine.get_lr()[0], **(extra or {})}
     with GatheredParameters(engine.module.parameters()):  # stage 3: full values for a moment
+        if engine.tp.size > 1:  # full HF tensors from the TP pieces (collective)
+            weights = {n: t.float() for n, t in gather_state_dict(engine.module, engine.tp).items()}
+        else:
+            weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
         if dist.get_rank() == 0:
-            res["weights"] = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+            res["weights"] = weights
     return res
 
 
-def train_and_save(kind: str, stage: int, ckpt: str, hf16: str, **cfg_kw) -> dict:
+def _model(kind: str, seed: int = 0, freeze: str | None = None) -> torch.nn.Module:
+    """``freeze``: parameters whose name contains it are frozen (saved as module tensors)."""
+    model = build(kind, seed=seed)
+    for n, p in model.named_parameters():
+        if freeze and freeze in n:
+            p.requires_grad_(False)
+    return model
+
+
+def train_and_save(kind: str, stage: int, ckpt: str, hf16: str, freeze: str | None = None, **cfg_kw) -> dict:
     """The uninterrupted run: STEPS steps, saving (and exporting HF weights) halfway."""
-    engine, *_ = shardwise.initialize(model=build(kind), config=config(stage, dist.get_world_size(), **cfg_kw))
+    engine, *_ = shardwise.initialize(model=_model(kind, freeze=freeze),
+                                      config=config(stage, dist.get_world_size(), **cfg_kw))
+    assert engine.tp.size == cfg_kw.get("tp", 1)
     half = STEPS // 2
     losses = _train(engine, 0, half)
     engine.save_checkpoint(ckpt, client_state={"epoch": 3, "note": "halfway", "seen": [1, 2]})
@@ -70,11 +89,11 @@ def train_and_save(kind: str, stage: int, ckpt: str, hf16: str, **cfg_kw) -> dic
 
 
 def load_and_train(kind: str, stage: int, ckpt: str, bucket: int = 20_000, cfg_kw: dict | None = None,
-                   save_to: str | None = None, **load_kw) -> dict:
+                   save_to: str | None = None, freeze: str | None = None, **load_kw) -> dict:
     """A fresh engine (another seed: loading must overwrite everything) resumes from ``ckpt``."""
     world = dist.get_world_size()
     cfg = config(stage, world, bucket, **(cfg_kw or {}))
-    engine, *_ = shardwise.initialize(model=build(kind, seed=123), config=cfg)
+    engine, *_ = shardwise.initialize(model=_model(kind, seed=123, freeze=freeze), config=cfg)
     path, client = engine.load_checkpoint(ckpt, **load_kw)
     start = engine.global_steps
     losses = _train(engine, start, STEPS)
@@ -124,3 +143,18 @@ def crash_during_save(kind: str, ckpt: str) -> dict:
     out["restored"] = all(torch.equal(p, good[n]) for n, p in engine.module.named_parameters())
     out["global_steps"] = engine.global_steps
     return out
+
+
+def tp_pieces(full: torch.Tensor, dim: int, size: int, parts: int = 1) -> tuple[dict, dict]:
+    """Metadata entries and local tensors of ``full`` saved at TP degree ``size`` (no ranks needed)."""
+    from shardwise.checkpoint.tp import saved_name, tp_meta
+
+    entries, locals_ = {}, {}
+    for r in range(size):
+        spec = ShardSpec(dim, full.shape[dim], size, r, parts)
+        local = spec.take(full)
+        key = saved_name("w", spec)
+        entries[key] = {"shape": list(local.shape), "numel": local.numel(), "dtype": "float32",
+                        "tp": tp_meta("w", spec, list(local.shape))}
+        locals_[key] = local.reshape(-1)
+    return entries, locals_

@@ -152,3 +152,148 @@ def test_bf16_offload_resume_across_stages(pool2, tmp_path):
     meta = json.loads((tmp_path / "ckpt" / "global_step2" / "metadata.json").read_text())
     assert meta["tensors"]["lm_head.weight"]["dtype"] == "bfloat16"
     assert meta["layout"]["compute_dtype"] == "bfloat16"
+
+
+# -- tensor parallelism: TP pieces saved as NAME@tp{r}of{t}, resharded on load ----------------------
+TP_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tp_baseline(pool2, tmp_path_factory):
+    """TP=2 (dp 1, stage 0): STEPS uninterrupted steps, checkpoint + HF export taken halfway."""
+    root = tmp_path_factory.mktemp("ckpt_tp")
+    res = pool2.run("ckpt_cases:train_and_save", KIND, 0, str(root / "ckpt"), str(root / "hf16"), tp=2)
+    return {"res": res, "ckpt": root / "ckpt", "hf16": root / "hf16"}
+
+
+def test_tp_metadata_names_pieces(tp_baseline):
+    meta = json.loads((tp_baseline["ckpt"] / "global_step2" / "metadata.json").read_text())
+    assert meta["version"] == 2 and meta["layout"] == {"world": 2, "dp": 1, "tp": 2, "stage": 0,
+                                                       "compute_dtype": "float32"}
+    t = meta["tensors"]
+    emb = t["model.embed_tokens.weight@tp1of2"]  # vocab 509 padded to 510: 255 rows per rank
+    assert emb["shape"] == [255, 64] and "model.embed_tokens.weight" not in t
+    assert emb["tp"] == {"param": "model.embed_tokens.weight", "dim": 0, "full": 509, "size": 2, "rank": 1,
+                         "parts": 1, "full_shape": [509, 64]}
+    assert t["model.layers.0.self_attn.o_proj.weight@tp0of2"]["tp"]["dim"] == 1
+    norm = t["model.norm.weight"]  # replicated: saved once, by TP rank 0
+    assert norm["tp"] is None and {s["file"] for s in norm["segments"]} == {"rank00000.safetensors"}
+    assert {s["file"] for s in emb["segments"]} == {"rank00001.safetensors"}
+    assert meta["order"][0] == "model.embed_tokens.weight" and "@" not in "".join(meta["order"])
+
+
+def test_tp2_to_tp1_dp2_resume(pool2, tp_baseline):
+    """TP=2 checkpoint -> TP=1 x dp=2, stage 2: continues as the uninterrupted TP=2 run."""
+    res = pool2.run("ckpt_cases:load_and_train", KIND, 2, str(tp_baseline["ckpt"]))
+    base = tp_baseline["res"]
+    assert _mean_losses(res) == pytest.approx(base[0]["losses"][STEPS // 2:], rel=TP_TOL)
+    assert res[0]["global_steps"] == STEPS and res[0]["lr"] == base[0]["lr"]
+    assert max_rel_diff(res[0]["weights"], base[0]["weights"]) < TP_TOL
+
+
+def test_tp2_to_tp2_resume_reads_own_pieces(pool2, tp_baseline):
+    res = pool2.run("ckpt_cases:load_and_train", KIND, 2, str(tp_baseline["ckpt"]), cfg_kw={"tp": 2})
+    base = tp_baseline["res"]
+    assert res[0]["losses"] == pytest.approx(base[0]["losses"][STEPS // 2:], rel=TP_TOL)
+    assert max_rel_diff(res[0]["weights"], base[0]["weights"]) < TP_TOL
+
+
+def test_tp1_to_tp2_resume(pool2, baseline):
+    """The stage-2 dp=2 checkpoint -> TP=2 (dp 1, stage 0): continues as the uninterrupted run."""
+    res = pool2.run("ckpt_cases:load_and_train", KIND, 0, str(baseline["ckpt"]), cfg_kw={"tp": 2})
+    base = baseline["res"]
+    assert res[0]["losses"] == pytest.approx(_mean_losses(base)[STEPS // 2:], rel=TP_TOL)
+    assert max_rel_diff(res[0]["weights"], base[0]["weights"]) < TP_TOL
+
+
+def test_tp_consolidate_and_16bit_match_engine_logits(tp_baseline, tmp_path):
+    want = tp_baseline["res"][0]["logits_at_save"]
+    assert want.shape[-1] == 509  # gathered, padding trimmed
+    consolidate(tp_baseline["ckpt"], tmp_path / "hf")
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf"), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(_hf_logits(tp_baseline["hf16"]), want, rtol=0, atol=1e-5)
+
+
+def test_gpt2_tied_tp2_to_tp1(pool2, tmp_path):
+    """GPT-2 (tied head, fused q|k|v cut in 3 parts, vocab 509) TP=2 stage 2 -> TP=1 dp=2."""
+    base = pool2.run("ckpt_cases:train_and_save", "gpt2", 2, str(tmp_path / "ckpt"), str(tmp_path / "hf16"),
+                     tp=2)
+    res = pool2.run("ckpt_cases:load_and_train", "gpt2", 2, str(tmp_path / "ckpt"))
+    assert _mean_losses(res) == pytest.approx(base[0]["losses"][STEPS // 2:], rel=TP_TOL)
+    assert max_rel_diff(res[0]["weights"], base[0]["weights"]) < TP_TOL
+    meta = json.loads((tmp_path / "ckpt" / "global_step2" / "metadata.json").read_text())
+    assert meta["tensors"]["transformer.h.0.attn.c_attn.weight@tp0of2"]["tp"]["parts"] == 3
+    consolidate(tmp_path / "ckpt", tmp_path / "hf")
+    want = base[0]["logits_at_save"]
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf"), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf16"), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("dim", "parts", "src", "dst"), [(0, 1, 2, 4), (0, 1, 4, 1), (1, 3, 2, 1),
+                                                          (1, 3, 1, 2), (1, 1, 2, 2)])
+def test_rebuild_reshards_pieces(dim, parts, src, dst):
+    """Any saved degree -> any target degree, padded vocab rows (509) and fused parts included."""
+    from ckpt_cases import tp_pieces
+
+    from shardwise.checkpoint.tp import rebuild
+    from shardwise.tensor_parallel import ShardSpec
+
+    full = torch.randn(509, 12) if dim == 0 else torch.randn(4, 12)
+    if src == 1:
+        entries, data = {"w": {"shape": list(full.shape), "numel": full.numel(), "tp": None}}, {"w": full}
+    else:
+        entries, data = tp_pieces(full, dim, src, parts)
+    read = []
+
+    def load(k):
+        read.append(k)
+        return data[k]
+
+    for r in range(dst):
+        spec = ShardSpec(dim, full.shape[dim], dst, r, parts) if dst > 1 else None
+        want = spec.take(full) if spec else full
+        read.clear()
+        got = rebuild("w", torch.zeros_like(want), spec, sorted(entries), entries, load)
+        assert torch.equal(got, want)
+        if src == 4 and dst == 1:
+            assert len(read) == 4
+        if (src, dst) == (2, 4) and r in (0, 3):  # rows [0, 128) / [384, 509): inside one saved piece
+            assert read == [f"w@tp{r // 2}of2"]  # only the overlapping piece is read
+
+
+def test_rebuild_refuses_other_split_dim():
+    from ckpt_cases import tp_pieces
+
+    from shardwise.checkpoint.tp import rebuild
+    from shardwise.tensor_parallel import ShardSpec
+
+    entries, data = tp_pieces(torch.randn(8, 6), 0, 2)
+    with pytest.raises(CheckpointError, match="split along dim 0, this model splits it along dim 1"):
+        rebuild("w", torch.zeros(8, 3), ShardSpec(1, 6, 2, 0), sorted(entries), entries, data.__getitem__)
+    del entries["w@tp1of2"]
+    with pytest.raises(CheckpointError, match="not ranks 0..1"):
+        rebuild("w", torch.zeros(8, 6), None, sorted(entries), entries, data.__getitem__)
+
+
+def test_tp_frozen_sharded_embedding(pool2, tmp_path):
+    """A frozen vocab-parallel embedding is saved as module TP pieces and resharded on load."""
+    base = pool2.run("ckpt_cases:train_and_save", KIND, 2, str(tmp_path / "ckpt"), str(tmp_path / "hf16"),
+                     tp=2, freeze="embed_tokens")
+    res = pool2.run("ckpt_cases:load_and_train", KIND, 2, str(tmp_path / "ckpt"), freeze="embed_tokens")
+    assert _mean_losses(res) == pytest.approx(base[0]["losses"][STEPS // 2:], rel=TP_TOL)
+    assert max_rel_diff(res[0]["weights"], base[0]["weights"]) < TP_TOL
+    meta = json.loads((tmp_path / "ckpt" / "global_step2" / "metadata.json").read_text())
+    assert meta["module"]["model.embed_tokens.weight@tp1of2"]["tp"]["rank"] == 1
+    consolidate(tmp_path / "ckpt", tmp_path / "hf")
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf"), base[0]["logits_at_save"], rtol=0, atol=1e-5)
+
+
+def test_tp2_dp2_stage3_to_tp1(pool4, pool2, tmp_path):
+    """TP=2 x dp=2 at stage 3 (4 ranks) -> TP=1, stage 3 on 2 ranks; consolidates to the engine's logits."""
+    base = pool4.run("ckpt_cases:train_and_save", KIND, 3, str(tmp_path / "ckpt"), str(tmp_path / "hf16"), tp=2)
+    res = pool2.run("ckpt_cases:load_and_train", KIND, 3, str(tmp_path / "ckpt"))
+    assert _mean_losses(res) == pytest.approx(_mean_losses(base)[STEPS // 2:], rel=TP_TOL)
+    assert max_rel_diff(res[0]["weights"], base[0]["weights"]) < TP_TOL
+    consolidate(tmp_path / "ckpt", tmp_path / "hf")
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf"), base[0]["logits_at_save"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf16"), base[0]["logits_at_save"], rtol=0, atol=1e-5)

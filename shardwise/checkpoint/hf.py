@@ -26,8 +26,9 @@ from shardwise.checkpoint.fileio import (
     world_comm,
     write_json,
 )
-from shardwise.checkpoint.load import read_metadata, resolve_tag
-from shardwise.checkpoint.save import _model_config, full_shape, module_extras, tp_split
+from shardwise.checkpoint.load import read_metadata, read_saved, resolve_tag
+from shardwise.checkpoint.save import _model_config, full_shape, module_extras
+from shardwise.checkpoint.tp import gather_full, logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.comm import Comm, CommStats
 
 if TYPE_CHECKING:
@@ -116,27 +117,30 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
         raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass --tag")
     meta = read_metadata(path)
     tensors, module = meta["tensors"], meta["module"]
-    if any(t.get("tp") for t in tensors.values()):
-        raise CheckpointError(f"{path}: consolidating TP-split parameters is not supported yet")
+    tidx, midx = saved_index(tensors), saved_index(module)
     reader = ShardReader(path, meta["files"], verify=verify)
     for f in meta["files"]:
         reader.check(f)
     out_dt = dtype_from_name(dtype)
     specs: list[Spec] = []
     for name in meta["order"]:
-        info = tensors.get(name) or module[name]
+        info = tensors[tidx[name][0]] if name in tidx else module[midx[name][0]]
         dt = dtype_from_name(info["dtype"])
-        specs.append((name, out_dt if dt.is_floating_point else dt, tuple(info["shape"])))
+        specs.append((name, out_dt if dt.is_floating_point else dt, tuple(logical_shape(info))))
     out = Path(out_dir)
     w = ShardedHFWriter(out, specs, parse_size(max_shard_size))
     for name, dt, shape in specs:
-        segs = tensors[name]["segments"] if name in tensors else []
-        if len(segs) == 1:  # whole tensor in one file: read it straight, no second buffer
-            t = reader.read_full(f"master/{name}", segs[0]["file"]).view(shape)
-        elif name in tensors:
-            t = torch.empty(tensors[name]["numel"], dtype=torch.float32)
-            reader.read_range(f"master/{name}", segs, 0, t.numel(), t)
-            t = t.view(shape)
+        trained = name in tidx
+        src, keys = (tensors, tidx[name]) if trained else (module, midx[name])
+        if src[keys[0]].get("tp"):  # TP pieces: assembled into the full (unpadded) tensor, piece by piece
+            buf = torch.empty(shape, dtype=torch.float32 if trained else dtype_from_name(src[keys[0]]["dtype"]))
+            t = rebuild(name, buf, None, keys, src,
+                        (lambda k: read_saved(reader, tensors, "master", k, torch.float32)) if trained
+                        else (lambda k: reader.read_full(f"module/{k}", module[k]["file"])))
+        elif trained and len(tensors[name]["segments"]) == 1:  # one file: read it straight, no 2nd buffer
+            t = reader.read_full(f"master/{name}", tensors[name]["segments"][0]["file"]).view(shape)
+        elif trained:
+            t = read_saved(reader, tensors, "master", name, torch.float32)
         else:
             t = reader.read_full(f"module/{name}", module[name]["file"])
         reader.release()
@@ -153,7 +157,7 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="shardwise consolidate",
         description="Write Hugging Face weights (config.json + model*.safetensors) from a shardwise "
-                    "checkpoint saved at any world size and ZeRO stage, one tensor at a time.",
+                    "checkpoint saved at any world size, ZeRO stage and TP degree, one tensor at a time.",
         epilog="examples:\n  shardwise consolidate ckpts/ hf_out/\n"
                "  shardwise consolidate ckpts/ hf_out/ --tag global_step1000 --dtype bf16 "
                "--max-shard-size 2GB",
@@ -178,19 +182,25 @@ def save_16bit_model(engine: Engine, save_dir: str | Path, dtype: torch.dtype | 
                      max_shard_size: str | int = "5GB") -> None:
     """HF weights from a live engine (collective): masters are gathered group by group, rank 0 writes.
 
-    Built from the fp32 masters (own ranges + all-gather), so it does not depend on where the
-    compute-dtype parameters live (stage 3 keeps only shards). ``dtype`` defaults to the compute dtype.
+    Built from the fp32 masters (own ranges + all-gather over the data-parallel group), so it does
+    not depend on where the compute-dtype parameters live (stage 3 keeps only shards). Under TP each
+    sharded parameter's local tensors are then all-gathered over the TP group into the full HF
+    tensor (padding dropped). ``dtype`` defaults to the compute dtype.
     """
-    if any(tp_split(p) for g in engine.groups for p in g.params):
-        raise NotImplementedError("save_16bit_model with tensor parallelism is not supported yet")
     comm = world_comm()
     dp = engine.comm if engine.comm.size == 1 else Comm(engine.comm.group, CommStats())
+    tp = engine.tp if engine.tp.size == 1 else Comm(engine.tp.group, CommStats())
     dtype = dtype or (engine.groups[0].dtype if engine.groups else torch.float32)
     rank0 = comm.rank == 0
-    extras = {n: t.detach().to(dtype) if isinstance(t, torch.nn.Parameter) else t.detach()
-              for n, t in module_extras(engine).items()}
-    specs = [(n, dtype, tuple(full_shape(p))) for g in engine.groups for n, p in zip(g.names, g.params,
-                                                                                     strict=True)]
+    extras = {}  # frozen parameters (cast; TP pieces gathered) and persistent buffers
+    for n, t in module_extras(engine).items():
+        v = gather_full(t.detach(), spec_of(t), tp)
+        extras[n] = v.to(dtype) if isinstance(t, torch.nn.Parameter) else v
+    # every TP rank walks the parameters in the model's order (TP ranks may bucket them differently)
+    where = {id(p): (g, name, p, off, n) for g in engine.groups
+             for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True)}
+    todo = [where[id(p)] for _, p in engine.module.named_parameters() if id(p) in where]
+    specs = [(name, dtype, tuple(logical_shape_of(full_shape(p), spec_of(p)))) for _, name, p, _, _ in todo]
     specs += [(n, t.dtype, tuple(t.shape)) for n, t in extras.items()]
     err: BaseException | None = None
     w = None
@@ -200,15 +210,18 @@ def save_16bit_model(engine: Engine, save_dir: str | Path, dtype: torch.dtype | 
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by agree()
         err = e
     agree(comm, err, "save_16bit_model")
-    for g in engine.groups:  # every rank joins every gather, even after rank 0 failed to write
-        full = torch.zeros(g.padded_numel, dtype=g.master.dtype, device=g.master.device)
-        full.narrow(0, g.own_start, g.own_numel).copy_(g.master)
-        if engine.stage >= 1:
-            dp.all_gather(full)
+    cached, full = None, None
+    for g, name, p, off, n in todo:  # every rank joins every gather, even after rank 0 failed to write
+        if g is not cached:  # one group's flat masters at a time
+            full = torch.zeros(g.padded_numel, dtype=g.master.dtype, device=g.master.device)
+            full.narrow(0, g.own_start, g.own_numel).copy_(g.master)
+            if engine.stage >= 1:
+                dp.all_gather(full)
+            cached = g
+        t = gather_full(full.narrow(0, off, n).view(full_shape(p)), spec_of(p), tp)
         if w is not None and err is None:
             try:
-                for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True):
-                    w.write(name, full.narrow(0, off, n).view(full_shape(p)).to(dtype))
+                w.write(name, t.to(dtype))
             except Exception as e:  # noqa: BLE001
                 err = e
     try:

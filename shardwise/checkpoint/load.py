@@ -25,7 +25,15 @@ from shardwise.checkpoint.fileio import (
     set_rng_state,
     world_comm,
 )
-from shardwise.checkpoint.save import IMPL_KEYS, module_extras, tp_split
+from shardwise.checkpoint.save import IMPL_KEYS, full_shape, module_extras
+from shardwise.checkpoint.tp import (
+    direct_key,
+    logical_shape,
+    logical_shape_of,
+    rebuild,
+    saved_index,
+    spec_of,
+)
 
 if TYPE_CHECKING:
     from shardwise.engine import Engine
@@ -52,58 +60,97 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path | None:
 
 def read_metadata(path: Path) -> dict:
     meta = read_json(path / "metadata.json")
-    if meta.get("format") != FORMAT or meta.get("version", 0) > VERSION:
-        raise CheckpointError(f"{path / 'metadata.json'}: not a {FORMAT} v{VERSION} checkpoint "
-                              f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path / 'metadata.json'}: not a {FORMAT} checkpoint "
+                              f"(format={meta.get('format')!r})")
+    if meta.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path / 'metadata.json'}: checkpoint format version {meta.get('version')!r}"
+                              f" is newer than this shardwise reads (up to {VERSION}); upgrade shardwise")
     return meta
 
 
 def _check_fits(engine: Engine, meta: dict, path: Path) -> None:
+    """Every trainable parameter is saved (whole, or as TP pieces of any degree) with its HF shape."""
     tensors = meta["tensors"]
+    index = saved_index(tensors)
     missing, wrong = [], []
     for g in engine.groups:
         for name, p, n in zip(g.names, g.params, g.numels, strict=True):
-            t = tensors.get(name)
-            if t is None:
+            spec = spec_of(p)
+            key = direct_key(name, spec, tensors)
+            if key is not None:
+                if tensors[key]["numel"] != n:
+                    wrong.append(f"{key} ({tensors[key]['numel']} saved, {n} here)")
+            elif name not in index:
                 missing.append(name)
-            elif t["numel"] != n:
-                wrong.append(f"{name} ({t['numel']} saved, {n} here)")
-            elif t.get("tp") != tp_split(p):
-                raise CheckpointError(f"{path}: {name} was saved with TP split {t.get('tp')} and is "
-                                      f"{tp_split(p)} here; TP resharding is not supported yet")
+            elif (saved := logical_shape(tensors[index[name][0]])) != (here := logical_shape_of(full_shape(p),
+                                                                                                spec)):
+                wrong.append(f"{name} (shape {saved} saved, {here} here)")
     if missing or wrong:
         raise CheckpointError(f"{path}: does not fit this model: missing {missing[:5]}"
                               f"{'...' if len(missing) > 5 else ''}, size mismatch {wrong[:5]}")
 
 
+def read_saved(reader: ShardReader, tensors: dict, prefix: str, key: str, dtype: torch.dtype) -> torch.Tensor:
+    """The whole saved tensor ``prefix/key`` (a trainable one's local TP piece), in its saved shape."""
+    info = tensors[key]
+    buf = torch.empty(info["numel"], dtype=dtype)
+    reader.read_range(f"{prefix}/{key}", info["segments"], 0, info["numel"], buf)
+    return buf.view(info["shape"])
+
+
 def _read_own(engine: Engine, meta: dict, reader: ShardReader, states: list[str]) -> list[dict]:
-    """Per group: {"master": tensor, state: tensor, ..., "scalars": {...}} for this rank's range."""
+    """Per group: {"master": tensor, state: tensor, ..., "scalars": {...}} for this rank's range.
+
+    A parameter saved with this rank's TP split is read by element range; one saved at another TP
+    degree is rebuilt whole (its overlapping TP pieces read) and then cut to this rank's range.
+    """
     tensors, out = meta["tensors"], []
+    index = saved_index(tensors)
     for g in engine.groups:
         bufs = {"master": torch.zeros(g.own_numel, dtype=g.master.dtype)}
         for k in states:
             bufs[k] = torch.zeros(g.own_numel, dtype=dtype_from_name(meta["state_dtypes"][k]))
         first = None  # the scalars (Adam's step) of the first parameter this rank holds part of
-        for name, off, n in zip(g.names, g.offsets, g.numels, strict=True):
+        for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True):
             a, b = max(off, g.own_start), min(off + n, g.own_start + g.own_numel)
             if a >= b:
                 continue
-            first = first or name
+            spec = spec_of(p)
+            key = direct_key(name, spec, tensors)
+            first = first or key or index[name][0]
             for k, buf in bufs.items():
-                reader.read_range(f"{k}/{name}", tensors[name]["segments"], a - off, b - off,
-                                  buf.narrow(0, a - g.own_start, b - a))
-        scal = meta["scalars"].get(first or g.names[0], {}) if states else {}
+                dst = buf.narrow(0, a - g.own_start, b - a)
+                if key is not None:
+                    reader.read_range(f"{k}/{key}", tensors[key]["segments"], a - off, b - off, dst)
+                    continue
+                local = torch.zeros(full_shape(p), dtype=buf.dtype)
+                rebuild(name, local, spec, index[name], tensors,
+                        lambda s, k=k, dt=buf.dtype: read_saved(reader, tensors, k, s, dt))
+                dst.copy_(local.view(-1)[a - off: b - off])
+        scal = meta["scalars"].get(first, {}) if states and first else {}
         out.append({"bufs": bufs, "scalars": scal})
     return out
 
 
 def _read_module(engine: Engine, meta: dict, reader: ShardReader) -> dict[str, torch.Tensor]:
+    """Frozen parameters and buffers, whole or as this rank's TP piece (resharded if saved otherwise)."""
     live = module_extras(engine)
+    saved = meta["module"]
     out = {}
-    for name, info in meta["module"].items():
+    for name, keys in saved_index(saved).items():
         if name not in live:
             raise CheckpointError(f"{reader.folder}: saved tensor {name} is not in this model")
-        out[name] = reader.read_full(f"module/{name}", info["file"])
+        spec, t = spec_of(live[name]), live[name]
+        key = direct_key(name, spec, saved)
+        if key is not None:
+            out[name] = reader.read_full(f"module/{key}", saved[key]["file"])
+            continue
+        if logical_shape(saved[keys[0]]) != logical_shape_of(list(t.shape), spec):
+            raise CheckpointError(f"{reader.folder}: {name} has shape {logical_shape(saved[keys[0]])} in "
+                                  f"the checkpoint, {logical_shape_of(list(t.shape), spec)} here")
+        out[name] = rebuild(name, torch.zeros(t.shape, dtype=dtype_from_name(saved[keys[0]]["dtype"])),
+                            spec, keys, saved, lambda s: reader.read_full(f"module/{s}", saved[s]["file"]))
     return out
 
 
@@ -182,6 +229,7 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
     c = meta["counters"]
     engine.global_steps, engine.micro_steps = c["global_steps"], c["micro_steps"]
     engine.skipped_steps = c["skipped_steps"]
-    if meta["layout"]["world"] == comm.size:  # per-rank streams only mean something at the same world
+    lay = meta["layout"]  # per-rank streams only mean something in the same layout
+    if lay["world"] == comm.size and lay.get("tp", 1) == engine.tp.size:
         set_rng_state(meta["rng"][comm.rank])
     return str(path), meta["client_state"]

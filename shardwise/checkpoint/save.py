@@ -1,8 +1,9 @@
 """Sharded save: each rank writes the state it owns, described independently of the layout.
 
-Every saved piece is "elements [a, b) of the flattened parameter NAME" (of its TP piece, when the
-parameter is TP-split), so a loader with any world size, stage, or bucketing finds the slices it
-needs from the metadata alone. See docs/checkpoints.md for the format.
+Every saved piece is "elements [a, b) of the flattened saved tensor KEY", where KEY is a parameter's
+name, or ``NAME@tp{r}of{t}`` for TP rank r's local tensor of a TP-sharded parameter (see
+``checkpoint/tp.py``), so a loader with any world size, stage, bucketing or TP degree finds the
+slices it needs from the metadata alone. See docs/checkpoints.md for the format.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from shardwise.checkpoint.fileio import (
     to_json,
     world_comm,
 )
+from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
 
 if TYPE_CHECKING:
     from shardwise.engine import Engine
@@ -32,16 +34,11 @@ if TYPE_CHECKING:
 IMPL_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
-def tp_split(p: torch.Tensor) -> dict | None:
-    """How a parameter is split by tensor parallelism: ``{"dim", "parts", "index"}`` or None.
-
-    Integration point for the TP layer: it marks a TP-sharded parameter with ``p.tp_split``.
-    """
-    return getattr(p, "tp_split", None)
-
-
 def full_shape(p: torch.Tensor) -> list[int]:
-    """The parameter's logical shape (``p.ds_shape`` when stage 3 keeps a placeholder tensor)."""
+    """The parameter's shape on this rank (``p.ds_shape`` when stage 3 keeps a placeholder tensor).
+
+    Under TP this is the TP-local (padded) shape; ``tp.logical_shape_of`` gives the HF shape.
+    """
     return [int(s) for s in getattr(p, "ds_shape", p.shape)]
 
 
@@ -96,32 +93,49 @@ def _split_state(g, state: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any
 
 
 def _write_rank(engine: Engine, folder: Path, rank: int) -> dict:
-    """Write this rank's shard file; returns its manifest (merged into metadata.json by rank 0)."""
+    """Write this rank's shard file; returns its manifest (merged into metadata.json by rank 0).
+
+    Under TP, TP-sharded parameters are saved per TP rank under ``NAME@tp{r}of{t}``; replicated ones
+    only by TP rank 0 (of each data-parallel group, which tiles them with its ZeRO shards).
+    """
     writes = engine.stage >= 1 or engine.comm.rank == 0  # stage 0: replicated, dp rank 0 writes
+    tp_rank = engine.tp.rank if engine.tp.size > 1 else 0
     pieces: list[tuple[str, torch.Tensor]] = []
+    tensors: dict[str, dict] = {}
     segments: dict[str, list[int]] = {}
     scalars: dict[str, dict] = {}
     state_dtypes: dict[str, str] = {}
-    if writes:
-        for g in engine.groups:
-            elem, sc = _split_state(g, engine.optimizer.state.get(g.master, {}))
-            state_dtypes.update({k: dtype_name(v.dtype) for k, v in elem.items()})
-            for name, off, n in zip(g.names, g.offsets, g.numels, strict=True):
-                a, b = max(off, g.own_start), min(off + n, g.own_start + g.own_numel)
-                if a >= b:
-                    continue
-                segments[name] = [a - off, b - off]
-                scalars[name] = sc
-                lo = a - g.own_start
-                pieces.append((f"master/{name}", g.master.narrow(0, lo, b - a)))
-                pieces += [(f"{k}/{name}", v.narrow(0, lo, b - a)) for k, v in elem.items()]
+    for g in engine.groups:
+        elem, sc = _split_state(g, engine.optimizer.state.get(g.master, {})) if writes else ({}, {})
+        state_dtypes.update({k: dtype_name(v.dtype) for k, v in elem.items()})
+        for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True):
+            spec = spec_of(p)
+            if spec is None and tp_rank != 0:
+                continue  # replicated over TP: TP rank 0 saves it
+            key, shape = saved_name(name, spec), full_shape(p)
+            tensors[key] = {"shape": shape, "numel": n, "dtype": dtype_name(g.dtype),
+                            "tp": tp_meta(name, spec, shape), "segments": []}
+            a, b = max(off, g.own_start), min(off + n, g.own_start + g.own_numel)
+            if not writes or a >= b:
+                continue
+            segments[key] = [a - off, b - off]
+            scalars[key] = sc
+            lo = a - g.own_start
+            pieces.append((f"master/{key}", g.master.narrow(0, lo, b - a)))
+            pieces += [(f"{k}/{key}", v.narrow(0, lo, b - a)) for k, v in elem.items()]
     module: dict[str, dict] = {}
-    if engine.comm.rank == 0:  # frozen params and persistent buffers are replicated
+    if engine.comm.rank == 0:  # frozen params and persistent buffers: dp rank 0 (TP pieces per TP rank)
         for name, t in module_extras(engine).items():
-            module[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-            pieces.append((f"module/{name}", t.detach()))
-    manifest: dict[str, Any] = {"rank": rank, "file": None, "segments": segments, "scalars": scalars,
-                                "state_dtypes": state_dtypes, "module": module, "rng": rng_state()}
+            spec = spec_of(t)
+            if spec is None and tp_rank != 0:
+                continue
+            key = saved_name(name, spec)
+            module[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                           "tp": tp_meta(name, spec, list(t.shape))}
+            pieces.append((f"module/{key}", t.detach()))
+    manifest: dict[str, Any] = {"rank": rank, "file": None, "tensors": tensors, "segments": segments,
+                                "scalars": scalars, "state_dtypes": state_dtypes, "module": module,
+                                "rng": rng_state()}
     if pieces:
         fname = _rank_file(rank)
         w = SafetensorsWriter(folder / fname, [(k, t.dtype, tuple(t.shape)) for k, t in pieces])
@@ -145,10 +159,12 @@ def _model_config(module: torch.nn.Module) -> dict | None:
 
 def _metadata(engine: Engine, manifests: list[dict], world: int, client_state: dict) -> dict:
     tensors: dict[str, dict] = {}
-    for g in engine.groups:
-        for name, p, n in zip(g.names, g.params, g.numels, strict=True):
-            tensors[name] = {"shape": full_shape(p), "numel": n, "dtype": dtype_name(g.dtype),
-                             "tp": tp_split(p), "segments": []}
+    for m in manifests:  # every rank describes its saved names (TP ranks have different ones)
+        for key, t in m["tensors"].items():
+            if key in tensors and tensors[key]["shape"] != t["shape"]:
+                raise AssertionError(f"{key}: ranks disagree on its shape ({tensors[key]['shape']} "
+                                     f"and {t['shape']})")
+            tensors.setdefault(key, t)
     files, scalars, module, state_dtypes = {}, {}, {}, {}
     for m in manifests:
         if m["file"] is not None:
@@ -165,13 +181,14 @@ def _metadata(engine: Engine, manifests: list[dict], world: int, client_state: d
             assert s["start"] == pos, f"{name}: segments leave a gap at {pos}"
             pos = s["stop"]
         assert pos == t["numel"], f"{name}: segments cover {pos} of {t['numel']} elements"
-    order = [n for n, _ in engine.module.named_parameters() if n in tensors or n in module]
-    order += [n for n in module if n not in order]
+    saved = {logical_name(k, v) for k, v in tensors.items()} | {logical_name(k, v) for k, v in module.items()}
+    order = [n for n, _ in engine.module.named_parameters() if n in saved]
+    order += [n for n in dict.fromkeys(logical_name(k, v) for k, v in module.items()) if n not in order]
     opt = engine.optimizer
     sched = engine.lr_scheduler
     return {
         "format": FORMAT, "version": VERSION,
-        "layout": {"world": world, "dp": engine.dp_world, "tp": world // max(engine.dp_world, 1),
+        "layout": {"world": world, "dp": engine.dp_world, "tp": engine.tp.size,
                    "stage": engine.stage, "compute_dtype": dtype_name(engine.groups[0].dtype)
                    if engine.groups else None},
         "order": order,
