@@ -7,12 +7,10 @@ activation memory from arXiv 2205.05198. Units: GB = 1e9 bytes, GiB = 2**30 byte
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
@@ -377,155 +375,8 @@ def _recommend(est: Estimate, mb: int | None, seq: int | None, ckpt: bool) -> No
                "activation checkpointing or lower the micro batch.")
 
 
-def _gb(b: float, unit: float = 1e9) -> str:
-    return f"{b / unit:,.2f}"
+# The report and the CLI live in estimate_report; re-exported so `shardwise.estimate.main` works.
+from shardwise.estimate_report import format_report, main  # noqa: E402
 
-
-def _gib(b: float) -> str:
-    return _gb(b, 2**30)
-
-
-def _table(headers: list[str], rows: list[list[str]], align: str) -> str:
-    """Plain-text table with aligned columns; align holds 'l' or 'r' per column."""
-    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
-
-    def fmt(r: list[str]) -> str:
-        return "  ".join(v.ljust(w) if a == "l" else v.rjust(w)
-                         for v, w, a in zip(r, widths, align, strict=True)).rstrip()
-
-    return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *map(fmt, rows)])
-
-
-def format_report(est: Estimate) -> str:
-    """Human-readable tables: components, stages, communication, activations, fit."""
-    n, out = est.dp, []
-    tp_txt = f" x {est.tp} tensor-parallel" if est.tp > 1 else ""
-    out.append(f"shardwise estimate: {est.params:,} params, {est.devices} devices = {n} data-parallel"
-               f"{tp_txt}, {est.dtype} + Adam, offload: {est.offload}")
-    out.append(f"Units: GB = 1e9 bytes, GiB = 2^30 bytes. Ψ = params per TP rank = {est.psi:,}; N = {n}.")
-    out.append("\nModel states, unsharded (one replica)")
-    rows = [[c.name, c.formula, _gb(c.bytes), _gib(c.bytes)] for c in est.components]
-    total = sum(c.bytes for c in est.components)
-    rows.append(["total", f"{total // est.psi}Ψ", _gb(total), _gib(total)])
-    out.append(_table(["component", "formula", "GB", "GiB"], rows, "llrr"))
-    offl = est.offload != "none"
-    out.append(f"\nZeRO stages, per device (cluster = per device x {est.devices} devices)")
-    rows = []
-    for s in est.stages.values():
-        row = [str(s.stage), s.sharded, s.formula, _gb(s.per_device_bytes), _gib(s.per_device_bytes),
-               _gb(s.cluster_bytes), f"{s.saving:.1%}"]
-        if offl:
-            row[2:2] = [s.offload]
-            row += [s.host_formula, _gb(s.host_bytes)]
-        rows.append(row)
-    heads = ["stage", "sharded", "formula", "per device GB", "GiB", "cluster GB", "saving"]
-    if offl:
-        heads[2:2] = ["offload"]
-        heads += ["host formula", "host GB/rank"]
-    out.append(_table(heads, rows, "llllrrrrlr" if offl else "lllrrrr"))
-    out.append(f"\nCommunication per step per rank (data parallel; ring sends (N-1)/N = {(n - 1) / n:.3f}"
-               f" of it; {4 if est.dtype == 'fp32' else 2} bytes/element)")
-    rows = [[str(s.stage), s.comm_collectives, "3Ψ" if s.stage == 3 else "2Ψ", f"{s.comm_elements:,}",
-             _gb(s.comm_bytes)] + ([_gb(s.pcie_bytes)] if offl else []) for s in est.stages.values()]
-    out.append(_table(["stage", "collectives", "volume", "elements", "GB sent"]
-                      + (["PCIe GB"] if offl else []), rows, "llrrr" + "r" * offl))
-    if est.tp_comm_bytes is not None:
-        out.append(f"Tensor parallel: 2 all-reduces of b·s·h forward + 2 backward per layer"
-                   f"{' (+2 recompute)' if est.activations and est.activations['checkpointing'] else ''}: "
-                   f"{_gb(est.tp_comm_bytes)} GB sent per rank per micro batch.")
-    a = est.activations
-    out.append("\nActivations per device")
-    if a:
-        out.append(_table(["item", "formula", "GB", "GiB"], [
-            ["per layer", "s·b·h·(34 + 5·a·s/h)/t", _gb(a["per_layer_bytes"]), _gib(a["per_layer_bytes"])],
-            ["all layers" + (" (checkpointed)" if a["checkpointing"] else ""),
-             a["layers_formula"], _gb(a["layers_bytes"]), _gib(a["layers_bytes"])],
-            ["output logits", "4·b·s·V/t", _gb(a["logits_bytes"]), _gib(a["logits_bytes"])],
-            ["total", "", _gb(a["total_bytes"]), _gib(a["total_bytes"])]], "llrr"))
-    else:
-        out.append("not estimated (needs --model for shape, --micro-batch and --seq)")
-    out.append("\nFit")
-    if est.device_memory and est.recommendation:
-        usable = est.device_memory * (1 - est.margin)
-        out.append(f"device memory {_gb(est.device_memory)} GB, {est.margin:.0%} kept as margin -> "
-                   f"{_gb(usable)} GB usable; need = states + activations + (stage 3) one gathered layer")
-        out.append(_table(["stage", "offload", "tp", "need GB", "host GB/rank", "fits"], [
-            [str(c.stage), c.offload, str(c.tp), _gb(c.device_need_bytes), _gb(c.host_bytes),
-             "yes" if c.fits else "no"] for c in est.candidates], "llrrrl"))
-        r = est.recommendation
-        verb = "Recommendation" if r["fits"] else "Closest option"
-        out.append(f"{verb}: stage {r['stage']}, offload {r['offload']}, tp {r['tp']}. {r['reason']}")
-    else:
-        out.append("not checked (pass --device-memory, e.g. 80GB)")
-    if est.notes:
-        out.append("\nNotes:\n" + "\n".join(f"- {x}" for x in est.notes))
-    return "\n".join(out)
-
-
-def _arg(parse: Any, kind: str) -> Any:
-    """Wrap a parser so argparse reports '--flag: <reason>' for bad values."""
-    def conv(text: str) -> int:
-        try:
-            v = parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from exc
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{kind} must be positive: {text!r}")
-        return v
-    conv.__name__ = kind
-    return conv
-
-
-EPILOG = """examples:
-  shardwise estimate --params 7.5B --devices 64
-  shardwise estimate --model ./llama-7b --devices 8 --micro-batch 1 --seq 4096 --device-memory 80GB
-  shardwise estimate --params 70B --devices 16 --tp 8 --offload optimizer --json
-units: counts take K/M/B/T (powers of 1000); GB = 1e9 bytes, GiB = 2^30 bytes, G = GB."""
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`shardwise estimate` CLI; returns the exit code (2 for bad input, naming the flag)."""
-    p = argparse.ArgumentParser(prog="shardwise estimate", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Estimate per-device memory and communication for ZeRO "
-                                            "stages 0-3, offload and tensor parallelism.")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=_arg(parse_count, "count"), help="parameter count, e.g. 7.5B")
-    src.add_argument("--model", help="HF model directory or config.json (exact count, shapes)")
-    p.add_argument("--devices", type=_arg(parse_count, "count"), required=True, help="total devices")
-    p.add_argument("--tp", type=_arg(parse_count, "count"), default=1, help="tensor-parallel degree")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
-    p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
-    p.add_argument("--micro-batch", type=_arg(parse_count, "count"), help="micro batch per device")
-    p.add_argument("--seq", type=_arg(parse_count, "count"), help="sequence length")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--device-memory", type=_arg(parse_bytes, "size"), help="e.g. 80GB, 80GiB")
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    try:
-        args = p.parse_args(argv)
-        if args.devices % args.tp:
-            p.error(f"--devices {args.devices} is not divisible by --tp {args.tp}")
-        if (args.micro_batch is None) != (args.seq is None):
-            p.error("--micro-batch and --seq go together")
-        if args.micro_batch and not args.model:
-            p.error("--micro-batch/--seq need --model (hidden size, layers, heads for activations)")
-        facts = None
-        if args.model:
-            try:
-                facts = model_facts(args.model)
-            except (ValueError, KeyError, OSError) as exc:
-                p.error(f"--model: {exc}")
-        if facts and facts.num_heads and facts.num_heads % args.tp:
-            p.error(f"--tp {args.tp} does not divide the model's {facts.num_heads} attention heads")
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    est = estimate(facts.params if facts else args.params, args.devices, tp=args.tp, dtype=args.dtype,
-                   offload=args.offload, micro_batch=args.micro_batch, seq=args.seq, facts=facts,
-                   activation_checkpointing=args.activation_checkpointing,
-                   device_memory=args.device_memory)
-    print(json.dumps(est.to_dict()) if args.json else format_report(est))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["ModelFacts", "Estimate", "count_params", "estimate", "format_report", "main", "model_facts",
+           "parse_bytes", "parse_count"]
