@@ -56,10 +56,11 @@ def owner_of(p: torch.Tensor) -> ShardedGroup | None:
 
 
 class InflightLimit:
-    """At most ``limit`` gradient buckets reduce asynchronously at once (stage >= 2).
+    """At most ``limit`` gradient buckets reduce asynchronously at once.
 
-    Each pending reduce-scatter keeps its full-size bucket alive; without a bound every bucket
-    of the model would still be held when backward ends (4 bytes x params in fp32).
+    Each pending reduction keeps buffers alive (at stage >= 2 its full-size bucket, on gloo its
+    ring's receive chunk); without a bound every bucket of the model would still be held when
+    backward ends (4 bytes x params in fp32 at stage 2).
     """
 
     def __init__(self, limit: int = 2):
@@ -334,13 +335,14 @@ class ShardedGroup:
             self._zero_unfilled()
             w = self.comm.reduce_scatter(self.flat_grad, self.shard_grad, async_op=self.overlap_comm,
                                          accumulate=True)
-            if w is not None and self.inflight is not None:
-                self.inflight.admit(self)
+
             self._bucket_in_flight = self.flat_grad if w is not None else None
             self.flat_grad = None  # the bucket lives only until its reduce-scatter is done
             self.release()  # stage 3: backward of this group is over
         if w is not None:
             self._pending.append(w)
+            if self.inflight is not None:  # bound the buckets (and ring buffers) held by pending work
+                self.inflight.admit(self)
 
     def _zero_unfilled(self) -> None:
         """A stage >= 2 bucket starts uninitialized: zero the padding and params without a grad."""
