@@ -26,6 +26,9 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=2816)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--folder", default=None, help="reuse a saved model")
+    p.add_argument("--cold", action="store_true", help="evict each layer's pages after reading it "
+                   "(SHARDWISE_COLD_READS=1), as a model larger than RAM forces")
+    p.add_argument("--modes", default=None, help="e.g. disk:0,disk:1 (default: all)")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from inference_cases import save_large
@@ -33,9 +36,14 @@ def main() -> None:
     folder = args.folder or tempfile.mkdtemp(prefix="bench_inference_")
     sizes = save_large(folder, args.layers, args.hidden, args.inter) if not args.folder else None
     env = dict(os.environ, PYTHONPATH=ROOT)
+    if args.cold:
+        env["SHARDWISE_COLD_READS"] = "1"
+    modes = MODES
+    if args.modes:
+        modes = [(m.split(":")[0], int(m.split(":")[1]) if ":" in m else 1) for m in args.modes.split(",")]
     print(f"model {folder}: {sizes}")
     print(f"{'mode':<9}{'prefetch':>9}{'peak RSS growth MB':>20}{'whole layers MB':>17}{'tokens/s':>10}")
-    for mode, prefetch in MODES:
+    for mode, prefetch in modes:
         out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "inference_cases.py"), "measure",
                               folder, mode, str(args.tokens), str(prefetch)],
                              capture_output=True, text=True, env=env, check=True)

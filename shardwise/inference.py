@@ -72,6 +72,9 @@ class SafetensorsReader:
                     self.entries[key] = (fd, _ST_DTYPES[info["dtype"]], 8 + head_len + info["data_offsets"][0])
         self.bytes_read = 0
         self._lock = threading.Lock()
+        # Benchmark knob: drop the pages after each read, as a model larger than RAM forces, so
+        # every gather really goes to the disk (the page cache otherwise makes reads memcpy).
+        self.cold = os.environ.get("SHARDWISE_COLD_READS") == "1"
 
     def find(self, names: list[str]) -> str:
         for n in names:
@@ -94,6 +97,8 @@ class SafetensorsReader:
             if n <= 0:
                 raise OSError(f"short read of {name} at byte {pos + done}")
             done += n
+        if self.cold:
+            os.posix_fadvise(fd, pos, size, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.bytes_read += size
         if out is not None and not direct:
