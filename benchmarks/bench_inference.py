@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="evict each layer's pages after reading it "
                    "(SHARDWISE_COLD_READS=1), as a model larger than RAM forces")
     p.add_argument("--modes", default=None, help="e.g. disk:0,disk:1 (default: all)")
+    p.add_argument("--batch", type=int, default=1, help="sequences generated together")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from inference_cases import save_large
@@ -45,7 +46,7 @@ def main() -> None:
     print(f"{'mode':<9}{'prefetch':>9}{'peak RSS growth MB':>20}{'whole layers MB':>17}{'tokens/s':>10}")
     for mode, prefetch in modes:
         out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "inference_cases.py"), "measure",
-                              folder, mode, str(args.tokens), str(prefetch)],
+                              folder, mode, str(args.tokens), str(prefetch), str(args.batch)],
                              capture_output=True, text=True, env=env, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         gathered = f"{r['peak_gathered'] / 1e6:.0f}" if r["peak_gathered"] else "-"

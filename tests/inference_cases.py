@@ -98,7 +98,7 @@ def _rss(field: str) -> int:
     raise KeyError(field)
 
 
-def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1) -> dict:
+def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: int = 1) -> dict:
     """Peak RSS growth over the post-import baseline, and tokens/s, of one generation."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama  # noqa: F401 (imported before the baseline)
@@ -106,7 +106,7 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1) -> dict:
     from shardwise.inference import init_inference
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    ids = prompt(vocab=512, batch=1, seq=8)
+    ids = prompt(vocab=512, batch=batch, seq=8)
     baseline = _rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
@@ -122,7 +122,7 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1) -> dict:
     t2 = time.perf_counter()
     fetcher = getattr(model, "shardwise_fetcher", None)
     return {"mode": mode, "prefetch": prefetch, "baseline": baseline, "peak_growth": _rss("VmHWM") - baseline,
-            "load_s": t1 - t0, "tokens_per_s": new_tokens / (t2 - t1),
+            "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t1),
             "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist()}
 
 
@@ -130,4 +130,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "measure":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]),
-                                 int(sys.argv[5]) if len(sys.argv) > 5 else 1)))
+                                 int(sys.argv[5]) if len(sys.argv) > 5 else 1,
+                                 int(sys.argv[6]) if len(sys.argv) > 6 else 1)))
