@@ -104,6 +104,10 @@ class Engine(nn.Module):
                 for t in list(model.parameters()) + list(model.buffers()):
                     world.broadcast(t.data, src=0)
             self.tp_report = apply_tensor_parallel(model, self.tp)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                r = self.tp_report
+                log.info(f"tensor parallel {r.tp_size}-way from the {r.plan_source}: {len(r.sharded)} "
+                         f"parameters sharded, {len(r.replicated)} replicated")
         self.compute_dtype: torch.dtype = config.compute_dtype
         if self.compute_dtype != torch.float32:  # params only; buffers (rotary freqs) stay fp32
             for p in model.parameters():

@@ -89,11 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     model = build_model(args.model, args.seq, args.seed)
     dataset = ByteTextDataset(Path(args.data), args.seq)
+    n_params = sum(p.numel() for p in model.parameters())  # before TP or ZeRO cut the model
     engine, _, loader, _ = shardwise.initialize(model=model, config=args.config, training_data=dataset)
     cfg = engine.config
-    n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"[shardwise] {args.model}: {n_params / 1e6:.2f}M params, world {dist.get_world_size()}, "
+        print(f"[shardwise] {args.model}: {n_params / 1e6:.2f}M params, world {dist.get_world_size()} "
+              f"(tp {engine.tp.size} x dp {engine.dp_world}), "
               f"ZeRO stage {engine.stage}, {cfg.precision}, micro batch {cfg.train_micro_batch_size_per_gpu}"
               f" x accumulation {engine.gas} x dp {engine.dp_world} = {cfg.train_batch_size} sequences/step",
               flush=True)
