@@ -184,3 +184,31 @@ def branchy_train(world: int | None = None) -> dict:
     with GatheredParameters(model.parameters()):
         w = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"weights": w, "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+
+
+def checkpointed_train(kind: str, config: dict, steps: int = 3) -> dict:
+    """HF gradient checkpointing under the engine (recompute runs inside backward)."""
+    import tiny_models
+    from zero_cases import train_ranks
+
+    orig = tiny_models.build
+
+    mlp_calls = [0]
+
+    def build_ckpt(k: str, seed: int = 0, vocab: int = tiny_models.VOCAB):
+        m = orig(k, seed, vocab)
+        # reentrant: torch 2.13's non-reentrant checkpoint did not recompute these tiny layers
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        for layer in m.model.layers:  # inner hooks run in the recompute too: count forwards
+            layer.mlp.register_forward_hook(lambda *_: mlp_calls.__setitem__(0, mlp_calls[0] + 1))
+        return m
+
+    import zero_cases
+
+    zero_cases.build = build_ckpt
+    try:
+        out = train_ranks(kind, config, steps=steps)
+    finally:
+        zero_cases.build = orig
+    out["mlp_calls"] = mlp_calls[0]
+    return out

@@ -149,3 +149,13 @@ def test_stage3_changing_forward_path_rerecords_order_silently(pool2):
     ref = branchy_train(None)
     assert max_rel_diff(res[0]["weights"], ref) < FP32_TOL
     assert res[0]["warnings"] == []
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_checkpointing(pool2, stage):
+    """HF checkpointing recomputes `forward` inside backward, outside the module hooks, after
+    stage 3's pre-backward gather: the recomputed unit sees its full parameters."""
+    cfg = make_config(stage, **S3) if stage == 3 else make_config(stage)
+    res = pool2.run("stage3_cases:checkpointed_train", "llama", cfg)
+    _check_equivalent(res, reference("llama", cfg))
+    assert res[0]["mlp_calls"] == 2 * 2 * 3  # 2 layers x 3 steps, each forward recomputed once
