@@ -156,3 +156,10 @@ def test_training_data_loader_and_rank0_logging(pool2):
 def test_client_lr_scheduler_callable(pool2):
     lrs = pool2.run("zero_cases:client_scheduler")[0]
     assert lrs == pytest.approx([1e-3 / 2, 1e-3 / 3, 1e-3 / 4])
+
+
+def test_hf_trainer_auto_config_loads_unchanged_and_trains(pool2):
+    out = pool2.run("zero_cases:hf_auto_config_trains")[0]
+    assert out["stage"] == 3 and out["micro"] == 1 and out["tbs"] == 2 and out["clip"] == 1.0
+    assert out["bucket"] == 64 * 64  # "auto" = hidden_size ** 2, as the HF integration fills it
+    assert all(loss == loss for loss in out["losses"]) and out["losses"][1] < 10

@@ -194,3 +194,37 @@ def client_scheduler() -> list[float]:
         engine.step()
         lrs.append(engine.get_lr()[0])
     return lrs
+
+
+HF_TRAINER_ZERO3 = {  # the Hugging Face docs' ZeRO-3 config, "auto" everywhere the Trainer fills in
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def hf_auto_config_trains() -> dict:
+    """A DeepSpeed config written for the HF Trainer loads unchanged and trains."""
+    engine, *_ = shardwise.initialize(model=build("llama"), config=HF_TRAINER_ZERO3)
+    ids = batches(2, 1, 2, 8)
+    losses = []
+    for s in range(2):
+        out = engine(input_ids=ids[s, 0, :1], labels=ids[s, 0, :1])
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(float(out.loss.detach()))
+    c = engine.config
+    return {"losses": losses, "stage": engine.stage, "micro": c.train_micro_batch_size_per_gpu,
+            "tbs": c.train_batch_size, "clip": c.gradient_clipping, "lr": engine.get_lr()[0],
+            "bucket": c.zero_optimization.reduce_bucket_size}
