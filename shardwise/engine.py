@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -292,6 +293,7 @@ class Engine(nn.Module):
                 g.publish_master(async_op=self._async_publish)
         else:
             self.skipped_steps += 1
+        self._step_applied = not skip
         self.last_grad_norm = norm
         for g in self.groups:
             g.zero_grad()
@@ -354,9 +356,41 @@ class Engine(nn.Module):
         free, _ = torch.cuda.mem_get_info()
         return full < free / 2
 
-    # -- DeepSpeed-style accessors --------------------------------------------------
+    # -- DeepSpeed-style accessors (scripts written for DeepSpeed call these) --------
     def get_lr(self) -> list[float]:
         return [pg["lr"] for pg in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step, over every shard (before clipping)."""
+        return self.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary's step was skipped (fp16 overflow)."""
+        return getattr(self, "_step_applied", False)
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.gas
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    @property
+    def device(self) -> torch.device:
+        return compute_device()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
 
     def zero_grad(self) -> None:
         for g in self.groups:

@@ -163,3 +163,11 @@ def test_hf_trainer_auto_config_loads_unchanged_and_trains(pool2):
     assert out["stage"] == 3 and out["micro"] == 1 and out["tbs"] == 2 and out["clip"] == 1.0
     assert out["bucket"] == 64 * 64  # "auto" = hidden_size ** 2, as the HF integration fills it
     assert all(loss == loss for loss in out["losses"]) and out["losses"][1] < 10
+
+
+def test_deepspeed_accessors(pool2):
+    out = pool2.run("zero_cases:deepspeed_accessors")
+    assert out[0]["tbs"] == 8 and out[0]["micro"] == 2 and out[0]["gas"] == 2 and out[0]["stage"] == 2
+    assert out[0]["norm"] > 0 and out[0]["norm"] == out[1]["norm"]  # one global norm on every rank
+    assert out[0]["applied"] and out[0]["device"] == "cpu" and out[0]["world"] == 2
+    assert [o["local_rank"] for o in out] == [0, 1]

@@ -228,3 +228,16 @@ def hf_auto_config_trains() -> dict:
     return {"losses": losses, "stage": engine.stage, "micro": c.train_micro_batch_size_per_gpu,
             "tbs": c.train_batch_size, "clip": c.gradient_clipping, "lr": engine.get_lr()[0],
             "bucket": c.zero_optimization.reduce_bucket_size}
+
+
+def deepspeed_accessors() -> dict:
+    """The engine methods DeepSpeed scripts (and the HF Trainer) call."""
+    engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(2, gas=2, clip=1.0))
+    ids = batches(1, 1, 2, 8)[0, 0, :2]
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    return {"tbs": engine.train_batch_size(), "micro": engine.train_micro_batch_size_per_gpu(),
+            "gas": engine.gradient_accumulation_steps(), "stage": engine.zero_optimization_stage(),
+            "norm": engine.get_global_grad_norm(), "applied": engine.was_step_applied(),
+            "device": str(engine.device), "world": engine.world_size, "local_rank": engine.local_rank}
