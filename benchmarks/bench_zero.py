@@ -36,19 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_report import (  # noqa: E402
-    ADAMW,
-    BUCKET,
-    DOC,
-    MODES,
-    REPO,
-    RESULTS,
-    _merge,
-    interpret,
-    table,
-    verdicts,
-    write_doc,
-)
+import bench_report as report  # noqa: E402  (modes, constants, the table and the doc)
+from bench_report import ADAMW, BUCKET, DOC, MODES, REPO, RESULTS  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         results, meta = saved["results"], saved["meta"]
-        meta["interpretation"] = interpret(results)
-        tbl, checks = table(results), verdicts(results)
+        meta["interpretation"] = report.interpret(results)
+        tbl, checks = report.table(results), report.verdicts(results)
         print(tbl + "\n\n" + "\n".join(checks))
-        write_doc(results, meta, tbl, checks)
+        report.write_doc(results, meta, tbl, checks)
         return 0
 
     SRC[0] = args.src.resolve()
@@ -438,9 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     if changed:
         print("[bench] WARNING: the shardwise sources changed during the run; the rows may mix versions",
               flush=True)
-    results = {m: _merge(rs) for m, rs in runs.items()}
-    tbl = table(results)
-    checks = verdicts(results)
+    results = {m: report._merge(rs) for m, rs in runs.items()}
+    tbl = report.table(results)
+    checks = report.verdicts(results)
     print()
     print(tbl)
     print()
@@ -486,13 +475,13 @@ def main(argv: list[str] | None = None) -> int:
                        f"so one job's median can move by 2x between "
                        f"repeats (see the per-repeat column): trust large gaps and the memory and loss "
                        f"columns, not differences of 10-20%. {args.note}").strip(),
-        "interpretation": interpret(results),
+        "interpretation": report.interpret(results),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps({"meta": meta, "results": results, "runs": runs},
                                                     indent=1))
     if not args.no_doc:
-        write_doc(results, meta, tbl, checks)
+        report.write_doc(results, meta, tbl, checks)
         print(f"\nwrote {DOC.relative_to(REPO)} and {(RESULTS / 'latest.json').relative_to(REPO)}")
     return 0
 
