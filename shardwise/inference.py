@@ -24,7 +24,6 @@ import ctypes
 import json
 import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from torch import nn
 from shardwise.comm import Comm, compute_device, init_distributed
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
 from shardwise.zero.gathered import guard_state_dict
-from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
+from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases, weight_map
 from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
 
 OFFLOADS = (None, "cpu", "disk")
@@ -51,19 +50,11 @@ class SafetensorsReader:
     """
 
     def __init__(self, folder: str | os.PathLike):
-        folder = Path(folder)
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (folder / "model.safetensors").exists():
-            files = ["model.safetensors"]
-        else:
-            raise FileNotFoundError(f"{folder}: no model.safetensors(.index.json); ZeRO-Inference "
-                                    "streams safetensors only")
+        files = sorted(set(weight_map(folder).values()))
         self.entries: dict[str, tuple[int, torch.dtype, int]] = {}  # name -> (fd, dtype, byte offset)
         self._fds: list[int] = []
         for name in files:
-            fd = os.open(folder / name, os.O_RDONLY)
+            fd = os.open(name, os.O_RDONLY)
             self._fds.append(fd)
             head_len = int.from_bytes(os.pread(fd, 8, 0), "little")
             header = json.loads(os.pread(fd, head_len, 8))

@@ -10,9 +10,7 @@ built normally on the CPU.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -21,40 +19,7 @@ from shardwise.comm import compute_device, init_distributed
 from shardwise.mesh import get_mesh
 from shardwise.tensor_parallel.layers import ShardSpec
 from shardwise.tensor_parallel.plan import apply_tensor_parallel
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Create module parameters on the meta device (buffers stay real)."""
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(self, name, param)
-        if param is not None and param.device.type != "meta":
-            p = self._parameters[name]
-            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def _weight_files(path: str) -> dict[str, str]:
-    """Tensor name -> safetensors file, from the index or the single file."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise FileNotFoundError(f"no model.safetensors(.index.json) in {path}: "
-                                "init_inference reads safetensors only")
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return {k: single for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+from shardwise.zero.init import params_on_meta, weight_map
 
 
 def _read_local(sl, spec: ShardSpec | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +64,7 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     finally:
         torch.set_default_dtype(previous)
     apply_tensor_parallel(model, tp)
-    files = _weight_files(path)
+    files = weight_map(path)
     prefix = f"{model.base_model_prefix}."
     replaced: dict[int, nn.Parameter] = {}
     loaded = 0

@@ -11,8 +11,10 @@ alone. Peak memory while building is about model/N plus one unit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +33,8 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        orig_register = nn.Module.register_parameter
-
-        def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-            if param is not None and param.device.type != "meta":
-                meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-                param = meta
-            orig_register(module, name, param)
-
-        self._patch(nn.Module, "register_parameter", register_parameter)
+        self._meta = params_on_meta()
+        self._meta.__enter__()
         try:
             from transformers import PreTrainedModel
         except ImportError:  # pragma: no cover - transformers is a dependency
@@ -68,6 +63,42 @@ class Init:
         for owner, name, old in reversed(self._saved):
             setattr(owner, name, old)
         self._saved.clear()
+        if getattr(self, "_meta", None) is not None:
+            self._meta.__exit__(*exc)
+            self._meta = None
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Create every module parameter on the meta device (one real tensor at a time; buffers stay real)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def weight_map(folder: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the index or the single file."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return {name: folder / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
+                                "(shardwise reads weights from safetensors only)")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
 
 
 def is_deferred(model: nn.Module) -> bool:
@@ -78,19 +109,7 @@ class SafetensorsSource:
     """Reads element ranges of named tensors from an HF safetensors folder (no pickle)."""
 
     def __init__(self, folder: Path):
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: folder / f for name, f in weight_map.items()}
-        else:
-            single = folder / "model.safetensors"
-            if not single.exists():
-                raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
-                                        "(zero.Init reads safetensors only)")
-            from safetensors import safe_open
-
-            with safe_open(single, framework="pt") as f:
-                self.files = {name: single for name in f.keys()}
+        self.files = weight_map(folder)
         self._open: dict[Path, Any] = {}
         self.bytes_read = 0  # rows actually read, to show each rank reads only its slices
 
