@@ -5,19 +5,16 @@ problem raises `ConfigError` naming the dotted key path, so users fix their file
 Flow: read -> normalize (aliases, deprecations, "auto") -> validate (pydantic) -> resolve (cross-key rules).
 """
 
-import copy
-import difflib
-import json
 import os
 import sys
 import warnings
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, get_args, get_origin
 
 import torch
 from pydantic import BaseModel, ValidationError
 
+from shardwise.config_keys import children
+from shardwise.config_read import read_config, timeout_of  # noqa: F401 (re-exported)
 from shardwise.config_schema import (  # noqa: F401 (re-exported)
     _DS_ONLY_OPTIMIZERS,
     _M,
@@ -39,16 +36,11 @@ from shardwise.config_schema import (  # noqa: F401 (re-exported)
     TPSizeConfig,
     ZeroConfig,
 )
+from shardwise.config_triage import announce, raise_problems, triage
+from shardwise.config_triage import suggest as _suggest
 
 
 # -- error formatting -----------------------------------------------------------------------------------
-def _suggest(key: str, options: Iterable[str]) -> str:
-    """Nearest valid name (case-insensitive), or the whole list when nothing is close."""
-    by_lower = {o.lower(): o for o in sorted(options)}
-    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
-    return f"did you mean '{by_lower[close[0]]}'?" if close else "valid keys: " + ", ".join(by_lower.values())
-
-
 def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The section model that a pydantic error location points into (for suggestions)."""
     model = root
@@ -63,26 +55,31 @@ def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | 
     return model
 
 
-def _validate(model: type[_M], data: Any, prefix: str = "") -> _M:
-    """model.model_validate, with every problem rewritten as 'dotted.path: what is wrong; fix'."""
+def _validate(model: type[_M], data: Any, prefix: str = "", earlier: list[str] | None = None) -> _M:
+    """model.model_validate, with every problem rewritten as 'dotted.path: what is wrong; fix'.
+
+    `earlier`: problems found before validation (refused or unknown keys), reported together.
+    """
+    lines, result = list(earlier or []), None
     try:
-        return model.model_validate(data)
+        result = model.model_validate(data)
     except ValidationError as exc:
-        lines = []
         for err in exc.errors():
             loc = tuple(err["loc"])
             path = ".".join(str(p) for p in (*([prefix] if prefix else []), *loc)) or "<config>"
             if err["type"] == "extra_forbidden":
                 parent = _model_at(model, loc[:-1])
-                hint = _suggest(str(loc[-1]), parent.model_fields) if parent else "remove it"
+                dotted = ".".join(str(p) for p in (*([prefix] if prefix else []), *loc[:-1]))
+                options = set(parent.model_fields) | set(children(dotted)) if parent else set()
+                hint = _suggest(str(loc[-1]), options) if options else "remove it"
                 lines.append(f"{path}: unknown key; {hint}")
             elif err["type"] == "missing":
                 lines.append(f"{path}: required key is missing")
             else:
                 lines.append(f"{path}: {err['msg']} (got {repr(err['input'])[:60]})")
-        if len(lines) == 1:
-            raise ConfigError(lines[0]) from None
-        raise ConfigError(f"{len(lines)} problems in the config:\n  " + "\n  ".join(lines)) from None
+    raise_problems(lines)
+    assert result is not None
+    return result
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -111,6 +108,10 @@ def _normalize_zero(zero: dict[str, Any], hidden: int | None) -> None:
         _rename(zero, old, new, where, deprecated=False)
     _rename(zero, "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
             where, deprecated=True)
+    for old in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
+        if old in zero and zero[old] is not None and not isinstance(zero[old], bool):
+            raise ConfigError(f"{where}{old}: expected true or false (a JSON boolean), got "
+                              f"{type(zero[old]).__name__} {zero[old]!r}")
     for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if old in zero:
             _deprecated(where + old, f'{where}{new}: {{"device": "cpu"}}')
@@ -223,20 +224,16 @@ def _check_supported(cfg: ShardwiseConfig, supported: SupportedFeatures) -> None
         ("stage3", z.stage == 3, "ZeRO stage 3", zo + "stage", z.stage),
         ("tensor_parallel", cfg.tp_size > 1, "Tensor parallelism", "tensor_parallel.autotp_size",
          cfg.tp_size),
-        ("zeropp", z.zero_quantized_weights, "ZeRO++ quantized weights", zo + "zero_quantized_weights", True),
-        ("zeropp", z.zero_quantized_gradients, "ZeRO++ quantized gradients", zo + "zero_quantized_gradients",
-         True),
-        ("zeropp", z.zero_hpz_partition_size > 1, "ZeRO++ hierarchical partitioning",
-         zo + "zero_hpz_partition_size", z.zero_hpz_partition_size),
         ("offload_param", z.offload_param.device != "none", "Parameter offload", zo + "offload_param.device",
          z.offload_param.device),
         (None, z.offload_param.device == "nvme", "NVMe offload", zo + "offload_param.device", "nvme"),
         (None, z.offload_optimizer.device == "nvme", "NVMe offload", zo + "offload_optimizer.device", "nvme"),
-        (None, z.mics_shard_size > 0, "MiCS", zo + "mics_shard_size", z.mics_shard_size),
     ]
-    problems = [f"{what} is not supported yet in shardwise ({path} = {value!r}); remove the key or use its "
-                "default" for flag, used, what, path, value in uses
-                if used and (flag is None or not getattr(supported, flag))]
+    problems = [f"{path}: DeepSpeed feature {what} ({path} = {value!r}) is not implemented by shardwise; "
+                "remove the key or use its default" if flag is None else
+                f"{path}: {what} ({path} = {value!r}) is not enabled in this load_config call; pass "
+                f"supported=SupportedFeatures({flag}=True) (shardwise.initialize does)"
+                for flag, used, what, path, value in uses if used and (flag is None or not getattr(supported, flag))]
     if problems:
         raise ConfigError("; ".join(dict.fromkeys(problems)))
 
@@ -276,29 +273,6 @@ def _resolve_batch(cfg: ShardwiseConfig) -> None:
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = tbs, mbs, gas
 
 
-def _read(config: str | os.PathLike[str] | dict[str, Any] | None) -> dict[str, Any]:
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return copy.deepcopy(config)  # never modify the caller's dict
-    if not isinstance(config, str | os.PathLike):
-        raise ConfigError(f"config must be a path to a JSON file or a dict, not {type(config).__name__}")
-    path = Path(config)
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist; pass the path of a DeepSpeed JSON config")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}, "
-                          f"column {exc.colno}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file '{path}' cannot be read: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}': the top level must be a JSON object, "
-                          f"not {type(data).__name__}")
-    return data
-
-
 def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world_size: int = 1,
                 tp_size_hint: int | None = None, hidden_size: int | None = None,
                 supported: SupportedFeatures | None = None) -> ShardwiseConfig:
@@ -309,8 +283,10 @@ def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
-    raw = _normalize(_read(config), hidden_size)
-    cfg = _validate(ShardwiseConfig, raw)
+    raw = _normalize(read_config(config), hidden_size)
+    problems, ignored = triage(raw, ShardwiseConfig)  # refused and unknown keys
+    cfg = _validate(ShardwiseConfig, raw, earlier=problems)
+    cfg._ignored = ignored
     cfg._world_size = world_size
     _resolve_tp(cfg, tp_size_hint)
     _check_supported(cfg, supported or SupportedFeatures())
@@ -328,4 +304,5 @@ def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world
     _resolve_optimizer(cfg)
     _resolve_scheduler(cfg)
     _resolve_batch(cfg)
+    announce(ignored)
     return cfg

@@ -7,11 +7,25 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 
 AUTO = "auto"
 FreeDict = dict[str, Any]
 _M = TypeVar("_M", bound=BaseModel)
+
+
+def _strict_bool(value: Any) -> Any:
+    """Only JSON true/false: a string "false" must never read as true (DeepSpeed's top level would)."""
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"expected true or false (a JSON boolean), got {type(value).__name__} {value!r}")
+
+
+Bool = Annotated[bool, BeforeValidator(_strict_bool)]
+# Sizes: a count of elements or samples; larger values are typos (2**40 samples per GPU), not configs.
+MAX_BATCH = 2**24
+MAX_ELEMENTS = 2**48
+_Batch = Annotated[int, Field(gt=0, le=MAX_BATCH)]
 
 
 class ConfigError(ValueError):
@@ -24,31 +38,30 @@ class SupportedFeatures:
 
     stage3: bool = False
     tensor_parallel: bool = False
-    zeropp: bool = False
     offload_param: bool = False
 
 
 class _Section(BaseModel):
     """Checked section: unknown keys are errors, because a typo must not silently become a default."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
 class FP16Config(_Section):
-    enabled: bool = False
-    auto_cast: bool = False
+    enabled: Bool = False
+    auto_cast: Bool = False
     loss_scale: float = Field(0.0, ge=0)  # 0 = dynamic loss scaling
     initial_scale_power: int = Field(16, ge=0, le=64)
     loss_scale_window: int = Field(1000, gt=0)
     hysteresis: int = Field(2, ge=1)
-    consecutive_hysteresis: bool = False
+    consecutive_hysteresis: Bool = False
     min_loss_scale: float = Field(1.0, gt=0)
 
 
 class BF16Config(_Section):
-    enabled: bool = False
-    immediate_grad_update: bool = True
-    check_grad_overflow: bool = False
+    enabled: Bool = False
+    immediate_grad_update: Bool = True
+    check_grad_overflow: Bool = False
 
 
 class OptimizerConfig(_Section):
@@ -69,10 +82,10 @@ class OffloadOptimizerConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
     buffer_count: int = Field(4, ge=0)
-    pin_memory: bool = False
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    fast_init: bool = False
+    pin_memory: Bool = False
+    pipeline_read: Bool = False
+    pipeline_write: Bool = False
+    fast_init: Bool = False
     ratio: float = Field(1.0, ge=0, le=1)
 
 
@@ -80,72 +93,80 @@ class OffloadParamConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
     buffer_count: int = Field(5, ge=0)
-    buffer_size: int = Field(100_000_000, gt=0)
-    max_in_cpu: int = Field(1_000_000_000, ge=0)
-    pin_memory: bool = False
+    buffer_size: int = Field(le=MAX_ELEMENTS, default=100_000_000, gt=0)
+    max_in_cpu: int = Field(le=MAX_ELEMENTS, default=1_000_000_000, ge=0)
+    pin_memory: Bool = False
 
 
 class ZeroConfig(_Section):
     stage: int = Field(0, ge=0, le=3)
-    contiguous_gradients: bool = True
-    overlap_comm: bool = False  # not set: True at stage 3, as DeepSpeed
-    reduce_scatter: bool = True
-    reduce_bucket_size: int = Field(500_000_000, gt=0)
-    use_multi_rank_bucket_allreduce: bool = True
-    allgather_partitions: bool = True
-    allgather_bucket_size: int = Field(500_000_000, gt=0)
-    round_robin_gradients: bool = False
+    contiguous_gradients: Bool = True
+    overlap_comm: Bool = False  # not set: True at stage 3, as DeepSpeed
+    reduce_scatter: Bool = True
+    reduce_bucket_size: int = Field(le=MAX_ELEMENTS, default=500_000_000, gt=0)
+    use_multi_rank_bucket_allreduce: Bool = True
+    allgather_partitions: Bool = True
+    allgather_bucket_size: int = Field(le=MAX_ELEMENTS, default=500_000_000, gt=0)
+    round_robin_gradients: Bool = False
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
-    sub_group_size: int = Field(1_000_000_000, gt=0)
-    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
-    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
-    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
-    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
-    stage3_gather_16bit_weights_on_model_save: bool = False
-    stage3_module_granularity_threshold: int = Field(0, ge=0)
-    elastic_checkpoint: bool = False
-    ignore_unused_parameters: bool = True
-    legacy_stage1: bool = False
-    load_from_fp32_weights: bool = True
+    sub_group_size: int = Field(le=MAX_ELEMENTS, default=1_000_000_000, gt=0)
+    stage3_max_live_parameters: int = Field(le=MAX_ELEMENTS, default=1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(le=MAX_ELEMENTS, default=1_000_000_000, ge=0)
+    stage3_prefetch_bucket_size: int = Field(le=MAX_ELEMENTS, default=50_000_000, ge=0)
+    stage3_param_persistence_threshold: int = Field(le=MAX_ELEMENTS, default=100_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: Bool = False
+    stage3_module_granularity_threshold: int = Field(le=MAX_ELEMENTS, default=0, ge=0)
+    elastic_checkpoint: Bool = False
+    ignore_unused_parameters: Bool = True
+    legacy_stage1: Bool = False
+    load_from_fp32_weights: Bool = True
     mics_shard_size: int = -1
     zero_hpz_partition_size: int = Field(1, ge=1)
-    zero_quantized_weights: bool = False
-    zero_quantized_gradients: bool = False
-    memory_efficient_linear: bool = True
+    zero_quantized_weights: Bool = False
+    zero_quantized_gradients: Bool = False
+    memory_efficient_linear: Bool = True
 
 
 class TPSizeConfig(_Section):
     """The `tp` sub-dict of DeepSpeed inference-style configs; only the size matters for training."""
 
-    enabled: bool = True
-    tp_size: int = Field(1, ge=1)
+    enabled: Bool = True
+    tp_size: int = Field(1, ge=1, le=2**16)
 
 
 class TensorParallelConfig(_Section):
-    autotp_size: int = Field(1, ge=0)  # 0 (DeepSpeed's "off") reads as 1; resolved to the effective size
-    tp_overlap_comm: bool = False
+    autotp_size: int = Field(1, ge=0, le=2**16)  # 0 (DeepSpeed's "off") reads as 1; resolved to the effective size
+    tp_overlap_comm: Bool = False
     partition_config: FreeDict | None = None
     tp: TPSizeConfig = Field(default_factory=TPSizeConfig)
+
+
+class ShardwiseSection(_Section):
+    """The `shardwise` section: settings DeepSpeed has no key for (DeepSpeed ignores this section)."""
+
+    timeout_s: float | None = Field(None, ge=1, le=7 * 86400)  # collective timeout; None: SHARDWISE_TIMEOUT
 
 
 class ShardwiseConfig(_Section):
     """The resolved config; build it with `load_config`, which completes the batch sizes and "auto"."""
 
-    train_batch_size: int | None = Field(None, gt=0)  # always set after load_config
-    train_micro_batch_size_per_gpu: int | None = Field(None, gt=0)  # always set after load_config
-    gradient_accumulation_steps: int | None = Field(None, gt=0)  # always set after load_config
+    train_batch_size: _Batch | None = None  # always set after load_config
+    train_micro_batch_size_per_gpu: _Batch | None = None  # always set after load_config
+    gradient_accumulation_steps: _Batch | None = None  # always set after load_config
     gradient_clipping: float = Field(0.0, ge=0)  # 0 = off
     steps_per_print: int | None = Field(10, ge=0)  # None or 0 = never
-    wall_clock_breakdown: bool = False
-    prescale_gradients: bool = False
+    wall_clock_breakdown: Bool = False
+    prescale_gradients: Bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     seed: int | None = None
-    dump_state: bool = False
-    zero_allow_untested_optimizer: bool = False
-    zero_force_ds_cpu_optimizer: bool = True
-    memory_breakdown: bool = False
+    dump_state: Bool = False
+    zero_allow_untested_optimizer: Bool = False
+    zero_force_ds_cpu_optimizer: Bool = True
+    memory_breakdown: Bool = False
+    dataloader_drop_last: Bool = False
+    shardwise: ShardwiseSection = Field(default_factory=ShardwiseSection)
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     optimizer: OptimizerConfig | None = None
@@ -164,6 +185,12 @@ class ShardwiseConfig(_Section):
     aio: FreeDict = Field(default_factory=dict)
 
     _world_size: int = PrivateAttr(1)
+    _ignored: list[str] = PrivateAttr(default_factory=list)  # notices for keys accepted and ignored
+
+    @property
+    def ignored_keys(self) -> list[str]:
+        """The notices load_config logged (rank 0) for keys that shardwise accepts and ignores."""
+        return list(self._ignored)
 
     @property
     def world_size(self) -> int:
@@ -199,11 +226,11 @@ class _AdamParams(_Section):
     betas: tuple[_Beta, _Beta] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    bias_correction: bool = True
-    amsgrad: bool = False
-    torch_adam: bool = False
-    adam_w_mode: bool = True  # DeepSpeed's "Adam" decouples weight decay unless this is false
-    fused: bool | None = None
+    bias_correction: Bool = True
+    amsgrad: Bool = False
+    torch_adam: Bool = False
+    adam_w_mode: Bool = True  # DeepSpeed's "Adam" decouples weight decay unless this is false
+    fused: Bool | None = None
 
 
 class _AdamWParams(_AdamParams):
@@ -215,7 +242,7 @@ class _SGDParams(_Section):
     momentum: float = Field(0.0, ge=0)
     dampening: float = Field(0.0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
-    nesterov: bool = False
+    nesterov: Bool = False
 
 
 class _WarmupLRParams(_Section):

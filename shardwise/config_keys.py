@@ -1,0 +1,274 @@
+"""Every key of DeepSpeed 0.19's config, classified: the one table that says what shardwise does with it.
+
+honoured: implemented (the schema in config_schema.py validates it, the engine uses it).
+ignored:  no effect on the numbers (logging, profilers, performance knobs): accepted, one notice.
+refused:  changes training and is not implemented: "DeepSpeed feature X (path) is not implemented by
+          shardwise" unless the value asks for nothing (the default, or `enabled: false`).
+A key may be honoured only for some values (`accepts`); other values are refused like a refused key.
+Sections marked `subtree` cover all their sub-keys. `python -m shardwise.config_keys --markdown` prints
+the table of docs/config.md (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Status = Literal["honoured", "ignored", "refused"]
+Accepts = Callable[[Any, dict[str, Any]], bool]  # (value, whole normalized config) -> allowed?
+
+
+@dataclass(frozen=True)
+class Key:
+    path: str
+    status: Status
+    note: str  # honoured: what shardwise does; ignored: why it is harmless; refused: the feature's name
+    accepts: Accepts | None = None  # values allowed (refused keys: the "asks for nothing" values)
+    subtree: bool = False  # the entry covers every sub-key (not checked individually)
+
+
+def default(*values: Any) -> Accepts:
+    """Allowed: absent-equivalent values (None always counts as absent)."""
+    return lambda v, _root: v is None or any(v == d and type(v) is type(d) for d in values)
+
+
+def disabled(v: Any, _root: dict[str, Any]) -> bool:
+    """A section that enables nothing: null, {}, or no `"enabled": true` anywhere inside it."""
+    if isinstance(v, dict):
+        return all(disabled(x, _root) for k, x in v.items() if k != "enabled") and v.get("enabled") is not True
+    if isinstance(v, list):
+        return all(disabled(x, _root) for x in v)
+    return True
+
+
+def precision_of(root: dict[str, Any]) -> str:
+    def on(section: str) -> bool:
+        s = root.get(section)
+        return isinstance(s, dict) and s.get("enabled") is True
+    return "bf16" if on("bf16") else "fp16" if on("fp16") else "fp32"
+
+
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",
+                "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def same_as_precision(v: Any, root: dict[str, Any]) -> bool:
+    return v is None or (isinstance(v, str) and _DTYPE_NAMES.get(v.lower()) == precision_of(root))
+
+
+def grad_accum_ok(v: Any, root: dict[str, Any]) -> bool:
+    """DeepSpeed's ZeRO-2/3 optimizers do not read grad_accum_dtype; below, it must be the compute dtype."""
+    zero = root.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return same_as_precision(v, root) or (isinstance(stage, int) and stage >= 2)
+
+
+def _off(key: str) -> Accepts:
+    """A section whose `key` flag (a bool) is not true."""
+    return lambda v, _r: not isinstance(v, dict) or v.get(key) is not True
+
+
+H, I, R = "honoured", "ignored", "refused"
+Z, OO, OP, TP = "zero_optimization.", "zero_optimization.offload_optimizer.", "zero_optimization.offload_param.", \
+    "tensor_parallel."
+_LOG = "logging or monitoring only"
+_PERF = "a performance or memory knob; the numbers do not depend on it"
+
+KEYS: tuple[Key, ...] = (
+    # -- batch, optimizer, scheduler, clipping ---------------------------------------------------------
+    Key("train_batch_size", H, "batch rule (see Batch sizes)"),
+    Key("train_micro_batch_size_per_gpu", H, "batch rule; the DataLoader batch size"),
+    Key("gradient_accumulation_steps", H, "batch rule; steps between optimizer updates"),
+    Key("gradient_clipping", H, "global-norm clipping before the optimizer step"),
+    Key("optimizer", H, "section"),
+    Key("optimizer.type", H, "Adam, AdamW or SGD (others refused: pass a client optimizer)"),
+    Key("optimizer.params", H, "checked per type (see optimizer)"),
+    Key("optimizer.legacy_fusion", I, "a DeepSpeed fused-kernel switch"),
+    Key("scheduler", H, "section"),
+    Key("scheduler.type", H, "WarmupLR, WarmupDecayLR, WarmupCosineLR (others refused)"),
+    Key("scheduler.params", H, "checked per type (see scheduler)"),
+    Key("seed", H, "shardwise: the DistributedSampler shuffle seed"),
+    Key("dataloader_drop_last", H, "drop_last of the DataLoader initialize() builds"),
+    Key("steps_per_print", H, "the loss/lr log line period"),
+    # -- gradient reduction ---------------------------------------------------------------------------
+    Key("prescale_gradients", H, "gradients are averaged over data-parallel ranks either way; DeepSpeed "
+        "only moves the 1/world division before the sum (same value up to float rounding, exact for "
+        "power-of-two worlds)"),
+    Key("gradient_predivide_factor", H, "as prescale_gradients: g/f summed then times f/world is the same "
+        "mean up to float rounding"),
+    Key("gradient_allreduce_op", H, "only 'mean' (the default)", default("mean")),
+    Key("communication_data_type", H, "gradients are reduced in the compute dtype; only that dtype (or "
+        "null) is accepted", same_as_precision),
+    Key("seq_parallel_communication_data_type", I, "used only with sequence parallelism (refused)"),
+    Key("sparse_gradients", R, "sparse embedding gradients", default(False)),
+    Key("disable_allgather", I, "unused by DeepSpeed's engine"),
+    Key("managed_gradient_accumulation", I, "DeepSpeed bookkeeping of the accumulation boundary"),
+    # -- precision ------------------------------------------------------------------------------------
+    Key("fp16", H, "section"),
+    Key("fp16.enabled", H, "fp16 compute with fp32 master weights"),
+    Key("fp16.loss_scale", H, "0 = dynamic loss scaling, else static"),
+    Key("fp16.initial_scale_power", H, "dynamic loss scaler"),
+    Key("fp16.loss_scale_window", H, "dynamic loss scaler"),
+    Key("fp16.hysteresis", H, "dynamic loss scaler"),
+    Key("fp16.consecutive_hysteresis", H, "dynamic loss scaler"),
+    Key("fp16.min_loss_scale", H, "dynamic loss scaler"),
+    Key("fp16.auto_cast", R, "fp16 auto_cast of the inputs", default(False)),
+    Key("fp16.fp16_master_weights_and_grads", R, "fp16 master weights", default(False)),
+    Key("bf16", H, "section (`bfloat16` is the deprecated name)"),
+    Key("bf16.enabled", H, "bf16 compute with fp32 master weights"),
+    Key("bf16.immediate_grad_update", I, "when DeepSpeed's stage-0/1 bf16 optimizer moves gradients; "
+        "the accumulation dtype is data_types.grad_accum_dtype"),
+    Key("bf16.check_grad_overflow", I, "a non-finite gradient norm always stops training with "
+        "FloatingPointError (never a silent step)"),
+    Key("bf16.bf16_master_weights_and_grads", R, "bf16 master weights and gradients", default(False)),
+    Key("bf16.bf16_optimizer_states", R, "bf16 optimizer states", default(False)),
+    Key("data_types", H, "section"),
+    Key("data_types.grad_accum_dtype", H, "gradients accumulate in the compute dtype; another dtype is "
+        "refused at stages 0-1 (DeepSpeed ignores it at stages 2-3)", grad_accum_ok),
+    Key("data_types.param_dtype", H, "parameters are in the compute dtype; only that dtype (or null)",
+        same_as_precision),
+    Key("data_types.buffer_dtype", R, "casting buffers (buffers keep their dtype)", default()),
+    Key("amp", R, "NVIDIA Apex AMP", disabled, subtree=True),
+    Key("torch_autocast", R, "torch.autocast mixed precision", disabled, subtree=True),
+    # -- ZeRO -----------------------------------------------------------------------------------------
+    Key("zero_optimization", H, "section"),
+    Key(Z + "stage", H, "ZeRO stage 0-3"),
+    Key(Z + "overlap_comm", H, "asynchronous reduction (default: true at stage 3)"),
+    Key(Z + "reduce_bucket_size", H, "bucket size (elements)"),
+    Key(Z + "allgather_bucket_size", H, "bucket size (elements)"),
+    Key(Z + "stage3_prefetch_bucket_size", H, "stage-3 prefetch depth (also `prefetch_bucket_size`)"),
+    Key(Z + "stage3_param_persistence_threshold", H, "stage-3: smaller parameters stay gathered"),
+    Key(Z + "stage3_max_live_parameters", H, "stage-3: gathered-parameter cap for prefetch"),
+    Key(Z + "cpu_offload", H, "deprecated: offload_optimizer.device cpu"),
+    Key(Z + "cpu_offload_param", H, "deprecated: offload_param.device cpu"),
+    Key(Z + "cpu_offload_use_pin_memory", H, "deprecated: pin_memory of the offload sections"),
+    Key(Z + "stage3_gather_fp16_weights_on_model_save", H, "deprecated name of the 16bit key"),
+    Key(Z + "offload_optimizer", H, "section"),
+    Key(OO + "device", H, "none or cpu (nvme refused)"),
+    Key(OO + "pin_memory", H, "pinned host buffers"),
+    Key(OP + "device", H, "none or cpu (nvme refused)"),
+    Key(OP + "pin_memory", H, "pinned host buffers"),
+    Key(Z + "offload_param", H, "section"),
+    Key(Z + "zero_quantized_weights", R, "ZeRO++ quantized weights", default(False)),
+    Key(Z + "zero_quantized_nontrainable_weights", R, "ZeRO++ quantized frozen weights", default(False)),
+    Key(Z + "zero_quantized_gradients", R, "ZeRO++ quantized gradients", default(False)),
+    Key(Z + "zero_hpz_partition_size", R, "ZeRO++ hierarchical partitioning", default(0, 1)),
+    Key(Z + "zeropp_loco_param", R, "ZeRO++ LoCo error feedback", default()),
+    Key(Z + "mics_shard_size", R, "MiCS", lambda v, _r: v is None or (isinstance(v, int) and v <= 0)),
+    Key(Z + "zenflow", R, "ZenFlow stale gradient updates", default()),
+    Key(Z + "load_from_fp32_weights", R, "restoring fp32 master weights from 16-bit weights (false)",
+        default(True)),
+    *(Key(Z + k, I, _PERF) for k in (
+        "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce", "allgather_partitions",
+        "round_robin_gradients", "sub_group_size", "stage3_max_reuse_distance", "model_persistence_threshold",
+        "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
+        "stage3_allgather_sequential", "use_all_reduce_for_fetch_params", "allgather_sequential",
+        "legacy_stage1", "memory_efficient_linear", "mics_hierarchical_params_gather",
+        "pipeline_loading_checkpoint", "override_module_apply", "save_muon_momentum_buffer_in_memory")),
+    Key(Z + "stage3_gather_16bit_weights_on_model_save", I,
+        "engine.save_16bit_model() always writes full weights"),
+    Key(Z + "elastic_checkpoint", I, "shardwise checkpoints load at any world size"),
+    Key(Z + "ignore_unused_parameters", I, "an error check in DeepSpeed; no effect on the numbers"),
+    Key(Z + "log_trace_cache_warnings", I, _LOG),
+    Key(Z + "enable_sanity_checks", I, "debug checks"),
+    Key(Z + "leaf_module", I, "stage-3 fetch granularity; " + _PERF, subtree=True),
+    *(Key(OO + k, I, "NVMe or partial offload tuning; " + _PERF) for k in (
+        "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload",
+        "cpuadam_cores_perc")),
+    *(Key(OP + k, I, "NVMe offload tuning; " + _PERF) for k in (
+        "nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
+    Key("zero_allow_untested_optimizer", I, "a DeepSpeed safety switch; any torch optimizer works"),
+    Key("zero_force_ds_cpu_optimizer", I, "DeepSpeed's CPU Adam kernel choice"),
+    # -- tensor parallelism ---------------------------------------------------------------------------
+    Key("tensor_parallel", H, "section"),
+    Key(TP + "autotp_size", H, "tensor-parallel size (0 = 1)"),
+    Key(TP + "tp", H, "section (inference-style spelling)"),
+    Key(TP + "tp.tp_size", H, "tensor-parallel size; must agree with autotp_size"),
+    Key(TP + "tp.enabled", I, "the size decides"),
+    Key(TP + "tp.tp_grain_size", I, "sharding granularity; " + _PERF),
+    Key(TP + "tp.mpu", I, "an object, not JSON"),
+    Key(TP + "tp.tp_group", I, "an object, not JSON"),
+    Key(TP + "tp_overlap_comm", I, _PERF),
+    Key(TP + "dtype", I, "the compute dtype comes from fp16/bf16"),
+    Key(TP + "partition_config", R, "custom AutoTP partition_config", default()),
+    Key(TP + "injection_policy_tuple", R, "AutoTP injection policies", default()),
+    Key(TP + "preset_model", I, "shardwise picks the model's own TP plan"),
+    Key(TP + "keep_module_on_host", I, _PERF),
+    Key(TP + "replace_with_kernel_inject", R, "kernel injection", default(False)),
+    Key(TP + "kernel_inject", R, "kernel injection", default(False)),
+    Key("sequence_parallel_size", R, "Ulysses sequence parallelism", default(1)),
+    Key("expert_parallel", R, "expert parallelism (AutoEP)", disabled, subtree=True),
+    Key("use_data_before_expert_parallelism", I, "used only with MoE"),
+    Key("pipeline", I, "used only by DeepSpeed's PipelineModule, which shardwise does not provide",
+        subtree=True),
+    # -- features not implemented --------------------------------------------------------------------
+    Key("compile", R, "DeepCompile (compile.deepcompile)", _off("deepcompile"), subtree=True),
+    Key("data_efficiency", R, "data efficiency (curriculum sampling, random-LTD)", _off("enabled"),
+        subtree=True),
+    Key("curriculum_learning", R, "curriculum learning", disabled, subtree=True),
+    Key("progressive_layer_drop", R, "progressive layer drop", disabled, subtree=True),
+    Key("compression_training", R, "compression training", disabled, subtree=True),
+    Key("quantize_training", R, "quantization-aware training", disabled, subtree=True),
+    Key("weight_quantization", R, "post-init weight quantization", default(), subtree=True),
+    Key("sparse_attention", R, "sparse attention", default(), subtree=True),
+    Key("eigenvalue", R, "eigenvalue computation (for quantization)", disabled, subtree=True),
+    Key("hybrid_engine", R, "the RLHF hybrid engine", disabled, subtree=True),
+    Key("elasticity", R, "elastic batch sizes", disabled, subtree=True),
+    Key("nebula", R, "Nebula checkpointing", disabled, subtree=True),
+    Key("datastates", R, "DataStates checkpointing", disabled, subtree=True),
+    Key("graph_harvesting", I, "CUDA graph capture; " + _PERF),
+    Key("checkpoint", H, "section"),
+    Key("checkpoint.load_universal", R, "loading DeepSpeed universal checkpoints", default(False)),
+    Key("checkpoint.tag_validation", I, "a DeepSpeed consistency check of checkpoint tags"),
+    Key("checkpoint.use_node_local_storage", I, "where DeepSpeed writes; shardwise writes to save_dir"),
+    Key("checkpoint.parallel_write", I, "checkpoint write pipelining; " + _PERF, subtree=True),
+    Key("checkpoint.checkpoint_serialization", I, "DeepSpeed's torch.save format; shardwise writes safetensors"),
+    Key("checkpoint.writer", I, "checkpoint writer engine; " + _PERF, subtree=True),
+    Key("aio", I, "NVMe I/O tuning (NVMe offload is refused)", subtree=True),
+    Key("activation_checkpointing", I, "configures deepspeed.checkpointing, called by the model; "
+        "recomputation gives the same numbers", subtree=True),
+    # -- logging, monitoring, profiling, launch -------------------------------------------------------
+    *(Key(k, I, _LOG, subtree=True) for k in (
+        "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "timers")),
+    *(Key(k, I, _LOG) for k in ("wall_clock_breakdown", "memory_breakdown", "dump_state", "log_level")),
+    Key("autotuning", I, "read by DeepSpeed's autotuner launcher, not at training time", subtree=True),
+    Key("vocabulary_size", I, "used only by DeepSpeed's 1-bit optimizers (refused)"),
+    Key("cuda_visible_devices", I, "the launcher chooses devices"),
+    Key("dist_init_required", I, "an initialize() argument; shardwise joins the job when needed"),
+    # -- shardwise's own keys (DeepSpeed ignores unknown top-level keys) -------------------------------
+    Key("shardwise", H, "section: shardwise-only settings"),
+    Key("shardwise.timeout_s", H, "collective timeout in seconds (init_distributed(timeout=); "
+        "overrides SHARDWISE_TIMEOUT)"),
+)
+
+BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
+if len(BY_PATH) != len(KEYS):  # pragma: no cover - a duplicated row is a bug in this file
+    raise RuntimeError("duplicate rows in shardwise.config_keys.KEYS")
+
+
+def children(path: str) -> dict[str, Key]:
+    """Direct sub-keys of a section ('' = top level), by name."""
+    prefix = path + "." if path else ""
+    return {k.path[len(prefix):]: k for k in KEYS
+            if k.path.startswith(prefix) and "." not in k.path[len(prefix):]}
+
+
+def markdown() -> str:
+    """The key table of docs/config.md, generated from KEYS."""
+    lines = ["| key | status | what shardwise does |", "|---|---|---|"]
+    for k in sorted(KEYS, key=lambda k: k.path):
+        path = f"`{k.path}`" + (" (and every sub-key)" if k.subtree else "")
+        status = {"honoured": "honoured", "ignored": "ignored (harmless)", "refused": "refused"}[k.status]
+        if k.status == "honoured" and k.accepts is not None:
+            status = "honoured (some values refused)"
+        note = k.note if k.status != "refused" else f"not implemented: {k.note}; accepted only when off"
+        lines.append(f"| {path} | {status} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m shardwise.config_keys --markdown")
+    sys.stdout.write(markdown())
