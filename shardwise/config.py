@@ -187,8 +187,9 @@ def _resolve_optimizer(cfg: ShardwiseConfig) -> None:
     if name not in _OPTIMIZERS:
         torch_names = {n.lower() for n in dir(torch.optim) if n[:1].isupper()}
         if name in _DS_ONLY_OPTIMIZERS | torch_names:
-            raise ConfigError(f"optimizer.type: '{opt.type}' is not supported in shardwise; use Adam, AdamW "
-                              "or SGD, or pass a client optimizer to shardwise.initialize(optimizer=...)")
+            raise ConfigError(f"optimizer.type: DeepSpeed feature optimizer {opt.type} (optimizer.type = "
+                              f"'{opt.type}') is not implemented by shardwise; use Adam, AdamW or SGD, or pass a "
+                              "client optimizer to shardwise.initialize(optimizer=...)")
         raise ConfigError(f"optimizer.type: unknown optimizer '{opt.type}'; "
                           + _suggest(opt.type, [n for n, _ in _OPTIMIZERS.values()]))
     opt.type, model = _OPTIMIZERS[name]
@@ -203,7 +204,8 @@ def _resolve_scheduler(cfg: ShardwiseConfig) -> None:
     model = _SCHEDULERS.get(sch.type)
     if model is None:
         if sch.type in ("LRRangeTest", "OneCycle"):
-            raise ConfigError(f"scheduler.type: '{sch.type}' is not supported in shardwise; use one of "
+            raise ConfigError(f"scheduler.type: DeepSpeed feature scheduler {sch.type} (scheduler.type = "
+                              f"'{sch.type}') is not implemented by shardwise; use one of "
                               f"{', '.join(_SCHEDULERS)}, or pass lr_scheduler= to shardwise.initialize")
         hint = _suggest(sch.type, _SCHEDULERS)
         raise ConfigError(f"scheduler.type: unknown scheduler '{sch.type}'; {hint}")

@@ -15,7 +15,7 @@ from typing import Any
 
 import hjson
 
-from shardwise.config_schema import ConfigError
+from shardwise.config_schema import ConfigError, check_timeout
 
 MAX_DEPTH = 32  # a DeepSpeed config is at most 5 levels deep; anything far deeper is not a config
 MAX_BYTES = 16 * 1024 * 1024
@@ -117,10 +117,7 @@ def timeout_of(config: str | os.PathLike[str] | dict[str, Any] | None) -> float 
         return None
     if not isinstance(section, dict):
         raise ConfigError(f"shardwise: must be an object such as {{\"timeout_s\": 600}}, not {section!r}")
-    value = section.get("timeout_s")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= 7 * 86400:
-        raise ConfigError(f"shardwise.timeout_s: must be a number of seconds from 1 to 604800 (one week), "
-                          f"got {value!r}")
-    return float(value)
+    try:
+        return check_timeout(section.get("timeout_s"))
+    except ValueError as exc:
+        raise ConfigError(f"shardwise.timeout_s: {exc}") from None

@@ -142,10 +142,23 @@ class TensorParallelConfig(_Section):
     tp: TPSizeConfig = Field(default_factory=TPSizeConfig)
 
 
+MAX_TIMEOUT_S = 7 * 86400
+
+
+def check_timeout(value: Any) -> float | None:
+    """shardwise.timeout_s: a plain number of seconds in [1, one week] (not a string, not a bool)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= MAX_TIMEOUT_S:
+        raise ValueError(f"must be a number of seconds from 1 to {MAX_TIMEOUT_S} (one week), got {value!r}")
+    return float(value)
+
+
 class ShardwiseSection(_Section):
     """The `shardwise` section: settings DeepSpeed has no key for (DeepSpeed ignores this section)."""
 
-    timeout_s: float | None = Field(None, ge=1, le=7 * 86400)  # collective timeout; None: SHARDWISE_TIMEOUT
+    # collective timeout (init_distributed(timeout=)); None: SHARDWISE_TIMEOUT, else 600 s
+    timeout_s: Annotated[float | None, BeforeValidator(check_timeout)] = None
 
 
 class ShardwiseConfig(_Section):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardwise.comm import init_distributed
-from shardwise.config import SupportedFeatures, load_config
+from shardwise.config import SupportedFeatures, load_config, timeout_of
 from shardwise.engine import Engine
 from shardwise.mesh import get_mesh
 
@@ -50,7 +50,7 @@ def initialize(
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
-    init_distributed()
+    init_distributed(timeout=timeout_of(config))  # config key shardwise.timeout_s, else SHARDWISE_TIMEOUT
     _setup_logging()
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     cfg = load_config(config, world_size=dist.get_world_size(), hidden_size=hidden,
@@ -63,6 +63,7 @@ def initialize(
         sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.comm.rank,
                                      shuffle=True, seed=cfg.seed if getattr(cfg, "seed", None) else 0)
         loader = DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
-                            sampler=sampler, collate_fn=collate_fn, drop_last=True)
+                            sampler=sampler, collate_fn=collate_fn,
+                            drop_last=cfg.dataloader_drop_last)
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
