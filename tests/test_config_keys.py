@@ -246,3 +246,19 @@ def test_refused_table_rows_are_reachable():
         msg = error_of(config, supported=ALL)
         assert key.path in msg and "not implemented by shardwise" in msg, key.path
     assert BY_PATH["fp16.auto_cast"].status == "refused"
+
+
+def test_initialize_applies_the_timeout_key(tmp_path):
+    """A fresh process: shardwise.initialize joins the job with shardwise.timeout_s as its timeout."""
+    script = (
+        "import torch, shardwise, torch.distributed as dist\n"
+        "from shardwise.comm import _GLOBAL_TIMEOUT\n"
+        "cfg = {'shardwise': {'timeout_s': 42}, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}}\n"
+        "shardwise.initialize(model=torch.nn.Linear(2, 2), config=cfg)\n"
+        "print(_GLOBAL_TIMEOUT[0])\n"
+        "dist.destroy_process_group()\n")
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "SHARDWISE_TIMEOUT": "77",
+           "PYTHONPATH": str(Path(__file__).parent.parent)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "42.0"
