@@ -126,6 +126,7 @@ class Comm:
         self.rank = dist.get_rank(group) if on else 0
         self.backend = dist.get_backend(group) if on else "none"
         self._emulate = self.backend == "gloo"
+        self._free_buffers: dict[tuple, list[torch.Tensor]] = {}
 
     # -- error handling -------------------------------------------------------------
     def _guard(self, kind: str, fn, *args, **kwargs):
@@ -211,7 +212,8 @@ class Comm:
         size = full.numel() // n
         chunk = lambda i: full.narrow(0, (i % n) * size, size)  # noqa: E731
         nxt, prv = self._global((r + 1) % n), self._global((r - 1) % n)
-        tmp = torch.empty_like(chunk(0)) if reduce else None
+        buf = self._take_buffer(size, full.dtype, full.device) if reduce else None
+        tmp = buf[:size] if reduce else None
         kind = "reduce_scatter" if reduce else "all_gather"
         for k in range(n - 1):
             send_i, recv_i = (r - k - 1, r - k - 2) if reduce else (r - k, r - k - 1)
@@ -222,6 +224,8 @@ class Comm:
             def done(target: torch.Tensor = received, last: bool = last) -> None:
                 if reduce:
                     target.add_(tmp)
+                    if last:
+                        self._give_buffer(buf)
                 if last and finish is not None:
                     finish()
 
@@ -230,6 +234,24 @@ class Comm:
                 return work
             work.wait()
         return None
+
+    def _take_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A receive chunk for a ring reduce-scatter, reused from finished rings when one fits.
+
+        A fresh chunk per call is a fresh mmap of tens of MiB whose page faults cost more than
+        the additions (see docs/estimate.md, "Planner against measurement"). Pending rings
+        (``overlap_comm``) each hold their own chunk until ``_give_buffer`` returns it.
+        """
+        free = self._free_buffers.setdefault((dtype, device), [])
+        for i, buf in enumerate(free):
+            if buf.numel() >= numel:
+                return free.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _give_buffer(self, buf: torch.Tensor) -> None:
+        free = self._free_buffers.setdefault((buf.dtype, buf.device), [])
+        if len(free) < 4:  # bounded: at most a few rings are ever in flight
+            free.append(buf)
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
