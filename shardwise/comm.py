@@ -117,9 +117,14 @@ class Comm:
     """Collectives over one process group, counted into a shared :class:`CommStats`."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None,
-                 solo: bool = False):
-        """``solo``: a group of this rank alone (every collective is a no-op, counted as nothing)."""
+                 solo: bool = False, scope: str = ""):
+        """``solo``: a group of this rank alone (every collective is a no-op, counted as nothing).
+
+        ``scope`` is appended to the kind in the byte counts, so traffic of one group (the
+        replicas of hybrid sharding, which cross nodes) can be told apart in ``comm_stats()``.
+        """
         self.group = group
+        self.scope = scope
         self.stats = stats if stats is not None else CommStats()
         on = dist.is_initialized() and not solo
         self.size = dist.get_world_size(group) if on else 1
@@ -145,7 +150,7 @@ class Comm:
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False) -> Work | None:
         if self.size == 1:
             return Work(None, self, "all_reduce") if async_op else None
-        self.stats.add("all_reduce", 2 * t.numel() * t.element_size())
+        self.stats.add("all_reduce" + self.scope, 2 * t.numel() * t.element_size())
         h = self._guard("all_reduce", dist.all_reduce, t, op=op, group=self.group, async_op=async_op)
         return Work(h, self, "all_reduce") if async_op else None
 
@@ -153,7 +158,7 @@ class Comm:
         """Fill ``full`` (1-D, size multiple of world) from every rank's shard of it, in place."""
         if self.size == 1:
             return Work(None, self, "all_gather") if async_op else None
-        self.stats.add("all_gather", full.numel() * full.element_size())
+        self.stats.add("all_gather" + self.scope, full.numel() * full.element_size())
         if self._emulate:
             return self._ring(full, reduce=False, async_op=async_op, finish=None)
         shard = full.numel() // self.size
@@ -168,7 +173,7 @@ class Comm:
         ``full`` is clobbered. ``out`` may alias ``full``'s own shard (not with ``accumulate``).
         """
         if self.size > 1:
-            self.stats.add("reduce_scatter", full.numel() * full.element_size())
+            self.stats.add("reduce_scatter" + self.scope, full.numel() * full.element_size())
         shard = full.numel() // self.size
         mine = full.narrow(0, self.rank * shard, shard)
 
@@ -259,7 +264,7 @@ class Comm:
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group-rank ``src``."""
         if self.size > 1:
-            self.stats.add("broadcast", t.numel() * t.element_size())
+            self.stats.add("broadcast" + self.scope, t.numel() * t.element_size())
             self._guard("broadcast", dist.broadcast, t, src=self._global(src), group=self.group)
 
     def barrier(self) -> None:

@@ -232,7 +232,7 @@ def _check_supported(cfg: ShardwiseConfig, supported: SupportedFeatures) -> None
          z.offload_param.device),
         (None, z.offload_param.device == "nvme", "NVMe offload", zo + "offload_param.device", "nvme"),
         (None, z.offload_optimizer.device == "nvme", "NVMe offload", zo + "offload_optimizer.device", "nvme"),
-        (None, z.mics_shard_size > 0, "MiCS", zo + "mics_shard_size", z.mics_shard_size),
+        ("hybrid", z.mics_shard_size > 0, "Hybrid sharding (MiCS)", zo + "mics_shard_size", z.mics_shard_size),
     ]
     problems = [f"{what} is not supported yet in shardwise ({path} = {value!r}); remove the key or use its "
                 "default" for flag, used, what, path, value in uses

@@ -26,6 +26,7 @@ class SupportedFeatures:
     tensor_parallel: bool = False
     zeropp: bool = False
     offload_param: bool = False
+    hybrid: bool = False  # zero_optimization.mics_shard_size: shard within k ranks, replicate across
 
 
 class _Section(BaseModel):
