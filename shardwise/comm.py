@@ -117,15 +117,21 @@ class Comm:
     """Collectives over one process group, counted into a shared :class:`CommStats`."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None,
-                 solo: bool = False):
-        """``solo``: a group of this rank alone (every collective is a no-op, counted as nothing)."""
+                 solo: bool = False, scope: str = ""):
+        """``solo``: a group of this rank alone (every collective is a no-op, counted as nothing).
+
+        ``scope`` is appended to the kind in the byte counts, so traffic of one group (the
+        replicas of hybrid sharding, which cross nodes) can be told apart in ``comm_stats()``.
+        """
         self.group = group
+        self.scope = scope
         self.stats = stats if stats is not None else CommStats()
         on = dist.is_initialized() and not solo
         self.size = dist.get_world_size(group) if on else 1
         self.rank = dist.get_rank(group) if on else 0
         self.backend = dist.get_backend(group) if on else "none"
         self._emulate = self.backend == "gloo"
+        self._free_buffers: dict[tuple, list[torch.Tensor]] = {}
 
     # -- error handling -------------------------------------------------------------
     def _guard(self, kind: str, fn, *args, **kwargs):
@@ -144,7 +150,7 @@ class Comm:
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False) -> Work | None:
         if self.size == 1:
             return Work(None, self, "all_reduce") if async_op else None
-        self.stats.add("all_reduce", 2 * t.numel() * t.element_size())
+        self.stats.add("all_reduce" + self.scope, 2 * t.numel() * t.element_size())
         h = self._guard("all_reduce", dist.all_reduce, t, op=op, group=self.group, async_op=async_op)
         return Work(h, self, "all_reduce") if async_op else None
 
@@ -152,7 +158,7 @@ class Comm:
         """Fill ``full`` (1-D, size multiple of world) from every rank's shard of it, in place."""
         if self.size == 1:
             return Work(None, self, "all_gather") if async_op else None
-        self.stats.add("all_gather", full.numel() * full.element_size())
+        self.stats.add("all_gather" + self.scope, full.numel() * full.element_size())
         if self._emulate:
             return self._ring(full, reduce=False, async_op=async_op, finish=None)
         shard = full.numel() // self.size
@@ -167,7 +173,7 @@ class Comm:
         ``full`` is clobbered. ``out`` may alias ``full``'s own shard (not with ``accumulate``).
         """
         if self.size > 1:
-            self.stats.add("reduce_scatter", full.numel() * full.element_size())
+            self.stats.add("reduce_scatter" + self.scope, full.numel() * full.element_size())
         shard = full.numel() // self.size
         mine = full.narrow(0, self.rank * shard, shard)
 
@@ -211,7 +217,8 @@ class Comm:
         size = full.numel() // n
         chunk = lambda i: full.narrow(0, (i % n) * size, size)  # noqa: E731
         nxt, prv = self._global((r + 1) % n), self._global((r - 1) % n)
-        tmp = torch.empty_like(chunk(0)) if reduce else None
+        buf = self._take_buffer(size, full.dtype, full.device) if reduce else None
+        tmp = buf[:size] if reduce else None
         kind = "reduce_scatter" if reduce else "all_gather"
         for k in range(n - 1):
             send_i, recv_i = (r - k - 1, r - k - 2) if reduce else (r - k, r - k - 1)
@@ -222,6 +229,8 @@ class Comm:
             def done(target: torch.Tensor = received, last: bool = last) -> None:
                 if reduce:
                     target.add_(tmp)
+                    if last:
+                        self._give_buffer(buf)
                 if last and finish is not None:
                     finish()
 
@@ -231,13 +240,31 @@ class Comm:
             work.wait()
         return None
 
+    def _take_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A receive chunk for a ring reduce-scatter, reused from finished rings when one fits.
+
+        A fresh chunk per call is a fresh mmap of tens of MiB whose page faults cost more than
+        the additions (see docs/estimate.md, "Planner against measurement"). Pending rings
+        (``overlap_comm``) each hold their own chunk until ``_give_buffer`` returns it.
+        """
+        free = self._free_buffers.setdefault((dtype, device), [])
+        for i, buf in enumerate(free):
+            if buf.numel() >= numel:
+                return free.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _give_buffer(self, buf: torch.Tensor) -> None:
+        free = self._free_buffers.setdefault((buf.dtype, buf.device), [])
+        if len(free) < 4:  # bounded: at most a few rings are ever in flight
+            free.append(buf)
+
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group-rank ``src``."""
         if self.size > 1:
-            self.stats.add("broadcast", t.numel() * t.element_size())
+            self.stats.add("broadcast" + self.scope, t.numel() * t.element_size())
             self._guard("broadcast", dist.broadcast, t, src=self._global(src), group=self.group)
 
     def barrier(self) -> None:

@@ -156,7 +156,8 @@ KEYS: tuple[Key, ...] = (
     Key(Z + "zero_quantized_gradients", R, "ZeRO++ quantized gradients", default(False)),
     Key(Z + "zero_hpz_partition_size", R, "ZeRO++ hierarchical partitioning", default(0, 1)),
     Key(Z + "zeropp_loco_param", R, "ZeRO++ LoCo error feedback", default()),
-    Key(Z + "mics_shard_size", R, "MiCS", lambda v, _r: v is None or (isinstance(v, int) and v <= 0)),
+    Key(Z + "mics_shard_size", H, "hybrid sharding: ZeRO shards within groups of k ranks, replicas across "
+        "them all-reduce the gradient shard (stages 1-3)"),
     Key(Z + "zenflow", R, "ZenFlow stale gradient updates", default()),
     Key(Z + "load_from_fp32_weights", R, "restoring fp32 master weights from 16-bit weights (false)",
         default(True)),

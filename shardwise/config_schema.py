@@ -39,6 +39,7 @@ class SupportedFeatures:
     stage3: bool = False
     tensor_parallel: bool = False
     offload_param: bool = False
+    hybrid: bool = False  # zero_optimization.mics_shard_size: shard within k ranks, replicate across
 
 
 class _Section(BaseModel):

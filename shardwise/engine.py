@@ -64,13 +64,20 @@ class Engine(nn.Module):
     """DeepSpeed-style engine around ``module`` (see DESIGN.md §2 for the contract)."""
 
     def __init__(self, model: nn.Module, config, model_parameters=None, optimizer=None,
-                 lr_scheduler=None, comm: Comm | None = None, tp: Comm | None = None):
-        """``comm`` is the data-parallel group ZeRO shards over; ``tp`` the tensor-parallel one."""
+                 lr_scheduler=None, comm: Comm | None = None, tp: Comm | None = None,
+                 replicate: Comm | None = None):
+        """``comm`` is the group ZeRO shards over; ``tp`` the tensor-parallel one; ``replicate`` the
+        ranks holding the same shard in other shard groups (hybrid sharding, see mesh.py)."""
         super().__init__()
         self.config = config
         self.comm = comm if comm is not None else Comm()
         self.tp = tp if tp is not None else Comm(None, self.comm.stats, solo=True)
-        self.dp_world = self.comm.size
+        self.replica = replicate if replicate is not None else Comm(None, self.comm.stats, solo=True)
+        if self.replica.size > 1 and config.zero_stage == 0:
+            raise ValueError("hybrid sharding (zero_optimization.mics_shard_size) needs zero_optimization.stage "
+                             ">= 1: stage 0 shards nothing")
+        self.dp_world = self.comm.size * self.replica.size
+        self.dp_rank = self.replica.rank * self.comm.size + self.comm.rank
         self.stage = config.zero_stage
         self.gas = config.gradient_accumulation_steps
         self.micro_steps = 0
@@ -144,9 +151,11 @@ class Engine(nn.Module):
                             or (self.offload_param and zero.offload_param.pin_memory)),
             overlap_comm=bool(zero.overlap_comm),
             param_offload_device=torch.device("cpu") if self.offload_param else None,
+            replicate=self.replica,
         )
         self.groups: list[ShardedGroup] = [g for gs in self.groups_by_pg for g in gs]
-        broadcast_model(model, self.groups + [g for gs in self.unit_groups for g in gs], self.comm)
+        for c in (self.comm, self.replica):  # shard group 0 takes rank 0's weights, then every replica
+            broadcast_model(model, self.groups + [g for gs in self.unit_groups for g in gs], c)
         self.fetcher = (ParamFetcher(self.units, self.unit_groups, int(zero.stage3_prefetch_bucket_size),
                                      int(zero.stage3_max_live_parameters))
                         if self.stage == 3 else None)

@@ -119,11 +119,15 @@ EPILOG = """examples:
   shardwise estimate --params 7.5B --devices 64
   shardwise estimate --model ./llama-7b --devices 8 --micro-batch 1 --seq 4096 --device-memory 80GB
   shardwise estimate --params 70B --devices 16 --tp 8 --offload optimizer --json
+  shardwise estimate --model ./llama-7b --devices 16 --nodes 2 --gpus-per-node 8 --inter-bw 25GB \\
+      --intra-bw 300GB --latency 10us --tflops 400 --micro-batch 1 --seq 4096 --device-memory 80GB
 units: counts take K/M/B/T (powers of 1000); GB = 1e9 bytes, GiB = 2^30 bytes, G = GB."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """`shardwise estimate` CLI; returns the exit code (2 for bad input, naming the flag)."""
+    from shardwise.planner_cli import add_planner_args, run_planner
+
     p = argparse.ArgumentParser(prog="shardwise estimate", epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Estimate per-device memory and communication for ZeRO "
@@ -140,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--device-memory", type=_arg(parse_bytes, "size"), help="e.g. 80GB, 80GiB")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    add_planner_args(p)
     try:
         args = p.parse_args(argv)
         if args.devices % args.tp:
@@ -158,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--tp {args.tp} does not divide the model's {facts.num_heads} attention heads")
     except SystemExit as exc:
         return int(exc.code or 0)
+    if args.nodes is not None:
+        return run_planner(p, args, facts)
     est = estimate(facts.params if facts else args.params, args.devices, tp=args.tp, dtype=args.dtype,
                    offload=args.offload, micro_batch=args.micro_batch, seq=args.seq, facts=facts,
                    activation_checkpointing=args.activation_checkpointing,

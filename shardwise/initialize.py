@@ -54,13 +54,15 @@ def initialize(
     _setup_logging()
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     cfg = load_config(config, world_size=dist.get_world_size(), hidden_size=hidden,
-                      supported=SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True))
-    mesh = get_mesh(cfg.tp_size)
+                      supported=SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True,
+                                                         hybrid=True))
+    shard = cfg.zero_optimization.mics_shard_size
+    mesh = get_mesh(cfg.tp_size, shard if shard > 0 else None)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp)
+                    lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate)
     loader = None
     if training_data is not None:
-        sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.comm.rank,
+        sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.dp_rank,
                                      shuffle=True, seed=cfg.seed if getattr(cfg, "seed", None) else 0)
         loader = DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
                             sampler=sampler, collate_fn=collate_fn,

@@ -1,8 +1,13 @@
-"""The 2-D (data parallel x tensor parallel) layout of the ranks.
+"""The layout of the ranks: replicate x shard x tensor parallel, TP innermost.
 
-Tensor parallel groups are consecutive ranks (tp innermost, as Megatron and
-torchtitan do): with world 4 and tp 2, TP groups are {0,1} {2,3} and data
-parallel groups {0,2} {1,3}. TP traffic (every layer) then stays inside a node.
+Rank ``((replica * k) + shard) * t + tp`` for ``t`` TP ranks and shard groups of ``k``: TP groups
+are consecutive ranks (as Megatron and torchtitan place them), so TP traffic (every layer) and
+then the shard group's gathers stay inside a node, and only the replicas' gradient all-reduce
+crosses nodes. With world 8, t = 2, k = 2: TP groups {0,1} {2,3} ..., shard groups {0,2} {1,3}
+{4,6} {5,7}, replica groups {0,4} {1,5} {2,6} {3,7}. Without hybrid sharding k is the whole
+data-parallel degree and the replica groups are single ranks (plain ZeRO).
+
+This is the one place that builds process groups.
 """
 
 from __future__ import annotations
@@ -13,55 +18,81 @@ import torch.distributed as dist
 
 from shardwise.comm import Comm, CommStats
 
+# (tp, k) -> (shard group, tp group, replica group, full data-parallel group); made once each
+_GROUPS: dict[tuple[int, int], tuple] = {}
+
 
 @dataclass
 class Mesh:
-    dp: Comm
+    dp: Comm  # the shard group: ZeRO shards over it
     tp: Comm
+    replicate: Comm  # ranks holding the same shard (hybrid sharding); solo without it
+    dp_full: Comm  # every data-parallel rank (the shard group times its replicas)
     stats: CommStats
 
-    @property
-    def dp_size(self) -> int:
-        return self.dp.size
 
-    @property
-    def tp_size(self) -> int:
-        return self.tp.size
+def _world() -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(), dist.get_rank()
 
 
-_GROUPS: dict[int, tuple] = {}  # tp size -> (dp group, tp group): process groups are made once
-
-
-def get_mesh(tp_size: int = 1) -> Mesh:
-    """The dp and tp groups, with a fresh :class:`CommStats`; every rank must call this."""
-    stats = CommStats()
-    if tp_size in _GROUPS:
-        dp_group, tp_group = _GROUPS[tp_size]
-        return Mesh(dp=_comm(dp_group, stats), tp=_comm(tp_group, stats), stats=stats)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if tp_size < 1 or world % tp_size:
-        raise ValueError(f"tensor parallel size {tp_size} must divide the world size {world} "
+def _check(world: int, tp: int, shard: int) -> None:
+    if tp < 1 or world % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide the world size {world} "
                          "(tensor_parallel.autotp_size)")
-    if tp_size == 1:
-        dp_group, tp_group = "world", "solo"
-    elif tp_size == world:
-        dp_group, tp_group = "solo", "world"
-    else:
-        tp_group = dp_group = None
-        for d in range(world // tp_size):  # every rank creates every group, in the same order
-            g = dist.new_group(list(range(d * tp_size, (d + 1) * tp_size)))
-            if rank // tp_size == d:
-                tp_group = g
-        for t in range(tp_size):
-            g = dist.new_group(list(range(t, world, tp_size)))
-            if rank % tp_size == t:
-                dp_group = g
-    _GROUPS[tp_size] = (dp_group, tp_group)
-    return get_mesh(tp_size)
+    dp = world // tp
+    if shard < 1 or dp % shard:
+        raise ValueError(f"shard group size {shard} must divide the data-parallel degree {dp} "
+                         f"(world {world} / tensor parallel {tp}) (zero_optimization.mics_shard_size)")
 
 
-def _comm(group, stats: CommStats) -> Comm:
+def _groups_of(world: int, size: int, stride: int) -> list[list[int]]:
+    """Every group of ``size`` ranks ``stride`` apart, each rank in exactly one."""
+    out = []
+    for start in range(world):
+        first = start - (start // stride % size) * stride
+        if first == start:
+            out.append([start + i * stride for i in range(size)])
+    return out
+
+
+def _make(world: int, rank: int, size: int, stride: int):
+    """Create every such group (collective: all ranks, same order) and return this rank's."""
+    if size == 1:
+        return "solo"
+    if size == world:
+        return "world"
+    mine = None
+    for ranks in _groups_of(world, size, stride):
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
+
+
+def get_mesh(tp_size: int = 1, shard_size: int | None = None) -> Mesh:
+    """The groups for ``tp_size`` and a shard group of ``shard_size`` (None: all data-parallel ranks).
+
+    Every rank must call this with the same arguments; each gets fresh :class:`CommStats`. Bytes
+    moved across replica groups are counted apart (``*_across_groups`` in ``comm_stats()``).
+    """
+    world, rank = _world()
+    dp = world // tp_size if tp_size >= 1 else 0
+    shard = dp if shard_size is None else shard_size
+    _check(world, tp_size, shard)
+    key = (tp_size, shard)
+    if key not in _GROUPS:
+        shard_g = _make(world, rank, shard, tp_size)
+        _GROUPS[key] = (shard_g, _make(world, rank, tp_size, 1), _make(world, rank, dp // shard, tp_size * shard),
+                        shard_g if shard == dp else _make(world, rank, dp, tp_size))
+    shard_g, tp_g, rep_g, dp_g = _GROUPS[key]
+    stats = CommStats()
+    return Mesh(dp=_comm(shard_g, stats), tp=_comm(tp_g, stats),
+                replicate=_comm(rep_g, stats, scope="_across_groups"), dp_full=_comm(dp_g, stats), stats=stats)
+
+
+def _comm(group, stats: CommStats, scope: str = "") -> Comm:
     if group == "solo":
         return Comm(None, stats, solo=True)
-    return Comm(None if group == "world" else group, stats)
+    return Comm(None if group == "world" else group, stats, scope=scope)

@@ -18,11 +18,11 @@ GLOBAL_MICRO, SEQ, STEPS = 4, 16, 4  # global batch of 4 sequences: micro 2 at w
 
 
 def config(stage: int, world: int, bucket: int = 20_000, precision: str = "fp32", offload: bool = False,
-           tp: int = 1) -> dict:
+           tp: int = 1, **zero_extra) -> dict:
     """AdamW + a warmup scheduler, so a resume that drops scheduler or Adam state shows up."""
     dp = world // tp
     cfg = make_config(stage, micro=GLOBAL_MICRO // dp, dp=dp, bucket=bucket, precision=precision,
-                      offload=offload, tp=tp)
+                      offload=offload, tp=tp, **zero_extra)
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3,
                                                         "warmup_num_steps": 6, "warmup_type": "linear"}}
     return cfg

@@ -314,12 +314,18 @@ def test_unsupported_features_are_named_and_flags_enable_them(config, path, flag
     ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
      "zero_optimization.zero_quantized_gradients"),
     ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),
-    ({"zero_optimization": {"stage": 2, "mics_shard_size": 2}}, "zero_optimization.mics_shard_size"),
 ])
-def test_zeropp_and_mics_are_refused(config, path):
+def test_zeropp_is_refused(config, path):
     msg = error_of(config, world_size=2, supported=SupportedFeatures(stage3=True, tensor_parallel=True,
                                                                     offload_param=True))
     assert msg.startswith(path + ": DeepSpeed feature") and "is not implemented by shardwise" in msg
+
+
+def test_mics_shard_size_is_hybrid_sharding():
+    z = {"zero_optimization": {"stage": 2, "mics_shard_size": 2}}
+    assert "hybrid=True" in error_of(z, world_size=4)  # only initialize (which builds the mesh) enables it
+    cfg = load_config(z, world_size=4, supported=SupportedFeatures(hybrid=True))
+    assert cfg.zero_optimization.mics_shard_size == 2
 
 
 def test_stage3_keys_below_stage3_are_fine_and_nvme_is_unsupported():

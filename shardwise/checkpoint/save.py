@@ -98,7 +98,9 @@ def _write_rank(engine: Engine, folder: Path, rank: int) -> dict:
     Under TP, TP-sharded parameters are saved per TP rank under ``NAME@tp{r}of{t}``; replicated ones
     only by TP rank 0 (of each data-parallel group, which tiles them with its ZeRO shards).
     """
-    writes = engine.stage >= 1 or engine.comm.rank == 0  # stage 0: replicated, dp rank 0 writes
+    # stage 0: replicated, dp rank 0 writes; hybrid sharding: the first replica writes its shards
+    first_replica = engine.replica.rank == 0
+    writes = first_replica and (engine.stage >= 1 or engine.comm.rank == 0)
     tp_rank = engine.tp.rank if engine.tp.size > 1 else 0
     pieces: list[tuple[str, torch.Tensor]] = []
     tensors: dict[str, dict] = {}
@@ -124,7 +126,7 @@ def _write_rank(engine: Engine, folder: Path, rank: int) -> dict:
             pieces.append((f"master/{key}", g.master.narrow(0, lo, b - a)))
             pieces += [(f"{k}/{key}", v.narrow(0, lo, b - a)) for k, v in elem.items()]
     module: dict[str, dict] = {}
-    if engine.comm.rank == 0:  # frozen params and persistent buffers: dp rank 0 (TP pieces per TP rank)
+    if engine.comm.rank == 0 and first_replica:  # frozen params, buffers: dp rank 0 (TP pieces per TP rank)
         for name, t in module_extras(engine).items():
             spec = spec_of(t)
             if spec is None and tp_rank != 0:

@@ -111,10 +111,14 @@ class ShardedGroup:
         device: torch.device | None = None,
         reread_shard: bool = False,
         inflight: InflightLimit | None = None,
+        replicate: Comm | None = None,
     ):
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
         self.params, self.names, self.comm, self.policy = params, names, comm, policy
+        # Hybrid sharding: ranks holding the same shard in other shard groups; their gradient
+        # shards are summed once per step (see attach_master_grad).
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.overlap_comm = overlap_comm
         self.inflight = inflight
         self._filled: list[bool] = []
@@ -144,6 +148,8 @@ class ShardedGroup:
                     src = shard_reader(p, 0, n) if shard_reader is not None else p.detach().reshape(-1)
                     self.flat_param[off : off + n].copy_(src)
             comm.broadcast(self.flat_param, src=0)  # every rank starts from rank 0's weights
+            if self.replicate is not None:
+                self.replicate.broadcast(self.flat_param, src=0)
         for p, off in zip(params, self.offsets, strict=True):
             if not from_files:
                 p.data = self._view(self.flat_param, off, p)
@@ -274,8 +280,15 @@ class ShardedGroup:
 
     @torch.no_grad()
     def adopt_full(self, src: int) -> None:
-        """Take the full parameters of group-rank ``src`` (edited in place) as everyone's new value."""
-        self.comm.broadcast(self.flat_param, src=src)
+        """Take the full parameters of data-parallel rank ``src`` (edited in place) as everyone's new value.
+
+        With hybrid sharding ``src`` sits in replica ``src // k`` at shard position ``src % k``:
+        its shard group takes the edit first, then every replica group from that replica.
+        """
+        k = self.comm.size
+        self.comm.broadcast(self.flat_param, src=src % k if self.replicate is not None else src)
+        if self.replicate is not None:
+            self.replicate.broadcast(self.flat_param, src=src // k)
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         if self.param_shard is not None:
             self.param_shard.copy_(owned)
@@ -367,8 +380,14 @@ class ShardedGroup:
         return self.flat_grad.narrow(0, self.own_start, self.own_numel)
 
     def attach_master_grad(self, scale: float) -> torch.Tensor:
-        """Give ``master.grad`` the owned gradient times ``scale``; returns it (fp32)."""
+        """Give ``master.grad`` the owned gradient times ``scale``; returns it (fp32).
+
+        With hybrid sharding the shard is first summed over the replicas: one all-reduce of
+        the shard (Ψ/k elements) per step, the only traffic that leaves the shard group.
+        """
         g = self.owned_grad()
+        if self.replicate is not None:
+            self.replicate.all_reduce(g)
         if self.master_is_view:
             g.mul_(scale)
             self.master.grad = g
