@@ -180,6 +180,7 @@ KIND_SMALL = "llama"
 
 def snapshot(engine) -> dict:
     """Every piece of engine state a load may touch, copied (tensors cloned)."""
+    engine.wait_for_params()  # stage 1-2: the last step's parameter all-gather may still be running
     opt = {f"{i}/{k}": v.detach().clone() if torch.is_tensor(v) else v
            for i, st in enumerate(engine.optimizer.state.values()) for k, v in st.items()}
     return {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},

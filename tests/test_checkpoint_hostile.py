@@ -123,7 +123,7 @@ def test_weight_map_outside_folder_refused(tmp_path):
 
 # -- 2. schema and model matching ------------------------------------------------------------------
 def _edit(meta: dict, where: str, value) -> None:
-    *path, last = where.split(".")
+    *path, last = where.split("/")
     node = meta
     for k in path:
         node = node[int(k)] if isinstance(node, list) else node[k]
@@ -131,15 +131,15 @@ def _edit(meta: dict, where: str, value) -> None:
 
 
 EMB = "model.embed_tokens.weight"
-EDITS = [  # (dotted path in metadata.json, bad value)
-    ("state_dtypes.exp_avg", "int8"), ("state_dtypes.exp_avg", "float16"),
-    ("counters.global_steps", "3"), ("counters.micro_steps", -1), ("counters.skipped_steps", 1.5),
-    ("param_groups.0.lr", "abc"), ("param_groups.0.lr", 1e999), ("param_groups.0.lr", True),
-    ("param_groups.0.betas", [0.9]), ("lr_scheduler.last_epoch", "x"),
-    (f"tensors.{EMB}.segments.0.start", -5), (f"tensors.{EMB}.segments.0.start", 3),
-    (f"tensors.{EMB}.shape", [2**40, 2**40]), (f"tensors.{EMB}.numel", 10**18),
-    (f"tensors.{EMB}.dtype", "int8"), (f"scalars.{EMB}.step.value", "2"),
-    ("version", 99), ("format", "other"), ("rng.0.python", [1, 2]), ("order", []),
+EDITS = [  # (slash path in metadata.json, bad value)
+    ("state_dtypes/exp_avg", "int8"), ("state_dtypes/exp_avg", "float16"),
+    ("counters/global_steps", "3"), ("counters/micro_steps", -1), ("counters/skipped_steps", 1.5),
+    ("param_groups/0/lr", "abc"), ("param_groups/0/lr", 1e999), ("param_groups/0/lr", True),
+    ("param_groups/0/betas", [0.9]), ("lr_scheduler/last_epoch", "x"),
+    (f"tensors/{EMB}/segments/0/start", -5), (f"tensors/{EMB}/segments/0/start", 3),
+    (f"tensors/{EMB}/shape", [2**40, 2**40]), (f"tensors/{EMB}/numel", 10**18),
+    (f"tensors/{EMB}/dtype", "int8"), (f"scalars/{EMB}/step/value", "2"),
+    ("version", 99), ("format", "other"), ("rng/0/python", [1, 2]), ("order", []),
 ]
 
 
@@ -223,7 +223,7 @@ def test_one_rank_damaged_file_same_error_on_every_rank(pool2, tmp_path):
     pool2.run("ckpt_cases:train_and_save", "llama", 2, str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     victim_file = tmp_path / "ckpt" / "global_step2" / "rank00001.safetensors"
     data = bytearray(victim_file.read_bytes())
-    data[-10:] = bytes(10)  # only rank 1 reads this file when loading at world 2, stage 2
+    data[-10:] = bytes(b ^ 0xFF for b in data[-10:])  # only rank 1 reads this file (world 2, stage 2)
     victim_file.write_bytes(bytes(data))
     out = pool2.run("ckpt_cases:failed_load_leaves_engine", str(tmp_path / "ckpt"))
     assert out[0]["msg"] == out[1]["msg"], out

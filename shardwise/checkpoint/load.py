@@ -298,6 +298,7 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
     loads the names the model and checkpoint share (shapes must still match) and logs the rest.
     """
     comm = world_comm()
+    engine.wait_for_params()  # the last step's asynchronous all-gathers still write the parameters
     with_opt = load_optimizer_states and not load_module_only
     err: BaseException | None = None
     path, meta, st = None, {}, _Staged()
