@@ -78,7 +78,8 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path | None:
     if not path.is_dir() and (root / f".{tag}.old").is_dir():
         path = confined_path(root, f".{tag}.old", source)  # a save overwriting this tag stopped between renames
     if not path.is_dir():
-        raise CheckpointError(f"{root / str(tag)}: no such checkpoint (tags here: "
+        named = f"{source}: names tag {tag!r}, but " if tag is not None and source != "the tag argument" else ""
+        raise CheckpointError(f"{named}{root / str(tag)}: no such checkpoint (tags here: "
                               f"{sorted(p.name for p in root.iterdir() if p.is_dir())})")
     return path
 
@@ -234,11 +235,10 @@ def _stage_optimizer(engine: Engine, meta: dict, loaded: list[dict], source: Pat
             if dtype_from_name(meta["state_dtypes"][k]) != want:
                 raise CheckpointError(f"{source}: optimizer state {k!r} is saved as {meta['state_dtypes'][k]}, "
                                       f"this optimizer keeps it in {dtype_name(want)}")
-        live_keys = {k for k, v in opt.state.get(g.master, {}).items() if torch.is_tensor(v)
-                     and v.shape == g.master.shape}
-        if live_keys and live_keys != set(meta["states"]):
-            raise CheckpointError(f"{source}: saved optimizer states {meta['states']} are not this "
-                                  f"optimizer's {sorted(live_keys)}")
+        live = opt.state.get(g.master, {})
+        if live and set(live) != set(meta["states"]) | set(got["scalars"]):
+            raise CheckpointError(f"{source}: saved optimizer state {sorted(meta['states'])} + scalars "
+                                  f"{sorted(got['scalars'])} is not this optimizer's {sorted(live)}")
         if meta["states"]:
             st: dict[str, Any] = {k: v for k, v in got["bufs"].items() if k != "master"}
             for k, sc in got["scalars"].items():
@@ -246,6 +246,18 @@ def _stage_optimizer(engine: Engine, meta: dict, loaded: list[dict], source: Pat
                     sc["value"], dtype=dtype_from_name(sc["dtype"]))
             state[index[id(g.master)]] = st
     return {"state": state, "param_groups": groups}
+
+
+def _install_optimizer(engine: Engine, sd: dict, path: Path) -> None:
+    """``load_state_dict``, undone if torch refuses the state (a check the staging missed)."""
+    opt = engine.optimizer
+    old = opt.state_dict()  # references the live state tensors, which load_state_dict replaces
+    try:
+        opt.load_state_dict(sd)
+    except Exception as e:  # noqa: BLE001
+        opt.load_state_dict(old)
+        raise CheckpointError(f"{path / 'metadata.json'}: the optimizer refused the saved state "
+                              f"({type(e).__name__}: {e}); parameters were loaded, optimizer state kept") from e
 
 
 @dataclass
@@ -331,7 +343,7 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
     if load_module_only:
         return str(path), meta["client_state"]
     if st.optimizer is not None:
-        engine.optimizer.load_state_dict(st.optimizer)
+        _install_optimizer(engine, st.optimizer, path)
     if st.scheduler is not None:
         engine.lr_scheduler.load_state_dict(st.scheduler)
     if st.scaler is not None:

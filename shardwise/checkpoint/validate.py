@@ -223,8 +223,10 @@ class Metadata(BaseModel):
 
         if sorted(self.states) != sorted(self.state_dtypes) or len(set(self.states)) != len(self.states):
             raise ValueError(f"states {self.states} do not match state_dtypes {sorted(self.state_dtypes)}")
-        if set(self.scalars) - set(self.tensors):
-            raise ValueError(f"scalars for unknown tensors {sorted(set(self.scalars) - set(self.tensors))[:3]}")
+        if set(self.scalars) != {k for k, t in self.tensors.items() if t.numel}:
+            raise ValueError("'scalars' must have one entry per saved tensor")
+        if len({tuple(sorted(v)) for v in self.scalars.values()}) > 1:  # one optimizer: same scalars
+            raise ValueError("saved tensors disagree on their optimizer scalars (e.g. 'step' missing)")
         if len(self.rng) != self.layout.world:
             raise ValueError(f"{len(self.rng)} RNG states for a world of {self.layout.world}")
         need = dict.fromkeys(self.files, 0)  # bytes each shard file must at least hold
