@@ -119,6 +119,8 @@ def test_weight_map_outside_folder_refused(tmp_path):
         weight_map(tmp_path)
     with pytest.raises(CheckpointError, match="outside"):
         confined_path(tmp_path, "/abs", "x.json")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "m-1.safetensors"}}))
+    assert weight_map(tmp_path) == {"a": (tmp_path / "m-1.safetensors").resolve()}
 
 
 # -- 2. schema and model matching ------------------------------------------------------------------
