@@ -442,7 +442,7 @@ class Engine(nn.Module):
 
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,  # noqa: ARG002
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """Load a checkpoint saved at any world size / stage; returns ``(path, client_state)``."""
@@ -450,7 +450,7 @@ class Engine(nn.Module):
 
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)
+                               load_module_only=load_module_only, load_module_strict=load_module_strict)
 
     def save_16bit_model(self, save_dir, save_filename=None, max_shard_size="5GB") -> None:  # noqa: ARG002
         """HF-format weights (config.json + model*.safetensors) in the compute dtype (collective)."""

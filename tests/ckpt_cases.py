@@ -158,3 +158,61 @@ def tp_pieces(full: torch.Tensor, dim: int, size: int, parts: int = 1) -> tuple[
                         "tp": tp_meta("w", spec, list(local.shape))}
         locals_[key] = local.reshape(-1)
     return entries, locals_
+
+
+# -- hostile checkpoints (test_checkpoint_hostile.py, test_checkpoint_fuzz.py) ------------------------
+def world1_group() -> bool:
+    """A 1-rank gloo group in this process (no env vars, no port); True when this call created it."""
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def small_engine(seed: int = 0, model: torch.nn.Module | None = None, stage: int = 2):
+    engine, *_ = shardwise.initialize(model=model or build(KIND_SMALL, seed=seed),
+                                      config=config(stage, dist.get_world_size()))
+    return engine
+
+
+KIND_SMALL = "llama"
+
+
+def snapshot(engine) -> dict:
+    """Every piece of engine state a load may touch, copied (tensors cloned)."""
+    engine.wait_for_params()  # stage 1-2: the last step's parameter all-gather may still be running
+    opt = {f"{i}/{k}": v.detach().clone() if torch.is_tensor(v) else v
+           for i, st in enumerate(engine.optimizer.state.values()) for k, v in st.items()}
+    return {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "masters": [g.master.detach().clone() for g in engine.groups],
+            "opt_state": opt,
+            "param_groups": [{k: v for k, v in pg.items() if k != "params"} for pg in engine.optimizer.param_groups],
+            "sched": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+            "counters": (engine.global_steps, engine.micro_steps, engine.skipped_steps),
+            "rng": torch.get_rng_state()}
+
+
+def same_state(a: dict, b: dict) -> list[str]:
+    """Names of the snapshot entries that differ (empty: identical, bit for bit)."""
+    def eq(x, y) -> bool:
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            return torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x)
+        if isinstance(x, list | tuple):
+            return isinstance(y, list | tuple) and len(x) == len(y) and all(map(eq, x, y))
+        return x == y
+    return [k for k in a if not eq(a[k], b[k])]
+
+
+def failed_load_leaves_engine(ckpt: str) -> dict:
+    """Rank-side: a trained engine loads a checkpoint that only some rank finds damaged."""
+    engine = small_engine(seed=3)
+    _train(engine, 0, 1)
+    before = snapshot(engine)
+    try:
+        engine.load_checkpoint(ckpt)
+        msg = "no error"
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {e}"
+    return {"msg": msg, "changed": same_state(before, snapshot(engine))}

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -118,19 +118,30 @@ def sha256_file(path: Path) -> str:
 
 
 class ShardReader:
-    """Reads element ranges of saved tensors from a checkpoint folder, verifying files first."""
+    """Reads element ranges of saved tensors from a checkpoint folder, verifying files first.
+
+    ``files`` is the validated metadata's file list; every name is confined to ``folder``, every
+    file's size and sha256 are checked before its first use, and every tensor's safetensors header
+    entry must have the dtype and shape the metadata promises, so no read is ever reinterpreted or
+    cast. Any failure is a :class:`CheckpointError` naming the file.
+    """
 
     def __init__(self, folder: Path, files: dict[str, dict], verify: bool = True):
         self.folder, self.files, self.verify = folder, files, verify
         self._verified: set[str] = set()
         self._open: dict[str, Any] = {}
 
+    def _path(self, fname: str) -> Path:
+        from shardwise.checkpoint.validate import confined_path
+
+        return confined_path(self.folder, fname, self.folder / "metadata.json")
+
     def check(self, fname: str) -> None:
         """Refuse a file whose size or sha256 differs from the metadata, naming it."""
         if fname in self._verified:
             return
-        path = self.folder / fname
         info = self.files.get(fname)
+        path = self._path(fname)
         if info is None:
             raise CheckpointError(f"{path}: not listed in the checkpoint's metadata.json")
         if not path.is_file():
@@ -146,8 +157,24 @@ class ShardReader:
     def handle(self, fname: str):
         if fname not in self._open:
             self.check(fname)
-            self._open[fname] = safe_open(str(self.folder / fname), framework="pt")
+            try:
+                self._open[fname] = safe_open(str(self._path(fname)), framework="pt")
+            except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: unreadable header
+                raise CheckpointError(f"{self.folder / fname}: not a readable safetensors file: {e}") from e
         return self._open[fname]
+
+    def _slice(self, fname: str, key: str, dtype: torch.dtype, shape: list[int]):
+        """The header entry ``key`` of ``fname``, refused unless it has ``dtype`` and ``shape``."""
+        f = self.handle(fname)
+        try:
+            sl = f.get_slice(key)
+            got_dt, got_shape = sl.get_dtype(), list(sl.get_shape())
+        except Exception as e:  # noqa: BLE001 - SafetensorError / KeyError for a missing name
+            raise CheckpointError(f"{self.folder / fname}: tensor {key} is not in the file ({e})") from e
+        if got_dt != _ST_DTYPES.get(dtype) or got_shape != list(shape):
+            raise CheckpointError(f"{self.folder / fname}: tensor {key} is {got_dt} {got_shape} in the file, "
+                                  f"metadata.json says {dtype_name(dtype)} {list(shape)}")
+        return sl
 
     def read_range(self, key: str, segments: list[dict], lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill ``out`` (1-D, hi - lo elements) with elements [lo, hi) of ``key`` from its segments."""
@@ -156,14 +183,22 @@ class ShardReader:
             a, b = max(lo, seg["start"]), min(hi, seg["stop"])
             if a >= b:
                 continue
-            piece = self.handle(seg["file"]).get_slice(key)[a - seg["start"]: b - seg["start"]]
-            out.narrow(0, a - lo, b - a).copy_(piece)
+            sl = self._slice(seg["file"], key, out.dtype, [seg["stop"] - seg["start"]])
+            i, j = a - seg["start"], b - seg["start"]
+            out.narrow(0, a - lo, b - a).copy_(self._get(seg["file"], key, lambda sl=sl, i=i, j=j: sl[i:j]))
             covered += b - a
         if covered != hi - lo:
             raise CheckpointError(f"{self.folder}: {key} elements [{lo}, {hi}) are not all in the checkpoint")
 
-    def read_full(self, key: str, fname: str) -> torch.Tensor:
-        return self.handle(fname).get_tensor(key)
+    def read_full(self, key: str, fname: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        self._slice(fname, key, dtype, shape)
+        return self._get(fname, key, lambda: self.handle(fname).get_tensor(key))
+
+    def _get(self, fname: str, key: str, read):
+        try:
+            return read()
+        except Exception as e:  # noqa: BLE001 - a header whose offsets do not fit the data
+            raise CheckpointError(f"{self.folder / fname}: cannot read tensor {key}: {e}") from e
 
     def release(self) -> None:
         """Close open files (unmaps them, so pages read so far leave the resident set)."""
@@ -199,13 +234,18 @@ def like(current: Any, saved: Any) -> Any:
     return saved
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def read_json(path: Path) -> Any:
+    """Strict JSON (no NaN/Infinity, UTF-8), or a CheckpointError naming ``path``."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
     except FileNotFoundError as e:
         raise CheckpointError(f"{path}: file is missing") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt): {e}") from e
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt): {e}"[:500]) from e
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -221,7 +261,7 @@ def _b64(t: torch.Tensor) -> str:
 
 
 def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8)
 
 
 def rng_state() -> dict:
@@ -237,16 +277,34 @@ def rng_state() -> dict:
     return out
 
 
-def set_rng_state(s: dict) -> None:
+def rng_setter(s: dict, source: Path) -> Callable[[], None]:
+    """Decode the saved RNG states ``s`` and try them on scratch generators now; returns the
+    function that installs them, which then cannot fail (loads are all-or-nothing)."""
     import numpy as np
 
-    torch.set_rng_state(_unb64(s["torch"]))
-    v, state, gauss = s["python"]
-    random.setstate((v, tuple(state), gauss))
-    kind, keys, pos, has_gauss, cached = s["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in s and torch.cuda.is_available() and len(s["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([_unb64(x) for x in s["cuda"]])
+    try:
+        cpu = _unb64(s["torch"])
+        torch.Generator().set_state(cpu)
+        v, state, gauss = s["python"]
+        py = (v, tuple(state), gauss)
+        random.Random().setstate(py)
+        kind, keys, pos, has_gauss, cached = s["numpy"]
+        npst = (kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached)
+        if np.asarray(keys, dtype=np.int64).min(initial=0) < 0:
+            raise ValueError("negative numpy key")
+        np.random.RandomState().set_state(npst)
+        cuda = [_unb64(x) for x in s.get("cuda", [])]
+    except Exception as e:  # noqa: BLE001 - any malformed piece: KeyError, ValueError, TypeError, ...
+        raise CheckpointError(f"{source}: unusable RNG state ({type(e).__name__}: {e})"[:400]) from e
+
+    def apply() -> None:
+        torch.set_rng_state(cpu)
+        random.setstate(py)
+        np.random.set_state(npst)
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+    return apply
 
 
 # -- cross-rank agreement -----------------------------------------------------------------------
@@ -256,7 +314,10 @@ def world_comm() -> Comm:
 
 
 def agree(comm: Comm, err: BaseException | None, what: str) -> None:
-    """Every rank learns whether any rank failed ``what``; then all raise the first failure.
+    """Every rank learns whether any rank failed ``what``; then all raise the same CheckpointError.
+
+    The message is the failure of the lowest failing rank (its file named), broadcast so that
+    every rank reports the real cause rather than a peer's collective error.
 
     Without this a rank that failed alone (a bad file, a full disk) would leave its peers
     blocked in the next collective until the timeout.
@@ -275,7 +336,7 @@ def agree(comm: Comm, err: BaseException | None, what: str) -> None:
         msg = f"{type(err).__name__}: {err}".encode()[:4096]
         buf[: len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
     comm.broadcast(buf, src=src)
-    if err is not None and comm.rank == src:
-        raise err
     text = bytes(buf.numpy()).rstrip(b"\0").decode(errors="replace")
-    raise CheckpointError(f"{what} failed on rank {src}: {text}")
+    if err is not None and not isinstance(err, Exception):
+        raise err  # KeyboardInterrupt, SystemExit: not a checkpoint problem
+    raise CheckpointError(f"{what} failed on rank {src}: {text}") from err  # the same text on every rank

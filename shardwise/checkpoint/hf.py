@@ -26,7 +26,7 @@ from shardwise.checkpoint.fileio import (
     world_comm,
     write_json,
 )
-from shardwise.checkpoint.load import read_metadata, read_saved, resolve_tag
+from shardwise.checkpoint.load import read_metadata, read_module, read_saved, resolve_tag
 from shardwise.checkpoint.save import _model_config, full_shape, module_extras
 from shardwise.checkpoint.tp import gather_full, logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.comm import Comm, CommStats
@@ -106,16 +106,43 @@ def _write_config(cfg: dict | None, out: Path, dtype: torch.dtype) -> None:
     write_json(out / "config.json", cfg)
 
 
+def _model_config_for(path: Path, meta: dict, config: str | Path | None, weights_only: bool) -> dict | None:
+    """The HF config to write next to the weights, checked before anything is written.
+
+    ``from_pretrained`` needs ``config.json``: a checkpoint without one is refused unless the
+    caller gives ``config`` (a config.json path) or asks for ``weights_only``.
+    """
+    if config is not None:
+        cfg, src = read_json(Path(config)), Path(config)
+    elif (path / "config.json").is_file():
+        cfg, src = read_json(path / "config.json"), path / "config.json"
+    elif meta["has_model_config"]:
+        raise CheckpointError(f"{path / 'config.json'}: file is missing although metadata.json says the model "
+                              "had an HF config; restore it or pass --config PATH")
+    elif weights_only:
+        return None
+    else:
+        raise CheckpointError(f"{path}: has no config.json (the model had no HF config), so the output "
+                              "would not load with from_pretrained; pass --config PATH/config.json, or "
+                              "--weights-only to write the safetensors files alone")
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type", ""), str):
+        raise CheckpointError(f"{src}: not an HF model config (expected a JSON object)")
+    return cfg
+
+
 def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, dtype: str = "fp32",
-                max_shard_size: str | int = "5GB", verify: bool = True) -> list[str]:
+                max_shard_size: str | int = "5GB", verify: bool = True, config: str | Path | None = None,
+                weights_only: bool = False) -> list[str]:
     """Write an HF model folder from a sharded checkpoint; returns the weight file names.
 
-    Single process, no torch.distributed. Every shard file is verified before anything is written.
+    Single process, no torch.distributed. The metadata, the config and every shard file are
+    checked before anything is written.
     """
     path = resolve_tag(ckpt_dir, tag)
     if path is None:
         raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass --tag")
     meta = read_metadata(path)
+    cfg = _model_config_for(path, meta, config, weights_only)
     tensors, module = meta["tensors"], meta["module"]
     tidx, midx = saved_index(tensors), saved_index(module)
     reader = ShardReader(path, meta["files"], verify=verify)
@@ -136,19 +163,19 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
             buf = torch.empty(shape, dtype=torch.float32 if trained else dtype_from_name(src[keys[0]]["dtype"]))
             t = rebuild(name, buf, None, keys, src,
                         (lambda k: read_saved(reader, tensors, "master", k, torch.float32)) if trained
-                        else (lambda k: reader.read_full(f"module/{k}", module[k]["file"])))
+                        else (lambda k: read_module(reader, module, k)))
         elif trained and len(tensors[name]["segments"]) == 1:  # one file: read it straight, no 2nd buffer
-            t = reader.read_full(f"master/{name}", tensors[name]["segments"][0]["file"]).view(shape)
+            t = reader.read_full(f"master/{name}", tensors[name]["segments"][0]["file"], torch.float32,
+                                 [tensors[name]["numel"]]).view(shape)
         elif trained:
             t = read_saved(reader, tensors, "master", name, torch.float32)
         else:
-            t = reader.read_full(f"module/{name}", module[name]["file"])
+            t = read_module(reader, module, name)
         reader.release()
         w.write(name, t.to(dt))
         del t
     names = w.close()
-    cfg_path = path / "config.json"
-    _write_config(read_json(cfg_path) if cfg_path.is_file() else None, out, out_dt)
+    _write_config(cfg, out, out_dt)
     return names
 
 
@@ -168,12 +195,16 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32", help="fp32 (default: the exact fp32 master), bf16 or fp16")
     p.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 500MB")
     p.add_argument("--no-verify", action="store_true", help="skip sha256 checks (sizes still checked)")
+    p.add_argument("--config", default=None, help="HF config.json to write (default: the checkpoint's)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="allow a checkpoint without config.json: write the weight files alone")
     a = p.parse_args(argv)
     try:
-        names = consolidate(a.ckpt_dir, a.out_dir, a.tag, a.dtype, a.max_shard_size, not a.no_verify)
-    except (CheckpointError, ValueError) as e:
+        names = consolidate(a.ckpt_dir, a.out_dir, a.tag, a.dtype, a.max_shard_size, not a.no_verify,
+                            config=a.config, weights_only=a.weights_only)
+    except (CheckpointError, ValueError, OSError) as e:
         print(f"shardwise consolidate: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"wrote {len(names)} weight file(s) to {a.out_dir}")
     return 0
 

@@ -1,28 +1,31 @@
 """Load a checkpoint into any layout: each rank reads only the element ranges its own shards need.
 
-Two phases, so a bad checkpoint never leaves a half-loaded engine nor a rank waiting in a
-collective: (1) every rank verifies the files it needs and reads its slices into fresh tensors;
-all ranks agree that every rank succeeded; (2) the tensors are installed and published.
+All or nothing, and the same outcome on every rank: (1) every rank validates the metadata
+(``validate.py``), matches every saved name to the model, verifies the files it needs and reads
+its slices, module tensors, optimizer, scheduler and RNG state into staging objects; (2) all ranks
+agree that every rank succeeded (or all raise the failing rank's CheckpointError); (3) only then is
+anything installed. A failed load leaves the engine exactly as it was.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise.checkpoint.fileio import (
-    FORMAT,
-    VERSION,
     CheckpointError,
     ShardReader,
     agree,
     dtype_from_name,
+    dtype_name,
     like,
     read_json,
-    set_rng_state,
+    rng_setter,
     world_comm,
 )
 from shardwise.checkpoint.save import IMPL_KEYS, full_shape, module_extras
@@ -34,6 +37,7 @@ from shardwise.checkpoint.tp import (
     saved_index,
     spec_of,
 )
+from shardwise.checkpoint.validate import confined_path, match_like, parse_metadata
 
 if TYPE_CHECKING:
     from shardwise.engine import Engine
@@ -41,54 +45,91 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardwise")
 
 
+def _read_latest(latest: Path) -> str:
+    """The tag named in ``latest``: short UTF-8 text naming a plain folder, else refused."""
+    raw = latest.read_bytes()
+    try:
+        tag = raw.decode("utf-8").strip() if len(raw) <= 1024 else None
+    except UnicodeDecodeError:
+        tag = None
+    if not tag or not tag.isprintable() or "/" in tag or "\\" in tag or tag.startswith("."):
+        raise CheckpointError(f"{latest}: does not hold a checkpoint tag (a plain folder name), found "
+                              f"{raw[:60]!r}; pass tag= or rewrite the file")
+    return tag
+
+
 def resolve_tag(load_dir: str | Path, tag: str | None) -> Path | None:
-    """``load_dir/tag``, the tag named by ``latest``, or None when there is no ``latest`` file."""
+    """``load_dir/tag``, the tag named by ``latest``, or None when there is no ``latest`` file.
+
+    Both the tag and ``latest`` itself must stay inside ``load_dir`` (no absolute path, ``..`` or
+    symlink out of it).
+    """
     root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint folder")
+    source: Path | str = "the tag argument"
     if tag is None:
         latest = root / "latest"
         if not latest.is_file():
             return None
-        tag = latest.read_text().strip()
-    path = root / str(tag)
+        confined_path(root, "latest", latest)
+        tag, source = _read_latest(latest), latest
+    path = confined_path(root, str(tag), source)
     if not path.is_dir() and (root / f".{tag}.old").is_dir():
-        path = root / f".{tag}.old"  # a save that overwrote this tag stopped between two renames
+        path = confined_path(root, f".{tag}.old", source)  # a save overwriting this tag stopped between renames
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint (tags here: "
+        named = f"{source}: names tag {tag!r}, but " if tag is not None and source != "the tag argument" else ""
+        raise CheckpointError(f"{named}{root / str(tag)}: no such checkpoint (tags here: "
                               f"{sorted(p.name for p in root.iterdir() if p.is_dir())})")
     return path
 
 
 def read_metadata(path: Path) -> dict:
-    meta = read_json(path / "metadata.json")
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path / 'metadata.json'}: not a {FORMAT} checkpoint "
-                              f"(format={meta.get('format')!r})")
-    if meta.get("version", 0) > VERSION:
-        raise CheckpointError(f"{path / 'metadata.json'}: checkpoint format version {meta.get('version')!r}"
-                              f" is newer than this shardwise reads (up to {VERSION}); upgrade shardwise")
-    return meta
+    """``path/metadata.json``, validated against the schema (validate.py)."""
+    return parse_metadata(read_json(path / "metadata.json"), path / "metadata.json")
 
 
-def _check_fits(engine: Engine, meta: dict, path: Path) -> None:
-    """Every trainable parameter is saved (whole, or as TP pieces of any degree) with its HF shape."""
-    tensors = meta["tensors"]
-    index = saved_index(tensors)
-    missing, wrong = [], []
+def _match(engine: Engine, meta: dict, strict: bool, source: Path) -> tuple[set[str], set[str]]:
+    """Match saved names to the model: returns (trainable names absent from the checkpoint, module
+    tensor names absent from it). A shape mismatch is always refused; a missing or unexpected name
+    too under ``strict`` (else it is reported and the live value kept)."""
+    tensors, module = meta["tensors"], meta["module"]
+    tidx, midx = saved_index(tensors), saved_index(module)
+    live_mod = module_extras(engine)
+    wrong: list[str] = []
+    miss_t: set[str] = set()
+    live_t: set[str] = set()
+
+    def compare(name: str, entry: dict, t: torch.Tensor, shape: list[int]) -> None:
+        here = logical_shape_of(shape, spec_of(t))
+        if logical_shape(entry) != here:
+            wrong.append(f"{name} (shape {logical_shape(entry)} saved, {here} here)")
+        elif not dtype_from_name(entry["dtype"]).is_floating_point and dtype_from_name(entry["dtype"]) != t.dtype:
+            wrong.append(f"{name} (dtype {entry['dtype']} saved, {dtype_name(t.dtype)} here)")
+
     for g in engine.groups:
-        for name, p, n in zip(g.names, g.params, g.numels, strict=True):
-            spec = spec_of(p)
-            key = direct_key(name, spec, tensors)
-            if key is not None:
-                if tensors[key]["numel"] != n:
-                    wrong.append(f"{key} ({tensors[key]['numel']} saved, {n} here)")
-            elif name not in index:
-                missing.append(name)
-            elif (saved := logical_shape(tensors[index[name][0]])) != (here := logical_shape_of(full_shape(p),
-                                                                                                spec)):
-                wrong.append(f"{name} (shape {saved} saved, {here} here)")
-    if missing or wrong:
-        raise CheckpointError(f"{path}: does not fit this model: missing {missing[:5]}"
-                              f"{'...' if len(missing) > 5 else ''}, size mismatch {wrong[:5]}")
+        for name, p in zip(g.names, g.params, strict=True):
+            live_t.add(name)
+            if name not in tidx:
+                miss_t.add(name)
+            else:
+                compare(name, tensors[tidx[name][0]], p, full_shape(p))
+    miss_m = {n for n in live_mod if n not in midx}
+    for name in set(live_mod) & set(midx):
+        compare(name, module[midx[name][0]], live_mod[name], list(live_mod[name].shape))
+    unexpected = sorted((set(tidx) - live_t) | (set(midx) - set(live_mod)))
+    missing = sorted(miss_t | miss_m)
+    if wrong:
+        raise CheckpointError(f"{source}: does not fit this model: size mismatch {wrong[:5]}"
+                              f"{'...' if len(wrong) > 5 else ''}")
+    if missing or unexpected:
+        what = (f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} ({len(missing)}), unexpected "
+                f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} ({len(unexpected)})")
+        if strict:
+            raise CheckpointError(f"{source}: does not match this model: {what}; pass "
+                                  "load_module_strict=False to load the matching names only")
+        log.warning(f"{source}: load_module_strict=False: {what}; those keep their current values")
+    return miss_t, miss_m
 
 
 def read_saved(reader: ShardReader, tensors: dict, prefix: str, key: str, dtype: torch.dtype) -> torch.Tensor:
@@ -99,22 +140,35 @@ def read_saved(reader: ShardReader, tensors: dict, prefix: str, key: str, dtype:
     return buf.view(info["shape"])
 
 
-def _read_own(engine: Engine, meta: dict, reader: ShardReader, states: list[str]) -> list[dict]:
-    """Per group: {"master": tensor, state: tensor, ..., "scalars": {...}} for this rank's range.
+def read_module(reader: ShardReader, module: dict, key: str) -> torch.Tensor:
+    info = module[key]
+    return reader.read_full(f"module/{key}", info["file"], dtype_from_name(info["dtype"]), info["shape"])
+
+
+def _current_state(engine: Engine, g, k: str) -> torch.Tensor | None:
+    v = engine.optimizer.state.get(g.master, {}).get(k)
+    return v if torch.is_tensor(v) and v.shape == g.master.shape else None
+
+
+def _read_own(engine: Engine, meta: dict, reader: ShardReader, states: list[str], skip: set[str]) -> list[dict]:
+    """Per group: {"bufs": {"master": tensor, state: tensor, ...}, "scalars": {...}} for this rank's range.
 
     A parameter saved with this rank's TP split is read by element range; one saved at another TP
     degree is rebuilt whole (its overlapping TP pieces read) and then cut to this rank's range.
+    Names in ``skip`` (absent, load_module_strict=False) keep their current values.
     """
     tensors, out = meta["tensors"], []
     index = saved_index(tensors)
     for g in engine.groups:
-        bufs = {"master": torch.zeros(g.own_numel, dtype=g.master.dtype)}
+        bufs = {"master": g.master.detach().clone()}
         for k in states:
-            bufs[k] = torch.zeros(g.own_numel, dtype=dtype_from_name(meta["state_dtypes"][k]))
+            cur = _current_state(engine, g, k)
+            bufs[k] = cur.detach().clone() if cur is not None else torch.zeros(
+                g.own_numel, dtype=dtype_from_name(meta["state_dtypes"][k]))
         first = None  # the scalars (Adam's step) of the first parameter this rank holds part of
         for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True):
             a, b = max(off, g.own_start), min(off + n, g.own_start + g.own_numel)
-            if a >= b:
+            if a >= b or name in skip:
                 continue
             spec = spec_of(p)
             key = direct_key(name, spec, tensors)
@@ -133,103 +187,170 @@ def _read_own(engine: Engine, meta: dict, reader: ShardReader, states: list[str]
     return out
 
 
-def _read_module(engine: Engine, meta: dict, reader: ShardReader) -> dict[str, torch.Tensor]:
+def _read_module(engine: Engine, meta: dict, reader: ShardReader, skip: set[str]) -> dict[str, torch.Tensor]:
     """Frozen parameters and buffers, whole or as this rank's TP piece (resharded if saved otherwise)."""
-    live = module_extras(engine)
-    saved = meta["module"]
+    live, saved = module_extras(engine), meta["module"]
     out = {}
-    for name, keys in saved_index(saved).items():
-        if name not in live:
-            raise CheckpointError(f"{reader.folder}: saved tensor {name} is not in this model")
-        spec, t = spec_of(live[name]), live[name]
+    for name, t in live.items():
+        if name in skip:
+            continue
+        spec, keys = spec_of(t), saved_index(saved)[name]
         key = direct_key(name, spec, saved)
         if key is not None:
-            out[name] = reader.read_full(f"module/{key}", saved[key]["file"])
+            out[name] = read_module(reader, saved, key)
             continue
-        if logical_shape(saved[keys[0]]) != logical_shape_of(list(t.shape), spec):
-            raise CheckpointError(f"{reader.folder}: {name} has shape {logical_shape(saved[keys[0]])} in "
-                                  f"the checkpoint, {logical_shape_of(list(t.shape), spec)} here")
         out[name] = rebuild(name, torch.zeros(t.shape, dtype=dtype_from_name(saved[keys[0]]["dtype"])),
-                            spec, keys, saved, lambda s: reader.read_full(f"module/{s}", saved[s]["file"]))
+                            spec, keys, saved, lambda s: read_module(reader, saved, s))
     return out
 
 
-def _load_optimizer(engine: Engine, meta: dict, loaded: list[dict]) -> None:
-    """Build a torch optimizer state_dict for the live masters and hand it to ``load_state_dict``.
+def _stage_optimizer(engine: Engine, meta: dict, loaded: list[dict], source: Path) -> dict:
+    """The torch optimizer state_dict to install, every saved value checked against the live one.
 
     torch then applies its own dtype/device rules (``step`` on CPU unless fused/capturable).
     """
     opt = engine.optimizer
     sd = opt.state_dict()
     if len(sd["param_groups"]) != len(meta["param_groups"]):
-        raise CheckpointError(f"checkpoint has {len(meta['param_groups'])} optimizer param groups, "
-                              f"this engine {len(sd['param_groups'])}")
+        raise CheckpointError(f"{source}: {len(meta['param_groups'])} optimizer param groups saved, this "
+                              f"engine has {len(sd['param_groups'])}")
     groups = []
-    for cur, saved in zip(sd["param_groups"], meta["param_groups"], strict=True):
+    for i, (cur, saved) in enumerate(zip(sd["param_groups"], meta["param_groups"], strict=True)):
+        if "lr" not in saved:
+            raise CheckpointError(f"{source}: param_groups[{i}] has no 'lr'")
         g = dict(cur)
-        g.update({k: like(cur[k], v) for k, v in saved.items() if k in cur and k not in IMPL_KEYS})
+        for k, v in saved.items():
+            if k in cur and k not in IMPL_KEYS and k != "params":
+                match_like(cur[k], v, f"param_groups[{i}][{k!r}]", source)
+                g[k] = like(cur[k], v)
         groups.append(g)
     index = {}
     for pg_live, pg_sd in zip(opt.param_groups, sd["param_groups"], strict=True):
         index.update({id(p): i for p, i in zip(pg_live["params"], pg_sd["params"], strict=True)})
     state: dict[int, dict[str, Any]] = {}
-    if meta["states"]:
-        for g, got in zip(engine.groups, loaded, strict=True):
+    for g, got in zip(engine.groups, loaded, strict=True):
+        for k in meta["states"]:  # the dtype the optimizer keeps this state in (Adam: the master's)
+            cur = _current_state(engine, g, k)
+            want = (cur if cur is not None else g.master).dtype
+            if dtype_from_name(meta["state_dtypes"][k]) != want:
+                raise CheckpointError(f"{source}: optimizer state {k!r} is saved as {meta['state_dtypes'][k]}, "
+                                      f"this optimizer keeps it in {dtype_name(want)}")
+        live = opt.state.get(g.master, {})
+        if live and set(live) != set(meta["states"]) | set(got["scalars"]):
+            raise CheckpointError(f"{source}: saved optimizer state {sorted(meta['states'])} + scalars "
+                                  f"{sorted(got['scalars'])} is not this optimizer's {sorted(live)}")
+        if meta["states"]:
             st: dict[str, Any] = {k: v for k, v in got["bufs"].items() if k != "master"}
-            for k, s in got["scalars"].items():
-                st[k] = s["value"] if s["dtype"] is None else torch.tensor(
-                    s["value"], dtype=dtype_from_name(s["dtype"]))
+            for k, sc in got["scalars"].items():
+                st[k] = sc["value"] if sc["dtype"] is None else torch.tensor(
+                    sc["value"], dtype=dtype_from_name(sc["dtype"]))
             state[index[id(g.master)]] = st
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
+
+
+def _install_optimizer(engine: Engine, sd: dict, path: Path) -> None:
+    """``load_state_dict``, undone if torch refuses the state (a check the staging missed)."""
+    opt = engine.optimizer
+    old = opt.state_dict()  # references the live state tensors, which load_state_dict replaces
+    try:
+        opt.load_state_dict(sd)
+    except Exception as e:  # noqa: BLE001
+        opt.load_state_dict(old)
+        raise CheckpointError(f"{path / 'metadata.json'}: the optimizer refused the saved state "
+                              f"({type(e).__name__}: {e}); parameters were loaded, optimizer state kept") from e
+
+
+@dataclass
+class _Staged:
+    """Everything a load installs, read and checked; installing it cannot fail."""
+
+    masters: list[torch.Tensor] = field(default_factory=list)
+    module: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: dict | None = None
+    scheduler: dict | None = None
+    scaler: dict | None = None
+    rng: Callable[[], None] | None = None
+
+
+def _stage(engine: Engine, path: Path, meta: dict, verify: bool, strict: bool, with_opt: bool,
+           with_sched: bool, module_only: bool, rank: int, world: int) -> _Staged:
+    source = path / "metadata.json"
+    skip_t, skip_m = _match(engine, meta, strict, source)
+    reader = ShardReader(path, meta["files"], verify=verify)
+    loaded = _read_own(engine, meta, reader, meta["states"] if with_opt else [], skip_t)
+    st = _Staged(masters=[got["bufs"]["master"] for got in loaded],
+                 module=_read_module(engine, meta, reader, skip_m))
+    reader.release()
+    if module_only:
+        return st
+    if with_opt:
+        st.optimizer = _stage_optimizer(engine, meta, loaded, source)
+    if with_sched and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        match_like(engine.lr_scheduler.state_dict(), meta["lr_scheduler"], "lr_scheduler", source)
+        st.scheduler = meta["lr_scheduler"]
+    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
+        match_like(engine.loss_scaler.state_dict(), meta["loss_scaler"], "loss_scaler", source)
+        st.scaler = meta["loss_scaler"]
+    lay = meta["layout"]  # per-rank streams only mean something in the same layout
+    if lay["world"] == world and lay["tp"] == engine.tp.size:
+        st.rng = rng_setter(meta["rng"][rank], source)
+    return st
 
 
 def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, verify: bool = True) -> tuple[str | None, dict | None]:
+                    load_module_only: bool = False, verify: bool = True,
+                    load_module_strict: bool = True) -> tuple[str | None, dict | None]:
     """Load ``load_dir/tag`` (default: the tag in ``latest``); returns ``(path, client_state)``.
 
-    Collective. As DeepSpeed, returns ``(None, None)`` with a warning when ``tag`` is None and
-    there is no ``latest`` file. ``verify=False`` skips the sha256 pass (sizes are still checked).
+    Collective and all-or-nothing: on any problem every rank raises the same
+    :class:`CheckpointError` naming the file, and the engine is unchanged. As DeepSpeed, returns
+    ``(None, None)`` with a warning when ``tag`` is None and there is no ``latest`` file.
+    ``verify=False`` skips the sha256 pass (sizes are still checked). ``load_module_strict=False``
+    loads the names the model and checkpoint share (shapes must still match) and logs the rest.
     """
-    path = resolve_tag(load_dir, tag)
+    comm = world_comm()
+    engine.wait_for_params()  # the last step's asynchronous all-gathers still write the parameters
+    with_opt = load_optimizer_states and not load_module_only
+    err: BaseException | None = None
+    path, meta, st = None, {}, _Staged()
+    try:
+        path = resolve_tag(load_dir, tag)
+        if path is not None:
+            meta = read_metadata(path)
+            st = _stage(engine, path, meta, verify, load_module_strict, with_opt, load_lr_scheduler_states,
+                        load_module_only, comm.rank, comm.size)
+    except CheckpointError as e:
+        err = e
+    except Exception as e:  # noqa: BLE001 - anything else a damaged file provokes, named
+        err = CheckpointError(f"{path or load_dir}: cannot load ({type(e).__name__}: {e})"[:1000])
+        err.__cause__ = e
+    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt: peers must not hang either
+        err = e
+    agree(comm, err, f"load_checkpoint({load_dir})")
     if path is None:
         log.warning(f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to pick a checkpoint)")
         return None, None
-    comm = world_comm()
-    with_opt = load_optimizer_states and not load_module_only
-    err: BaseException | None = None
-    meta, loaded, module = {}, [], {}
-    try:
-        meta = read_metadata(path)
-        _check_fits(engine, meta, path)
-        reader = ShardReader(path, meta["files"], verify=verify)
-        loaded = _read_own(engine, meta, reader, meta["states"] if with_opt else [])
-        module = _read_module(engine, meta, reader)
-        reader.release()
-    except BaseException as e:  # noqa: BLE001 - re-raised on every rank by agree()
-        err = e
-    agree(comm, err, f"load_checkpoint({path})")
 
-    live = module_extras(engine) if module else {}
+    live = module_extras(engine) if st.module else {}
     with torch.no_grad():
-        for g, got in zip(engine.groups, loaded, strict=True):
-            g.master.copy_(got["bufs"]["master"])
+        for g, master in zip(engine.groups, st.masters, strict=True):
+            g.master.copy_(master)
         for g in engine.groups:
             g.publish_master()
-        for name, t in module.items():
+        for name, t in st.module.items():
             live[name].data.copy_(t)
     if load_module_only:
         return str(path), meta["client_state"]
-    if with_opt:
-        _load_optimizer(engine, meta, loaded)
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if st.optimizer is not None:
+        _install_optimizer(engine, st.optimizer, path)
+    if st.scheduler is not None:
+        engine.lr_scheduler.load_state_dict(st.scheduler)
+    if st.scaler is not None:
+        engine.loss_scaler.load_state_dict(st.scaler)
     c = meta["counters"]
     engine.global_steps, engine.micro_steps = c["global_steps"], c["micro_steps"]
     engine.skipped_steps = c["skipped_steps"]
-    lay = meta["layout"]  # per-rank streams only mean something in the same layout
-    if lay["world"] == comm.size and lay.get("tp", 1) == engine.tp.size:
-        set_rng_state(meta["rng"][comm.rank])
+    if st.rng is not None:
+        st.rng()
     return str(path), meta["client_state"]

@@ -9,6 +9,7 @@ slices it needs from the metadata alone. See docs/checkpoints.md for the format.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,9 +231,29 @@ def _finalize(engine: Engine, root: Path, tmp: Path, tag: str, world: int, clien
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
-    if save_latest:
-        (root / "latest.tmp").write_text(tag)
+    if save_latest:  # written whole and fsynced, then renamed: `latest` is never partial
+        with open(root / "latest.tmp", "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
         (root / "latest.tmp").replace(root / "latest")
+
+
+def remove_stale_partials(root: Path) -> list[str]:
+    """Delete the ``.TAG.partial`` folders that crashed saves left in ``root`` (any tag).
+
+    Only rank 0 of a saving job calls it, before it creates its own; two jobs saving into one
+    folder at the same time are not supported.
+    """
+    gone = []
+    for p in root.glob(".*.partial"):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p.name)
+        elif p.is_symlink():
+            p.unlink()
+            gone.append(p.name)
+    return gone
 
 
 def save_checkpoint(engine: Engine, save_dir: str | Path, tag: str | None = None,
@@ -253,7 +274,7 @@ def save_checkpoint(engine: Engine, save_dir: str | Path, tag: str | None = None
     try:
         if comm.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crashed save
+            remove_stale_partials(root)  # left by earlier crashed saves, whatever their tag
             tmp.mkdir()
     except Exception as e:  # noqa: BLE001 - re-raised by agree() on every rank
         err = e

@@ -12,7 +12,6 @@ alone. Peak memory while building is about model/N plus one unit.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,7 +89,9 @@ def weight_map(folder: str | os.PathLike) -> dict[str, Path]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        return {name: folder / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+        from shardwise.checkpoint.validate import read_weight_map
+
+        return read_weight_map(folder, index)
     single = folder / "model.safetensors"
     if not single.exists():
         raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "

@@ -1,0 +1,314 @@
+"""Checks on everything a checkpoint folder says about itself, before any of it is used.
+
+A checkpoint is input: it may be damaged, edited or hostile. Three rules:
+
+- every path read from a file (shard lists, ``latest``, index ``weight_map`` entries) must name a
+  file inside its folder (:func:`confined_path`);
+- ``metadata.json`` must match the :class:`Metadata` schema (types, ranges, dtype allow-lists,
+  segments that tile each tensor, byte counts the shard files can hold), so that later code may
+  index it freely;
+- JSON state that is handed to torch objects (optimizer param groups, LR scheduler, loss scaler)
+  must have the same JSON shape as the live object's own state (:func:`match_like`).
+
+Every refusal is a :class:`CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
+
+from shardwise.checkpoint.fileio import FORMAT, VERSION, CheckpointError, dtype_from_name
+
+MAX_NUMEL = 2**40  # elements in one tensor: larger is a damaged header, not a model
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # optimizer state / trained tensors
+ANY_DTYPES = (*FLOAT_DTYPES, "int64", "int32", "int16", "int8", "uint8", "bool")  # buffers too
+
+Count = Annotated[StrictInt, Field(ge=0, le=MAX_NUMEL)]
+Positive = Annotated[StrictInt, Field(ge=1, le=MAX_NUMEL)]
+Shape = Annotated[list[Count], Field(max_length=8)]
+Name = Annotated[StrictStr, Field(min_length=1, max_length=4096)]
+FloatDtype = Literal[FLOAT_DTYPES]  # type: ignore[valid-type]
+AnyDtype = Literal[ANY_DTYPES]  # type: ignore[valid-type]
+
+
+def confined_path(folder: str | Path, name: object, source: str | Path) -> Path:
+    """``folder/name`` resolved, refused unless it stays inside ``folder``.
+
+    ``name`` was read from ``source`` (named in the error): an absolute path, a ``..`` part, a
+    backslash or a symlink leading out of ``folder`` is refused, so a checkpoint can never make
+    shardwise open (or hash) a file elsewhere.
+    """
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        raise CheckpointError(f"{source}: {name!r} is not a plain relative file name")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or PureWindowsPath(name).is_absolute() or ".." in pure.parts:
+        raise CheckpointError(f"{source}: path {name!r} leads outside {folder} (absolute or '..'); refused")
+    root = Path(folder).resolve()
+    full = (root / pure).resolve()
+    if full == root or not full.is_relative_to(root):
+        raise CheckpointError(f"{source}: path {name!r} resolves to {full}, outside {root} (a symlink "
+                              "out of the folder?); refused")
+    return full
+
+
+def read_weight_map(folder: Path, index: Path) -> dict[str, Path]:
+    """``model.safetensors.index.json``'s ``weight_map`` with every file confined to ``folder``."""
+    from shardwise.checkpoint.fileio import read_json
+
+    data = read_json(index)
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+        raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to file names")
+    files = {f: confined_path(folder, f, index) for f in set(wm.values())}
+    return {name: files[f] for name, f in wm.items()}
+
+
+def _numel(shape: list[int]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Segment(_Strict):
+    file: Name
+    start: Count
+    stop: Count
+
+
+class TpInfo(_Strict):
+    param: Name
+    dim: Annotated[StrictInt, Field(ge=0, le=7)]
+    full: Positive
+    size: Annotated[StrictInt, Field(ge=1, le=65536)]
+    rank: Count
+    parts: Annotated[StrictInt, Field(ge=1, le=64)]
+    full_shape: Shape
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TpInfo:
+        if self.rank >= self.size or self.dim >= len(self.full_shape) or self.full_shape[self.dim] != self.full:
+            raise ValueError(f"TP split {self.model_dump()} is inconsistent (rank < size, "
+                             "full_shape[dim] == full)")
+        if self.parts > 1 and self.full % (self.parts * self.size):
+            raise ValueError(f"TP split of {self.full} rows into {self.parts} parts x {self.size} ranks")
+        return self
+
+    def local_extent(self) -> int:
+        if self.parts > 1:
+            return self.full // self.size
+        return -(-self.full // self.size)
+
+
+def _check_tp(tp: TpInfo | None, shape: list[int]) -> None:
+    if tp is None:
+        return
+    want = list(tp.full_shape)
+    want[tp.dim] = tp.local_extent()
+    if want != shape:
+        raise ValueError(f"local shape {shape} does not fit its TP split (expected {want})")
+
+
+class TensorInfo(_Strict):
+    shape: Shape
+    numel: Count
+    dtype: FloatDtype
+    tp: TpInfo | None = None
+    segments: list[Segment]
+
+    @model_validator(mode="after")
+    def _tiles(self) -> TensorInfo:
+        if _numel(self.shape) != self.numel:
+            raise ValueError(f"numel {self.numel} is not the product of shape {self.shape}")
+        _check_tp(self.tp, self.shape)
+        pos = 0
+        for s in self.segments:  # sorted, no gap, no overlap, nothing empty, ends at numel
+            if s.start != pos or s.stop <= s.start:
+                raise ValueError(f"segments must tile [0, {self.numel}) in order: got [{s.start}, {s.stop}) "
+                                 f"where {pos} was expected")
+            pos = s.stop
+        if pos != self.numel:
+            raise ValueError(f"segments cover {pos} of {self.numel} elements")
+        return self
+
+
+class ModuleInfo(_Strict):
+    shape: Shape
+    dtype: AnyDtype
+    tp: TpInfo | None = None
+    file: Name
+
+    @model_validator(mode="after")
+    def _fits(self) -> ModuleInfo:
+        if _numel(self.shape) > MAX_NUMEL:
+            raise ValueError(f"shape {self.shape} is too large")
+        _check_tp(self.tp, self.shape)
+        return self
+
+
+class Scalar(_Strict):
+    value: StrictBool | StrictInt | StrictFloat
+    dtype: AnyDtype | None
+
+    @model_validator(mode="after")
+    def _finite(self) -> Scalar:
+        if not math.isfinite(self.value):
+            raise ValueError(f"optimizer scalar {self.value} is not finite")
+        return self
+
+
+class FileInfo(_Strict):
+    sha256: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+    bytes: Annotated[StrictInt, Field(ge=8, le=2**50)]
+
+
+class Layout(_Strict):
+    world: Positive
+    dp: Positive
+    tp: Positive = 1
+    stage: Annotated[StrictInt, Field(ge=0, le=3)]
+    compute_dtype: FloatDtype | None = None
+
+
+class Counters(_Strict):
+    global_steps: Count
+    micro_steps: Count
+    skipped_steps: Count
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    format: Literal[FORMAT]  # type: ignore[valid-type]
+    version: Annotated[StrictInt, Field(ge=1, le=VERSION)]
+    layout: Layout
+    order: list[Name]
+    tensors: dict[Name, TensorInfo]
+    states: list[Name]
+    state_dtypes: dict[Name, FloatDtype]
+    scalars: dict[Name, dict[Name, Scalar]]
+    module: dict[Name, ModuleInfo]
+    files: dict[Name, FileInfo]
+    param_groups: list[dict[Name, Any]]
+    lr_scheduler: dict[Name, Any] | None
+    loss_scaler: dict[Name, Any] | None
+    counters: Counters
+    rng: list[dict[Name, Any]]
+    client_state: Any = None
+    has_model_config: StrictBool = False
+
+    @model_validator(mode="after")
+    def _cross(self) -> Metadata:
+        from shardwise.checkpoint.tp import check_pieces, saved_index
+
+        if sorted(self.states) != sorted(self.state_dtypes) or len(set(self.states)) != len(self.states):
+            raise ValueError(f"states {self.states} do not match state_dtypes {sorted(self.state_dtypes)}")
+        if set(self.scalars) != {k for k, t in self.tensors.items() if t.numel}:
+            raise ValueError("'scalars' must have one entry per saved tensor")
+        if len({tuple(sorted(v)) for v in self.scalars.values()}) > 1:  # one optimizer: same scalars
+            raise ValueError("saved tensors disagree on their optimizer scalars (e.g. 'step' missing)")
+        if len(self.rng) != self.layout.world:
+            raise ValueError(f"{len(self.rng)} RNG states for a world of {self.layout.world}")
+        need = dict.fromkeys(self.files, 0)  # bytes each shard file must at least hold
+        per_elem = 1 + sum(_itemsize(d) for d in self.state_dtypes.values())  # master >= 1 byte
+        for key, t in self.tensors.items():
+            for s in t.segments:
+                if s.file not in need:
+                    raise ValueError(f"{key}: segment file {s.file!r} is not listed in 'files'")
+                need[s.file] += (s.stop - s.start) * per_elem
+        for key, m in self.module.items():
+            if m.file not in need:
+                raise ValueError(f"module {key}: file {m.file!r} is not listed in 'files'")
+            need[m.file] += _numel(m.shape) * _itemsize(m.dtype)
+        for f, n in need.items():
+            if n > self.files[f].bytes:
+                raise ValueError(f"{f} would need at least {n} bytes for the tensors listed, it has "
+                                 f"{self.files[f].bytes}")
+        tidx, midx = saved_index(self._dicts(self.tensors)), saved_index(self._dicts(self.module))
+        if set(tidx) & set(midx):
+            raise ValueError(f"{sorted(set(tidx) & set(midx))[:3]} saved both as trained and as module tensors")
+        for idx, entries in ((tidx, self.tensors), (midx, self.module)):
+            d = self._dicts(entries)
+            for name, keys in idx.items():
+                check_pieces(name, keys, d)
+                if len({tuple(d[k]["tp"]["full_shape"]) if d[k]["tp"] else None for k in keys}) != 1:
+                    raise ValueError(f"{name}: its TP pieces disagree on the full shape")
+        if len(set(self.order)) != len(self.order) or set(self.order) != set(tidx) | set(midx):
+            raise ValueError("'order' must list every saved tensor name exactly once")
+        return self
+
+    @staticmethod
+    def _dicts(entries: dict[str, BaseModel]) -> dict[str, dict]:
+        return {k: v.model_dump() for k, v in entries.items()}
+
+
+def parse_metadata(raw: Any, source: Path) -> dict:
+    """Validated metadata as plain dicts (defaults filled), or a CheckpointError naming ``source``."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, found {type(raw).__name__}")
+    if raw.get("format") != FORMAT:
+        raise CheckpointError(f"{source}: not a {FORMAT} checkpoint (format={raw.get('format')!r})")
+    v = raw.get("version")
+    if isinstance(v, int) and not isinstance(v, bool) and v > VERSION:
+        raise CheckpointError(f"{source}: checkpoint format version {v} is newer than this shardwise "
+                              f"reads (up to {VERSION}); upgrade shardwise")
+    try:
+        return Metadata.model_validate(raw).model_dump()
+    except ValidationError as e:
+        errs = e.errors()
+        where = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}" for err in errs[:3])
+        more = f" (+{len(errs) - 3} more)" if len(errs) > 3 else ""
+        raise CheckpointError(f"{source}: invalid checkpoint metadata: {where}{more}") from None
+    except (CheckpointError, RecursionError) as e:
+        raise CheckpointError(f"{source}: invalid checkpoint metadata: {e}") from None
+
+
+def match_like(live: Any, saved: Any, where: str, source: Path) -> None:
+    """Refuse ``saved`` unless it has the JSON shape of ``live`` (a torch object's own state dict).
+
+    Numbers must be finite numbers (bools are not numbers here), sequences have the live length,
+    dicts the live keys. ``None`` in the live state accepts anything JSON (e.g. a lazily set field).
+    """
+    bad = f"{source}: {where} "
+    if live is None:
+        return
+    if isinstance(live, bool):
+        if not isinstance(saved, bool):
+            raise CheckpointError(bad + f"must be true/false, found {saved!r}")
+    elif isinstance(live, int | float) or (torch.is_tensor(live) and live.numel() == 1):
+        if isinstance(saved, bool) or not isinstance(saved, int | float) or not math.isfinite(saved):
+            raise CheckpointError(bad + f"must be a finite number, found {saved!r}")
+    elif isinstance(live, str):
+        if not isinstance(saved, str):
+            raise CheckpointError(bad + f"must be a string, found {saved!r}")
+    elif isinstance(live, list | tuple):
+        if not isinstance(saved, list) or len(saved) != len(live):
+            raise CheckpointError(bad + f"must be a list of {len(live)}, found {saved!r}"[:300])
+        for i, (a, b) in enumerate(zip(live, saved, strict=True)):
+            match_like(a, b, f"{where}[{i}]", source)
+    elif isinstance(live, dict):
+        if not isinstance(saved, dict) or set(saved) != set(live):
+            got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise CheckpointError(bad + f"must have the keys {sorted(live)}, found {got}"[:400])
+        for k, v in live.items():
+            match_like(v, saved[k], f"{where}[{k!r}]", source)
