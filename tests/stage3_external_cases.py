@@ -206,3 +206,105 @@ def cached_reference_fails() -> str:
     except shardwise.zero.ReleasedParameterError as e:
         return str(e)
     return f"no error; loss={float(loss)}"
+
+
+# -- zero.Init models: model_parameters as a generator / group dicts, GatheredParameters before initialize
+
+
+def _hf_groups(model: nn.Module) -> list[dict]:
+    plain = [p for n, p in model.named_parameters() if n.endswith("bias") or "norm" in n or "ln_" in n]
+    ids = {id(p) for p in plain}
+    return [{"params": (p for p in model.parameters() if id(p) not in ids), "weight_decay": WD},
+            {"params": plain, "weight_decay": 0.0, "lr": 2 * LR}]
+
+
+def _edited(model: nn.Module, kind: str) -> nn.Parameter:
+    return model.model.layers[0].mlp.up_proj.weight if kind == "llama" else model.transformer.h[0].mlp.c_fc.weight
+
+
+def _edit(w: torch.Tensor) -> None:
+    with torch.no_grad():
+        w.mul_(-0.5)
+        w[0].fill_(0.25)
+
+
+def hf_under_init(kind: str, folder: str, groups: bool, edit: bool, steps: int = 3) -> dict:
+    """Build under zero.Init from ``folder``; optionally edit a weight in GatheredParameters first."""
+    from tiny_models import batches
+    from tiny_models import build as build_hf
+    from transformers import AutoModelForCausalLM
+
+    rank = dist.get_rank()
+    with shardwise.zero.Init():
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    model.train()
+    out: dict = {}
+    if edit:
+        w = _edited(model, kind)
+        with GatheredParameters([w], modifier_rank=0):
+            out["inside_is_checkpoint"] = bool(torch.equal(w, _edited(build_hf(kind), kind)))
+            if rank == 0:
+                _edit(w)
+    params = _hf_groups(model) if groups else model.parameters()
+    cfg = make_config(3, stage3_param_persistence_threshold=0)
+    engine, *_ = shardwise.initialize(model=model, config=cfg, model_parameters=params)
+    data = batches(steps, 1, 4, 16)
+    losses = []
+    for s in range(steps):
+        ids = data[s, 0, rank * 2:(rank + 1) * 2]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    with GatheredParameters(model.parameters()):
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {**out, "losses": losses, "weights": weights if rank == 0 else None}
+
+
+def hf_reference(kind: str, groups: bool, edit: bool, steps: int = 3) -> dict:
+    from tiny_models import batches
+    from tiny_models import build as build_hf
+
+    model = build_hf(kind)
+    if edit:
+        _edit(_edited(model, kind))
+    params = _hf_groups(model) if groups else model.parameters()
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    data = batches(steps, 1, 4, 16)
+    losses = {0: [], 1: []}
+    for s in range(steps):
+        opt.zero_grad(set_to_none=False)
+        for r in range(2):
+            ids = data[s, 0, r * 2:(r + 1) * 2]
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / 2).backward()
+            losses[r].append(float(loss.detach()))
+        opt.step()
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def gathered_from_config() -> dict:
+    """zero.Init from a config (the model's own init): edit one weight on rank 1 before initialize."""
+    from tiny_models import build as build_hf
+    from transformers import AutoModelForCausalLM
+
+    cfg = build_hf("llama").config
+    with shardwise.zero.Init():
+        model = AutoModelForCausalLM.from_config(cfg)
+    w = model.model.layers[1].self_attn.q_proj.weight
+    with GatheredParameters([w], modifier_rank=1):
+        std_inside = float(w.std())
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                w.fill_(0.125)
+    read_only = model.model.layers[0].self_attn.q_proj.weight
+    with GatheredParameters([read_only]):  # no modifier_rank: values visible, then back to meta
+        finite = bool(torch.isfinite(read_only).all())
+    engine, *_ = shardwise.initialize(model=model, config=make_config(3, stage3_param_persistence_threshold=0),
+                                      model_parameters=model.parameters())
+    layer = model.model.layers[1].self_attn
+    with GatheredParameters(list(layer.parameters())):
+        seen = float(w.mean())
+        sibling_std = float(layer.k_proj.weight.std())
+    return {"std_inside": std_inside, "seen": seen, "sibling_std": sibling_std, "finite": finite,
+            "back_to_meta": bool(read_only.is_meta)}
