@@ -26,6 +26,7 @@ from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.init import (
     SafetensorsSource,
     is_deferred,
+    is_placeholder,
     materialize_by_init,
     swap_meta_parameters,
     tied_aliases,
@@ -48,11 +49,23 @@ def _waiter(groups: list[ShardedGroup]):
     return hook
 
 
-def _remap_params(model_parameters: Any, swapped: dict[int, nn.Parameter]) -> Any:
-    """Point user-given ``model_parameters`` at the parameters that replaced meta ones."""
+def _list_params(model_parameters: Any) -> Any:
+    """Consume a generator of parameters (or of group dicts) now, before parameters are swapped:
+    holding the objects keeps their ids unique, so the remap below cannot confuse a freed meta
+    parameter's id with a new one's."""
     if model_parameters is None:
         return None
     items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": list(g["params"])} for g in items]
+    return items
+
+
+def _remap_params(model_parameters: Any, swapped: dict[int, nn.Parameter]) -> Any:
+    """Point user-given ``model_parameters`` (listed by ``_list_params``) at the model's parameters."""
+    if model_parameters is None:
+        return None
+    items = model_parameters
     if items and isinstance(items[0], dict):
         return [{**g, "params": [swapped.get(id(p), p) for p in g["params"]]} for g in items]
     if items and isinstance(items[0], tuple):
@@ -93,8 +106,11 @@ class Engine(nn.Module):
             raise ValueError("the model was built under shardwise.zero.Init (its parameters are not "
                              "materialized yet), which needs zero_optimization.stage 3")
         if deferred:
+            model_parameters = _list_params(model_parameters)
             swapped = swap_meta_parameters(model, device)  # real values arrive unit by unit below
             model_parameters = _remap_params(model_parameters, swapped)
+            if optimizer is not None and not callable(optimizer):  # a client optimizer built on meta
+                optimizer.param_groups[:] = _remap_params(optimizer.param_groups, swapped)
             for m in model.modules():
                 for name, b in list(m.named_buffers(recurse=False)):
                     setattr(m, name, b.to(device))
@@ -200,6 +216,8 @@ class Engine(nn.Module):
         aliases = tied_aliases(model)
 
         def read(p: nn.Parameter, start: int, end: int) -> torch.Tensor:
+            if not is_placeholder(p):  # given its values in GatheredParameters before initialize
+                return p.detach().reshape(-1)[start:end]
             names = aliases[id(p)]
             return files.read(names[0], p.shape, start, end, names[1:])
 

@@ -1,7 +1,15 @@
 """ZeRO: the sharded parameter group and what schedules it (see docs/architecture.md)."""
 
+from shardwise.zero.external import (
+    ReleasedParameterError,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
 from shardwise.zero.gathered import GatheredParameters
 from shardwise.zero.init import Init
+from shardwise.zero.leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
-__all__ = ["GatheredParameters", "Init", "ShardedGroup", "ShardPolicy"]
+__all__ = ["GatheredParameters", "Init", "ReleasedParameterError", "ShardedGroup", "ShardPolicy",
+           "get_z3_leaf_modules", "register_external_parameter", "set_z3_leaf_modules",
+           "unregister_external_parameter", "unset_z3_leaf_modules", "z3_leaf_module"]

@@ -7,7 +7,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from shardwise.comm import Comm
 from shardwise.zero.flat_group import ShardedGroup, owner_of
+from shardwise.zero.init import defer_again, materialize_for_gather
 
 
 def _groups_of(params: Iterable[torch.Tensor]) -> list[ShardedGroup]:
@@ -25,13 +27,21 @@ class GatheredParameters:
     With ``modifier_rank`` set, that rank's edits made inside the block are broadcast to
     every rank and written into the shards (and fp32 masters) on exit. All ranks of the
     data-parallel group must enter the block together (it is a collective).
+
+    On a model built under ``zero.Init`` and not yet given to ``initialize`` (parameters on
+    meta), the block gives the parameters their real values (from the checkpoint, or the
+    model's init); with ``modifier_rank`` they then stay real, with that rank's edits, and
+    ``initialize`` shards them as they are; without it they go back to meta.
     """
 
     def __init__(self, params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
-                 enabled: bool = True):
+                 enabled: bool = True, fwd_module: nn.Module | None = None):  # noqa: ARG002 (DeepSpeed's)
         if isinstance(params, torch.Tensor):
             params = [params]
-        self.groups = _groups_of(params) if enabled else []
+        params = list(params) if enabled else []
+        self.groups = _groups_of(params)
+        # zero.Init before initialize: parameters still on meta get real values in the block
+        self.deferred = [p for p in {id(p): p for p in params}.values() if p.is_meta]
         self.modifier_rank = modifier_rank
         self._was_gathered: list[bool] = []
 
@@ -39,12 +49,22 @@ class GatheredParameters:
         self._was_gathered = [g.is_gathered for g in self.groups]
         for g in self.groups:
             g.gather()  # also finishes a pending stage 1-2 all-gather
+        if self.deferred:
+            materialize_for_gather(self.deferred, Comm())
         return self
 
     def __exit__(self, *exc) -> None:
         if self.modifier_rank is not None and exc[0] is None:
             for g in self.groups:
                 g.adopt_full(src=self.modifier_rank)
+        if self.deferred:
+            if self.modifier_rank is not None and exc[0] is None:
+                comm = Comm()
+                with torch.no_grad():
+                    for p in self.deferred:  # they stay real and whole until initialize shards them
+                        comm.broadcast(p.data, src=self.modifier_rank)
+            else:
+                defer_again(self.deferred)  # read-only use: edits are discarded, memory freed
         for g, was in zip(self.groups, self._was_gathered, strict=True):
             if not was:
                 g.release()

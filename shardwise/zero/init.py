@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,15 @@ class Init:
                 model._shardwise_dtype = want
             return model
 
+        original_post_init = PreTrainedModel.post_init
+
+        def post_init(model: PreTrainedModel) -> None:
+            original_post_init(model)
+            for p in model.parameters():  # the outermost model's post_init runs last
+                p._shardwise_root = weakref.ref(model)  # GatheredParameters needs its init / folder
+
         self._patch(PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
+        self._patch(PreTrainedModel, "post_init", post_init)
         return self
 
     def _patch(self, owner: Any, name: str, new: Any) -> None:
@@ -75,6 +84,8 @@ def params_on_meta() -> Iterator[None]:
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        if param is not None:
+            param._shardwise_owner = weakref.ref(module)
         original(module, name, param)
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
@@ -139,10 +150,13 @@ class SafetensorsSource:
 
 
 def swap_meta_parameters(model: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
-    """Replace each meta parameter by a real one holding a 1-element NaN placeholder of full shape.
+    """Give each meta parameter a 1-element NaN placeholder of full shape, keeping its identity.
 
-    A meta tensor cannot take real data in place (``p.data = ...`` refuses the device change),
-    so the Parameter objects are swapped, tied ones together. Returns old id -> new parameter.
+    A meta tensor cannot take real data through ``p.data = ...`` (the device differs), so the
+    contents of the Parameter objects are swapped (``torch.utils.swap_tensors``): the objects
+    the user holds (``model_parameters``, a client optimizer, ``register_external_parameter``)
+    stay the model's parameters. Where a swap is refused (a weakref to the parameter) the
+    object is replaced instead. Returns old id -> the parameter now in the model.
     """
     new: dict[int, nn.Parameter] = {}
     for m in model.modules():
@@ -151,7 +165,13 @@ def swap_meta_parameters(model: nn.Module, device: torch.device) -> dict[int, nn
                 continue
             if id(p) not in new:
                 nan = torch.full((1,), float("nan"), dtype=p.dtype, device=device)
-                new[id(p)] = nn.Parameter(nan.expand(p.shape), requires_grad=p.requires_grad)
+                placeholder = nn.Parameter(nan.expand(p.shape), requires_grad=p.requires_grad)
+                try:
+                    swap_contents(p, placeholder)
+                    new[id(p)] = p
+                except RuntimeError:
+                    new[id(p)] = placeholder
+                new[id(p)]._shardwise_deferred = True  # values come from the checkpoint or the init
             m._parameters[name] = new[id(p)]
     return new
 
@@ -164,17 +184,24 @@ def tied_aliases(model: nn.Module) -> dict[int, list[str]]:
     return out
 
 
-@torch.no_grad()
-def materialize_by_init(model: nn.Module, params: list[nn.Parameter], device: torch.device) -> None:
-    """Give ``params`` real storage and run the model's own init on the modules that own them."""
-    ids = {id(p) for p in params}
-    for p in params:
-        p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
-    init = getattr(model, "_init_weights", None)
-    for m in model.modules():
-        direct = [p for p in m.parameters(recurse=False) if id(p) in ids]
-        if not direct:
-            continue
+def swap_contents(p: nn.Parameter, new: nn.Parameter) -> None:
+    """``p`` takes ``new``'s tensor in place (same object); its own attributes stay with it
+    (``swap_tensors`` would swap the ``__dict__`` too)."""
+    attrs = dict(p.__dict__)
+    torch.utils.swap_tensors(p, new)
+    p.__dict__.update(attrs)
+
+
+def is_placeholder(p: torch.Tensor) -> bool:
+    """A deferred parameter whose values zero.Init has not produced yet (see swap_meta_parameters)."""
+    return getattr(p, "_shardwise_deferred", False)
+
+
+def init_function(model: nn.Module | None):
+    """How zero.Init initializes a module: the HF model's ``_init_weights``, else ``reset_parameters``."""
+    init = getattr(model, "_init_weights", None) if model is not None else None
+
+    def run(m: nn.Module) -> None:
         if init is not None:
             init(m)
         elif hasattr(m, "reset_parameters"):
@@ -182,3 +209,77 @@ def materialize_by_init(model: nn.Module, params: list[nn.Parameter], device: to
         else:
             raise ValueError(f"zero.Init: don't know how to initialize {type(m).__name__}; give it "
                              "reset_parameters() or build the model from a checkpoint")
+
+    return run
+
+
+@torch.no_grad()
+def materialize_by_init(model: nn.Module, params: list[nn.Parameter], device: torch.device) -> None:
+    """Give ``params`` real storage and run the model's own init on the modules that own them.
+
+    Parameters that already hold real values (set in ``GatheredParameters`` before
+    ``initialize``) keep them, even when their module is re-initialized for a sibling.
+    """
+    todo = [p for p in params if is_placeholder(p)]
+    ids = {id(p) for p in todo}
+    for p in todo:
+        p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+    init = init_function(model)
+    for m in model.modules():
+        direct = list(m.parameters(recurse=False))
+        if not any(id(p) in ids for p in direct):
+            continue
+        keep = [(p, p.detach().clone()) for p in direct if id(p) not in ids and not is_placeholder(p)]
+        init(m)
+        for p, v in keep:
+            p.copy_(v)
+    for p in todo:
+        p.__dict__.pop("_shardwise_deferred", None)
+
+
+@torch.no_grad()
+def materialize_for_gather(params: list[nn.Parameter], comm: Any) -> None:
+    """``GatheredParameters`` before ``initialize`` on meta parameters: give them their real values.
+
+    Each Parameter object becomes a full real tensor in place (``swap_tensors``), filled from the
+    checkpoint folder of its ``from_pretrained`` model or by the model's own init, then rank 0's
+    values are broadcast so every rank sees the same ones. ``initialize`` later shards these as
+    they are (see ``materialize_by_init`` and the engine's reader) instead of reading them again.
+    """
+    for p in params:
+        real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        swap_contents(p, real)
+    by_root: dict[int, tuple[nn.Module | None, list[nn.Parameter]]] = {}
+    for p in params:
+        ref = getattr(p, "_shardwise_root", None) or getattr(p, "_shardwise_owner", None)
+        root = ref() if ref is not None else None
+        if root is None:
+            raise ValueError("GatheredParameters before initialize: a meta parameter of a model that no "
+                             "longer exists, or that was not built under shardwise.zero.Init")
+        by_root.setdefault(id(root), (root, []))[1].append(p)
+    for root, ps in by_root.values():
+        source = getattr(root, "_shardwise_source", None)
+        if source is not None:
+            files, aliases = SafetensorsSource(source), tied_aliases(root)
+            for p in ps:
+                names = aliases[id(p)]
+                p.copy_(files.read(names[0], p.shape, 0, p.numel(), names[1:]).view(p.shape))
+            continue
+        ids = {id(p) for p in ps}
+        init = init_function(root if hasattr(root, "_init_weights") else None)
+        for m in root.modules():
+            direct = list(m.parameters(recurse=False))
+            if any(id(p) in ids for p in direct):
+                keep = [(q, q.detach().clone()) for q in direct if id(q) not in ids and not q.is_meta]
+                init(m)
+                for q, v in keep:
+                    q.copy_(v)
+    for p in params:
+        comm.broadcast(p.data, src=0)
+
+
+def defer_again(params: list[nn.Parameter]) -> None:
+    """Undo :func:`materialize_for_gather` (edits discarded): back to meta, freeing the values."""
+    for p in params:
+        swap_contents(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                      requires_grad=p.requires_grad))
