@@ -106,11 +106,10 @@ def _write_config(cfg: dict | None, out: Path, dtype: torch.dtype) -> None:
     write_json(out / "config.json", cfg)
 
 
-def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, dtype: str = "fp32",
-                max_shard_size: str | int = "5GB", verify: bool = True) -> list[str]:
-    """Write an HF model folder from a sharded checkpoint; returns the weight file names.
-
-    Single process, no torch.distributed. Every shard file is verified before anything is written.
+def iter_consolidated(ckpt_dir: str | Path, tag: str | None = None, verify: bool = True):
+    """The checkpoint's specs ``(name, saved dtype, full shape)`` in save order, then a generator
+    of ``(name, full tensor)`` (fp32 masters for trained parameters, the saved dtype otherwise),
+    one tensor at a time. Single process, no torch.distributed; every shard file is verified first.
     """
     path = resolve_tag(ckpt_dir, tag)
     if path is None:
@@ -121,34 +120,48 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
     reader = ShardReader(path, meta["files"], verify=verify)
     for f in meta["files"]:
         reader.check(f)
-    out_dt = dtype_from_name(dtype)
     specs: list[Spec] = []
     for name in meta["order"]:
         info = tensors[tidx[name][0]] if name in tidx else module[midx[name][0]]
-        dt = dtype_from_name(info["dtype"])
-        specs.append((name, out_dt if dt.is_floating_point else dt, tuple(logical_shape(info))))
-    out = Path(out_dir)
-    w = ShardedHFWriter(out, specs, parse_size(max_shard_size))
-    for name, dt, shape in specs:
-        trained = name in tidx
-        src, keys = (tensors, tidx[name]) if trained else (module, midx[name])
-        if src[keys[0]].get("tp"):  # TP pieces: assembled into the full (unpadded) tensor, piece by piece
-            buf = torch.empty(shape, dtype=torch.float32 if trained else dtype_from_name(src[keys[0]]["dtype"]))
-            t = rebuild(name, buf, None, keys, src,
-                        (lambda k: read_saved(reader, tensors, "master", k, torch.float32)) if trained
-                        else (lambda k: reader.read_full(f"module/{k}", module[k]["file"])))
-        elif trained and len(tensors[name]["segments"]) == 1:  # one file: read it straight, no 2nd buffer
-            t = reader.read_full(f"master/{name}", tensors[name]["segments"][0]["file"]).view(shape)
-        elif trained:
-            t = read_saved(reader, tensors, "master", name, torch.float32)
-        else:
-            t = reader.read_full(f"module/{name}", module[name]["file"])
-        reader.release()
+        specs.append((name, dtype_from_name(info["dtype"]), tuple(logical_shape(info))))
+
+    def tensors_of():
+        for name, _, shape in specs:
+            trained = name in tidx
+            src, keys = (tensors, tidx[name]) if trained else (module, midx[name])
+            if src[keys[0]].get("tp"):  # TP pieces: assembled into the full (unpadded) tensor, piece by piece
+                buf = torch.empty(shape, dtype=torch.float32 if trained else dtype_from_name(src[keys[0]]["dtype"]))
+                t = rebuild(name, buf, None, keys, src,
+                            (lambda k: read_saved(reader, tensors, "master", k, torch.float32)) if trained
+                            else (lambda k: reader.read_full(f"module/{k}", module[k]["file"])))
+            elif trained and len(tensors[name]["segments"]) == 1:  # one file: read it straight, no 2nd buffer
+                t = reader.read_full(f"master/{name}", tensors[name]["segments"][0]["file"]).view(shape)
+            elif trained:
+                t = read_saved(reader, tensors, "master", name, torch.float32)
+            else:
+                t = reader.read_full(f"module/{name}", module[name]["file"])
+            reader.release()
+            yield name, t
+
+    return path, specs, tensors_of()
+
+
+def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, dtype: str = "fp32",
+                max_shard_size: str | int = "5GB", verify: bool = True) -> list[str]:
+    """Write an HF model folder from a sharded checkpoint; returns the weight file names.
+
+    Single process, no torch.distributed. Every shard file is verified before anything is written.
+    """
+    path, saved, stream = iter_consolidated(ckpt_dir, tag, verify)
+    out_dt = dtype_from_name(dtype)
+    specs: list[Spec] = [(n, out_dt if dt.is_floating_point else dt, shape) for n, dt, shape in saved]
+    w = ShardedHFWriter(Path(out_dir), specs, parse_size(max_shard_size))
+    for (name, dt, _), (_, t) in zip(specs, stream, strict=True):
         w.write(name, t.to(dt))
         del t
     names = w.close()
     cfg_path = path / "config.json"
-    _write_config(read_json(cfg_path) if cfg_path.is_file() else None, out, out_dt)
+    _write_config(read_json(cfg_path) if cfg_path.is_file() else None, Path(out_dir), out_dt)
     return names
 
 

@@ -196,7 +196,7 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
         log.warning(f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to pick a checkpoint)")
         return None, None
     comm = world_comm()
-    with_opt = load_optimizer_states and not load_module_only
+    with_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
     err: BaseException | None = None
     meta, loaded, module = {}, [], {}
     try:
