@@ -7,8 +7,10 @@ Also DeepSpeed's ``add_config_arguments(parser)``, so a script written for DeepS
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +78,14 @@ def _join(dist_init_required: bool | None, distributed_port: int) -> None:
     init_distributed()
 
 
+def _finish_pending(ref: weakref.ref) -> None:
+    """At exit: wait for the engine's in-flight all-gathers (stages 1-2 publish the last step's
+    parameters asynchronously), so no collective is still running when the process ends."""
+    engine = ref()
+    if engine is not None and dist.is_initialized():
+        engine.wait_for_params()
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -123,6 +133,7 @@ def initialize(
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, model_is_tp=mpu is not None)
     engine.mpu = mpu
+    atexit.register(_finish_pending, weakref.ref(engine))
     loader = None
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.comm.rank,

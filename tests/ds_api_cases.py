@@ -96,6 +96,17 @@ def weight_diff(engine, ref: nn.Module) -> float:
 
 
 # -- item 4 and 5: optimizer rules ----------------------------------------------------------
+def generate_without_optimizer(stage: int) -> bool:
+    """An evaluation engine of an HF model generates what the plain model generates."""
+    from tiny_models import build
+
+    plain = build("llama").eval()
+    engine, opt, _, _ = deepspeed.initialize(model=build("llama").eval(), config=config(stage, optimizer=False))
+    ids = torch.arange(1, 9).view(1, 8)
+    want = plain.generate(ids, max_new_tokens=4, do_sample=False)
+    return opt is None and torch.equal(engine.generate(ids, max_new_tokens=4, do_sample=False), want)
+
+
 def no_optimizer(stage: int, ckpt: str) -> dict:
     m, plain = model(), model()
     engine, opt, _, sched = deepspeed.initialize(model=m, config=config(stage, optimizer=False))
@@ -279,8 +290,10 @@ def safe_accessors(stage: int, precision: str = "fp32") -> dict:
                         ("exp_avg", safe_get_full_optimizer_state(p, "exp_avg"), st["exp_avg"]),
                         ("exp_avg_sq", safe_get_full_optimizer_state(p, "exp_avg_sq"), st["exp_avg_sq"])):
             out[k] = max(out[k], float((a - b.detach()).abs().max() / (b.abs().max() + 1e-12)))
-        local[n] = [safe_get_local_fp32_param(p), safe_get_local_grad(p),
-                    safe_get_local_optimizer_state(p, "exp_avg")]
+        local[n] = {"pieces": [safe_get_local_fp32_param(p), safe_get_local_grad(p),
+                               safe_get_local_optimizer_state(p, "exp_avg")],
+                    "full": [safe_get_full_fp32_param(p).reshape(-1), safe_get_full_grad(p).reshape(-1),
+                             safe_get_full_optimizer_state(p, "exp_avg").reshape(-1)]}
     out["local"] = local
     # setters: a full value, each rank's own piece, optimizer state, the local gradient
     p = got["l1.weight"]

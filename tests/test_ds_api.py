@@ -50,6 +50,10 @@ def test_engine_without_optimizer_evaluates(pool2, stage, tmp_path):
         assert r["before"] > 1e-3 and r["after"] < TOL
 
 
+def test_engine_without_optimizer_generates(pool2):
+    assert pool2.run("ds_api_cases:generate_without_optimizer", 3) == [True, True]
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_client_optimizer_overrides_config_optimizer(pool2, stage):
     """DeepSpeed: a client optimizer "overrides any optimizer definition in the json config", and
@@ -129,12 +133,13 @@ def test_safe_get_set_accessors_match_plain_torch(pool2, stage):
             assert r[k] < 1e-5, (k, r[k])
         assert r["set_full"] == 0.0 and r["visible"] == 0.0 and r["set_local"] < 1e-7
         assert r["set_state"] == 0.0 and r["set_grad"] == 0.0
-    # rank pieces concatenated are the whole flattened value
-    for name in res[0]["local"]:
-        pieces = [torch.cat([res[r]["local"][name][i].reshape(-1) for r in range(2)]) for i in range(3)]
-        if stage == 0:  # nothing sharded: each rank's piece is the whole tensor
-            pieces = [res[0]["local"][name][i] for i in range(3)]
-        assert pieces[0].numel() == dict(SimpleModel().named_parameters())[name].numel()
+    # every rank's local piece, in rank order, tiles the full value (at stage 0 a piece is all of it)
+    for name, got in res[0]["local"].items():
+        for i in range(3):
+            whole = got["full"][i]
+            tiled = got["pieces"][i] if stage == 0 else torch.cat([res[r]["local"][name]["pieces"][i]
+                                                                  for r in range(2)])
+            assert torch.equal(tiled, whole), (name, i)
 
 
 def test_safe_full_grad_removes_fp16_loss_scale(pool2):
