@@ -401,29 +401,6 @@ class Engine(EngineAccessors, nn.Module):
             g.zero_grad()
         self._grads_reduced = False
 
-    def empty_partition_cache(self) -> None:
-        """Stage 3: release every gathered parameter (DeepSpeed frees its partition cache)."""
-        if self.fetcher is not None:
-            self.fetcher.release_all()
-
-    def destroy(self) -> None:
-        """Finish pending collectives and remove every hook the engine put on the model.
-
-        Afterwards the module no longer gathers or reduces anything; at stage 3 its parameters
-        stay released placeholders (gather them with ``GatheredParameters`` first if needed).
-        """
-        self.wait_for_params()
-        for g in self.groups + [g for gs in self.unit_groups for g in gs]:
-            g.wait()
-            g.remove_hooks()
-        if self.fetcher is not None:
-            self.fetcher.release_all()
-            self.fetcher.remove()
-        for h in getattr(self, "_used_hooks", []):
-            h.remove()
-        for h in getattr(self, "_wait_handles", []):
-            h.remove()
-
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind (tensor bytes, not RSS)."""
         self.wait_for_params()

@@ -1,7 +1,9 @@
-"""The engine's DeepSpeed-named accessors: what scripts written for DeepSpeed read from the engine.
+"""The engine's DeepSpeed-named accessors and thin delegates: what scripts written for DeepSpeed
+call on the engine besides forward, backward and step.
 
-They only report configuration and counters the engine already has; the training logic lives in
-:mod:`shardwise.engine`. Kept apart so the engine file stays about forward, backward and step.
+They report configuration and counters the engine already has, or tear the engine down; the
+training logic lives in :mod:`shardwise.engine`. Kept apart so
+the engine file stays about forward, backward and step.
 """
 
 from __future__ import annotations
@@ -175,3 +177,32 @@ class EngineAccessors:
 
     def get_model_parallel_group(self) -> Any:
         return self.tp.group
+
+    # -- teardown ---------------------------------------------------------------------
+    def empty_partition_cache(self) -> None:
+        """Stage 3: release every gathered parameter (DeepSpeed frees its partition cache)."""
+        if self.fetcher is not None:
+            self.fetcher.release_all()
+
+    def destroy(self) -> None:
+        """Finish pending collectives and remove every hook the engine put on the model.
+
+        Afterwards the module no longer gathers or reduces anything; at stage 3 its parameters
+        stay released placeholders (gather them with ``GatheredParameters`` first if needed).
+        """
+        self.wait_for_params()
+        for g in self.groups + [g for gs in self.unit_groups for g in gs]:
+            g.wait()
+            g.remove_hooks()
+        if self.fetcher is not None:
+            self.fetcher.release_all()
+            self.fetcher.remove()
+        for h in getattr(self, "_used_hooks", []):
+            h.remove()
+        for h in getattr(self, "_wait_handles", []):
+            h.remove()
+
+    # -- aliases --------------------------------------------------------------------
+    def save_fp16_model(self, save_dir: str, save_filename: str | None = None) -> None:
+        """DeepSpeed's older name of ``save_16bit_model``."""
+        self.save_16bit_model(save_dir, save_filename)
