@@ -173,10 +173,20 @@ class EngineAccessors:
         return self.tp.rank
 
     def get_data_parallel_group(self) -> Any:
-        return self.comm.group
+        return self._process_group("get_data_parallel_group", self.comm)
 
     def get_model_parallel_group(self) -> Any:
-        return self.tp.group
+        return self._process_group("get_model_parallel_group", self.tp)
+
+    def _process_group(self, what: str, comm: Any) -> Any:
+        """The torch process group behind ``comm`` (None is the world group, as in torch)."""
+        mpu = getattr(self, "mpu", None)
+        if mpu is not None:
+            return getattr(mpu, what)()
+        if comm.size == 1 and self.world_size > 1:  # a group of one: None would mean the whole world
+            raise NotImplementedError(f"engine.{what}(): this group holds one rank and shardwise keeps no "
+                                      "process group for it; its collectives are no-ops, skip them")
+        return comm.group
 
     # -- teardown ---------------------------------------------------------------------
     def empty_partition_cache(self) -> None:

@@ -218,7 +218,7 @@ def accessors() -> dict:
                steps=e.global_steps, samples=e.global_samples, lr=e.get_lr(), evaluating=evaluating,
                training=e.module.training, partition_weights=e.zero_optimization_partition_weights(),
                boundary=e.is_gradient_accumulation_boundary(), loss_scale=e.loss_scale(),
-               gathered=[g.is_gathered for gs in e.unit_groups for g in gs])
+               gathered=[g.is_gathered for gs in e.unit_groups for g in gs], dp_group=e.get_data_parallel_group())
     e.destroy()
     out["hooks_left"] = sum(len(mod._forward_pre_hooks) + len(mod._forward_hooks) for mod in e.module.modules())
     return out
@@ -386,3 +386,35 @@ def zero_to_fp32_source(stage: int, tmp: str) -> dict:
     engine.save_checkpoint(tmp)
     return {n: safe_get_full_fp32_param(p) for n, p in m.named_parameters()}
 
+
+
+def mpu_checks() -> list[str]:
+    """An mpu without Megatron's methods, or whose sizes do not multiply to the world, is refused."""
+    class Partial:
+        def get_model_parallel_world_size(self) -> int:
+            return 1
+
+    class Wrong(Partial):
+        get_model_parallel_rank = get_data_parallel_rank = lambda self: 0  # noqa: E731
+        get_model_parallel_group = get_data_parallel_group = lambda self: None  # noqa: E731
+        get_data_parallel_world_size = lambda self: 1  # noqa: E731
+
+    errors = []
+    for mpu in (Partial(), Wrong()):
+        try:
+            deepspeed.initialize(model=model(), config=config(1), mpu=mpu)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def no_optimizer_offload_bf16() -> dict:
+    """DeepSpeed's TestNoOptim: zero.Init, stage 3 with parameter offload and bf16, forward only."""
+    cfg = config(3, optimizer=False, offload_param={"device": "cpu"})
+    cfg["bf16"] = {"enabled": True}
+    with deepspeed.zero.Init():
+        m = SimpleModel()
+    engine, opt, _, _ = deepspeed.initialize(model=m, config=cfg)
+    x, y = data(1)
+    loss = engine(mine(x[0]).bfloat16(), mine(y[0]))
+    return {"opt": opt, "finite": bool(torch.isfinite(loss)), "dtype": str(loss.dtype)}

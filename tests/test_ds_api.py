@@ -50,6 +50,11 @@ def test_engine_without_optimizer_evaluates(pool2, stage, tmp_path):
         assert r["before"] > 1e-3 and r["after"] < TOL
 
 
+def test_engine_without_optimizer_zero_init_offload_bf16(pool2):
+    for r in pool2.run("ds_api_cases:no_optimizer_offload_bf16"):
+        assert r["opt"] is None and r["finite"] and r["dtype"] == "torch.bfloat16"
+
+
 def test_engine_without_optimizer_generates(pool2):
     assert pool2.run("ds_api_cases:generate_without_optimizer", 3) == [True, True]
 
@@ -98,6 +103,12 @@ def test_args_deepspeed_config_and_positional_order(pool2, tmp_path):
         assert "both" in r["errors"][0] and "needs a config" in r["errors"][1]
 
 
+def test_mpu_without_megatron_methods_or_wrong_sizes_refused(pool2):
+    for errors in pool2.run("ds_api_cases:mpu_checks"):
+        assert "lacks get_model_parallel_rank" in errors[0]
+        assert "1 x data-parallel size 1 != world size 2" in errors[1]
+
+
 def test_engine_accessors_destroy_and_partition_cache(pool2):
     r = pool2.run("ds_api_cases:accessors")[0]
     assert r["bf16"] == (True, False) and r["fp16"] == (False, True)
@@ -106,6 +117,7 @@ def test_engine_accessors_destroy_and_partition_cache(pool2):
     assert r["evaluating"] and r["training"] and r["boundary"] and r["loss_scale"] == 0.0
     assert not any(r["gathered"])  # empty_partition_cache released every stage-3 unit
     assert r["hooks_left"] == 0
+    assert r["dp_group"] is None  # the world group, as torch names it
 
 
 @pytest.mark.parametrize("stage", [0, 2])
