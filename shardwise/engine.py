@@ -94,6 +94,9 @@ class Engine(EngineAccessors, nn.Module):
         if deferred:
             swapped = swap_meta_parameters(model, device)  # real values arrive unit by unit below
             model_parameters = _remap_params(model_parameters, swapped)
+            if isinstance(optimizer, torch.optim.Optimizer):  # a client optimizer built on the meta params
+                for pg in optimizer.param_groups:
+                    pg["params"] = _remap_params(pg["params"], swapped)
             for m in model.modules():
                 for name, b in list(m.named_buffers(recurse=False)):
                     setattr(m, name, b.to(device))

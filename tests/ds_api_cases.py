@@ -7,6 +7,7 @@ whole global batch (each rank computes that reference itself: the model is tiny)
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 
@@ -418,3 +419,21 @@ def no_optimizer_offload_bf16() -> dict:
     x, y = data(1)
     loss = engine(mine(x[0]).bfloat16(), mine(y[0]))
     return {"opt": opt, "finite": bool(torch.isfinite(loss)), "dtype": str(loss.dtype)}
+
+
+def zero_init_client_optimizer() -> float:
+    """zero.Init, then a client optimizer built on the (meta) parameters: trains as plain torch."""
+    with deepspeed.zero.Init():
+        m = SimpleModel()
+    client = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01)
+    engine, opt, _, _ = deepspeed.initialize(model=m, config=config(3, optimizer=False), optimizer=client,
+                                             model_parameters=m.parameters())
+    assert opt is client
+    from shardwise.zero import GatheredParameters
+
+    with GatheredParameters(list(m.parameters())):  # the values zero.Init gave, as the reference's start
+        ref = copy.deepcopy(m)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    train(engine, 2)
+    reference(ref, ref_opt, 2)
+    return weight_diff(engine, ref)

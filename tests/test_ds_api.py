@@ -69,6 +69,10 @@ def test_client_optimizer_overrides_config_optimizer(pool2, stage):
         assert r["diff"] < TOL
 
 
+def test_client_optimizer_on_zero_init_parameters(pool2):
+    assert all(d < TOL for d in pool2.run("ds_api_cases:zero_init_client_optimizer"))
+
+
 def test_client_optimizer_empty_param_group_dropped(pool2):
     """DeepSpeed removes param groups without parameters from the client optimizer."""
     res = pool2.run("ds_api_cases:optimizer_rules", "empty_group", 1)
