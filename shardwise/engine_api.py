@@ -25,6 +25,17 @@ class UsageError(RuntimeError, AssertionError):
 class EngineAccessors:
     """Mixin of :class:`~shardwise.engine.Engine`: DeepSpeed's ``engine.*()`` queries."""
 
+    def __getattr__(self, name: str) -> Any:
+        """As DeepSpeed's engine: an attribute the engine lacks is looked up on the wrapped model
+        (``engine.config_class``, ``engine.gradient_checkpointing_enable()``, ``engine.lm_head``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and name != "module":
+                return getattr(module, name)
+            raise
+
     # -- precision ------------------------------------------------------------------
     def fp16_enabled(self) -> bool:
         return self.config.precision == "fp16"

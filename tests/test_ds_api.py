@@ -120,7 +120,7 @@ def test_engine_accessors_destroy_and_partition_cache(pool2):
     assert r["steps"] == 2 and r["samples"] == 2 * 2 * 2 and r["lr"] == [pytest.approx(1e-2)]
     assert r["evaluating"] and r["training"] and r["boundary"] and r["loss_scale"] == 0.0
     assert not any(r["gathered"])  # empty_partition_cache released every stage-3 unit
-    assert r["hooks_left"] == 0
+    assert r["hooks_left"] == 0 and r["passthrough"]  # model attributes reachable on the engine
     assert r["dp_group"] is None  # the world group, as torch names it
 
 
