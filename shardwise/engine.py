@@ -20,7 +20,7 @@ from torch import nn
 
 from shardwise.comm import Comm, compute_device
 from shardwise.engine_api import EngineAccessors, UsageError
-from shardwise.engine_checks import check_all_used, check_save_args, track_used
+from shardwise.engine_checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.optim import build_optimizer, build_scheduler, client_param_groups, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy, owner_of
@@ -169,6 +169,7 @@ class Engine(EngineAccessors, nn.Module):
             d["params"] = [g.master for g in gs]
             master_groups.append(d)
         self.optimizer = self._make_optimizer(optimizer, master_groups)
+        guard_direct_step(self, self.optimizer)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
         self.fp16 = config.precision == "fp16"
@@ -327,7 +328,11 @@ class Engine(EngineAccessors, nn.Module):
                 coef = min(1.0, clip / (norm + 1e-6))
                 if coef < 1.0:
                     torch._foreach_mul_(grads, coef)
-            self.optimizer.step()
+            self._engine_stepping = True
+            try:
+                self.optimizer.step()
+            finally:
+                self._engine_stepping = False
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             # Stages 1-2: the updated shards travel while the next forward starts; each module

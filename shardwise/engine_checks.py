@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -90,3 +91,22 @@ def check_save_args(engine: Engine, save_dir, tag: str | None) -> str | None:
     if comm.rank == 0 or mode == "warn":
         log.warning(msg + f"; saving under rank 0's tag {box[0]!r}")
     return box[0]
+
+
+def guard_direct_step(engine: Engine, optimizer: torch.optim.Optimizer | None) -> None:
+    """The optimizer ``initialize`` returns steps the engine's shards; stepping it directly would
+    skip the reduction wait, unscaling, clipping and the all-gather of the result (a silent no-op
+    or a wrong step), so it is refused with the fix. The engine's own step sets
+    ``_engine_stepping``."""
+    if optimizer is None:
+        return
+    ref = weakref.ref(engine)
+
+    def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:  # noqa: ARG001
+        e = ref()
+        if e is not None and not e.__dict__.get("_engine_stepping", False):
+            raise UsageError("optimizer.step() called directly: call engine.step() after engine.backward(); it "
+                             "waits for the gradient reduction, unscales, clips, steps this optimizer and the "
+                             "lr scheduler, and shares the updated parameters")
+
+    optimizer.register_step_pre_hook(pre_step)

@@ -172,7 +172,13 @@ def returned_optimizer_api(stage: int) -> dict:
     train(engine, 1, seed=2)
     moved = max(float((safe_get_full_fp32_param(p) - before[n]).abs().max()) for n, p in m.named_parameters())
     opt.zero_grad()
-    return {"state_keys": sorted(sd), "n_state": len(sd["state"]), "moved": moved, "lr": engine.get_lr()}
+    try:
+        opt.step()
+        direct = "stepped"
+    except AssertionError as e:
+        direct = str(e)
+    return {"direct_step": direct, "state_keys": sorted(sd), "n_state": len(sd["state"]), "moved": moved,
+            "lr": engine.get_lr()}
 
 
 def scheduler_on_other_optimizer() -> str:

@@ -93,6 +93,7 @@ def test_returned_optimizer_param_groups_state_dict_zero_grad(pool2, stage):
     for r in res:
         assert r["state_keys"] == ["param_groups", "state"] and r["n_state"] > 0
         assert r["moved"] == 0.0 and r["lr"] == [0.0]  # lr set through the returned optimizer took effect
+        assert "call engine.step()" in r["direct_step"]  # never a silent no-op step
 
 
 def test_scheduler_built_on_another_optimizer_refused(pool2):
