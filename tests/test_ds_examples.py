@@ -74,16 +74,18 @@ def test_client_state_checkpoint_resume_reproduces(tmp_path):
     assert "samples seen 128 global steps 8" in first and "samples seen 128 global steps 8" in resumed
 
 
-def test_mpu_tensor_parallel_script_matches_plain_pytorch():
-    """Megatron-style mpu with TP 2: losses and the clipped global grad norm equal the unsplit model's."""
+@pytest.mark.parametrize(("tp", "stage"), [(2, 1), (1, 2)], ids=["tp2xdp1-zero1", "tp1xdp2-zero2"])
+def test_mpu_tensor_parallel_script_matches_plain_pytorch(tp, stage):
+    """Megatron-style mpu: losses and the clipped global grad norm equal the unsplit model's, with the
+    model split over the mpu's model-parallel group, or ZeRO over its data-parallel group."""
     ex = _load("mpu_tensor_parallel")
-    out = _launch("mpu_tensor_parallel.py", "--tp", "2")
+    out = _launch("mpu_tensor_parallel.py", "--tp", str(tp), "--zero_stage", str(stage))
     losses, norms = _values(out, "loss"), {int(m[1]): float(m[2]) for m in
                                            re.finditer(r"step (\d+) loss \S+ grad_norm ([-0-9.e]+)", out)}
     w = {k: nn.Parameter(v.clone()) for k, v in ex.full_weights().items()}
     opt = torch.optim.AdamW(list(w.values()), lr=0.01, weight_decay=0.0)
     for step in range(6):
-        x, y = ex.global_batch(step, 8)
+        x, y = ex.global_batch(step, 8 * (2 // tp))
         h = F.linear(F.gelu(F.linear(x, w["w1"], w["b1"])), w["w2"], w["b2"])
         loss = F.cross_entropy(F.linear(torch.relu(h), w["wh"], w["bh"]), y)
         opt.zero_grad()
