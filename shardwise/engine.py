@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, compute_device
-from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_optimizer
+from shardwise.engine_api import EngineAccessors, UsageError
+from shardwise.engine_checks import check_all_used, check_save_args, guard_direct_step, track_used
+from shardwise.optim import build_optimizer, build_scheduler, client_param_groups, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy, owner_of
 from shardwise.zero.gathered import guard_state_dict
@@ -31,7 +33,7 @@ from shardwise.zero.init import (
     swap_meta_parameters,
     tied_aliases,
 )
-from shardwise.zero.partition import broadcast_model, build_groups, normalize_param_groups
+from shardwise.zero.partition import broadcast_model, build_groups
 from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
 
 log = logging.getLogger("shardwise")
@@ -73,14 +75,17 @@ def _remap_params(model_parameters: Any, swapped: dict[int, nn.Parameter]) -> An
     return [swapped.get(id(p), p) for p in items]
 
 
-class Engine(nn.Module):
+class Engine(EngineAccessors, nn.Module):
     """DeepSpeed-style engine around ``module`` (see DESIGN.md §2 for the contract)."""
 
     def __init__(self, model: nn.Module, config, model_parameters=None, optimizer=None,
                  lr_scheduler=None, comm: Comm | None = None, tp: Comm | None = None,
-                 replicate: Comm | None = None):
+                 replicate: Comm | None = None, model_is_tp: bool = False):
         """``comm`` is the group ZeRO shards over; ``tp`` the tensor-parallel one; ``replicate`` the
-        ranks holding the same shard in other shard groups (hybrid sharding, see mesh.py)."""
+        ranks holding the same shard in other shard groups (hybrid sharding, see mesh.py).
+
+        ``model_is_tp``: the script already split the model over ``tp`` (DeepSpeed's ``mpu``), so
+        no TP plan is applied."""
         super().__init__()
         self.config = config
         self.comm = comm if comm is not None else Comm()
@@ -117,7 +122,7 @@ class Engine(nn.Module):
         else:
             model.to(device)
         self.tp_report = None
-        if self.tp.size > 1:
+        if self.tp.size > 1 and not model_is_tp:
             if deferred:
                 raise ValueError("tensor_parallel.autotp_size > 1 with a model built under zero.Init is not "
                                  "supported yet; build the model normally (TP shards it first)")
@@ -145,9 +150,7 @@ class Engine(nn.Module):
         if self.offload_optimizer and self.stage == 0:
             raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1: "
                              "the optimizer state is offloaded shard by shard")
-        param_groups = normalize_param_groups(model, model_parameters)
-        if optimizer is not None and model_parameters is None and not callable(optimizer):
-            param_groups = [dict(g) for g in optimizer.param_groups]
+        param_groups = client_param_groups(model, model_parameters, optimizer)
         bucket = int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
         self.policy = ShardPolicy.for_stage(self.stage)
         self.offload_param = zero.offload_param.device == "cpu"
@@ -187,18 +190,23 @@ class Engine(nn.Module):
             d["params"] = [g.master for g in gs]
             master_groups.append(d)
         self.optimizer = self._make_optimizer(optimizer, master_groups)
+        guard_direct_step(self, self.optimizer)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
         self.fp16 = config.precision == "fp16"
         self.loss_scaler = DynamicLossScaler.from_fp16_config(config.fp16) if self.fp16 else None
+        self._grads_reduced = False
+        for g in self.groups + [g for gs in self.unit_groups for g in gs]:
+            g.engine_ref = weakref.ref(self)  # shardwise.utils.safe_get_* find the engine from a param
 
     # -- construction ---------------------------------------------------------------
     def _install_param_waits(self, model: nn.Module) -> None:
         """Stages 1-2: a module's forward waits for the all-gather of the buckets it uses."""
+        self._wait_handles = []
         for m in model.modules():
             groups = {id(g): g for p in m.parameters(recurse=False) if (g := owner_of(p)) is not None}
             if groups:
-                m.register_forward_pre_hook(_waiter(list(groups.values())))
+                self._wait_handles.append(m.register_forward_pre_hook(_waiter(list(groups.values()))))
 
     def wait_for_params(self) -> None:
         """Finish the asynchronous all-gathers of the last step (before reading parameters)."""
@@ -223,22 +231,28 @@ class Engine(nn.Module):
 
         return None, read
 
-    def _make_optimizer(self, client, master_groups: list[dict]) -> torch.optim.Optimizer:
+    def _make_optimizer(self, client, master_groups: list[dict]) -> torch.optim.Optimizer | None:
+        """DeepSpeed's rules: a client optimizer (or factory) wins over the config's ``optimizer``
+        section; with neither the engine is for evaluation only (``optimizer`` is None)."""
         if client is not None:
-            if self.config.optimizer is not None:
-                raise ValueError("an optimizer was given both as the `optimizer` argument and in the "
-                                 "config's `optimizer` section; keep one")
-            return rebuild_client_optimizer(client, [g["params"] for g in master_groups])
+            if self.config.optimizer is not None and self.comm.rank == 0:
+                log.warning("optimizer= was passed to initialize(): the config's `optimizer` section "
+                            f"({self.config.optimizer.type}) is ignored, as DeepSpeed does")
+            return rebuild_client_optimizer(client, master_groups)
         if self.config.optimizer is None:
-            raise ValueError("no optimizer: add an `optimizer` section to the config "
-                             '(e.g. {"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer=')
+            return None
         return build_optimizer(self.config.optimizer.type, dict(self.config.optimizer.params), master_groups)
 
     def _make_scheduler(self, client):
+        if self.optimizer is None:
+            return None  # DeepSpeed configures no scheduler without an optimizer
         if client is not None:
             if callable(client) and not hasattr(client, "step"):
                 return client(self.optimizer)
-            client.optimizer = self.optimizer  # re-point a scheduler built on the user's optimizer
+            if getattr(client, "optimizer", self.optimizer) is not self.optimizer:
+                raise UsageError("lr_scheduler= was built on another optimizer than the one passed as "
+                                 "optimizer=; build it on that optimizer or pass a callable "
+                                 "(lambda opt: Scheduler(opt, ...))")
             return client
         if self.config.scheduler is None:
             return None
@@ -249,27 +263,50 @@ class Engine(nn.Module):
         return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gas == 0
+        """Whether this micro-batch ends the accumulation window (reduce, then step)."""
+        forced = getattr(self, "_forced_boundary", None)
+        return forced if forced is not None else (self.micro_steps + 1) % self.gas == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary for the next forward/backward (DeepSpeed's manual accumulation:
+        False for all micro-batches but the last, True for it, then one ``step()``)."""
+        self._forced_boundary = bool(is_boundary)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skip gradient reduction in this context (stages 0 and 1: grads stay whole)."""
+        """Skip gradient reduction in this context (stages 0 and 1 only: grads stay whole).
+
+        As DeepSpeed: refused at stages 2-3, not reentrant, and ``step()`` is illegal inside.
+        """
         if self.policy.shard_grads:
-            raise RuntimeError(f"no_sync() is not possible at zero_optimization.stage {self.stage}: "
-                               "gradients are reduce-scattered during backward so only the shard is "
-                               "kept; use gradient_accumulation_steps instead")
-        prev, self._in_no_sync = self._in_no_sync, True
+            raise UsageError(f"no_sync context manager is incompatible with gradient partitioning logic of "
+                             f"ZeRO stage {self.stage}: gradients are reduce-scattered during backward; "
+                             "use gradient_accumulation_steps instead")
+        if self._in_no_sync:
+            raise UsageError("no_sync context manager reentry is unsupported (already inside no_sync())")
+        self._in_no_sync = True
         try:
             yield
         finally:
-            self._in_no_sync = prev
+            self._in_no_sync = False
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of ``loss`` scaled for accumulation (1/gas) and fp16 loss scaling."""
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise UsageError(f"must provide optimizer during init in order to use {what}: this engine was "
+                             "built without optimizer= or a config `optimizer` section (evaluation only)")
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` scaled for accumulation (1/gas) and fp16 loss scaling.
+
+        Returns the loss divided by the accumulation steps (as DeepSpeed), or ``loss`` unchanged
+        with ``scale_wrt_gas=False`` (which also skips the 1/gas scaling of the gradients).
+        """
+        self._require_optimizer("backward")
+        track_used(self)
         reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         for g in self.groups:
             g.begin_backward(reduce_now)
-        scale = 1.0 / self.gas
+        scale = 1.0 / self.gas if scale_wrt_gas else 1.0
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         (loss * scale).backward(retain_graph=retain_graph)
@@ -277,18 +314,21 @@ class Engine(nn.Module):
             g.end_backward()
         if self.fetcher is not None:
             self.fetcher.release_all()  # frozen groups, and any a skipped branch left gathered
+        self._grads_reduced = reduce_now
         self._last_loss = loss.detach()
-        return loss
+        return loss / self.gas if scale_wrt_gas else loss
 
     # -- step -----------------------------------------------------------------------
     def step(self) -> None:
         """Call after every micro-batch; steps and zeroes grads at the accumulation boundary."""
+        if self._in_no_sync:
+            raise UsageError("It is illegal to call Engine.step() inside no_sync context manager: "
+                             "leave no_sync() for the last micro-batch, then step()")
+        self._require_optimizer("step")
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
-        if self._in_no_sync:
-            raise RuntimeError("step() at an accumulation boundary inside no_sync(): gradients were "
-                               "not reduced; leave no_sync() for the last micro-batch")
+        check_all_used(self)
         for g in self.groups:
             g.wait()
             g.wait_gathered()
@@ -311,7 +351,11 @@ class Engine(nn.Module):
                 coef = min(1.0, clip / (norm + 1e-6))
                 if coef < 1.0:
                     torch._foreach_mul_(grads, coef)
-            self.optimizer.step()
+            self._engine_stepping = True
+            try:
+                self.optimizer.step()
+            finally:
+                self._engine_stepping = False
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             # Stages 1-2: the updated shards travel while the next forward starts; each module
@@ -383,45 +427,10 @@ class Engine(nn.Module):
         free, _ = torch.cuda.mem_get_info()
         return full < free / 2
 
-    # -- DeepSpeed-style accessors (scripts written for DeepSpeed call these) --------
-    def get_lr(self) -> list[float]:
-        return [pg["lr"] for pg in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last optimizer step, over every shard (before clipping)."""
-        return self.last_grad_norm
-
-    def was_step_applied(self) -> bool:
-        """False when the last boundary's step was skipped (fp16 overflow)."""
-        return getattr(self, "_step_applied", False)
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.gas
-
-    def zero_optimization_stage(self) -> int:
-        return self.stage
-
-    @property
-    def device(self) -> torch.device:
-        return compute_device()
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else 1
-
     def zero_grad(self) -> None:
         for g in self.groups:
             g.zero_grad()
+        self._grads_reduced = False
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind (tensor bytes, not RSS)."""
@@ -436,7 +445,7 @@ class Engine(nn.Module):
             if id(p) not in grouped:
                 rep["params"] += _nbytes(p.data)
                 rep["grads"] += _nbytes(p.grad)
-        for state in self.optimizer.state.values():
+        for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
             for v in state.values():
                 if torch.is_tensor(v) and v.numel() > 1:
                     rep["optimizer_states"] += _nbytes(v)
@@ -458,6 +467,7 @@ class Engine(nn.Module):
         """Sharded checkpoint of model, optimizer, scheduler, counters and RNG (collective)."""
         from shardwise.checkpoint import save_checkpoint
 
+        tag = check_save_args(self, save_dir, tag)
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,

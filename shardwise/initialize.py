@@ -1,8 +1,16 @@
-"""``shardwise.initialize``: DeepSpeed's entry point, same arguments, same return value."""
+"""``shardwise.initialize``: DeepSpeed's entry point, same arguments in the same order, same return.
+
+Also DeepSpeed's ``add_config_arguments(parser)``, so a script written for DeepSpeed runs with only
+``import deepspeed`` replaced by ``import shardwise as deepspeed``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import atexit
 import logging
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +21,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from shardwise.comm import init_distributed
 from shardwise.config import SupportedFeatures, load_config, timeout_of
 from shardwise.engine import Engine
+from shardwise.engine_api import UsageError
 from shardwise.mesh import get_mesh
+from shardwise.mpu import mesh_from_mpu, mpu_sizes
+
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 
 def _setup_logging() -> None:
@@ -28,38 +40,103 @@ def _setup_logging() -> None:
         log.propagate = False
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line flags (``--deepspeed``, ``--deepspeed_config`` and the deprecated
+    ``--deepscale``, ``--deepscale_config``) to ``parser``; returns it."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (shardwise)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed (a flag for the script itself; shardwise ignores it)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config file")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated: --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated: --deepspeed_config")
+    return parser
+
+
+def _config_from_args(args: Any, config: Any) -> Any:
+    """DeepSpeed's rule: ``args.deepspeed_config`` (or the deprecated ``deepscale_config``) is read
+    when present, and giving both it and ``config=`` is an error."""
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise UsageError("a config was given both as args.deepspeed_config and as initialize(config=...); "
+                             "keep one")
+        return from_args
+    if config is None:
+        raise UsageError("initialize() needs a config: pass config= (a JSON path or dict) or "
+                         "args with --deepspeed_config")
+    return config
+
+
+def _join(dist_init_required: bool | None, distributed_port: int, timeout: float | None) -> None:
+    if dist_init_required is False:
+        if not dist.is_initialized():
+            raise UsageError("Distributed backend is not initialized. Please set dist_init_required to True "
+                             "or initialize before calling initialize()")
+        return
+    if "RANK" in os.environ:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    init_distributed(timeout=timeout)  # config key shardwise.timeout_s, else SHARDWISE_TIMEOUT
+
+
+def _finish_pending(ref: weakref.ref) -> None:
+    """At exit: wait for the engine's in-flight all-gathers (stages 1-2 publish the last step's
+    parameters asynchronously), so no collective is still running when the process ends."""
+    engine = ref()
+    if engine is not None and dist.is_initialized():
+        engine.wait_for_params()
+
+
 def initialize(
-    model: nn.Module,
-    config: Any = None,
-    model_parameters: Any = None,
-    optimizer: Any = None,
-    lr_scheduler: Any = None,
-    training_data: Dataset | None = None,
-    collate_fn: Callable | None = None,
-    config_params: Any = None,
     args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
 ) -> tuple[Engine, Any, DataLoader | None, Any]:
     """Wrap ``model`` for sharded training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
-    ``config`` is a DeepSpeed JSON path or dict (``config_params`` is DeepSpeed's
-    older name for it). Joins the torchrun job first if needed.
+    As DeepSpeed: ``config`` (or its older name ``config_params``, or ``args.deepspeed_config``)
+    is a JSON/hjson path or a dict; ``optimizer`` (an optimizer or a factory of one) overrides the
+    config's ``optimizer`` section; with neither the engine serves evaluation and inference only
+    and the returned optimizer is None. ``mpu`` (Megatron-style: ``get_model_parallel_group()``,
+    ``get_data_parallel_group()``, ...) gives the groups of a model the script already split
+    across ranks; ZeRO then shards over its data-parallel group.
     """
     if model is None:
-        raise ValueError("initialize(model=...) is required")
+        raise UsageError("initialize(model=...) is required")
+    if mesh_param is not None:
+        raise NotImplementedError("initialize(mesh_param=...): DeepSpeed's sequence-parallel mesh is not "
+                                  "implemented by shardwise; drop mesh_param")
     if config is None:
         config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
-    init_distributed(timeout=timeout_of(config))  # config key shardwise.timeout_s, else SHARDWISE_TIMEOUT
+    config = _config_from_args(args, config)
+    _join(dist_init_required, distributed_port, timeout_of(config))
     _setup_logging()
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    cfg = load_config(config, world_size=dist.get_world_size(), hidden_size=hidden,
+    world = dist.get_world_size()
+    if mpu is not None:
+        world = mpu_sizes(mpu)[1]  # the batch rule counts data-parallel ranks only
+    cfg = load_config(config, world_size=world, hidden_size=hidden,
                       supported=SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True,
-                                                         hybrid=True))
-    shard = cfg.zero_optimization.mics_shard_size
-    mesh = get_mesh(cfg.tp_size, shard if shard > 0 else None)
+                                                  hybrid=mpu is None))
+    if mpu is not None:
+        mesh = mesh_from_mpu(mpu, model, cfg.tp_size)
+    else:
+        shard = cfg.zero_optimization.mics_shard_size
+        mesh = get_mesh(cfg.tp_size, shard if shard > 0 else None)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate)
+                    lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate,
+                    model_is_tp=mpu is not None)
+    engine.mpu = mpu
+    atexit.register(_finish_pending, weakref.ref(engine))
     loader = None
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.dp_rank,

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 __all__ = [
     "build_optimizer",
     "rebuild_client_optimizer",
+    "client_param_groups",
     "build_scheduler",
     "WarmupLR",
     "WarmupDecayLR",
@@ -102,41 +103,59 @@ def build_optimizer(opt_type: str, params: dict, param_groups: list[dict]) -> Op
     return cls(param_groups, **kw)
 
 
+def client_param_groups(model: torch.nn.Module, model_parameters: Any, client: Any) -> list[dict]:
+    """The optimizer param groups the engine builds its shards for, as DeepSpeed picks them.
+
+    A client optimizer *instance* defines them itself (``model_parameters`` only matters to a
+    config optimizer or a factory). Groups without parameters are dropped, as DeepSpeed drops
+    them from the optimizer it returns.
+    """
+    from shardwise.zero.partition import normalize_param_groups
+
+    if isinstance(client, Optimizer):
+        groups = [{**g, "params": list(g["params"])} for g in client.param_groups]
+    else:
+        groups = normalize_param_groups(model, model_parameters)
+    kept = [g for g in groups if g["params"]]
+    if not kept:
+        raise ValueError("the optimizer has no parameters: every param group given "
+                         "(optimizer= or model_parameters=) is empty")
+    return kept
+
+
 def rebuild_client_optimizer(
-    client: Optimizer | Callable[[list], Optimizer], new_param_groups: list[list[torch.Tensor]]
+    client: Optimizer | Callable[[list], Optimizer], new_param_groups: list[list[torch.Tensor]] | list[dict]
 ) -> Optimizer:
-    """Re-create a user's optimizer over the engine's master tensors.
+    """Point a user's optimizer at the engine's master tensors; returns the optimizer to step.
 
     The user built ``client`` over the model's parameters; the engine steps sharded fp32 masters
-    instead, so it needs the same class with each group's own hyperparameters (everything but
-    "params") on the new tensors, group ``i`` mapping to ``new_param_groups[i]``. State cannot be
-    carried over (it is keyed by the old tensors and unsharded), so a stepped optimizer is refused.
-    A callable (DeepSpeed's ``optimizer=lambda params: ...``) is called with the group dicts.
+    instead. As DeepSpeed's ZeRO optimizers do, the client object itself is kept and each of its
+    non-empty param groups gets the engine's tensors (group ``i`` -> ``new_param_groups[i]``), so
+    ``initialize`` returns the very object the user passed, with its class, hyperparameters and any
+    scheduler built on it intact. Empty groups are removed from it, as DeepSpeed removes them.
+    State cannot be carried over (it is keyed by the old tensors and unsharded), so a stepped
+    optimizer is refused. A callable (DeepSpeed's ``optimizer=lambda params: ...``) is called with
+    the group dicts (hyperparameters of ``model_parameters`` groups included).
     """
+    groups = [g if isinstance(g, dict) else {"params": list(g)} for g in new_param_groups]
     if isinstance(client, Optimizer):
         if any(len(s) for s in client.state.values()):
             raise ValueError(
                 f"the {type(client).__name__} passed as optimizer= already has state (it was stepped "
                 "or loaded); pass a freshly constructed optimizer and load its state through the engine"
             )
-        if len(client.param_groups) != len(new_param_groups):
+        client.param_groups[:] = [pg for pg in client.param_groups if len(pg["params"])]
+        if len(client.param_groups) != len(groups):
             raise ValueError(
                 f"client optimizer has {len(client.param_groups)} param groups but the engine built "
-                f"{len(new_param_groups)}"
+                f"{len(groups)}"
             )
-        groups = []
-        for old, tensors in zip(client.param_groups, new_param_groups, strict=True):
-            hyper = {
-                k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in old.items() if k != "params"
-            }
-            groups.append({**hyper, "params": list(tensors)})
-        cls = type(client)
-        accepted = _accepted_kwargs(cls)
-        # defaults can hold keys the subclass constructor fixes itself (AdamW: decoupled_weight_decay)
-        defaults = {k: v for k, v in client.defaults.items() if k in accepted}
-        return cls(groups, **defaults)
+        for pg, new in zip(client.param_groups, groups, strict=True):
+            pg["params"] = list(new["params"])
+        client.state.clear()
+        return client
     if callable(client):
-        opt = client([{"params": list(tensors)} for tensors in new_param_groups])
+        opt = client([{**g, "params": list(g["params"])} for g in groups])
         if not isinstance(opt, Optimizer):
             raise TypeError(
                 f"optimizer callable returned {type(opt).__name__}, expected torch.optim.Optimizer"

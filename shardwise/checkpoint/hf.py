@@ -130,33 +130,23 @@ def _model_config_for(path: Path, meta: dict, config: str | Path | None, weights
     return cfg
 
 
-def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, dtype: str = "fp32",
-                max_shard_size: str | int = "5GB", verify: bool = True, config: str | Path | None = None,
-                weights_only: bool = False) -> list[str]:
-    """Write an HF model folder from a sharded checkpoint; returns the weight file names.
-
-    Single process, no torch.distributed. The metadata, the config and every shard file are
-    checked before anything is written.
-    """
+def _open_checked(ckpt_dir: str | Path, tag: str | None, verify: bool) -> tuple[Path, dict, ShardReader]:
+    """The tag folder, its validated metadata and a reader whose every shard file was checked."""
     path = resolve_tag(ckpt_dir, tag)
     if path is None:
         raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass --tag")
     meta = read_metadata(path)
-    cfg = _model_config_for(path, meta, config, weights_only)
-    tensors, module = meta["tensors"], meta["module"]
-    tidx, midx = saved_index(tensors), saved_index(module)
     reader = ShardReader(path, meta["files"], verify=verify)
     for f in meta["files"]:
         reader.check(f)
-    out_dt = dtype_from_name(dtype)
-    specs: list[Spec] = []
-    for name in meta["order"]:
-        info = tensors[tidx[name][0]] if name in tidx else module[midx[name][0]]
-        dt = dtype_from_name(info["dtype"])
-        specs.append((name, out_dt if dt.is_floating_point else dt, tuple(logical_shape(info))))
-    out = Path(out_dir)
-    w = ShardedHFWriter(out, specs, parse_size(max_shard_size))
-    for name, dt, shape in specs:
+    return path, meta, reader
+
+
+def _full_tensors(meta: dict, reader: ShardReader, specs: list[Spec]):
+    """``(name, full tensor)`` one at a time: fp32 masters for trained parameters, else the saved dtype."""
+    tensors, module = meta["tensors"], meta["module"]
+    tidx, midx = saved_index(tensors), saved_index(module)
+    for name, _, shape in specs:
         trained = name in tidx
         src, keys = (tensors, tidx[name]) if trained else (module, midx[name])
         if src[keys[0]].get("tp"):  # TP pieces: assembled into the full (unpadded) tensor, piece by piece
@@ -172,6 +162,44 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
         else:
             t = read_module(reader, module, name)
         reader.release()
+        yield name, t
+
+
+def _saved_specs(meta: dict) -> list[Spec]:
+    tidx, midx = saved_index(meta["tensors"]), saved_index(meta["module"])
+    out = []
+    for name in meta["order"]:
+        info = meta["tensors"][tidx[name][0]] if name in tidx else meta["module"][midx[name][0]]
+        out.append((name, dtype_from_name(info["dtype"]), tuple(logical_shape(info))))
+    return out
+
+
+def iter_consolidated(ckpt_dir: str | Path, tag: str | None = None, verify: bool = True):
+    """The checkpoint's specs ``(name, saved dtype, full shape)`` in save order, then a generator
+    of ``(name, full tensor)`` (fp32 masters for trained parameters, the saved dtype otherwise),
+    one tensor at a time. Single process, no torch.distributed; every shard file is verified first.
+    """
+    path, meta, reader = _open_checked(ckpt_dir, tag, verify)
+    specs = _saved_specs(meta)
+    return path, specs, _full_tensors(meta, reader, specs)
+
+
+def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, dtype: str = "fp32",
+                max_shard_size: str | int = "5GB", verify: bool = True, config: str | Path | None = None,
+                weights_only: bool = False) -> list[str]:
+    """Write an HF model folder from a sharded checkpoint; returns the weight file names.
+
+    Single process, no torch.distributed. The metadata, the config and every shard file are
+    checked before anything is written.
+    """
+    path, meta, reader = _open_checked(ckpt_dir, tag, verify)
+    cfg = _model_config_for(path, meta, config, weights_only)
+    out_dt = dtype_from_name(dtype)
+    saved = _saved_specs(meta)
+    specs: list[Spec] = [(n, out_dt if dt.is_floating_point else dt, shape) for n, dt, shape in saved]
+    out = Path(out_dir)
+    w = ShardedHFWriter(out, specs, parse_size(max_shard_size))
+    for (name, dt, _), (_, t) in zip(specs, _full_tensors(meta, reader, saved), strict=True):
         w.write(name, t.to(dt))
         del t
     names = w.close()

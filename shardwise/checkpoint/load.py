@@ -311,7 +311,7 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
     """
     comm = world_comm()
     engine.wait_for_params()  # the last step's asynchronous all-gathers still write the parameters
-    with_opt = load_optimizer_states and not load_module_only
+    with_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
     err: BaseException | None = None
     path, meta, st = None, {}, _Staged()
     try:

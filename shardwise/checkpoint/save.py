@@ -109,7 +109,8 @@ def _write_rank(engine: Engine, folder: Path, rank: int) -> dict:
     scalars: dict[str, dict] = {}
     state_dtypes: dict[str, str] = {}
     for g in engine.groups:
-        elem, sc = _split_state(g, engine.optimizer.state.get(g.master, {})) if writes else ({}, {})
+        state = engine.optimizer.state.get(g.master, {}) if engine.optimizer is not None else {}  # None: eval engine
+        elem, sc = _split_state(g, state) if writes else ({}, {})
         state_dtypes.update({k: dtype_name(v.dtype) for k, v in elem.items()})
         for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True):
             spec = spec_of(p)
@@ -202,7 +203,8 @@ def _metadata(engine: Engine, manifests: list[dict], world: int, client_state: d
         "module": module,
         "files": files,
         "param_groups": [to_json({k: v for k, v in pg.items() if k != "params" and k not in IMPL_KEYS},
-                                 f"optimizer.param_groups[{i}]") for i, pg in enumerate(opt.param_groups)],
+                                 f"optimizer.param_groups[{i}]")
+                         for i, pg in enumerate(opt.param_groups if opt is not None else [])],
         "lr_scheduler": to_json(sched.state_dict(), "lr_scheduler.state_dict()") if sched else None,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,

@@ -1,0 +1,42 @@
+"""DeepSpeed's ``deepspeed.utils`` names scripts call: the ``safe_get_*`` / ``safe_set_*``
+parameter accessors, and ``zero_to_fp32`` for offline fp32 weights."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from shardwise.utils import zero_to_fp32
+from shardwise.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+)
+
+logger = logging.getLogger("shardwise")
+
+
+def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """Log ``message`` on the given ranks only (all ranks when ``ranks`` is None or holds -1)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if ranks is None or -1 in ranks or rank in ranks:
+        logger.log(level, f"[Rank {rank}] {message}")
+
+
+__all__ = [
+    "logger", "log_dist", "zero_to_fp32",
+    "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
+]
