@@ -171,7 +171,7 @@ KEYS: tuple[Key, ...] = (
     Key(Z + "stage3_gather_16bit_weights_on_model_save", I,
         "engine.save_16bit_model() always writes full weights"),
     Key(Z + "elastic_checkpoint", I, "shardwise checkpoints load at any world size"),
-    Key(Z + "ignore_unused_parameters", I, "an error check in DeepSpeed; no effect on the numbers"),
+    Key(Z + "ignore_unused_parameters", H, "false: a step where a parameter got no gradient raises (stages >= 2)"),
     Key(Z + "log_trace_cache_warnings", I, _LOG),
     Key(Z + "enable_sanity_checks", I, "debug checks"),
     Key(Z + "leaf_module", I, "stage-3 fetch granularity; " + _PERF, subtree=True),
@@ -222,7 +222,8 @@ KEYS: tuple[Key, ...] = (
     Key("graph_harvesting", I, "CUDA graph capture; " + _PERF),
     Key("checkpoint", H, "section"),
     Key("checkpoint.load_universal", R, "loading DeepSpeed universal checkpoints", default(False)),
-    Key("checkpoint.tag_validation", I, "a DeepSpeed consistency check of checkpoint tags"),
+    Key("checkpoint.tag_validation", H, "Ignore, Warn (default) or Fail when ranks pass different tags to "
+        "save_checkpoint", lambda v, _r: v is None or (isinstance(v, str) and v.lower() in ("ignore", "warn", "fail"))),
     Key("checkpoint.use_node_local_storage", I, "where DeepSpeed writes; shardwise writes to save_dir"),
     Key("checkpoint.parallel_write", I, "checkpoint write pipelining; " + _PERF, subtree=True),
     Key("checkpoint.checkpoint_serialization", I, "DeepSpeed's torch.save format; shardwise writes safetensors"),
