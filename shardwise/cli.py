@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 SUBCOMMANDS = {
-    "train": ("shardwise.train_job", "train a model under a DeepSpeed-style config (the main job)"),
+    "train": ("shardwise.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),
     "estimate": ("shardwise.estimate", "memory and communication per ZeRO stage, and advice"),
     "consolidate": ("shardwise.checkpoint", "turn a sharded checkpoint into an HF model directory"),
     "generate": ("shardwise.generate_cli", "generate text from an HF model directory"),
