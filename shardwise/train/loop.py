@@ -20,18 +20,20 @@ from shardwise.train.data import TokenData
 
 
 class StopRequest:
-    """SIGTERM / SIGINT set a flag (the step in flight finishes); a second signal acts as usual."""
+    """SIGTERM / SIGINT set a flag: the step in flight finishes, then every rank saves and exits 0.
+
+    Later signals are absorbed too: after a Ctrl-C, torchrun sends its own SIGTERM to the workers,
+    which must not kill a checkpoint being written (torchrun sends SIGKILL after its grace period).
+    """
 
     def __init__(self) -> None:
         self.signal: int | None = None
-        self._old: dict[int, Any] = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
+            signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
-        self.signal = signum
-        for sig, old in self._old.items():  # the next one is not caught: a stuck run can still be killed
-            signal.signal(sig, old)
+        if self.signal is None:
+            self.signal = signum
 
     @property
     def requested(self) -> bool:
