@@ -20,11 +20,10 @@ MEMORY_KEYS = ["params", "grads", "master_params", "optimizer_states", "buffers"
 class MetricsLog:
     """Appends metrics lines (and TensorBoard scalars when tensorboard is installed)."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None):
+    def __init__(self, run_dir: Path, resume_step: int):
+        """``resume_step``: the step this launch starts at (0: a fresh run, the old file is dropped)."""
         self.path = run_dir / "metrics.jsonl"
-        if resume_step is None:
-            self.path.unlink(missing_ok=True)
-        elif self.path.is_file():
+        if self.path.is_file():
             keep = [ln for ln in self.path.read_text().splitlines()
                     if ln.strip() and json.loads(ln)["step"] <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in keep))
@@ -32,7 +31,7 @@ class MetricsLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step or None)
         except ImportError:  # tensorboard is optional
             pass
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -57,15 +59,33 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-def _run(args, shardwise) -> int:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    run_dir, stop = Path(args.out), loop.StopRequest()
-    ckpt_dir = run_dir / "checkpoints"
-    resuming = args.resume == "auto" and (ckpt_dir / "latest").is_file()
-    if args.resume == "none" and (ckpt_dir / "latest").is_file():
+@dataclass
+class Job:
+    """What the steps need: the engine, data, outputs, and the counters of this launch."""
+
+    args: Any
+    engine: Any
+    data: TokenData
+    tokenizer: Any
+    run_dir: Path
+    tokens_per_step: int
+    state: dict
+    metrics: MetricsLog | None = None
+    last_eval: tuple[int, float] | None = None
+    times: dict = field(default_factory=lambda: {"data": 0.0, "step": 0.0, "n": 0})
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def _setup(args, shardwise) -> Job:
+    """Model, data and engine for ``args``; refuses to start fresh over an existing run's checkpoints."""
+    run_dir = Path(args.out)
+    if args.resume == "none" and (run_dir / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--out {run_dir} already holds checkpoints; pass --resume auto to continue it, or "
                           "choose another --out")
-    if rank == 0:
+    if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run_config.json").write_text(json.dumps(resolved(args), indent=1) + "\n")
     src = resolve_model(args.model)
@@ -77,102 +97,129 @@ def _run(args, shardwise) -> int:
     engine, _, _, _ = shardwise.initialize(model=model, config=args.ds_config)
     cfg = engine.config
     global_batch = cfg.train_micro_batch_size_per_gpu * engine.gas * engine.dp_world
-    tokens_per_step = global_batch * args.seq
     _log(f"{args.model} ({src.kind}): {size / 1e6:.2f}M params, tokenizer {tokenizer.name}; data "
          f"{len(data.tokens):,} tokens = {data.n_train} train + {data.n_eval} eval sequences of {args.seq}; "
-         f"world {world} (tp {engine.tp.size} x dp {engine.dp_world}), ZeRO stage {engine.stage}, "
-         f"{cfg.precision}, {global_batch} sequences/step")
-    start = 0
-    if resuming:
-        _, client = engine.load_checkpoint(ckpt_dir)
-        start = int(client["step"])
-        if client.get("global_batch") != global_batch or client.get("seq") != args.seq:
-            _log(f"warning: the checkpoint was written with {client.get('global_batch')} sequences of "
-                 f"{client.get('seq')} per step, now {global_batch} of {args.seq}: the data order differs")
-        _log(f"resumed from {ckpt_dir}/global_step{start} (step {start} of {args.steps})")
-    metrics = MetricsLog(run_dir, start if resuming else None) if rank == 0 else None
+         f"world {dist.get_world_size()} (tp {engine.tp.size} x dp {engine.dp_world}), ZeRO stage "
+         f"{engine.stage}, {cfg.precision}, {global_batch} sequences/step")
     state = {"seq": args.seq, "seed": args.seed, "global_batch": global_batch}
-    last_eval, stopped, times = None, False, {"data": 0.0, "step": 0.0, "n": 0}
-    from tqdm import tqdm
+    return Job(args, engine, data, tokenizer, run_dir, global_batch * args.seq, state)
 
-    bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step", dynamic_ncols=True)
-    step = start
-    while step < args.steps:
-        t0 = time.perf_counter()
-        loss, stopped, data_s = loop.train_step(engine, data, step, stop)
-        step_s = time.perf_counter() - t0
-        step += 1
-        times["data"] += data_s
-        times["step"] += step_s
-        times["n"] += 1
-        if metrics is not None:
-            metrics.write({"kind": "train", "step": step, "loss": loss, "lr": engine.get_lr()[0],
-                           "grad_norm": engine.get_global_grad_norm(), "tokens": step * tokens_per_step,
-                           "tokens_per_s": tokens_per_step / step_s, "data_s": data_s, "step_s": step_s,
-                           "memory": engine.memory_report(), "comm_bytes": engine.comm_stats()})
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / step_s:,.0f}")
-            bar.update(1)
-        if data.n_eval and args.eval_every and step % args.eval_every == 0 and not stopped:
-            last_eval = _eval(engine, data, step, tokens_per_step, metrics, bar)
-        if stopped or step == args.steps or (args.save_every and step % args.save_every == 0):
-            loop.save(engine, ckpt_dir, step, {**state, "step": step}, args.keep)
-        if stopped:
-            break
-    bar.close()
+
+def _resume(job: Job) -> int:
+    """Load the latest checkpoint of the run folder (``--resume auto``); returns the step to start at."""
+    if job.args.resume != "auto" or not (job.ckpt_dir / "latest").is_file():
+        return 0
+    _, client = job.engine.load_checkpoint(job.ckpt_dir)
+    start = int(client["step"])
+    saved = (client.get("global_batch"), client.get("seq"))
+    if saved != (job.state["global_batch"], job.state["seq"]):
+        _log(f"warning: the checkpoint was written with {saved[0]} sequences of {saved[1]} per step, now "
+             f"{job.state['global_batch']} of {job.state['seq']}: the data order differs from the first run's")
+    _log(f"resumed from {job.ckpt_dir}/global_step{start} (step {start} of {job.args.steps})")
+    return start
+
+
+def _run(args, shardwise) -> int:
+    job = _setup(args, shardwise)
+    stop = loop.StopRequest()
+    start = _resume(job)
+    if dist.get_rank() == 0:
+        job.metrics = MetricsLog(job.run_dir, start)
+    step, stopped = _steps(job, start, stop)
     if stopped:
-        _log(f"stopped by signal at step {step}: checkpoint saved in {ckpt_dir}; continue with --resume auto")
-        if metrics is not None:
-            metrics.close()
+        _log(f"stopped by signal at step {step}: checkpoint saved in {job.ckpt_dir}; continue with --resume auto")
+        if job.metrics is not None:
+            job.metrics.close()
         return 0
     if start >= args.steps:
-        _log(f"{run_dir} is already at step {start} of --steps {args.steps}: only the final outputs are redone")
-    return _finish(args, engine, data, tokenizer, run_dir, step, tokens_per_step, metrics, last_eval, times)
+        _log(f"{job.run_dir} is already at step {start} of --steps {args.steps}: only the final outputs are redone")
+    return _finish(job, step)
 
 
-def _eval(engine, data, step, tokens_per_step, metrics, bar=None) -> tuple[int, float]:
-    loss = loop.evaluate(engine, data)
-    if metrics is not None:
-        metrics.write({"kind": "eval", "step": step, "tokens": step * tokens_per_step, "eval_loss": loss,
-                       "eval_ppl": perplexity(loss)})
-        msg = f"step {step}: eval loss {loss:.4f}, perplexity {perplexity(loss):.2f}"
-        (bar.write if bar is not None else print)(f"[shardwise train] {msg}")
-    return step, loss
+def _steps(job: Job, start: int, stop: loop.StopRequest) -> tuple[int, bool]:
+    """Train from ``start`` to --steps: metrics, evals, checkpoints; returns (last step, stopped)."""
+    from tqdm import tqdm
+
+    args, engine = job.args, job.engine
+    bar = tqdm(total=args.steps, initial=start, disable=dist.get_rank() != 0, unit="step", dynamic_ncols=True)
+    step, stopped = start, False
+    while step < args.steps and not stopped:
+        t0 = time.perf_counter()
+        loss, stopped, data_s = loop.train_step(engine, job.data, step, stop)
+        step_s = time.perf_counter() - t0
+        step += 1
+        for k, v in (("data", data_s), ("step", step_s), ("n", 1)):
+            job.times[k] += v
+        if job.metrics is not None:
+            job.metrics.write({"kind": "train", "step": step, "loss": loss, "lr": engine.get_lr()[0],
+                               "grad_norm": engine.get_global_grad_norm(), "tokens": step * job.tokens_per_step,
+                               "tokens_per_s": job.tokens_per_step / step_s, "data_s": data_s, "step_s": step_s,
+                               "memory": engine.memory_report(), "comm_bytes": engine.comm_stats()})
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{job.tokens_per_step / step_s:,.0f}")
+            bar.update(1)
+        if job.data.n_eval and args.eval_every and step % args.eval_every == 0:  # also when stopping:
+            _eval(job, step, bar)  # the resumed run starts after this step, so it would never redo it
+        if stopped or step == args.steps or (args.save_every and step % args.save_every == 0):
+            loop.save(engine, job.ckpt_dir, step, {**job.state, "step": step}, args.keep)
+    bar.close()
+    return step, stopped
 
 
-def _finish(args, engine, data, tokenizer, run_dir, step, tokens_per_step, metrics, last_eval, times) -> int:
-    """Final eval (unless this step was just evaluated), sample, hf/ export, plot, summary."""
-    if data.n_eval and (last_eval is None or last_eval[0] != step):
-        last_eval = _eval(engine, data, step, tokens_per_step, metrics)
-    if args.sample_tokens:
-        if args.prompt is not None:
-            prompt = tokenizer.encode(args.prompt)
+def _eval(job: Job, step: int, bar=None) -> None:
+    loss = loop.evaluate(job.engine, job.data)
+    job.last_eval = (step, loss)
+    if job.metrics is not None:
+        job.metrics.write({"kind": "eval", "step": step, "tokens": step * job.tokens_per_step, "eval_loss": loss,
+                           "eval_ppl": perplexity(loss)})
+        msg = f"[shardwise train] step {step}: eval loss {loss:.4f}, perplexity {perplexity(loss):.2f}"
+        if bar is not None:
+            bar.write(msg)
         else:
-            first = data.n_train if data.n_eval else 0
-            prompt = data.sequence(first)[:min(32, args.seq // 2)].tolist()
-        text = loop.sample(engine, tokenizer, prompt, args.sample_tokens, args.seed)
-        if dist.get_rank() == 0:
-            (run_dir / "sample.txt").write_text(text + "\n")
-            print(f"[shardwise train] sample ({args.sample_tokens} tokens after a {len(prompt)}-token prompt):\n"
-                  f"{text}\n", flush=True)
+            print(msg, flush=True)
+
+
+def _finish(job: Job, step: int) -> int:
+    """Final eval (unless this step was just evaluated), sample, hf/ export, plot, summary."""
+    args, engine = job.args, job.engine
+    if job.data.n_eval and (job.last_eval is None or job.last_eval[0] != step):
+        _eval(job, step)
+    if args.sample_tokens:
+        _sample(job)
     if not args.no_export:
-        engine.save_16bit_model(run_dir / "hf")
-        if dist.get_rank() == 0 and hasattr(tokenizer, "tok"):
-            tokenizer.tok.save_pretrained(str(run_dir / "hf"))
-        _log(f"model exported to {run_dir / 'hf'} (transformers from_pretrained loads it)")
+        engine.save_16bit_model(job.run_dir / "hf")
+        if dist.get_rank() == 0 and hasattr(job.tokenizer, "tok"):
+            job.tokenizer.tok.save_pretrained(str(job.run_dir / "hf"))
+        _log(f"model exported to {job.run_dir / 'hf'} (transformers from_pretrained loads it)")
     reports: list = [None] * dist.get_world_size()
     dist.all_gather_object(reports, engine.memory_report())
     if dist.get_rank() == 0:
-        metrics.close()
-        plot = plot_loss(run_dir)
-        if times["n"]:
-            print(f"[shardwise train] {times['n']} steps: {times['n'] * tokens_per_step / times['step']:,.0f} "
-                  f"tokens/s; data loading {1e3 * times['data'] / times['n']:.2f} ms of "
-                  f"{1e3 * times['step'] / times['n']:.1f} ms per step "
-                  f"({100 * times['data'] / times['step']:.2f}%)")
-        if last_eval is not None:
-            print(f"[shardwise train] final eval loss {last_eval[1]:.4f}, perplexity {perplexity(last_eval[1]):.2f}")
+        job.metrics.close()
+        plot = plot_loss(job.run_dir)
+        t = job.times
+        if t["n"]:
+            _log(f"{t['n']} steps: {t['n'] * job.tokens_per_step / t['step']:,.0f} tokens/s; data loading "
+                 f"{1e3 * t['data'] / t['n']:.2f} ms of {1e3 * t['step'] / t['n']:.1f} ms per step "
+                 f"({100 * t['data'] / t['step']:.2f}%)")
+        if job.last_eval is not None:
+            _log(f"final eval loss {job.last_eval[1]:.4f}, perplexity {perplexity(job.last_eval[1]):.2f}")
         if plot is not None:
-            print(f"[shardwise train] loss plot: {plot}")
+            _log(f"loss plot: {plot}")
         print("model-state memory per rank (tensor bytes):\n" + memory_table(reports))
         print("communication per rank (bytes):", json.dumps(engine.comm_stats()), flush=True)
     return 0
+
+
+def _sample(job: Job) -> None:
+    """Generate from --prompt (default: the start of the held-out text), within the model's positions."""
+    args, data = job.args, job.data
+    if args.prompt is not None:
+        prompt = job.tokenizer.encode(args.prompt)
+    else:
+        prompt = data.sequence(data.n_train if data.n_eval else 0)[:min(32, args.seq // 2)].tolist()
+    room = getattr(job.engine.module.config, "max_position_embeddings", None)
+    new_tokens = args.sample_tokens if room is None else max(1, min(args.sample_tokens, room - len(prompt)))
+    text = loop.sample(job.engine, job.tokenizer, prompt, new_tokens, args.seed)
+    if dist.get_rank() == 0:
+        (job.run_dir / "sample.txt").write_text(text + "\n")
+        print(f"[shardwise train] sample ({new_tokens} tokens after a {len(prompt)}-token prompt):\n{text}\n",
+              flush=True)
