@@ -2,9 +2,10 @@
 
 What is proven: a run stopped by SIGTERM at a random step and resumed with --resume auto gives the
 same per-step losses as an uninterrupted run (bit for bit at the same world, within the fp32
-equivalence tolerance at world 1); the exported hf/ folder loads in plain transformers and scores
-the run's last eval loss; an HF folder trains under zero.Init at stage 3 starting from its weights;
-each data format tokenizes to the expected stream; a bad JSONL line is named; the loss goes down.
+equivalence tolerance at world 1, and at another TP degree and stage); the exported hf/ folder
+loads in plain transformers and scores the run's last eval loss; an HF folder trains under
+zero.Init at stage 3 starting from its weights; each data format tokenizes to the expected
+stream; a bad JSONL line is named; the loss goes down.
 """
 
 from __future__ import annotations
@@ -112,6 +113,18 @@ def test_sigterm_then_resume_equals_uninterrupted(full_run: Path, tmp_path: Path
     assert same == want, f"resumed at step {saved} at the same world: losses differ"
     for key, v in want.items():
         assert math.isclose(w1[key], v, rel_tol=RTOL), (key, w1[key], v, saved)
+
+
+def test_resume_at_another_tp_degree_and_stage(full_run: Path, tmp_path: Path) -> None:
+    """Half the run at TP 2 x ZeRO-1 (dp 1, accumulation 4), the rest at dp 2 x ZeRO-2: same losses."""
+    out = tmp_path / "tp_then_dp"
+    tp = {**DS, "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}
+    _train(tmp_path, out, 2, "--steps", str(STEPS // 2), ds=tp)
+    _train(tmp_path, out, 2, "--resume", "auto")
+    want, got = _losses(full_run), _losses(out)
+    assert set(got) == set(want)
+    for key, v in want.items():
+        assert math.isclose(got[key], v, rel_tol=RTOL), (key, got[key], v)
 
 
 def test_outputs_of_a_run(full_run: Path) -> None:
