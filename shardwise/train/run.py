@@ -32,6 +32,8 @@ def _prepare_data(args, tokenizer, run_dir: Path) -> Path:
             box[0] = str(tokenize_to_cache(list_sources(args.data), tokenizer, run_dir / "data", args.text_key))
         except DataError as e:
             box[0] = DataError(str(e))
+        except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast: send it to them
+            box[0] = DataError(f"--data {args.data}: tokenizing failed: {type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]
