@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(VENV)/bin/shardwise launch --nproc $(NPROC) -- train --config examples/zero2_llama.json
+	$(VENV)/bin/shardwise launch --nproc $(NPROC) -- train --run-config examples/sonnets.toml --resume auto
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 SUBCOMMANDS = {
-    "train": ("shardwise.train_job", "train a model under a DeepSpeed-style config (the main job)"),
+    "train": ("shardwise.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),
     "estimate": ("shardwise.estimate", "memory and communication per ZeRO stage, and advice"),
     "consolidate": ("shardwise.checkpoint", "turn a sharded checkpoint into an HF model directory"),
     "generate": ("shardwise.generate_cli", "generate text from an HF model directory"),
@@ -58,7 +58,37 @@ def launch(argv: list[str]) -> int:
         cmd += target
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    return _run_forwarding_signals(cmd, env)
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun; on SIGTERM/SIGINT send SIGTERM to its workers, so they can save and exit 0.
+
+    torchrun runs in its own session (a terminal's Ctrl-C reaches only this process), and the
+    signal goes to the workers directly: torchrun itself would turn it into a failure exit.
+    """
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum: int, frame: object) -> None:  # noqa: ARG001
+        try:
+            tids = os.listdir(f"/proc/{proc.pid}/task")
+            kids = [int(c) for t in tids for c in open(f"/proc/{proc.pid}/task/{t}/children").read().split()]
+        except OSError:  # no /proc children list: let torchrun pass it on
+            kids = []
+        for pid in kids or [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,45 +1,33 @@
-"""`shardwise train`: the main job, a small Llama trained on shipped text under any config.
+"""Compatibility names for the benchmarks: the main job itself lives in :mod:`shardwise.train`.
 
-Builds the model from a config (no download), tokenizes bytes (no tokenizer
-download), shows a rank-0 progress bar with loss and tokens/s, and ends with a
-per-rank memory table from ``engine.memory_report()``.
+``build_model(preset, seq, seed)`` and ``ByteTextDataset`` keep the byte-level presets the
+benchmarks train (``benchmarks/bench_zero.py``), built exactly as before.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset
 
-REPO_DATA = Path(__file__).resolve().parent.parent / "data" / "sonnets.txt"
+from shardwise.train import main
+from shardwise.train.data import REPO_DATA
+from shardwise.train.model import MODEL_PRESETS, ModelSource
+from shardwise.train.model import build_model as _build
 
-MODEL_PRESETS = {
-    # ~3M parameters: about two minutes for 400 steps on 2 CPU ranks.
-    "llama-tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2),
-    # ~20M parameters: the benchmark model.
-    "llama-20m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
-                      num_key_value_heads=4),
-}
+__all__ = ["MODEL_PRESETS", "REPO_DATA", "ByteTextDataset", "build_model", "main"]
 
 
 class ByteTextDataset(Dataset):
-    """Fixed-length windows of a text's UTF-8 bytes (vocabulary 256)."""
+    """Fixed-length windows (stride seq/2) of a text's UTF-8 bytes (vocabulary 256)."""
 
     def __init__(self, path: Path, seq_len: int):
         data = torch.tensor(list(path.read_bytes()), dtype=torch.long)
-        n = (len(data) - 1) // seq_len
-        if n < 1:
+        if (len(data) - 1) // seq_len < 1:
             raise ValueError(f"{path} is shorter than one sequence of {seq_len} bytes (--seq)")
-        # overlapping windows at a stride of seq_len // 2 double the samples of a tiny text
         stride = max(1, seq_len // 2)
-        starts = range(0, len(data) - seq_len - 1, stride)
-        self.samples = [data[s:s + seq_len] for s in starts]
+        self.samples = [data[s:s + seq_len] for s in range(0, len(data) - seq_len - 1, stride)]
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -49,80 +37,7 @@ class ByteTextDataset(Dataset):
 
 
 def build_model(preset: str, seq_len: int, seed: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
+    """A byte-level preset Llama (the benchmarks' model), seeded."""
     if preset not in MODEL_PRESETS:
         raise ValueError(f"--model {preset!r} is unknown; choose one of {sorted(MODEL_PRESETS)}")
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, max_position_embeddings=max(seq_len, 256), tie_word_embeddings=False,
-                      **MODEL_PRESETS[preset])
-    return AutoModelForCausalLM.from_config(cfg)
-
-
-def memory_table(rows: list[dict[str, int]]) -> str:
-    keys = ["params", "grads", "master_params", "optimizer_states", "buffers", "total"]
-    head = f"{'rank':>4} " + " ".join(f"{k:>16}" for k in keys)
-    lines = [head, "-" * len(head)]
-    for r, rep in enumerate(rows):
-        lines.append(f"{r:>4} " + " ".join(f"{rep[k] / 2**20:>13.2f} MiB" for k in keys))
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="shardwise train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
-  shardwise launch --nproc 2 -- train --config examples/zero2_llama.json
-  shardwise launch --nproc 2 -- train --config examples/zero1_llama.json --steps 50 --model llama-20m""")
-    p.add_argument("--config", required=True, help="DeepSpeed-style JSON config")
-    p.add_argument("--model", default="llama-tiny", help=f"model preset: {', '.join(MODEL_PRESETS)}")
-    p.add_argument("--data", default=str(REPO_DATA), help="a UTF-8 text file (default: shipped sonnets)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length in bytes")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=1234)
-    args = p.parse_args(argv)
-
-    from tqdm import tqdm
-
-    import shardwise
-
-    shardwise.init_distributed()
-    rank = dist.get_rank()
-    model = build_model(args.model, args.seq, args.seed)
-    dataset = ByteTextDataset(Path(args.data), args.seq)
-    n_params = sum(p.numel() for p in model.parameters())  # before TP or ZeRO cut the model
-    engine, _, loader, _ = shardwise.initialize(model=model, config=args.config, training_data=dataset)
-    cfg = engine.config
-    if rank == 0:
-        print(f"[shardwise] {args.model}: {n_params / 1e6:.2f}M params, world {dist.get_world_size()} "
-              f"(tp {engine.tp.size} x dp {engine.dp_world}), "
-              f"ZeRO stage {engine.stage}, {cfg.precision}, micro batch {cfg.train_micro_batch_size_per_gpu}"
-              f" x accumulation {engine.gas} x dp {engine.dp_world} = {cfg.train_batch_size} sequences/step",
-              flush=True)
-    bar = tqdm(total=args.steps, disable=rank != 0, unit="step", dynamic_ncols=True)
-    tokens_per_step = cfg.train_batch_size * args.seq
-    epoch, t0, done = 0, time.perf_counter(), 0
-    while done < args.steps:
-        loader.sampler.set_epoch(epoch)
-        for batch in loader:
-            out = engine(**batch)
-            engine.backward(out.loss)
-            engine.step()
-            if engine.micro_steps % engine.gas == 0:  # an optimizer step just happened
-                done += 1
-                rate = done * tokens_per_step / (time.perf_counter() - t0)
-                bar.set_postfix(loss=f"{out.loss.item():.3f}", tok_s=f"{rate:,.0f}")
-                bar.update(1)
-                if done >= args.steps:
-                    break
-        epoch += 1
-    bar.close()
-    reports: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, engine.memory_report())
-    if rank == 0:
-        print(f"final loss {out.loss.item():.4f} after {done} steps, "
-              f"{done * tokens_per_step / (time.perf_counter() - t0):,.0f} tokens/s")
-        print("model-state memory per rank (tensor bytes):")
-        print(memory_table(reports))
-        print("communication per rank:", json.dumps(engine.comm_stats()))
-    dist.destroy_process_group()
-    return 0
+    return _build(ModelSource("preset", preset), 256, seq_len, seed, stage=0)

@@ -349,7 +349,9 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
     if st.scaler is not None:
         engine.loss_scaler.load_state_dict(st.scaler)
     c = meta["counters"]
-    engine.global_steps, engine.micro_steps = c["global_steps"], c["micro_steps"]
+    # Partial accumulations are not saved, so the loaded engine starts at a boundary of its own
+    # accumulation count (the saved micro_steps count another layout's gas when the world changed).
+    engine.global_steps, engine.micro_steps = c["global_steps"], c["global_steps"] * engine.gas
     engine.skipped_steps = c["skipped_steps"]
     if st.rng is not None:
         st.rng()

@@ -1,0 +1,119 @@
+"""The pieces of the training loop that touch the engine: one step, eval, stop requests, checkpoints.
+
+Every rank runs the same calls in the same order (stage 3 and TP forwards are collective), and the
+ranks agree on stopping through the one all-reduce per step that also averages the loss.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.train.data import TokenData
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag: the step in flight finishes, then every rank saves and exits 0.
+
+    Later signals are absorbed too: after a Ctrl-C, torchrun sends its own SIGTERM to the workers,
+    which must not kill a checkpoint being written (torchrun sends SIGKILL after its grace period).
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        if self.signal is None:
+            self.signal = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+
+def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> tuple[float, bool, float]:
+    """One optimizer step (all micro-batches); returns (global mean loss, stop agreed, data seconds).
+
+    The loss is averaged over every micro-batch of every data-parallel rank (the same value at any
+    layout), in the same all-reduce that tells every rank whether any of them was asked to stop.
+    """
+    cfg = engine.config
+    t0 = time.perf_counter()
+    micro = data.micro_batches(step, cfg.train_micro_batch_size_per_gpu, engine.gas, engine.comm.rank,
+                               engine.dp_world)
+    data_s = time.perf_counter() - t0
+    total = 0.0
+    for mb in micro:
+        mb = mb.to(engine.device)
+        out = engine(input_ids=mb, labels=mb)
+        engine.backward(out.loss)
+        engine.step()
+        total += float(out.loss.detach())
+    flags = torch.tensor([total / engine.gas, float(stop.requested)], dtype=torch.float64,
+                         device=engine.device)
+    dist.all_reduce(flags)  # world sum: TP ranks repeat their data-parallel rank's loss, so / world
+    return float(flags[0]) / dist.get_world_size(), bool(flags[1] > 0), data_s
+
+
+@torch.no_grad()
+def evaluate(engine, data: TokenData) -> float:
+    """Mean next-token loss over every held-out sequence (token-weighted, all ranks agree).
+
+    Data-parallel ranks take turns over the eval batches; a rank without a batch in the last round
+    runs a forward anyway (discarded), because stage-3 and TP forwards are collective.
+    """
+    batches = data.eval_batches(engine.config.train_micro_batch_size_per_gpu)
+    dp, rank = engine.dp_world, engine.comm.rank
+    sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    engine.module.eval()
+    try:
+        for r in range(-(-len(batches) // dp)):
+            i = r * dp + rank
+            mb = batches[i if i < len(batches) else 0].to(engine.device)
+            loss = engine(input_ids=mb, labels=mb).loss
+            if i < len(batches):
+                n = mb.shape[0] * (mb.shape[1] - 1)  # HF shifts labels: seq-1 predictions per row
+                sums += torch.tensor([float(loss) * n, n], dtype=torch.float64, device=engine.device)
+    finally:
+        engine.module.train()
+    dist.all_reduce(sums)  # TP ranks add their (equal) sums to numerator and denominator alike
+    return float(sums[0] / sums[1])
+
+
+@torch.no_grad()
+def sample(engine, tokenizer, prompt_ids: list[int], max_new_tokens: int, seed: int) -> str:
+    """Text from the trained model (same seed on every rank, so TP / stage-3 ranks stay in step)."""
+    torch.manual_seed(seed)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=engine.device)
+    engine.module.eval()
+    try:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        out = engine.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=True, top_k=40, temperature=0.8, pad_token_id=pad)
+    finally:
+        engine.module.train()
+    return tokenizer.decode(out[0].tolist())
+
+
+def _step_of(tag: Path) -> int:
+    m = re.fullmatch(r"global_step(\d+)", tag.name)
+    return int(m.group(1)) if m else -1
+
+
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int) -> str:
+    """Checkpoint ``global_step{step}`` (collective); rank 0 then deletes all but the newest ``keep``."""
+    path = engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state=client_state)
+    if dist.get_rank() == 0 and keep > 0:
+        tags = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and _step_of(p) >= 0), key=_step_of)
+        for old in tags[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return path

@@ -1,0 +1,131 @@
+"""Options of `shardwise train`: flags, the run config file, validation, and the resolved config.
+
+Every option is a flag and also a key of a run config file (``--run-config run.toml`` or ``.json``;
+keys are the flag names with ``_`` or ``-``); flags given on the command line override the file.
+The DeepSpeed config (``--config``, or a ``config`` table/object inside the run config) is read
+here once, ``"auto"`` scheduler step counts are filled from ``--steps`` (as the HF Trainer does),
+and the whole resolved set is written to ``RUN_DIR/run_config.json``: a run is reproducible with
+``shardwise train --run-config RUN_DIR/run_config.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from shardwise.train.data import REPO_DATA
+from shardwise.train.model import MODEL_PRESETS
+
+EPILOG = """examples:
+  shardwise launch --nproc 2 -- train --config examples/zero2_llama.json --out runs/sonnets
+  shardwise launch --nproc 2 -- train --config ds.json --model ./my_hf_model --data corpus.jsonl \\
+      --out runs/mine --steps 2000 --save-every 200 --eval-every 100 --resume auto
+  shardwise launch --nproc 4 -- train --run-config runs/mine/run_config.json --resume auto
+SIGTERM or Ctrl-C finishes the current step, saves a checkpoint and exits 0; --resume auto continues
+from it (also at another world size, ZeRO stage or TP degree) at the same data position."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardwise train", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Train any causal LM on local text under a DeepSpeed-style "
+                                            "config: checkpoints, resume, eval, metrics, plot, HF export.")
+    a = p.add_argument
+    a("--run-config", help="TOML or JSON file with any of these options (flags override it)")
+    a("--config", help="DeepSpeed-style JSON config (batch sizes, optimizer, ZeRO stage, TP)")
+    a("--model", default="llama-tiny",
+      help=f"a preset ({', '.join(MODEL_PRESETS)}), a local HF folder, or a config.json (from scratch)")
+    a("--data", default=str(REPO_DATA), help="a text file, a folder of text files, or JSONL with a text field")
+    a("--text-key", default="text", help="the JSONL field holding the text (default: text)")
+    a("--out", default="runs/default", help="run folder: metrics, checkpoints, plot, hf/ export")
+    a("--steps", type=int, default=400, help="optimizer steps in total (a resumed run counts from 0)")
+    a("--seq", type=int, default=128, help="tokens per sequence")
+    a("--seed", type=int, default=1234, help="model init and data order")
+    a("--eval-fraction", type=float, default=0.1, help="share of the sequences held out for eval (0: none)")
+    a("--eval-every", type=int, default=100, help="eval every N steps and at the end (0: only at the end)")
+    a("--save-every", type=int, default=100, help="checkpoint every N steps and at the end (0: only at the end)")
+    a("--keep", type=int, default=2, help="checkpoints to keep (oldest deleted; 0 keeps all)")
+    a("--resume", default="none", help="'auto': continue from the latest checkpoint in --out; 'none': start "
+                                       "fresh (refused when --out has checkpoints)")
+    a("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: no sample)")
+    a("--prompt", default=None, help="prompt for the sample (default: the start of the held-out text)")
+    a("--no-export", action="store_true", help="skip the hf/ export at the end")
+    return p
+
+
+def _file_values(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    f = Path(path)
+    if not f.is_file():
+        parser.error(f"--run-config {path}: no such file")
+    try:
+        raw = tomllib.loads(f.read_text()) if f.suffix == ".toml" else json.loads(f.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        parser.error(f"--run-config {path}: cannot parse ({e})")
+    if not isinstance(raw, dict):
+        parser.error(f"--run-config {path}: the top level must be a table/object of options")
+    known = {act.dest for act in parser._actions if act.dest not in ("help", "run_config")}
+    out = {}
+    for key, value in raw.items():
+        dest = key.replace("-", "_")
+        if dest not in known:
+            close = difflib.get_close_matches(dest, known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            parser.error(f"--run-config {path}: unknown option '{key}'{hint}")
+        out[dest] = value
+    return out
+
+
+def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    for name in ("steps", "seq"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name} must be > 0, got {getattr(args, name)}")
+    for name in ("eval_every", "save_every", "keep", "sample_tokens"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not 0 <= args.eval_fraction < 1:
+        p.error(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if args.resume not in ("auto", "none"):
+        p.error(f"--resume must be 'auto' or 'none', got {args.resume!r}")
+    if args.config is None:
+        p.error("--config is required (a DeepSpeed JSON file, or a 'config' entry in --run-config)")
+
+
+def read_ds_config(config: str | dict, steps: int, p: argparse.ArgumentParser) -> dict:
+    """The DeepSpeed config as a dict, with ``"auto"`` scheduler step counts set to ``steps``."""
+    if isinstance(config, dict):
+        ds = json.loads(json.dumps(config))
+    else:
+        f = Path(config)
+        if not f.is_file():
+            p.error(f"--config {config}: no such file")
+        try:
+            ds = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            p.error(f"--config {config}: not valid JSON ({e.msg} at line {e.lineno})")
+    params = (ds.get("scheduler") or {}).get("params") or {}
+    if params.get("total_num_steps") == "auto":
+        params["total_num_steps"] = steps
+    return ds
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Flags over the run config file over the defaults; ``args.ds_config`` is the config dict."""
+    p = build_parser()
+    first, _ = p.parse_known_args(argv)
+    if first.run_config:
+        p.set_defaults(**_file_values(first.run_config, p))
+    args = p.parse_args(argv)
+    _validate(args, p)
+    args.ds_config = read_ds_config(args.config, args.steps, p)
+    return args
+
+
+def resolved(args: argparse.Namespace) -> dict[str, Any]:
+    """What run_config.json records: every option, with the DeepSpeed config inline."""
+    out = {k: v for k, v in vars(args).items() if k not in ("run_config", "ds_config", "config")}
+    out["config"] = args.ds_config
+    return out
