@@ -131,18 +131,24 @@ def test_sonnets_loss_and_bytes(pool2):
     assert last(quant) == pytest.approx(last(exact), rel=0.01)
 
 
-@pytest.mark.parametrize("stage, bits", [(1, 8), (2, 4)])
-def test_quantized_gradients_at_stages_1_and_2(pool2, stage, bits):
-    """qgZ alone: the reduce-scatter shrinks by the wire ratio, the parameter all-gather stays exact."""
-    qg = {"zero_quantized_gradients": True}
-    exact = pool2.run("zero_cases:train_ranks", "llama", make_config(stage))
-    cfg = make_config(stage, **qg)
+@pytest.mark.parametrize("stage, bits, precision", [(1, 8, "fp32"), (2, 4, "fp32"), (3, 8, "bf16")])
+def test_quantized_collectives_by_stage(pool2, stage, bits, precision):
+    """qgZ (and qwZ at stage 3): the quantized collectives shrink by the wire ratio, nothing else changes."""
+    zero = {"zero_quantized_gradients": True}
+    if stage == 3:
+        zero.update(zero_quantized_weights=True, stage3_param_persistence_threshold=0)
+    exact = pool2.run("zero_cases:train_ranks", "llama", make_config(stage, precision=precision, **{
+        k: v for k, v in zero.items() if not k.startswith("zero_quantized")}))
+    cfg = make_config(stage, precision=precision, **zero)
     cfg["shardwise"] = {"quantized_gradient_bits": bits}
     quant = pool2.run("zero_cases:train_ranks", "llama", cfg)
     e, q = exact[0]["comm"], quant[0]["comm"]
-    assert q["reduce_scatter"] / e["reduce_scatter"] == pytest.approx(wire_ratio(bits, 4), rel=0.02)
-    assert q["all_gather"] == e["all_gather"]
-    assert quant[0]["losses"][0] == exact[0]["losses"][0]  # same start; then within quantization noise
+    el = 2 if precision == "bf16" else 4
+    assert q["reduce_scatter"] / e["reduce_scatter"] == pytest.approx(wire_ratio(bits, el), rel=0.02)
+    if stage == 3:
+        assert q["all_gather"] / e["all_gather"] == pytest.approx(wire_ratio(8, el), rel=0.02)
+    else:
+        assert q["all_gather"] == e["all_gather"]  # stages 1-2: the updated shards are gathered exactly
     assert quant[0]["losses"][-1] == pytest.approx(exact[0]["losses"][-1], rel=0.01)
 
 
@@ -157,3 +163,8 @@ def test_hybrid_quantizes_only_inside_the_shard_group(pool4):
         assert q[kind] / e[kind] == pytest.approx(wire_ratio(8, 4), rel=0.02)
     assert q["all_reduce_across_groups"] == e["all_reduce_across_groups"] > 0
     assert quant[0]["losses"][-1] == pytest.approx(exact[0]["losses"][-1], rel=0.01)
+
+
+def test_gathered_parameters_are_exact_under_qwz(pool2):
+    for r in pool2.run("zeropp_cases:gathered_parameters_are_exact"):
+        assert r["groups"] > 0 and r["exact"] and r["quantized"]

@@ -74,3 +74,28 @@ def train_sonnets(config: dict, steps: int, seq: int = 32, seed: int = 0) -> dic
         engine.step()
         losses.append(float(loss.detach()))
     return {"losses": losses, "comm": engine.comm_stats(), "block": BLOCK}
+
+
+def gathered_parameters_are_exact() -> dict:
+    """qwZ at stage 3: GatheredParameters shows the true weights, the forward gather dequantized ones."""
+    from tiny_models import build
+    from zero_cases import make_config
+
+    from shardwise.zero import GatheredParameters
+
+    engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(
+        3, zero_quantized_weights=True, stage3_param_persistence_threshold=0))
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    groups = [g for gs in engine.unit_groups for g in gs]
+    exact, quantized = True, True
+    for g in groups:
+        with GatheredParameters(g.params):
+            own = g.flat_param.narrow(0, g.own_start, g.own_numel)
+            exact &= torch.equal(own, g.param_shard) and torch.equal(g.param_shard, g.master)
+        g.gather()  # as the forward does
+        own = g.flat_param.narrow(0, g.own_start, g.own_numel)
+        quantized &= not torch.equal(own, g.param_shard)
+        g.release()
+    return {"exact": exact, "quantized": quantized, "groups": len(groups)}

@@ -222,8 +222,12 @@ class ShardedGroup:
     def is_gathered(self) -> bool:
         return self._gathered
 
-    def gather(self, async_op: bool = False) -> None:
-        """Make the full parameters available (all-gather into the flat buffer)."""
+    def gather(self, async_op: bool = False, exact: bool = False) -> None:
+        """Make the full parameters available (all-gather into the flat buffer).
+
+        With ``weight_bits`` (qwZ) the gathered copy is dequantized, unless ``exact``
+        (GatheredParameters: what users read or edit are the true weights).
+        """
         if self._gathered:
             if not async_op:
                 self.wait_gathered()
@@ -234,7 +238,7 @@ class ShardedGroup:
         if self._reread is not None and async_op and self.comm.size == 1:
             # a file read needs a thread to overlap compute (gloo collectives are async already)
             self._gather_work = _ReadWork(_read_pool().submit(self._read_shard, self._reread, owned))
-        elif self.weight_bits:  # qwZ: param_shard (and the master) stay exact, flat_param is dequantized
+        elif self.weight_bits and not exact:  # qwZ: param_shard (and the master) stay exact, flat_param is dequantized
             self._gather_work = quantized_all_gather(self.comm, self.param_shard, self.flat_param,
                                                      self.weight_bits, async_op=async_op)
         else:
