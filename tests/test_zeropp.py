@@ -168,3 +168,14 @@ def test_hybrid_quantizes_only_inside_the_shard_group(pool4):
 def test_gathered_parameters_are_exact_under_qwz(pool2):
     for r in pool2.run("zeropp_cases:gathered_parameters_are_exact"):
         assert r["groups"] > 0 and r["exact"] and r["quantized"]
+
+
+def test_fp16_overflow_is_still_skipped(pool2):
+    """An inf in a quantized gradient block arrives as NaN: the loss scaler skips exactly as without qgZ."""
+    skipped = []
+    for zero in ({}, {"zero_quantized_gradients": True, "zero_quantized_weights": True}):
+        cfg = make_config(3, precision="fp16", stage3_param_persistence_threshold=0, **zero)
+        cfg["fp16"]["initial_scale_power"] = 40  # the first steps overflow fp16 gradients
+        res = pool2.run("zero_cases:train_ranks", "llama", cfg, steps=3)
+        skipped.append(res[0]["skipped"])
+    assert skipped[0] > 0 and skipped[1] == skipped[0]
