@@ -21,8 +21,10 @@ def per_element(scale: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def bound(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """|x - q·s| <= s/2 in exact arithmetic; plus the fp32 rounding of x/s and of q·s (one ulp of |x| each)."""
-    return per_element(scale, x.shape[-1]) / 2 + 2 * EPS32 * x.abs()
+    """|x - q·s| <= s/2 in exact arithmetic; plus fp32 rounding: of x/s and of q·s (half an ulp of |x| each),
+    of s itself (a clamp at qmax: at most an ulp of |x|) and of the half step (an ulp of s)."""
+    s = per_element(scale, x.shape[-1])
+    return s / 2 + EPS32 * s + 2 * EPS32 * x.abs()
 
 
 # -- kernels ---------------------------------------------------------------------------------------
