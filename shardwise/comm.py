@@ -258,6 +258,20 @@ class Comm:
         if len(free) < 4:  # bounded: at most a few rings are ever in flight
             free.append(buf)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str = "all_to_all",
+                   async_op: bool = False) -> Work | None:
+        """Chunk i (along dim 0) of ``inp`` goes to rank i; chunk j of ``out`` comes from rank j.
+
+        Counted under ``kind`` as the bytes of ``inp`` (the quantized reduce-scatter of
+        ``zero/quantized_comm.py`` is one all-to-all and reports as a reduce-scatter).
+        """
+        if self.size == 1:
+            out.copy_(inp)
+            return Work(None, self, kind) if async_op else None
+        self.stats.add(kind + self.scope, inp.numel() * inp.element_size())
+        h = self._guard(kind, dist.all_to_all_single, out, inp, group=self.group, async_op=async_op)
+        return Work(h, self, kind) if async_op else None
+
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 

@@ -237,6 +237,12 @@ def _check_supported(cfg: ShardwiseConfig, supported: SupportedFeatures) -> None
                 f"{path}: {what} ({path} = {value!r}) is not enabled in this load_config call; pass "
                 f"supported=SupportedFeatures({flag}=True) (shardwise.initialize does)"
                 for flag, used, what, path, value in uses if used and (flag is None or not getattr(supported, flag))]
+    if z.zero_quantized_weights and z.stage != 3:  # ZeRO++ qwZ quantizes the stage-3 parameter gather
+        problems.append(f"{zo}zero_quantized_weights: quantized weights need {zo}stage 3 (stage is {z.stage}: "
+                        "parameters are not gathered); set stage 3 or remove the key")
+    if z.zero_quantized_gradients and z.stage == 0:  # qgZ quantizes the gradient reduce-scatter
+        problems.append(f"{zo}zero_quantized_gradients: quantized gradients need {zo}stage 1, 2 or 3 (stage 0 "
+                        "all-reduces gradients); raise the stage or remove the key")
     if problems:
         raise ConfigError("; ".join(dict.fromkeys(problems)))
 

@@ -151,9 +151,11 @@ KEYS: tuple[Key, ...] = (
     Key(OP + "device", H, "none or cpu (nvme refused)"),
     Key(OP + "pin_memory", H, "pinned host buffers"),
     Key(Z + "offload_param", H, "section"),
-    Key(Z + "zero_quantized_weights", R, "ZeRO++ quantized weights", default(False)),
+    Key(Z + "zero_quantized_weights", H, "ZeRO++ qwZ: stage-3 parameter all-gather in block-wise int8 "
+        "(stage 3 only; the shard and the fp32 master stay exact)"),
     Key(Z + "zero_quantized_nontrainable_weights", R, "ZeRO++ quantized frozen weights", default(False)),
-    Key(Z + "zero_quantized_gradients", R, "ZeRO++ quantized gradients", default(False)),
+    Key(Z + "zero_quantized_gradients", H, "ZeRO++ qgZ: gradient reduce-scatter in block-wise int8 (or int4: "
+        "`shardwise.quantized_gradient_bits`) as one all-to-all, summed in fp32 (stages 1-3)"),
     Key(Z + "zero_hpz_partition_size", R, "ZeRO++ hierarchical partitioning", default(0, 1)),
     Key(Z + "zeropp_loco_param", R, "ZeRO++ LoCo error feedback", default()),
     Key(Z + "mics_shard_size", H, "hybrid sharding: ZeRO shards within groups of k ranks, replicas across "
@@ -243,6 +245,8 @@ KEYS: tuple[Key, ...] = (
     Key("shardwise", H, "section: shardwise-only settings"),
     Key("shardwise.timeout_s", H, "collective timeout in seconds (init_distributed(timeout=); "
         "overrides SHARDWISE_TIMEOUT)"),
+    Key("shardwise.quantized_gradient_bits", H, "8 (default) or 4: integer width of "
+        "`zero_optimization.zero_quantized_gradients`"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

@@ -160,6 +160,8 @@ class ShardwiseSection(_Section):
 
     # collective timeout (init_distributed(timeout=)); None: SHARDWISE_TIMEOUT, else 600 s
     timeout_s: Annotated[float | None, BeforeValidator(check_timeout)] = None
+    # integer width of zero_optimization.zero_quantized_gradients (ZeRO++ qgZ): int8 or int4
+    quantized_gradient_bits: Literal[8, 4] = 8
 
 
 class ShardwiseConfig(_Section):

@@ -171,6 +171,8 @@ class Engine(EngineAccessors, nn.Module):
             overlap_comm=bool(zero.overlap_comm),
             param_offload_device=torch.device("cpu") if self.offload_param else None,
             replicate=self.replica,
+            weight_bits=8 if zero.zero_quantized_weights else 0,  # ZeRO++ qwZ / qgZ: zero/quantized_comm.py
+            grad_bits=config.shardwise.quantized_gradient_bits if zero.zero_quantized_gradients else 0,
         )
         self.groups: list[ShardedGroup] = [g for gs in self.groups_by_pg for g in gs]
         for c in (self.comm, self.replica):  # shard group 0 takes rank 0's weights, then every replica

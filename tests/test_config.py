@@ -311,8 +311,8 @@ def test_unsupported_features_are_named_and_flags_enable_them(config, path, flag
 
 
 @pytest.mark.parametrize("config, path", [
-    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
-     "zero_optimization.zero_quantized_gradients"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
+     "zero_optimization.zero_quantized_nontrainable_weights"),
     ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),
 ])
 def test_zeropp_is_refused(config, path):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, Work
+from shardwise.zero.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
 
 class _ReadWork:
@@ -112,6 +113,8 @@ class ShardedGroup:
         reread_shard: bool = False,
         inflight: InflightLimit | None = None,
         replicate: Comm | None = None,
+        weight_bits: int = 0,
+        grad_bits: int = 0,
     ):
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
@@ -121,6 +124,10 @@ class ShardedGroup:
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.overlap_comm = overlap_comm
         self.inflight = inflight
+        # ZeRO++ (zero/quantized_comm.py): bits of the stage-3 parameter all-gather (qwZ) and of the
+        # gradient reduce-scatter (qgZ); 0 = exact. Nothing is quantized on a group of one rank.
+        self.weight_bits = weight_bits if comm.size > 1 and policy.shard_params and not reread_shard else 0
+        self.grad_bits = grad_bits if comm.size > 1 and policy.shard_optimizer else 0
         self._filled: list[bool] = []
         self.trainable = trainable
         self.dtype = params[0].dtype
@@ -215,8 +222,12 @@ class ShardedGroup:
     def is_gathered(self) -> bool:
         return self._gathered
 
-    def gather(self, async_op: bool = False) -> None:
-        """Make the full parameters available (all-gather into the flat buffer)."""
+    def gather(self, async_op: bool = False, exact: bool = False) -> None:
+        """Make the full parameters available (all-gather into the flat buffer).
+
+        With ``weight_bits`` (qwZ) the gathered copy is dequantized, unless ``exact``
+        (GatheredParameters: what users read or edit are the true weights).
+        """
         if self._gathered:
             if not async_op:
                 self.wait_gathered()
@@ -227,6 +238,9 @@ class ShardedGroup:
         if self._reread is not None and async_op and self.comm.size == 1:
             # a file read needs a thread to overlap compute (gloo collectives are async already)
             self._gather_work = _ReadWork(_read_pool().submit(self._read_shard, self._reread, owned))
+        elif self.weight_bits and not exact:  # qwZ: param_shard (and the master) stay exact, flat_param is dequantized
+            self._gather_work = quantized_all_gather(self.comm, self.param_shard, self.flat_param,
+                                                     self.weight_bits, async_op=async_op)
         else:
             if self._reread is not None:
                 self._read_shard(self._reread, owned)
@@ -341,13 +355,12 @@ class ShardedGroup:
             w = self.comm.all_reduce(self.flat_grad, async_op=self.overlap_comm)
         elif not self.policy.shard_grads:
             owned = self.flat_grad.narrow(0, self.own_start, self.own_numel)
-            w = self.comm.reduce_scatter(self.flat_grad, owned, async_op=self.overlap_comm)
+            w = self._reduce_scatter(self.flat_grad, owned)
         else:
             if self.shard_grad is None:
                 self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             self._zero_unfilled()
-            w = self.comm.reduce_scatter(self.flat_grad, self.shard_grad, async_op=self.overlap_comm,
-                                         accumulate=True)
+            w = self._reduce_scatter(self.flat_grad, self.shard_grad, accumulate=True)
 
             self._bucket_in_flight = self.flat_grad if w is not None else None
             self.flat_grad = None  # the bucket lives only until its reduce-scatter is done
@@ -356,6 +369,13 @@ class ShardedGroup:
             self._pending.append(w)
             if self.inflight is not None:  # bound the buckets (and ring buffers) held by pending work
                 self.inflight.admit(self)
+
+    def _reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> Work | None:
+        """The gradient reduce-scatter: exact, or block-quantized (qgZ) with ``grad_bits``."""
+        if self.grad_bits:
+            return quantized_reduce_scatter(self.comm, full, out, self.grad_bits, async_op=self.overlap_comm,
+                                            accumulate=accumulate)
+        return self.comm.reduce_scatter(full, out, async_op=self.overlap_comm, accumulate=accumulate)
 
     def _zero_unfilled(self) -> None:
         """A stage >= 2 bucket starts uninitialized: zero the padding and params without a grad."""

@@ -48,7 +48,7 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         self._was_gathered = [g.is_gathered for g in self.groups]
         for g in self.groups:
-            g.gather()  # also finishes a pending stage 1-2 all-gather
+            g.gather(exact=True)  # also finishes a pending stage 1-2 all-gather; never quantized (qwZ)
         if self.deferred:
             materialize_for_gather(self.deferred, Comm())
         return self
