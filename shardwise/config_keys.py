@@ -156,7 +156,8 @@ KEYS: tuple[Key, ...] = (
     Key(Z + "zero_quantized_nontrainable_weights", R, "ZeRO++ quantized frozen weights", default(False)),
     Key(Z + "zero_quantized_gradients", H, "ZeRO++ qgZ: gradient reduce-scatter in block-wise int8 (or int4: "
         "`shardwise.quantized_gradient_bits`) as one all-to-all, summed in fp32 (stages 1-3)"),
-    Key(Z + "zero_hpz_partition_size", R, "ZeRO++ hierarchical partitioning", default(0, 1)),
+    Key(Z + "zero_hpz_partition_size", H, "ZeRO++ hpZ at stage 3: a secondary copy of the parameters sharded "
+        "over k ranks (a node) serves the backward gathers"),
     Key(Z + "zeropp_loco_param", R, "ZeRO++ LoCo error feedback", default()),
     Key(Z + "mics_shard_size", H, "hybrid sharding: ZeRO shards within groups of k ranks, replicas across "
         "them all-reduce the gradient shard (stages 1-3)"),

@@ -80,9 +80,10 @@ class Engine(EngineAccessors, nn.Module):
 
     def __init__(self, model: nn.Module, config, model_parameters=None, optimizer=None,
                  lr_scheduler=None, comm: Comm | None = None, tp: Comm | None = None,
-                 replicate: Comm | None = None, model_is_tp: bool = False):
+                 replicate: Comm | None = None, model_is_tp: bool = False, secondary: Comm | None = None):
         """``comm`` is the group ZeRO shards over; ``tp`` the tensor-parallel one; ``replicate`` the
-        ranks holding the same shard in other shard groups (hybrid sharding, see mesh.py).
+        ranks holding the same shard in other shard groups (hybrid sharding, see mesh.py);
+        ``secondary`` the ranks of a node for ZeRO++ hpZ's backward gathers.
 
         ``model_is_tp``: the script already split the model over ``tp`` (DeepSpeed's ``mpu``), so
         no TP plan is applied."""
@@ -94,6 +95,9 @@ class Engine(EngineAccessors, nn.Module):
         if self.replica.size > 1 and config.zero_stage == 0:
             raise ValueError("hybrid sharding (zero_optimization.mics_shard_size) needs zero_optimization.stage "
                              ">= 1: stage 0 shards nothing")
+        if secondary is not None and secondary.size > 1 and (config.zero_stage != 3 or self.replica.size > 1):
+            raise ValueError("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ) needs "
+                             "zero_optimization.stage 3 and no mics_shard_size")
         self.dp_world = self.comm.size * self.replica.size
         self.dp_rank = self.replica.rank * self.comm.size + self.comm.rank
         self.stage = config.zero_stage
@@ -171,6 +175,7 @@ class Engine(EngineAccessors, nn.Module):
             overlap_comm=bool(zero.overlap_comm),
             param_offload_device=torch.device("cpu") if self.offload_param else None,
             replicate=self.replica,
+            secondary=secondary,
             weight_bits=8 if zero.zero_quantized_weights else 0,  # ZeRO++ qwZ / qgZ: zero/quantized_comm.py
             grad_bits=config.shardwise.quantized_gradient_bits if zero.zero_quantized_gradients else 0,
         )
@@ -476,6 +481,8 @@ class Engine(EngineAccessors, nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """Load a checkpoint saved at any world size / stage; returns ``(path, client_state)``."""
+        for g in self.groups + [g for gs in self.unit_groups for g in gs]:
+            g.drop_secondary()  # hpZ: the loaded parameters replace what the secondary shards hold
         from shardwise.checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,

@@ -131,10 +131,11 @@ def initialize(
         mesh = mesh_from_mpu(mpu, model, cfg.tp_size)
     else:
         shard = cfg.zero_optimization.mics_shard_size
-        mesh = get_mesh(cfg.tp_size, shard if shard > 0 else None)
+        hpz = cfg.zero_optimization.zero_hpz_partition_size
+        mesh = get_mesh(cfg.tp_size, shard if shard > 0 else None, secondary_size=hpz)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate,
-                    model_is_tp=mpu is not None)
+                    model_is_tp=mpu is not None, secondary=mesh.secondary)
     engine.mpu = mpu
     atexit.register(_finish_pending, weakref.ref(engine))
     loader = None

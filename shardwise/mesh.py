@@ -19,7 +19,7 @@ import torch.distributed as dist
 from shardwise.comm import Comm, CommStats
 
 # (tp, k) -> (shard group, tp group, replica group, full data-parallel group); made once each
-_GROUPS: dict[tuple[int, int], tuple] = {}
+_GROUPS: dict[tuple, tuple] = {}
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Mesh:
     replicate: Comm  # ranks holding the same shard (hybrid sharding); solo without it
     dp_full: Comm  # every data-parallel rank (the shard group times its replicas)
     stats: CommStats
+    secondary: Comm | None = None  # ZeRO++ hpZ: k consecutive data-parallel ranks (a node)
 
 
 def _world() -> tuple[int, int]:
@@ -37,14 +38,14 @@ def _world() -> tuple[int, int]:
     return dist.get_world_size(), dist.get_rank()
 
 
-def _check(world: int, tp: int, shard: int) -> None:
+def _check(world: int, tp: int, shard: int, key: str = "zero_optimization.mics_shard_size") -> None:
     if tp < 1 or world % tp:
         raise ValueError(f"tensor parallel size {tp} must divide the world size {world} "
                          "(tensor_parallel.autotp_size)")
     dp = world // tp
     if shard < 1 or dp % shard:
         raise ValueError(f"shard group size {shard} must divide the data-parallel degree {dp} "
-                         f"(world {world} / tensor parallel {tp}) (zero_optimization.mics_shard_size)")
+                         f"(world {world} / tensor parallel {tp}) ({key})")
 
 
 def _groups_of(world: int, size: int, stride: int) -> list[list[int]]:
@@ -71,8 +72,10 @@ def _make(world: int, rank: int, size: int, stride: int):
     return mine
 
 
-def get_mesh(tp_size: int = 1, shard_size: int | None = None) -> Mesh:
+def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: int = 1) -> Mesh:
     """The groups for ``tp_size`` and a shard group of ``shard_size`` (None: all data-parallel ranks).
+
+    ``secondary_size`` > 1 adds ZeRO++ hpZ's secondary groups: that many consecutive data-parallel ranks.
 
     Every rank must call this with the same arguments; each gets fresh :class:`CommStats`. Bytes
     moved across replica groups are counted apart (``*_across_groups`` in ``comm_stats()``).
@@ -88,8 +91,15 @@ def get_mesh(tp_size: int = 1, shard_size: int | None = None) -> Mesh:
                         shard_g if shard == dp else _make(world, rank, dp, tp_size))
     shard_g, tp_g, rep_g, dp_g = _GROUPS[key]
     stats = CommStats()
-    return Mesh(dp=_comm(shard_g, stats), tp=_comm(tp_g, stats),
+    mesh = Mesh(dp=_comm(shard_g, stats), tp=_comm(tp_g, stats),
                 replicate=_comm(rep_g, stats, scope="_across_groups"), dp_full=_comm(dp_g, stats), stats=stats)
+    if secondary_size > 1:
+        _check(world, tp_size, secondary_size, "zero_optimization.zero_hpz_partition_size")
+        skey = (tp_size, secondary_size, "secondary")
+        if skey not in _GROUPS:
+            _GROUPS[skey] = (_make(world, rank, secondary_size, tp_size),)
+        mesh.secondary = _comm(_GROUPS[skey][0], stats, scope="_secondary")
+    return mesh
 
 
 def _comm(group, stats: CommStats, scope: str = "") -> Comm:

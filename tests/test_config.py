@@ -313,7 +313,8 @@ def test_unsupported_features_are_named_and_flags_enable_them(config, path, flag
 @pytest.mark.parametrize("config, path", [
     ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
      "zero_optimization.zero_quantized_nontrainable_weights"),
-    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),
+    ({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}},
+     "zero_optimization.zeropp_loco_param"),
 ])
 def test_zeropp_is_refused(config, path):
     msg = error_of(config, world_size=2, supported=SupportedFeatures(stage3=True, tensor_parallel=True,

@@ -59,3 +59,31 @@ def test_checkpoints_cross_between_hybrid_and_plain(pool2, pool4, tmp_path):
     assert back[0]["start"] == STEPS and back[0]["weights"].keys() == base[0]["weights"].keys()
     for name, w in back[0]["weights"].items():  # hybrid wrote each shard once; nothing lost or doubled
         assert torch.allclose(w, hybrid[0]["weights"][name], rtol=0, atol=0), name
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_hpz_matches_single_process(pool4, gas):
+    cfg = make_config(3, dp=4, gas=gas, zero_hpz_partition_size=2)
+    res = pool4.run("zero_cases:train_ranks", "llama", cfg)
+    _check_equivalent(res, reference("llama", cfg, world=4))
+
+
+def test_hpz_backward_gathers_stay_in_the_node(pool4):
+    """hpZ: forward gathers over all 4 ranks, backward from the secondary shards of 2 ranks."""
+    shard_all = {"stage3_param_persistence_threshold": 0}
+    hpz = pool4.run("zero_cases:train_ranks", "llama", make_config(3, dp=4, zero_hpz_partition_size=2, **shard_all))
+    plain = pool4.run("zero_cases:train_ranks", "llama", make_config(3, dp=4, **shard_all))
+    got, base = hpz[0]["comm"], plain[0]["comm"]
+    # plain: one forward and one backward gather per step over every rank; hpZ moves the backward
+    # half into the node, as secondary all-gathers of the same size
+    assert got["all_gather"] == pytest.approx(base["all_gather"] / 2, rel=0.02)
+    assert got["all_gather_secondary"] == pytest.approx(base["all_gather"] / 2, rel=0.02)
+    assert got["reduce_scatter"] == base["reduce_scatter"]
+    assert hpz[0]["memory"]["params"] == plain[0]["memory"]["params"]  # secondary shards freed by the step
+
+
+def test_hpz_below_stage3_is_refused(pool2):
+    from rank_pool import RankError
+
+    with pytest.raises(RankError, match="zero_hpz_partition_size"):
+        pool2.run("zero_cases:train_ranks", "llama", make_config(2, zero_hpz_partition_size=2))

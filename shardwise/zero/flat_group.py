@@ -113,6 +113,7 @@ class ShardedGroup:
         reread_shard: bool = False,
         inflight: InflightLimit | None = None,
         replicate: Comm | None = None,
+        secondary: Comm | None = None,
         weight_bits: int = 0,
         grad_bits: int = 0,
     ):
@@ -122,6 +123,10 @@ class ShardedGroup:
         # Hybrid sharding: ranks holding the same shard in other shard groups; their gradient
         # shards are summed once per step (see attach_master_grad).
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
+        # ZeRO++ hpZ (stage 3): after a training forward this rank keeps its 1/k of the full parameters,
+        # so the backward gathers inside the k ranks of ``secondary`` (a node) instead of over every rank.
+        self.secondary = secondary if secondary is not None and secondary.size > 1 and policy.shard_params else None
+        self.secondary_shard: torch.Tensor | None = None  # valid until the parameters change
         self.overlap_comm = overlap_comm
         self.inflight = inflight
         # ZeRO++ (zero/quantized_comm.py): bits of the stage-3 parameter all-gather (qwZ) and of the
@@ -234,6 +239,9 @@ class ShardedGroup:
             return
         nbytes = self.padded_numel * self.flat_param.element_size()
         self.flat_param.untyped_storage().resize_(nbytes)
+        if self.secondary_shard is not None and not exact:  # hpZ: unchanged since the forward kept it
+            self._gather_secondary(async_op)
+            return
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         if self._reread is not None and async_op and self.comm.size == 1:
             # a file read needs a thread to overlap compute (gloo collectives are async already)
@@ -254,21 +262,49 @@ class ShardedGroup:
         if not async_op:
             self.wait_gathered()
 
+    def _secondary_range(self) -> tuple[int, int]:
+        n = self.padded_numel // self.secondary.size
+        return self.secondary.rank * n, n
+
+    def _gather_secondary(self, async_op: bool) -> None:
+        """hpZ: refill the flat buffer from the secondary shards of the k ranks of a node.
+
+        The shards hold what the forward computed with (dequantized under qwZ), so the backward
+        differentiates exactly the forward's weights.
+        """
+        start, n = self._secondary_range()
+        with torch.no_grad():
+            self.flat_param.narrow(0, start, n).copy_(self.secondary_shard)
+        self._gather_work = self.secondary.all_gather(self.flat_param, async_op=async_op)
+        self._gathered = True
+        for p, off in zip(self.params, self.offsets, strict=True):
+            p.data = self._view(self.flat_param, off, p)
+        if not async_op:
+            self.wait_gathered()
+
+    def drop_secondary(self) -> None:
+        """The parameters changed (optimizer step, edit, load) or the backward is over."""
+        self.secondary_shard = None
+
     def wait_gathered(self) -> None:
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
 
-    def release(self) -> None:
+    def release(self, keep_secondary: bool = False) -> None:
         """Free the full parameters; each param becomes a 1-element NaN placeholder of full shape.
 
         The placeholder keeps ``p.shape`` right for code that reads shapes, makes any compute
         with a released parameter loudly NaN (never a silent size-0 or zero tensor), and
-        refuses writes.
+        refuses writes. ``keep_secondary`` (after a training forward, hpZ) keeps this rank's
+        1/k of the full parameters for the backward's gather inside the node.
         """
         if not self.policy.shard_params or not self._gathered:
             return
         self.wait_gathered()
+        if keep_secondary and self.secondary is not None and self.secondary_shard is None:
+            start, n = self._secondary_range()
+            self.secondary_shard = self.flat_param.narrow(0, start, n).clone()
         nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = nan.expand(p.shape)
@@ -300,6 +336,7 @@ class ShardedGroup:
         its shard group takes the edit first, then every replica group from that replica.
         """
         k = self.comm.size
+        self.drop_secondary()
         self.comm.broadcast(self.flat_param, src=src % k if self.replicate is not None else src)
         if self.replicate is not None:
             self.replicate.broadcast(self.flat_param, src=src // k)
@@ -365,6 +402,7 @@ class ShardedGroup:
             self._bucket_in_flight = self.flat_grad if w is not None else None
             self.flat_grad = None  # the bucket lives only until its reduce-scatter is done
             self.release()  # stage 3: backward of this group is over
+            self.drop_secondary()
         if w is not None:
             self._pending.append(w)
             if self.inflight is not None:  # bound the buckets (and ring buffers) held by pending work
@@ -419,6 +457,7 @@ class ShardedGroup:
     def publish_master(self, async_op: bool = False) -> Work | None:
         """Write the stepped master into ``flat_param`` and share it with every rank."""
         if self.policy.shard_params:  # the next gather() reads the shard
+            self.drop_secondary()
             if not self.master_is_view:
                 self.param_shard.copy_(self.master, non_blocking=True)
             return None
@@ -445,7 +484,7 @@ class ShardedGroup:
 
         live = self.flat_param.untyped_storage().nbytes()
         return {
-            "params": live + nbytes(self.param_shard),
+            "params": live + nbytes(self.param_shard) + nbytes(self.secondary_shard),
             "grads": nbytes(self.flat_grad) + nbytes(self.shard_grad),
             "master_params": 0 if self.master_is_view else nbytes(self.master),
         }

@@ -205,11 +205,15 @@ class ParamFetcher:
         self._measure()
 
     def _release(self, ui: int) -> None:
-        """Release the unit's groups and what it borrowed, except groups of units still running."""
+        """Release the unit's groups and what it borrowed, except groups of units still running.
+
+        After a training forward the groups keep their hpZ secondary shard for the backward.
+        """
         running = set(self.stack)
+        keep = torch.is_grad_enabled()
         for g in self._groups_of(ui):
             if self.unit_of_group.get(id(g)) not in running:
-                g.release()
+                g.release(keep_secondary=keep)
 
     def _measure(self) -> None:
         live = sum(g.padded_numel * g.flat_param.element_size()
