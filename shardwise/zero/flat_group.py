@@ -256,6 +256,10 @@ class ShardedGroup:
                 with torch.no_grad():
                     owned.copy_(self.param_shard)
             self._gather_work = self.comm.all_gather(self.flat_param, async_op=async_op)
+        self._point_params_at_buffer(async_op)
+
+    def _point_params_at_buffer(self, async_op: bool) -> None:
+        """The gather is under way: parameters become views of the (filling) flat buffer."""
         self._gathered = True
         for p, off in zip(self.params, self.offsets, strict=True):
             p.data = self._view(self.flat_param, off, p)
@@ -276,11 +280,7 @@ class ShardedGroup:
         with torch.no_grad():
             self.flat_param.narrow(0, start, n).copy_(self.secondary_shard)
         self._gather_work = self.secondary.all_gather(self.flat_param, async_op=async_op)
-        self._gathered = True
-        for p, off in zip(self.params, self.offsets, strict=True):
-            p.data = self._view(self.flat_param, off, p)
-        if not async_op:
-            self.wait_gathered()
+        self._point_params_at_buffer(async_op)
 
     def drop_secondary(self) -> None:
         """The parameters changed (optimizer step, edit, load) or the backward is over."""
