@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from shardwise.cli_errors import OneLineParser, UserError, bounded_int, positive_float
+
 REPO_DATA = Path(__file__).resolve().parent.parent / "data" / "sonnets.txt"
 
 MODEL_PRESETS = {
@@ -35,7 +37,7 @@ class ByteTextDataset(Dataset):
         data = torch.tensor(list(path.read_bytes()), dtype=torch.long)
         n = (len(data) - 1) // seq_len
         if n < 1:
-            raise ValueError(f"{path} is shorter than one sequence of {seq_len} bytes (--seq)")
+            raise UserError(f"{path} is shorter than one sequence of {seq_len} bytes (--seq)")
         # overlapping windows at a stride of seq_len // 2 double the samples of a tiny text
         stride = max(1, seq_len // 2)
         starts = range(0, len(data) - seq_len - 1, stride)
@@ -68,24 +70,35 @@ def memory_table(rows: list[dict[str, int]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="shardwise train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before any process group starts (user errors exit 2, one line)."""
+    p = OneLineParser(prog="shardwise train", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
   shardwise launch --nproc 2 -- train --config examples/zero2_llama.json
   shardwise launch --nproc 2 -- train --config examples/zero1_llama.json --steps 50 --model llama-20m""")
     p.add_argument("--config", required=True, help="DeepSpeed-style JSON config")
-    p.add_argument("--model", default="llama-tiny", help=f"model preset: {', '.join(MODEL_PRESETS)}")
+    p.add_argument("--model", default="llama-tiny", choices=sorted(MODEL_PRESETS), help="model preset")
     p.add_argument("--data", default=str(REPO_DATA), help="a UTF-8 text file (default: shipped sonnets)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length in bytes")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    p.add_argument("--seq", type=bounded_int(2, 1 << 20, "--seq"), default=128, help="sequence length in bytes")
+    p.add_argument("--steps", type=bounded_int(1, 10**9, "--steps"), default=400, help="optimizer steps")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--timeout", type=positive_float, default=None,
+                   help="seconds a collective may wait before every rank fails (default 600; SHARDWISE_TIMEOUT)")
     args = p.parse_args(argv)
+    for flag, path in (("--config", args.config), ("--data", args.data)):
+        if not Path(path).is_file():
+            p.error(f"{flag} {path!r}: no such file")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from tqdm import tqdm
 
     import shardwise
 
-    shardwise.init_distributed()
+    shardwise.init_distributed(timeout=args.timeout)
     rank = dist.get_rank()
     model = build_model(args.model, args.seq, args.seed)
     dataset = ByteTextDataset(Path(args.data), args.seq)
