@@ -129,13 +129,13 @@ def check_model_config(src: str) -> None:
     """Refuse a config.json whose shape fields are not whole numbers in range (UserError naming the key)."""
     path = Path(src) / "config.json" if Path(src).is_dir() else Path(src)
     if not path.is_file():
-        raise UserError(f"--model {src!r}: no config.json there; pass an HF model folder or its config.json")
+        raise UserError(f"{src!r}: no config.json there; pass an HF model folder or its config.json")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"--model {path}: not a readable JSON config ({exc})") from None
+        raise UserError(f"{path}: not a readable JSON config ({exc})") from None
     if not isinstance(data, dict):
-        raise UserError(f"--model {path}: the top level must be a JSON object")
+        raise UserError(f"{path}: the top level must be a JSON object")
     sections = [("", data)] + [(f"{k}.", v) for k, v in data.items() if k.endswith("_config") and isinstance(v, dict)]
     for prefix, section in sections:
         for key, high in SHAPE_LIMITS.items():
@@ -143,7 +143,7 @@ def check_model_config(src: str) -> None:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-                raise UserError(f"--model {path}: {prefix}{key} = {value!r} must be a whole number from 1 to "
+                raise UserError(f"{path}: {prefix}{key} = {value!r} must be a whole number from 1 to "
                                 f"{high:,}; fix the config")
 
 
@@ -182,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--micro-batch/--seq need --model (hidden size, layers, heads for activations)")
         facts = None
         if args.model:
-            check_model_config(args.model)
             try:
+                check_model_config(args.model)
                 facts = model_facts(args.model)
-            except (ValueError, KeyError, OSError) as exc:
+            except (ValueError, KeyError, OSError) as exc:  # UserError is a ValueError
                 p.error(f"--model: {exc}")
         if facts and facts.num_heads and facts.num_heads % args.tp:
             p.error(f"--tp {args.tp} does not divide the model's {facts.num_heads} attention heads")
