@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from shardwise.cli_errors import OneLineParser, UserError, bounded_int, positive_float, run_command
+
 SUBCOMMANDS = {
     "train": ("shardwise.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),
     "estimate": ("shardwise.estimate", "memory and communication per ZeRO stage, and advice"),
@@ -24,40 +26,113 @@ EPILOG = """examples:
 """
 
 
-def launch(argv: list[str]) -> int:
-    """torchrun underneath: ``shardwise launch [torchrun flags] [--] (SUBCOMMAND | script.py) ARGS``."""
-    p = argparse.ArgumentParser(prog="shardwise launch", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Start one process per rank with torchrun. Unknown flags "
-                                            "before the target pass through to torchrun.")
-    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", default="2",
+def _split_target(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``[launcher flags] [--] TARGET ARGS`` into the flags and the target with its arguments.
+
+    With ``--`` the split is there. Without it the target is the first word that is a subcommand
+    or an existing file (a script), so flags passed through to torchrun may take their value after
+    a space (``--max-restarts 2 train``) as well as after ``=``.
+    """
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    for i, word in enumerate(argv):
+        if not word.startswith("-") and (word in SUBCOMMANDS or word.endswith(".py") or os.path.isfile(word)):
+            return argv[:i], argv[i:]
+    return argv, []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _nproc(text: str) -> str:
+    if text in ("auto", "cpu", "gpu"):
+        return text
+    return str(bounded_int(1, 4096, "--nproc")(text))
+
+
+def _launch_parser() -> OneLineParser:
+    p = OneLineParser(prog="shardwise launch", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                      description="Start one process per rank with torchrun. Unknown flags before the target "
+                                  "pass through to torchrun (with their value after a space or '=').",
+                      usage="shardwise launch [flags] [--] (SUBCOMMAND | script.py) [ARGS]")
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=_nproc, default="2",
                    help="processes on this node (default 2)")
     p.add_argument("--nnodes", default="1")
-    p.add_argument("--node-rank", "--node_rank", dest="node_rank", default=None)
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=bounded_int(0, 10**6, "--node-rank"))
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None)
-    p.add_argument("--master-port", "--master_port", dest="master_port", default=None)
-    p.add_argument("target", nargs=argparse.REMAINDER, help="a subcommand (train, generate) or a script")
-    args, passthrough = p.parse_known_args(argv)
-    target = [t for t in args.target]
-    if target and target[0] == "--":
-        target = target[1:]
-    if not target:
-        p.error("give what to run: a subcommand (e.g. `-- train --config c.json`) or a script path")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=bounded_int(1, 65535, "--master-port"))
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=bounded_int(0, 1000, "--max-restarts"),
+                   default=0, help="restart all ranks up to this many times after a rank fails (resume from "
+                                   "your latest checkpoint at start; see docs/reliability.md)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None)
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None)
+    p.add_argument("--timeout", type=positive_float, default=None,
+                   help="seconds any collective may wait before the ranks fail (SHARDWISE_TIMEOUT; default 600)")
+    return p
+
+
+def _torchrun_command(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
+    """The torchrun command line: rendezvous, restarts, then the flags passed through."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           f"--nnodes={args.nnodes}"]
-    if args.nnodes == "1" and args.master_port is None:
+           f"--nnodes={args.nnodes}", f"--max_restarts={args.max_restarts}"]
+    single = args.nnodes in ("1", "1:1")
+    if args.rdzv_backend is not None:  # dynamic rendezvous the user chose
+        cmd.append(f"--rdzv_backend={args.rdzv_backend}")
+        endpoint = args.rdzv_endpoint or (f"127.0.0.1:{_free_port()}" if single else None)
+        if endpoint is None:
+            raise UserError("--rdzv-backend on several nodes needs --rdzv-endpoint HOST:PORT (the same on "
+                            "every node)")
+        cmd.append(f"--rdzv_endpoint={endpoint}")
+    elif args.rdzv_endpoint is not None:
+        cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={args.rdzv_endpoint}"]
+    elif single and args.master_port is None:
+        # One node: c10d rendezvous on a free port with the agent's store. Each restart attempt
+        # re-rendezvous and gets fresh store keys, which is what lets a killed rank's job restart
+        # on gloo (docs/reliability.md, "Launch and restarts").
         cmd.append("--standalone")
     for flag, val in (("node_rank", args.node_rank), ("master_addr", args.master_addr),
                       ("master_port", args.master_port)):
         if val is not None:
             cmd.append(f"--{flag}={val}")
-    cmd += passthrough
-    if target[0] in SUBCOMMANDS:
-        cmd += ["-m", "shardwise.cli"] + target
-    else:
-        cmd += target
+    return cmd + passthrough
+
+
+def _check_target(target: list[str], passthrough: list[str], world_size: int | None) -> None:
+    """Refuse what torchrun would only fail on after starting every rank."""
+    if not target:
+        raise UserError("give what to run after the flags: a subcommand (e.g. `-- train --config c.json`) "
+                        "or a script path")
+    runs_module = any(f in passthrough for f in ("-m", "--module", "--no-python", "--no_python"))
+    if target[0] not in SUBCOMMANDS and not runs_module and not os.path.isfile(target[0]):
+        raise UserError(f"{target[0]!r} is neither a subcommand ({', '.join(SUBCOMMANDS)}) nor a script "
+                        "file; check the path")
+    if target[0] == "train":  # argument errors once, here, not once per rank
+        from shardwise.config import load_config
+        from shardwise.train.options import parse_args
+
+        train_args = parse_args(target[1:])
+        if world_size is not None:  # a config error here, not one traceback per rank
+            load_config(train_args.ds_config, world_size=world_size)
+
+
+def launch(argv: list[str]) -> int:
+    """torchrun underneath: ``shardwise launch [flags] [--] (SUBCOMMAND | script.py) ARGS``."""
+    flags, target = _split_target(argv)
+    args, passthrough = _launch_parser().parse_known_args(flags)
+    single = args.nnodes in ("1", "1:1") and args.nproc.isdigit()
+    _check_target(target, passthrough, int(args.nproc) if single else None)
+    cmd = _torchrun_command(args, passthrough)
+    cmd += ["-m", "shardwise.cli", *target] if target[0] in SUBCOMMANDS else target
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if args.timeout is not None:
+        env["SHARDWISE_TIMEOUT"] = str(args.timeout)
     return _run_forwarding_signals(cmd, env)
 
 
@@ -102,9 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "launch":
-        return launch(rest)
+        return run_command("shardwise launch", launch, rest)
     if cmd not in SUBCOMMANDS:
-        print(f"shardwise: unknown command {cmd!r}; choose launch, {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        print(f"shardwise: error: unknown command {cmd!r}; choose launch, {', '.join(SUBCOMMANDS)}",
+              file=sys.stderr)
         return 2
     import importlib
 
@@ -112,10 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
-        print(f"shardwise {cmd}: not available in this build ({e})", file=sys.stderr)
+        print(f"shardwise {cmd}: error: not available in this build ({e}); install its extras", file=sys.stderr)
         return 2
-    return int(getattr(mod, ENTRY.get(mod_name, "main"))(rest) or 0)
-
+    return run_command(f"shardwise {cmd}", getattr(mod, ENTRY.get(mod_name, "main")), rest)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,8 +20,10 @@ collectives.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -58,11 +60,68 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
     _GLOBAL_TIMEOUT[0] = timeout.total_seconds()
+    atexit.register(_teardown)  # runs before the interpreter destroys anything
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict:
+    """Under torchrun restarts: the rendezvous store with a prefix of this attempt's own.
+
+    torchrun keeps one store for every restart attempt and the default group's keys (each rank's
+    gloo address) do not change name, so a restarted rank may read the address the previous
+    attempt's peer left there and fail with "Gloo connectFullMesh failed ... Connection refused".
+    A prefix per ``TORCHELASTIC_RESTART_COUNT`` makes every attempt read only its own keys.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_it, timeout=timeout)
+    return {"store": dist.PrefixStore(f"shardwise/attempt{attempt}", store), "rank": rank, "world_size": world}
 
 
 _GLOBAL_TIMEOUT = [600.0]
+_PENDING: weakref.WeakSet[Work] = weakref.WeakSet()  # collectives started and not yet waited for
+_DIVERGED = [False]  # a collective failed: the group is unusable, waiting on it could hang
+
+
+def _teardown() -> None:
+    """At exit, finish what the library started; never leave a live gloo group to the interpreter.
+
+    Scripts written for DeepSpeed end without ``destroy_process_group``. Left alone, the group's
+    C++ threads (and any ring send/recv still pending) are torn down during interpreter
+    finalization, which sometimes aborts the process ("terminate called without an active
+    exception", SIGABRT) after a successful run. On a clean exit: wait for pending collectives,
+    then destroy the group shardwise created. After an unhandled exception (its traceback already
+    printed) or a failed collective, waiting could block on a peer that will never answer, so the
+    process ends at once with exit code 1, before any destructor runs.
+    """
+    import sys
+
+    failed = getattr(sys, "last_value", None) is not None or _DIVERGED[0]
+    if not failed:
+        try:
+            for work in list(_PENDING):
+                work.wait()
+        except RanksDivergedError:
+            failed = True
+    if not failed:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    if getattr(sys, "last_value", None) is not None:  # exiting on an error anyway: skip the destructors
+        import logging
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
 
 
 def _free_port() -> int:
@@ -103,11 +162,14 @@ class Work:
     def __init__(self, handle, comm: Comm, kind: str, finish=None):
         self._handles = handle if isinstance(handle, list) else ([] if handle is None else [handle])
         self._comm, self._kind, self._finish = comm, kind, finish
+        if self._handles:
+            _PENDING.add(self)
 
     def wait(self) -> None:
         for h in self._handles:
             self._comm._guard(self._kind, h.wait)
         self._handles = []
+        _PENDING.discard(self)
         if self._finish is not None:
             self._finish()
             self._finish = None
@@ -138,11 +200,13 @@ class Comm:
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistBackendError) as e:  # gloo: timeout, peer gone
+            _DIVERGED[0] = True
             raise RanksDivergedError(
                 f"{kind} failed on rank {dist.get_rank()} of {dist.get_world_size()}: the ranks have "
                 f"diverged (one rank skipped or added a collective, or a peer process died) or the "
                 f"collective exceeded the timeout of {_GLOBAL_TIMEOUT[0]:.0f}s "
-                f"(init_distributed(timeout=...)). The process group is unusable now; restart the job. "
+                f"(SHARDWISE_TIMEOUT, init_distributed(timeout=...) or --timeout). "
+                f"The process group is unusable now; restart the job. "
                 f"Backend said: {e}"
             ) from e
 

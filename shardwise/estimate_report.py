@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
+from shardwise.cli_errors import OneLineParser, UserError
 from shardwise.estimate import (
     Estimate,
     estimate,
@@ -101,18 +103,48 @@ def format_report(est: Estimate) -> str:
     return "\n".join(out)
 
 
-def _arg(parse: Any, kind: str) -> Any:
-    """Wrap a parser so argparse reports '--flag: <reason>' for bad values."""
+def _arg(parse: Any, kind: str, high: int) -> Any:
+    """Wrap a parser so argparse reports '--flag: <reason>' for bad or absurd values (1..high)."""
     def conv(text: str) -> int:
         try:
             v = parse(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{kind} must be positive: {text!r}")
+        if not 0 < v <= high:
+            raise argparse.ArgumentTypeError(f"{kind} must be between 1 and {high:.0e}: {text!r}")
         return v
     conv.__name__ = kind
     return conv
+
+
+# Bounds on a model config's shape (far above any published model) so a typo fails at once
+# instead of building a meta model of 100,000 layers for minutes.
+SHAPE_LIMITS = {"num_hidden_layers": 1000, "n_layer": 1000, "hidden_size": 2**20, "n_embd": 2**20,
+                "num_attention_heads": 2**14, "n_head": 2**14, "num_key_value_heads": 2**14,
+                "intermediate_size": 2**24, "n_inner": 2**24, "vocab_size": 2**24, "head_dim": 2**16,
+                "max_position_embeddings": 2**24, "n_positions": 2**24}
+
+
+def check_model_config(src: str) -> None:
+    """Refuse a config.json whose shape fields are not whole numbers in range (UserError naming the key)."""
+    path = Path(src) / "config.json" if Path(src).is_dir() else Path(src)
+    if not path.is_file():
+        raise UserError(f"{src!r}: no config.json there; pass an HF model folder or its config.json")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not a readable JSON config ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the top level must be a JSON object")
+    sections = [("", data)] + [(f"{k}.", v) for k, v in data.items() if k.endswith("_config") and isinstance(v, dict)]
+    for prefix, section in sections:
+        for key, high in SHAPE_LIMITS.items():
+            value = section.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise UserError(f"{path}: {prefix}{key} = {value!r} must be a whole number from 1 to "
+                                f"{high:,}; fix the config")
 
 
 EPILOG = """examples:
@@ -128,21 +160,21 @@ def main(argv: list[str] | None = None) -> int:
     """`shardwise estimate` CLI; returns the exit code (2 for bad input, naming the flag)."""
     from shardwise.planner_cli import add_planner_args, run_planner
 
-    p = argparse.ArgumentParser(prog="shardwise estimate", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Estimate per-device memory and communication for ZeRO "
-                                            "stages 0-3, offload and tensor parallelism.")
+    p = OneLineParser(prog="shardwise estimate", epilog=EPILOG,
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      description="Estimate per-device memory and communication for ZeRO "
+                                  "stages 0-3, offload and tensor parallelism.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=_arg(parse_count, "count"), help="parameter count, e.g. 7.5B")
+    src.add_argument("--params", type=_arg(parse_count, "count", 10**15), help="parameter count, e.g. 7.5B")
     src.add_argument("--model", help="HF model directory or config.json (exact count, shapes)")
-    p.add_argument("--devices", type=_arg(parse_count, "count"), required=True, help="total devices")
-    p.add_argument("--tp", type=_arg(parse_count, "count"), default=1, help="tensor-parallel degree")
+    p.add_argument("--devices", type=_arg(parse_count, "count", 10**8), required=True, help="total devices")
+    p.add_argument("--tp", type=_arg(parse_count, "count", 10**6), default=1, help="tensor-parallel degree")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
-    p.add_argument("--micro-batch", type=_arg(parse_count, "count"), help="micro batch per device")
-    p.add_argument("--seq", type=_arg(parse_count, "count"), help="sequence length")
+    p.add_argument("--micro-batch", type=_arg(parse_count, "count", 10**9), help="micro batch per device")
+    p.add_argument("--seq", type=_arg(parse_count, "count", 10**9), help="sequence length")
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--device-memory", type=_arg(parse_bytes, "size"), help="e.g. 80GB, 80GiB")
+    p.add_argument("--device-memory", type=_arg(parse_bytes, "size", 10**18), help="e.g. 80GB, 80GiB")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     add_planner_args(p)
     try:
@@ -156,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         facts = None
         if args.model:
             try:
+                check_model_config(args.model)
                 facts = model_facts(args.model)
-            except (ValueError, KeyError, OSError) as exc:
+            except (ValueError, KeyError, OSError) as exc:  # UserError is a ValueError
                 p.error(f"--model: {exc}")
         if facts and facts.num_heads and facts.num_heads % args.tp:
             p.error(f"--tp {args.tp} does not divide the model's {facts.num_heads} attention heads")

@@ -12,6 +12,9 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
+
+from shardwise.cli_errors import OneLineParser, bounded_int
 
 EXAMPLES = """examples:
   shardwise generate --model llama_dir --prompt "Once upon a time" --max-new-tokens 32
@@ -27,18 +30,20 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="shardwise generate", epilog=EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Generate text from a save_pretrained folder (safetensors and "
-                                            "its tokenizer), streaming tokens to stdout.")
+    p = OneLineParser(prog="shardwise generate", epilog=EXAMPLES,
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      description="Generate text from a save_pretrained folder (safetensors and "
+                                  "its tokenizer), streaming tokens to stdout.")
     p.add_argument("--model", required=True, help="folder with config, safetensors weights and tokenizer")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=bounded_int(1, 10**6, "--max-new-tokens"), default=64)
     p.add_argument("--offload", choices=["disk", "cpu"], default=None,
                    help="stream decoder layers from disk (nothing resident) or from CPU memory")
-    p.add_argument("--prefetch", type=int, default=1, help="layers read ahead of the running one (default 1)")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    p.add_argument("--nproc", type=int, default=1, help="ranks to run on (relaunches via `shardwise launch`)")
+    p.add_argument("--prefetch", type=bounded_int(0, 1024, "--prefetch"), default=1,
+                   help="layers read ahead of the running one (default 1)")
+    p.add_argument("--tp", type=bounded_int(1, 4096, "--tp"), default=1, help="tensor parallel size")
+    p.add_argument("--nproc", type=bounded_int(1, 4096, "--nproc"), default=1,
+                   help="ranks to run on (relaunches via `shardwise launch`)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: the model's)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
@@ -46,6 +51,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --temperature)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank")
     args = p.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model!r}: no config.json there; pass a folder written by save_pretrained "
+                "or `shardwise consolidate` (Hub names are not downloaded)")
     if args.top_p is not None and args.temperature is None:
         p.error("--top-p needs --temperature (sampling); greedy decoding ignores it")
     if args.tp > max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))):

@@ -128,7 +128,7 @@ def test_damaged_shard_is_refused_by_name(pool2, baseline, tmp_path, how):
         assert ("sha256 mismatch" if how == "corrupt" else "truncated") in m
     with pytest.raises(CheckpointError, match="rank00001.safetensors"):
         consolidate(dst, tmp_path / "out")
-    assert consolidate_main([str(dst), str(tmp_path / "out")]) == 2
+    assert consolidate_main([str(dst), str(tmp_path / "out")]) == 2  # a user error
 
 
 def test_crash_during_save_keeps_previous_checkpoint(pool2, tmp_path):

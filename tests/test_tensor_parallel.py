@@ -51,20 +51,23 @@ def test_vocab_parallel_cross_entropy_matches_torch(pool2):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_tp2_training_matches_single_process(pool2, kind):
+    """Bounds: K x the reference's own round-off against a row-split rerun (tests/tolerance.py)."""
     res = pool2.run("tp_cases:train", kind, 2)
     for r in res:
+        tol, noise = r["tol"], r["noise"]
         for got, want in zip(r["losses"], r["ref_losses"], strict=True):
-            assert got == pytest.approx(want, rel=FP32_TOL)
+            assert got == pytest.approx(want, rel=tol["loss"]), noise
         assert r["key_bias_grad"] < 1e-8
         for got, want in r["norms"]:
-            assert got == pytest.approx(want, rel=FP32_TOL)
+            assert got == pytest.approx(want, rel=tol["grad_norm"]), noise
         assert r["n_params"] == r["n_ref"]  # same names, tied weights still one parameter
+    tol, noise = res[0]["tol"], res[0]["noise"]
     diff = max_rel_diff(res[0]["weights"], res[0]["ref_weights"])
-    assert diff < FP32_TOL, f"gathered TP weights differ from single-process ones by {diff:.3g}"
-    if kind == "llama":  # no zero-gradient biases: every tensor within 1e-5 relative (norm), no floor
+    assert diff < tol["weights"], f"gathered TP weights differ from single-process ones by {diff:.3g} ({noise})"
+    if kind == "llama":  # no zero-gradient biases: every tensor within the bound relative (norm), no floor
         w, ref = res[0]["weights"], res[0]["ref_weights"]
         worst = max(float((w[n] - ref[n]).norm() / ref[n].norm()) for n in ref)
-        assert worst < FP32_TOL, worst
+        assert worst < tol["norm"], (worst, noise)
     g0, g1 = res[0]["replicated_grads"], res[1]["replicated_grads"]
     assert g0.keys() == g1.keys() and g0
     for n in g0:  # f/g make grads of replicated params identical on every TP rank, bit for bit

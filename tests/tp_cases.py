@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tiny_models import VOCAB, batches, build
+from tolerance import equivalence_tol, flip_mlp
+from zero_cases import max_rel_diff, row_losses
 
 from shardwise.mesh import get_mesh
 from shardwise.tensor_parallel import (
@@ -103,6 +105,7 @@ def train(kind: str, tp_size: int = 2, steps: int = 3, seq: int = 8, micro: int 
         ref_losses.append(float(ref_out.loss.detach()))
     full = gather_state_dict(model)
     want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    other, other_losses, other_norms = _row_split_reference(kind, data, kw)
     key_bias_grad = 0.0
     if kind == "gpt2":  # the key bias has an analytically zero gradient (softmax ignores a shift of
         # the scores per query), so Adam turns rounding noise (~1e-10) into lr-sized steps in any
@@ -110,12 +113,40 @@ def train(kind: str, tp_size: int = 2, steps: int = 3, seq: int = 8, micro: int 
         h = ref.config.n_embd
         for n in full:
             if n.endswith("attn.c_attn.bias"):
-                full[n][h:2 * h] = want[n][h:2 * h] = 0.0
+                full[n][h:2 * h] = want[n][h:2 * h] = other[n][h:2 * h] = 0.0
         key_bias_grad = first_key_bias_grad
+    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
+    noise = {"weights": max_rel_diff(other, want, floor=0.0),  # key bias already left out above
+             "norm": max(float((other[n] - want[n]).norm() / want[n].norm()) for n in want),
+             "loss": max(rel(a, b) for a, b in zip(other_losses, ref_losses, strict=True)),
+             "grad_norm": max(rel(a, want_n) for a, (_, want_n) in zip(other_norms, norms, strict=True))}
     return {"losses": losses, "ref_losses": ref_losses, "weights": full if dist.get_rank() == 0 else None,
             "ref_weights": want if dist.get_rank() == 0 else None, "norms": norms,
             "replicated_grads": replicated_grads, "n_params": len(full), "n_ref": len(want),
-            "key_bias_grad": key_bias_grad}
+            "key_bias_grad": key_bias_grad, "noise": noise, "tol": equivalence_tol(noise, steps)}
+
+
+def _row_split_reference(kind: str, data: torch.Tensor, kw: dict) -> tuple[dict, list, list]:
+    """The single-process reference again, MLP units reversed and one forward per row: the same
+    math, other summation orders (tests/tolerance.py)."""
+    model = build(kind)
+    flip_mlp(model)
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    losses, norms = [], []
+    for s in range(data.shape[0]):
+        ids = data[s, 0]
+        rows = []
+        for row in ids:  # forward and backward per row: other GEMM shapes and summation order
+            loss = row_losses(model, row[None])
+            (loss.sum() / ids.shape[0]).backward()
+            rows.append(loss.detach())
+        per_row = torch.cat(rows)
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(per_row.mean()))
+    flip_mlp(model)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms
 
 
 def backward_comm(kind: str, tp_size: int = 2) -> dict:

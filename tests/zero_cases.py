@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from tiny_models import batches, build
+from tolerance import equivalence_tol, flip_mlp
 
 import shardwise
 from shardwise.zero import GatheredParameters
@@ -95,10 +96,42 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
     return result
 
 
-def reference(kind: str, config: dict, world: int = 2, steps: int = 3, seq: int = 16) -> dict:
-    """Plain PyTorch, one process: AdamW over the same global batch, same loss averaging."""
+def reference(kind: str, config: dict, world: int = 2, steps: int = 3, seq: int = 16,
+              noise: bool = True) -> dict:
+    """Plain PyTorch, one process: AdamW over the same global batch, same loss averaging.
+
+    With ``noise`` the same training runs again with other micro-batch splits (one forward over
+    the whole global micro batch, and one forward per row: other GEMM shapes and summation
+    orders) and the result carries ``noise`` (how far those exact-arithmetic-equal runs landed
+    from it) and ``tol``, the bound derived from it (tests/tolerance.py), so the bound follows
+    the CPU's kernels instead of one machine's.
+    """
+    ref = _reference_run(kind, config, world, steps, seq, chunks=None)
+    if noise:
+        rows = config["train_micro_batch_size_per_gpu"] * world
+        others = [_reference_run(kind, config, world, steps, seq, chunks=c) for c in sorted({1, rows})]
+        others.append(_reference_run(kind, config, world, steps, seq, chunks=None, flip=True))
+        ref["noise"] = measured_noise(ref, others)
+        ref["tol"] = equivalence_tol(ref["noise"], steps)
+    return ref
+
+
+def row_losses(model, ids: torch.Tensor) -> torch.Tensor:
+    """Each row's mean next-token loss (HF's causal-LM loss of that row alone)."""
+    logits = model(input_ids=ids).logits.float()
+    per_token = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                  ids[:, 1:].reshape(-1), reduction="none")
+    return per_token.view(ids.shape[0], -1).mean(dim=1)
+
+
+def _reference_run(kind: str, config: dict, world: int, steps: int, seq: int, chunks: int | None,
+                   flip: bool = False) -> dict:
+    """``chunks``: None = one forward per rank's micro batch; else that many forwards over all rows.
+    ``flip``: train with the MLP hidden units reversed (tests/tolerance.py flip_mlp), undone at the end."""
     torch.manual_seed(0)
     model = build(kind)
+    if flip:
+        flip_mlp(model)
     micro, gas = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
     clip = config.get("gradient_clipping", 0.0)
     data = batches(steps, gas, micro * world, seq)
@@ -107,15 +140,54 @@ def reference(kind: str, config: dict, world: int = 2, steps: int = 3, seq: int 
     for s in range(steps):
         opt.zero_grad(set_to_none=False)
         for m in range(gas):
-            for r in range(world):
-                ids = data[s, m, r * micro:(r + 1) * micro]
-                loss = model(input_ids=ids, labels=ids).loss
-                (loss / (gas * world)).backward()
-                losses[r].append(float(loss.detach()))
+            if chunks is None:
+                per_rank = []
+                for r in range(world):
+                    ids = data[s, m, r * micro:(r + 1) * micro]
+                    loss = model(input_ids=ids, labels=ids).loss
+                    (loss / (gas * world)).backward()
+                    per_rank.append(float(loss.detach()))
+            else:  # equal tokens per row: the mean of row losses is the batch loss
+                rows = []
+                for ids in data[s, m].chunk(chunks):
+                    per_row = row_losses(model, ids)
+                    (per_row.sum() / (micro * gas * world)).backward()
+                    rows.append(per_row.detach())
+                per_row = torch.cat(rows)
+                per_rank = [float(per_row[r * micro:(r + 1) * micro].mean()) for r in range(world)]
+            for r, loss in enumerate(per_rank):
+                losses[r].append(loss)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+    if flip:
+        flip_mlp(model)
     return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def measured_noise(ref: dict, others: list[dict]) -> dict:
+    """Worst distance of exact-arithmetic-equal runs from ``ref``: weights and losses (relative).
+
+    Weights: max |a - b| / max |b| per tensor with no floor subtracted (``max_rel_diff(floor=0)``),
+    so it sees the elements Adam amplifies; GPT-2's key bias, whose gradient is analytically zero
+    (its steps are pure noise at any precision), is left out (``without_key_bias``).
+    """
+    weights = max(max_rel_diff(without_key_bias(o["weights"]), without_key_bias(ref["weights"]), floor=0.0)
+                  for o in others)
+    loss = max((abs(a - b) / max(abs(b), 1e-12) for o in others for r in ref["losses"]
+                for a, b in zip(o["losses"][r], ref["losses"][r], strict=True)), default=0.0)
+    return {"weights": weights, "loss": loss}
+
+
+def without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-2's attention key bias zeroed (softmax ignores a per-query shift: its gradient is 0)."""
+    out = dict(weights)
+    for n, t in weights.items():
+        if n.endswith("attn.c_attn.bias"):
+            h = t.numel() // 3
+            out[n] = t.clone()
+            out[n][h:2 * h] = 0.0
+    return out
 
 
 # Elements whose exact gradient is 0 but whose computed gradient is round-off noise (GPT-2's key
@@ -124,12 +196,12 @@ def reference(kind: str, config: dict, world: int = 2, steps: int = 3, seq: int 
 NOISE_FLOOR = 1e-2 * LR
 
 
-def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Worst over tensors of (max |a - b| - NOISE_FLOOR) / max |b|."""
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], floor: float = NOISE_FLOOR) -> float:
+    """Worst over tensors of (max |a - b| - floor) / max |b|."""
     assert a.keys() == b.keys()
     worst = 0.0
     for k in a:
-        d = (a[k].float() - b[k].float()).abs().max().item() - NOISE_FLOOR
+        d = (a[k].float() - b[k].float()).abs().max().item() - floor
         worst = max(worst, d / max(b[k].float().abs().max().item(), 1e-12))
     return worst
 

@@ -209,7 +209,9 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
 
 def consolidate_main(argv: list[str] | None = None) -> int:
     """``shardwise consolidate``: sharded checkpoint -> HF folder loadable by ``from_pretrained``."""
-    p = argparse.ArgumentParser(
+    from shardwise.cli_errors import OneLineParser, one_line
+
+    p = OneLineParser(
         prog="shardwise consolidate",
         description="Write Hugging Face weights (config.json + model*.safetensors) from a shardwise "
                     "checkpoint saved at any world size, ZeRO stage and TP degree, one tensor at a time.",
@@ -227,11 +229,13 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights-only", action="store_true",
                    help="allow a checkpoint without config.json: write the weight files alone")
     a = p.parse_args(argv)
+    if not Path(a.ckpt_dir).is_dir():
+        p.error(f"{a.ckpt_dir!r} is not a folder; pass the folder given to save_checkpoint")
     try:
         names = consolidate(a.ckpt_dir, a.out_dir, a.tag, a.dtype, a.max_shard_size, not a.no_verify,
                             config=a.config, weights_only=a.weights_only)
     except (CheckpointError, ValueError, OSError) as e:
-        print(f"shardwise consolidate: error: {e}", file=sys.stderr)
+        print(f"shardwise consolidate: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(f"wrote {len(names)} weight file(s) to {a.out_dir}")
     return 0

@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from shardwise.cli_errors import OneLineParser
 from shardwise.train.data import REPO_DATA
 from shardwise.train.model import MODEL_PRESETS
 
@@ -30,9 +31,9 @@ from it (also at another world size, ZeRO stage or TP degree) at the same data p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardwise train", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Train any causal LM on local text under a DeepSpeed-style "
+    p = OneLineParser(prog="shardwise train", epilog=EPILOG,
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      description="Train any causal LM on local text under a DeepSpeed-style "
                                             "config: checkpoints, resume, eval, metrics, plot, HF export.")
     a = p.add_argument
     a("--run-config", help="TOML or JSON file with any of these options (flags override it)")
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: no sample)")
     a("--prompt", default=None, help="prompt for the sample (default: the start of the held-out text)")
     a("--no-export", action="store_true", help="skip the hf/ export at the end")
+    a("--timeout", type=float, default=None,
+      help="seconds a collective may wait for the other ranks before failing (default: SHARDWISE_TIMEOUT or 600)")
     return p
 
 
@@ -88,6 +91,8 @@ def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.eval_fraction < 1:
         p.error(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if args.timeout is not None and not 0 < args.timeout < 7 * 24 * 3600:
+        p.error(f"--timeout must be between 0 and one week in seconds, got {args.timeout}")
     if args.resume not in ("auto", "none"):
         p.error(f"--resume must be 'auto' or 'none', got {args.resume!r}")
     if args.config is None:

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import shardwise
 
-    shardwise.init_distributed()
+    shardwise.init_distributed(timeout=args.timeout)
     try:
         return _run(args, shardwise)
     except (ModelError, DataError, ConfigError) as e:

@@ -1,0 +1,76 @@
+"""User errors on the command line: one line on stderr, exit code 2, never a traceback.
+
+A user error is bad input (a flag, a file, a config) that the user fixes by changing the command.
+The CLI catches exactly these types at its top level (:func:`run_command`); anything else is a bug
+and keeps its traceback. Library code raises :class:`UserError` (or the project's own
+``ConfigError`` / ``CheckpointError``) with a message that says what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+EXIT_USAGE = 2  # argparse's code for bad usage; every user error of `shardwise` exits with it
+
+
+class UserError(ValueError):
+    """Bad user input; the message names the flag, key or file and the fix."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The exception types the CLI reports as one line (imported late: they pull in torch)."""
+    from shardwise.checkpoint.fileio import CheckpointError
+    from shardwise.config_schema import ConfigError
+
+    return (UserError, ConfigError, CheckpointError)
+
+
+def one_line(text: object) -> str:
+    """Collapse a (possibly multi-line) message to one line."""
+    return " ".join(str(text).split())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (no usage block) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
+
+
+def bounded_int(low: int, high: int, what: str = "value") -> Callable[[str], int]:
+    """An argparse ``type``: an integer in [low, high], else a one-line error naming the range."""
+
+    def conv(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high:,}, got {value:,}")
+        return value
+
+    conv.__name__ = what
+    return conv
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type`` for a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1e9:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (and < 1e9), got {text!r}")
+    return value
+
+
+def run_command(prog: str, entry: Callable[[list[str]], int | None], argv: list[str]) -> int:
+    """Run one subcommand; a user error becomes one line on stderr and exit code 2."""
+    errors = user_error_types()
+    try:
+        return int(entry(argv) or 0)
+    except errors as exc:
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+        return EXIT_USAGE

@@ -1,0 +1,104 @@
+"""Every user error of the `shardwise` CLI: one line on stderr, exit code 2, no traceback.
+
+Each case runs the real command in a subprocess. All of them fail before any process group
+starts (argument, file and config checks come first), so the file stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "examples" / "zero2_llama.json")
+
+
+def _model_config(tmp_path: Path, name: str, **changes) -> str:
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "vocab_size": 100} | changes
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=ROOT)
+
+
+def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (argv, a word the one-line message must contain)."""
+    bad_cfg = tmp / "bad_ds.json"
+    bad_cfg.write_text('{"train_batch_size": 16, "zero_optimization": {"stag": 2}}')
+    return {
+        "generate missing model": (["generate", "--model", "/missing", "--prompt", "hi"], "/missing"),
+        "estimate 1e400 params": (["estimate", "--params", "1e400", "--devices", "2"], "--params"),
+        "estimate negative params": (["estimate", "--params", "-5", "--devices", "2"], "--params"),
+        "estimate string params": (["estimate", "--params", "abc", "--devices", "2"], "--params"),
+        "estimate zero heads": (["estimate", "--model", _model_config(tmp, "h0", num_attention_heads=0),
+                                 "--devices", "2"], "num_attention_heads"),
+        "estimate negative hidden": (["estimate", "--model", _model_config(tmp, "neg", hidden_size=-64),
+                                      "--devices", "2"], "hidden_size"),
+        "estimate string hidden": (["estimate", "--model", _model_config(tmp, "str", hidden_size="abc"),
+                                    "--devices", "2"], "hidden_size"),
+        "estimate 100k layers": (["estimate", "--model", _model_config(tmp, "deep", num_hidden_layers=100_000),
+                                  "--devices", "2"], "num_hidden_layers"),
+        "estimate missing model": (["estimate", "--model", str(tmp / "nope"), "--devices", "2"], "--model"),
+        "train steps 0": (["train", "--config", EXAMPLE, "--steps", "0"], "--steps"),
+        "train seq 0": (["train", "--config", EXAMPLE, "--seq", "0"], "--seq"),
+        "train steps string": (["train", "--config", EXAMPLE, "--steps", "ten"], "--steps"),
+        "train timeout 0": (["train", "--config", EXAMPLE, "--timeout", "0"], "--timeout"),
+        "train missing config": (["train", "--config", str(tmp / "none.json")], "--config"),
+        "train bad config key": (["train", "--config", str(bad_cfg), "--steps", "1"], "stag"),
+        "consolidate missing folder": (["consolidate", str(tmp / "nockpt"), str(tmp / "out")], "nockpt"),
+        "launch nproc 0": (["launch", "--nproc", "0", "--", "train", "--config", EXAMPLE], "--nproc"),
+        "launch nproc string": (["launch", "--nproc", "two", "--", "train", "--config", EXAMPLE], "--nproc"),
+        "launch no target": (["launch", "--nproc", "2"], "subcommand"),
+        "launch missing script": (["launch", "--nproc", "2", "--", str(tmp / "x.py")], "x.py"),
+        "launch train bad steps": (["launch", "--nproc", "2", "--max-restarts", "2", "--", "train", "--config",
+                                    EXAMPLE, "--steps", "0"], "--steps"),
+        "launch train batch rule": (["launch", "--nproc", "3", "--", "train", "--config", EXAMPLE],
+                                    "train_batch_size"),
+        "unknown command": (["trian"], "trian"),
+    }
+
+
+CASE_NAMES = list(_cases(Path(tempfile.mkdtemp(prefix="cli_cases_"))))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    """Run every case once, 4 at a time (each is mostly Python start-up and imports)."""
+    cases = _cases(tmp_path_factory.mktemp("cli"))
+    with ThreadPoolExecutor(4) as pool:
+        done = {name: pool.submit(_run, *argv) for name, (argv, _) in cases.items()}
+    return {name: f.result() for name, f in done.items()}
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_user_error_is_one_line_exit_2(name: str, results: dict, tmp_path: Path) -> None:
+    word = _cases(tmp_path)[name][1]
+    r = results[name]
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-2000:]
+    assert word in lines[0] and "error" in lines[0], lines[0]
+
+
+def test_launch_space_form_reaches_the_subcommand() -> None:
+    """`--max-restarts 2 -- train` and `--rdzv-backend c10d train`: the target is `train`, not a file."""
+    from shardwise.cli import _split_target
+
+    for argv in (["--nproc", "2", "--max-restarts", "2", "--", "train", "--steps", "3"],
+                 ["--nproc", "2", "--rdzv-backend", "c10d", "--", "train", "--steps", "3"],
+                 ["--nproc", "2", "--max-restarts", "2", "train", "--steps", "3"]):
+        flags, target = _split_target(argv)
+        assert target == ["train", "--steps", "3"] and flags[:2] == ["--nproc", "2"], (flags, target)

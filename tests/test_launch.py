@@ -1,0 +1,49 @@
+"""`shardwise launch`: flags before the target, and restart-and-resume after a killed rank (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = str(Path(__file__).resolve().parent / "launch_worker.py")
+STEPS = 8
+
+
+def test_default_rendezvous_restarts_with_a_fresh_store() -> None:
+    """One node: c10d rendezvous through the agent's store (what makes restarts work on gloo)."""
+    from shardwise.cli import _launch_parser, _torchrun_command
+
+    args, rest = _launch_parser().parse_known_args(["--nproc", "2", "--max-restarts", "2", "--log-dir", "x"])
+    cmd = _torchrun_command(args, rest)
+    assert "--standalone" in cmd and "--max_restarts=2" in cmd and cmd[-2:] == ["--log-dir", "x"]
+    args, rest = _launch_parser().parse_known_args(["--rdzv-backend", "c10d"])
+    cmd = _torchrun_command(args, rest)
+    assert "--rdzv_backend=c10d" in cmd and any(c.startswith("--rdzv_endpoint=127.0.0.1:") for c in cmd)
+
+
+def _launch(out: Path, *flags: str, kill_at: int | None = None) -> list[dict]:
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    if kill_at is not None:
+        env["KILL_AT"] = str(kill_at)
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", *flags, "--", WORKER,
+                        str(out), str(STEPS)], env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+
+
+def test_killed_rank_restarts_and_resumes_with_the_same_losses(tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed inside step 5; the job restarts, resumes from the step-4 checkpoint and
+    every step's loss equals the uninterrupted run's (the space form of --max-restarts, too)."""
+    killed = _launch(tmp_path / "killed", "--max-restarts", "2", kill_at=5)
+    plain = _launch(tmp_path / "plain")
+    assert {e["attempt"] for e in killed} == {0, 1}, killed  # it did restart
+    resumed = [e for e in killed if e["attempt"] == 1]
+    assert resumed[0]["step"] == 4  # from the latest checkpoint (saved after step 3), not from 0
+    last = {e["step"]: e["loss"] for e in killed}  # the last record of each step
+    assert sorted(last) == list(range(STEPS))
+    assert [last[s] for s in range(STEPS)] == [e["loss"] for e in plain]
