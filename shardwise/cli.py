@@ -113,12 +113,12 @@ def _check_target(target: list[str], passthrough: list[str], world_size: int | N
         raise UserError(f"{target[0]!r} is neither a subcommand ({', '.join(SUBCOMMANDS)}) nor a script "
                         "file; check the path")
     if target[0] == "train":  # argument errors once, here, not once per rank
-        from shardwise.config import load_config
+        from shardwise.config import SupportedFeatures, load_config
         from shardwise.train.options import parse_args
 
         train_args = parse_args(target[1:])
         if world_size is not None:  # a config error here, not one traceback per rank
-            load_config(train_args.ds_config, world_size=world_size)
+            load_config(train_args.ds_config, world_size=world_size, supported=SupportedFeatures.everything())
 
 
 def launch(argv: list[str]) -> int:

@@ -41,6 +41,11 @@ class SupportedFeatures:
     offload_param: bool = False
     hybrid: bool = False  # zero_optimization.mics_shard_size: shard within k ranks, replicate across
 
+    @classmethod
+    def everything(cls) -> "SupportedFeatures":
+        """What shardwise.initialize (and the CLI's early config check) accept."""
+        return cls(stage3=True, tensor_parallel=True, offload_param=True, hybrid=True)
+
 
 class _Section(BaseModel):
     """Checked section: unknown keys are errors, because a typo must not silently become a default."""

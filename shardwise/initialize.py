@@ -125,8 +125,8 @@ def initialize(
     if mpu is not None:
         world = mpu_sizes(mpu)[1]  # the batch rule counts data-parallel ranks only
     cfg = load_config(config, world_size=world, hidden_size=hidden,
-                      supported=SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True,
-                                                  hybrid=mpu is None))
+                      supported=SupportedFeatures.everything() if mpu is None else
+                      SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True))
     if mpu is not None:
         mesh = mesh_from_mpu(mpu, model, cfg.tp_size)
     else:

@@ -177,8 +177,29 @@ def _param_groups(model: nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0, "lr": 2 * LR}]
 
 
+def _row_mean(forward, n: int) -> torch.Tensor:
+    """The micro batch's mean loss as the mean of per-row forwards: equal in exact arithmetic,
+    other GEMM shapes and summation order in fp32 (the noise floor, tests/tolerance.py)."""
+    return sum(forward(slice(i, i + 1)) for i in range(n)) / n
+
+
+def with_tolerance(run) -> dict:
+    """``run(per_row)`` twice: the reference, and its per-row twin whose distance sets the bound."""
+    from tolerance import equivalence_tol
+    from zero_cases import measured_noise
+
+    ref = run(False)
+    ref["noise"] = measured_noise(ref, [run(True)])
+    ref["tol"] = equivalence_tol(ref["noise"], STEPS)
+    return ref
+
+
 def reference(kind: str, as_list: bool = False, world: int = 2) -> dict:
     """One process, plain AdamW on the same global batch (each rank's loss averaged as DP does)."""
+    return with_tolerance(lambda per_row: _reference_run(kind, as_list, world, per_row))
+
+
+def _reference_run(kind: str, as_list: bool, world: int, per_row: bool) -> dict:
     model = build(kind)
     groups = _param_groups(model) if as_list else [{"params": list(model.parameters())}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -187,8 +208,8 @@ def reference(kind: str, as_list: bool = False, world: int = 2) -> dict:
     for s in range(STEPS):
         opt.zero_grad(set_to_none=False)
         for r in range(world):
-            sl = slice(r * MICRO, (r + 1) * MICRO)
-            loss = model(xs[s, sl], ys[s, sl])
+            x, y = xs[s, r * MICRO:(r + 1) * MICRO], ys[s, r * MICRO:(r + 1) * MICRO]
+            loss = _row_mean(lambda i, x=x, y=y: model(x[i], y[i]), MICRO) if per_row else model(x, y)
             (loss / world).backward()
             losses[r].append(float(loss.detach()))
         opt.step()
@@ -262,6 +283,11 @@ def hf_under_init(kind: str, folder: str, groups: bool, edit: bool, steps: int =
 
 
 def hf_reference(kind: str, groups: bool, edit: bool, steps: int = 3) -> dict:
+    assert steps == STEPS
+    return with_tolerance(lambda per_row: _hf_reference_run(kind, groups, edit, steps, per_row))
+
+
+def _hf_reference_run(kind: str, groups: bool, edit: bool, steps: int, per_row: bool) -> dict:
     from tiny_models import batches
     from tiny_models import build as build_hf
 
@@ -276,7 +302,8 @@ def hf_reference(kind: str, groups: bool, edit: bool, steps: int = 3) -> dict:
         opt.zero_grad(set_to_none=False)
         for r in range(2):
             ids = data[s, 0, r * 2:(r + 1) * 2]
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = (_row_mean(lambda i, ids=ids: model(input_ids=ids[i], labels=ids[i]).loss, 2) if per_row
+                    else model(input_ids=ids, labels=ids).loss)
             (loss / 2).backward()
             losses[r].append(float(loss.detach()))
         opt.step()

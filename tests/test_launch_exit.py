@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "exit_worker.py")
-RUNS = int(os.environ.get("SHARDWISE_EXIT_RUNS", "10"))
+RUNS = int(os.environ.get("SHARDWISE_EXIT_RUNS", "5"))
 
 
 def _torchrun(mode: str) -> subprocess.CompletedProcess:
