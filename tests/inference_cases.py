@@ -65,29 +65,31 @@ def stream(folder: str, offload: str | None, prefetch: int = 1) -> dict:
                               if f.endswith(".safetensors"))}
 
 
-def tensor_parallel(folder: str) -> list:
+def tensor_parallel(folder: str, offload: str | None = None, quantize: str | None = None) -> list:
     """On every rank: greedy tokens of init_inference with tensor_parallel_size = world."""
     import torch.distributed as dist
 
     from shardwise.inference import init_inference
 
-    model = init_inference(folder, tensor_parallel_size=dist.get_world_size())
+    model = init_inference(folder, tensor_parallel_size=dist.get_world_size(), offload=offload, quantize=quantize)
     return model.generate(prompt(), **GEN).tolist()
 
 
-def save_large(folder: str, layers: int, hidden: int, inter: int, vocab: int = 512) -> dict:
-    """A Llama of ``layers`` decoder layers saved to ``folder`` (fp32); returns its sizes in bytes."""
+def save_large(folder: str, layers: int, hidden: int, inter: int, vocab: int = 512,
+               dtype: torch.dtype = torch.float32) -> dict:
+    """A Llama of ``layers`` decoder layers saved to ``folder`` in ``dtype``; returns its sizes in bytes."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
                       max_position_embeddings=256, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     model.save_pretrained(folder)
     save_tokenizer(folder, vocab)
-    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * 4
-    return {"model_bytes": sum(p.numel() for p in model.parameters()) * 4, "layer_bytes": layer}
+    size = torch.empty((), dtype=dtype).element_size()
+    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * size
+    return {"model_bytes": sum(p.numel() for p in model.parameters()) * size, "layer_bytes": layer}
 
 
 def _rss(field: str) -> int:
@@ -121,12 +123,50 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
                              pad_token_id=0)
     t2 = time.perf_counter()
     fetcher = getattr(model, "shardwise_fetcher", None)
+    report = model.memory_report() if fetcher else {}
     return {"mode": mode, "prefetch": prefetch, "baseline": baseline, "peak_growth": _rss("VmHWM") - baseline,
             "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t1),
-            "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist()}
+            "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist(),
+            "resident": report.get("params", 0), "gather_pool": report.get("gather_pool", 0),
+            "overflow": report.get("gather_pool_overflow", 0)}
+
+
+def measure_fresh(folder: str, mode: str, new_tokens: int, runs: int) -> list[dict]:
+    """``measure`` in ``runs`` fresh processes, one after the other, each forked from this one.
+
+    The parent only imports (torch, transformers, shardwise: what a user's script does before
+    loading a model) and forks; each child starts from exactly that state, takes its own
+    baseline and reports over a pipe. A fork skips the 3-4 s of imports per run.
+    """
+    from transformers import AutoModelForCausalLM  # noqa: F401 (the imports every child starts from)
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    import shardwise.inference  # noqa: F401
+
+    results = []
+    for _ in range(runs):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: measure, write one JSON line, leave without running parent cleanups
+            os.close(r)
+            try:
+                payload = json.dumps(measure(folder, mode, new_tokens)).encode()
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                payload = json.dumps({"error": repr(e)}).encode()
+            os.write(w, payload)
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        os.waitpid(pid, 0)
+        results.append(json.loads(data))
+    return results
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "fresh":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        print(json.dumps(measure_fresh(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))
     if sys.argv[1] == "measure":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]),
