@@ -302,6 +302,8 @@ def _stream(model: nn.Module, comm: Comm, offload: str | None, prefetch: int,
     stage3, resident = ShardPolicy.for_stage(3), ShardPolicy.for_stage(0)
     split = [_by_dtype(owned[ui]) for ui in range(len(units))]
     pool = _make_pool(split[:-1], comm.size, prefetch, device)
+    # a store holding the layers itself (quantized in memory) is their persistent copy, as files are
+    reread = offload == "disk" or getattr(files, "holds_layers", False)
     groups: list[list[ShardedGroup]] = []
     for ui in range(len(units)):
         is_root = ui == len(units) - 1
@@ -310,7 +312,7 @@ def _stream(model: nn.Module, comm: Comm, offload: str | None, prefetch: int,
             ShardedGroup(ps, [names[id(p)] for p in ps], comm if policy is stage3 else Comm(solo=True),
                          policy, trainable=False, shard_reader=reader, device=device,
                          param_offload_device=torch.device("cpu") if offload == "cpu" else None,
-                         pin_memory=offload == "cpu", reread_shard=offload == "disk" and policy is stage3,
+                         pin_memory=offload == "cpu", reread_shard=reread and policy is stage3,
                          pool=None if is_root else pool)
             for ps in split[ui]])
         if progress is not None:

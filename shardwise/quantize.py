@@ -52,6 +52,17 @@ def quantize_tensor(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tenso
     return (u[:, 0] | (u[:, 1] << 4)).contiguous(), scale
 
 
+def dequantize_tensor(packed: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
+                      shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``quantize_tensor`` stands for (whole tensor at once: for checks and references)."""
+    if bits == 8:
+        q = packed.view(torch.int8)
+    else:
+        q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1).to(torch.int8) - 8
+    w = q.view(-1, group).float() * scale.float()[:, None]
+    return w.reshape(-1)[:math.prod(shape)].view(shape).to(dtype)
+
+
 def quantizable(model: nn.Module) -> set[str]:
     """Names of the 2-D weights inside decoder layers (every unit but the root)."""
     units = find_units(model)
@@ -92,6 +103,7 @@ class QuantizedStore(SafetensorsReader):
                 self._check_stored(key, shape)
                 if resident:
                     self.blobs[key] = self._load_blob(key)
+        self.holds_layers = resident  # the groups re-read from here: no second, dequantized copy
         self._qlock = threading.Lock()
         self._stage: dict[str, torch.Tensor] = {}
 

@@ -61,6 +61,7 @@ def stream(folder: str, offload: str | None, prefetch: int = 1) -> dict:
     layer = sum(g.padded_numel * g.flat_param.element_size() for g in model.shardwise_groups[0])
     return {"tokens": out.tolist(), "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None,
             "layer_bytes": layer, "bytes_read": files.bytes_read if files else None,
+            "root_bytes": sum(g.memory()["params"] for g in model.shardwise_groups[-1]),
             "file_bytes": sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
                               if f.endswith(".safetensors"))}
 
@@ -172,3 +173,41 @@ if __name__ == "__main__":
         print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]),
                                  int(sys.argv[5]) if len(sys.argv) > 5 else 1,
                                  int(sys.argv[6]) if len(sys.argv) > 6 else 1)))
+
+
+def train_sonnets(folder: str, steps: int = 300, seed: int = 0) -> torch.Tensor:
+    """A tiny character-level Llama trained briefly on data/sonnets.txt (plain torch AdamW, one
+    process), saved to ``folder``; returns the text as token ids (a quantized model is judged on
+    a model that has learned something: a random one says nothing about quality)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "data", "sonnets.txt")) as f:
+        text = f.read()
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text])
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(chars), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 65, (16,), generator=g)
+        batch = torch.stack([ids[s:s + 65] for s in starts.tolist()])
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(folder)
+    return ids
+
+
+def perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = 128) -> float:
+    """exp(mean next-token loss) over the text cut into windows of ``seq`` tokens."""
+    n = (len(ids) // seq) * seq
+    windows = ids[:n].view(-1, seq)
+    with torch.no_grad():
+        loss = model(input_ids=windows, labels=windows).loss
+    return float(torch.exp(loss))
