@@ -35,7 +35,7 @@ from torch import nn
 from shardwise.comm import Comm, compute_device, init_distributed
 from shardwise.zero.flat_group import GatherPool, ShardedGroup, ShardPolicy
 from shardwise.zero.gathered import guard_state_dict
-from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases, weight_map
+from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
 from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
 
 OFFLOADS = (None, "cpu", "disk")
@@ -51,15 +51,25 @@ def _confined_files(folder: str) -> list[str]:
     make a downloaded model read any file on the machine: refused, naming the index and entry.
     """
     index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            entries = json.load(f).get("weight_map", {})
-        for name, rel in entries.items():
-            if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
-                raise ValueError(f"{index}: entry {name!r} points at {rel!r}, outside the model folder; "
-                                 "only file names relative to the folder are allowed")
+    if not os.path.exists(index):
+        single = os.path.join(folder, "model.safetensors")
+        if not os.path.exists(single):
+            raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
+                                    "(shardwise reads weights from safetensors only)")
+        entries = {"*": "model.safetensors"}
+    else:
+        try:
+            with open(index) as f:
+                entries = json.load(f)["weight_map"]
+            entries = dict(entries)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    for name, rel in entries.items():
+        if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            raise ValueError(f"{index}: entry {name!r} points at {rel!r}, outside the model folder; "
+                             "only file names relative to the folder are allowed")
     root = os.path.realpath(folder)
-    files = sorted({os.fspath(f) for f in weight_map(folder).values()})
+    files = sorted({os.path.join(folder, rel) for rel in entries.values()})
     for f in files:
         if os.path.commonpath([root, os.path.realpath(f)]) != root:
             raise ValueError(f"{f}: resolves outside the model folder {folder} (a symlink?); refused")
@@ -134,8 +144,12 @@ class SafetensorsReader:
                 return n
         raise KeyError(f"none of {names} is in the safetensors files of {self.folder}")
 
-    def check_shape(self, key: str, shape: tuple[int, ...]) -> None:
-        """Refuse a stored tensor whose shape is not the one the model (its config) expects."""
+    def check_shape(self, key: str, shape: tuple[int, ...], floating: bool = True) -> None:
+        """Refuse a stored tensor whose shape is not the one the model (its config) expects, or
+        integer data for a floating-point parameter (a header whose dtype was changed)."""
+        if floating and not self.entries[key][1].is_floating_point:
+            raise ValueError(f"{self.file_of[key]}: tensor {key!r} is stored as {self.entries[key][1]}, not a "
+                             "floating-point dtype; the header does not describe these weights")
         if tuple(self.shapes[key]) != tuple(shape):
             raise ValueError(f"{self.file_of[key]}: tensor {key!r} is stored with shape {list(self.shapes[key])} "
                              f"but {self.folder}/config.json makes it {list(shape)}: config and weights "
@@ -259,7 +273,7 @@ def param_reader(model: nn.Module, files: SafetensorsReader) -> Callable[..., to
         full = list(p.shape)
         if spec is not None:
             full[spec.dim] = spec.full
-        files.check_shape(keys[pid], tuple(full))
+        files.check_shape(keys[pid], tuple(full), p.is_floating_point())
 
     def reader(p: nn.Parameter, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         spec = getattr(p, "_tp_spec", None)

@@ -150,9 +150,9 @@ class QuantizedStore(SafetensorsReader):
                 return n
         return super().find(names)
 
-    def check_shape(self, key: str, shape: tuple[int, ...]) -> None:
+    def check_shape(self, key: str, shape: tuple[int, ...], floating: bool = True) -> None:
         if key not in self.qshapes:
-            return super().check_shape(key, shape)
+            return super().check_shape(key, shape, floating)
         if tuple(self.qshapes[key]) != tuple(shape):
             raise ValueError(f"{self.folder}/{DESCRIPTION}: quantized tensor {key!r} has shape "
                              f"{list(self.qshapes[key])} but {self.folder}/config.json makes it {list(shape)}: "
