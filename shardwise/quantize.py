@@ -35,6 +35,8 @@ BITS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP = 64
 _CHUNK = 1 << 16  # elements dequantized at a time (bounded staging, reused)
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+# byte b of a packed int4 tensor holds the levels (b & 15) - 8 (first) and (b >> 4) - 8 (second)
+_INT4_LEVELS = torch.tensor([[(b & 15) - 8, (b >> 4) - 8] for b in range(256)], dtype=torch.float32)
 
 
 def quantize_tensor(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,8 +189,7 @@ class QuantizedStore(SafetensorsReader):
         g, per_byte = self.group, 8 // self.bits
         chunk = max(1, _CHUNK // g)
         packed = self._buf("packed", chunk * g // per_byte, torch.uint8)
-        nib = self._buf("nibble", chunk * g // per_byte, torch.uint8)
-        ints = self._buf("ints", chunk * g, torch.int8)
+        index = self._buf("index", chunk * g // per_byte, torch.int32)
         scales, scales32 = self._buf("scales", chunk, torch.float16), self._buf("scales32", chunk, torch.float32)
         vals = self._buf("vals", chunk * g, torch.float32)
         for ga in range(start // g, -(-end // g), chunk):
@@ -196,17 +197,13 @@ class QuantizedStore(SafetensorsReader):
             q, s = packed[:n * g // per_byte], scales[:n]
             self._raw(key, False, ga * g // per_byte, q)
             self._raw(key, True, ga, s)
-            if self.bits == 8:
-                iv = q.view(torch.int8)
-            else:
-                pairs = ints[:n * g].view(-1, 2)
-                torch.bitwise_and(q, 15, out=nib[:q.numel()])
-                pairs[:, 0].copy_(nib[:q.numel()])
-                torch.bitwise_right_shift(q, 4, out=nib[:q.numel()])
-                pairs[:, 1].copy_(nib[:q.numel()])
-                iv = ints[:n * g].sub_(8)
             scales32[:n].copy_(s)
-            torch.mul(iv.view(n, g), scales32[:n, None], out=vals[:n * g].view(n, g))
+            if self.bits == 8:
+                torch.mul(q.view(torch.int8).view(n, g), scales32[:n, None], out=vals[:n * g].view(n, g))
+            else:  # each byte to its two levels through a 256-entry table: one gather, no strided writes
+                index[:q.numel()].copy_(q)
+                torch.index_select(_INT4_LEVELS, 0, index[:q.numel()], out=vals[:n * g].view(-1, 2))
+                vals[:n * g].view(n, g).mul_(scales32[:n, None])
             lo, hi = max(start, ga * g), min(end, (ga + n) * g)
             out[lo - start:hi - start].copy_(vals[lo - ga * g:hi - ga * g])
 

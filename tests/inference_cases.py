@@ -118,18 +118,21 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
     else:
         model = init_inference(folder, offload=None if mode == "resident" else mode, prefetch=prefetch)
+    files = getattr(model, "shardwise_files", None)
+    read0 = files.bytes_read if files is not None else 0
     t1 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0)
     t2 = time.perf_counter()
+    read = (files.bytes_read - read0) / new_tokens if files is not None else 0
     fetcher = getattr(model, "shardwise_fetcher", None)
     report = model.memory_report() if fetcher else {}
     return {"mode": mode, "prefetch": prefetch, "baseline": baseline, "peak_growth": _rss("VmHWM") - baseline,
             "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t1),
             "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist(),
             "resident": report.get("params", 0), "gather_pool": report.get("gather_pool", 0),
-            "overflow": report.get("gather_pool_overflow", 0)}
+            "overflow": report.get("gather_pool_overflow", 0), "read_per_token": read}
 
 
 def measure_fresh(folder: str, mode: str, new_tokens: int, runs: int) -> list[dict]:
