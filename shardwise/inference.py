@@ -16,6 +16,10 @@ gathers it just before its forward, prefetches the next ``prefetch`` layers and 
 
 The root's own parameters (embeddings, final norm, head) are needed by every forward; in the
 streamed modes they stay resident, as ``stage3_param_persistence_threshold`` keeps small ones.
+Decoder layers are gathered into a fixed :class:`~shardwise.zero.flat_group.GatherPool` of
+``prefetch + 1`` layer buffers made once, so the memory held does not depend on the allocator.
+``quantize=`` streams group-wise int8/int4 weights from a :class:`~shardwise.quantize.QuantizedStore`
+(another shard store), dequantized into the gathered buffer.
 """
 
 from __future__ import annotations
