@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, compute_device, init_distributed
-from shardwise.zero.flat_group import GatherPool, ShardedGroup, ShardPolicy
+from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
+from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
 from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
