@@ -237,11 +237,11 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     path = None if isinstance(model_or_path, nn.Module) else os.fspath(model_or_path)
+    if offload is None and path is not None and is_quantized(path):
+        raise ValueError(f"{path} holds quantized weights (shardwise quantize): load it with offload='disk' or 'cpu'")
     if tensor_parallel_size > 1:
         return _tensor_parallel(model_or_path, tensor_parallel_size, offload, dtype, prefetch, quantize, group_size)
     comm = _comm()
-    if offload is None and path is not None and is_quantized(path):
-        raise ValueError(f"{path} holds quantized weights (shardwise quantize): load it with offload='disk' or 'cpu'")
     if quantize is not None and (offload is None or path is None):
         raise ValueError(f"quantize={quantize!r} streams quantized layers: give a folder and offload='disk' or 'cpu'")
     if comm.size == 1 and offload is None:  # resident weights: nothing to stream

@@ -154,3 +154,5 @@ def test_cli_streams_greedy_tokens(tmp_path, extra):
     assert res.returncode == 0, res.stderr[-3000:]
     assert tok.decode(want[0]) in res.stdout
     assert "tokens/s" in res.stdout and "peak memory" in res.stdout
+    if extra[0] == "--offload":  # streamed: the loading progress line and the bytes read per token
+        assert "loading: 3/3 units" in res.stderr and "MiB read per token" in res.stdout

@@ -101,6 +101,8 @@ def test_quantized_folder_mismatches_are_refused(folders):
         init_inference(folders[4], offload="disk", group_size=64)
     with pytest.raises(ValueError, match="offload"):
         init_inference(folders[4])  # resident transformers would read packed bytes as weights
+    with pytest.raises(ValueError, match="offload"):
+        init_inference(folders[4], tensor_parallel_size=2)  # refused before any process group is needed
     with pytest.raises(ValueError, match="already quantized"):
         quantize_folder(folders[4], folders[4] + "_again", 4, GROUP)
 
