@@ -81,7 +81,7 @@ def _report(model, new: int, seconds: float, batch: int) -> str:
     fetcher = getattr(model, "shardwise_fetcher", None)
     files = getattr(model, "shardwise_files", None)
     line = f"{new} tokens in {seconds:.2f} s: {batch * new / seconds:.2f} tokens/s"
-    if files is not None and new:
+    if files is not None and new and files.bytes_read:  # offload="cpu" reads memory, not files
         line += f"; {files.bytes_read / new / 2**20:.1f} MiB read per token"
     line += f"; peak memory {_peak_memory()}"
     if fetcher is not None:
