@@ -135,49 +135,6 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
             "overflow": report.get("gather_pool_overflow", 0), "read_per_token": read}
 
 
-def measure_fresh(folder: str, mode: str, new_tokens: int, runs: int) -> list[dict]:
-    """``measure`` in ``runs`` fresh processes, one after the other, each forked from this one.
-
-    The parent only imports (torch, transformers, shardwise: what a user's script does before
-    loading a model) and forks; each child starts from exactly that state, takes its own
-    baseline and reports over a pipe. A fork skips the 3-4 s of imports per run.
-    """
-    from transformers import AutoModelForCausalLM  # noqa: F401 (the imports every child starts from)
-    from transformers.models.llama import modeling_llama  # noqa: F401
-
-    import shardwise.inference  # noqa: F401
-
-    results = []
-    for _ in range(runs):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: measure, write one JSON line, leave without running parent cleanups
-            os.close(r)
-            try:
-                payload = json.dumps(measure(folder, mode, new_tokens)).encode()
-            except BaseException as e:  # noqa: BLE001 - reported to the parent
-                payload = json.dumps({"error": repr(e)}).encode()
-            os.write(w, payload)
-            os._exit(0)
-        os.close(w)
-        with os.fdopen(r, "rb") as f:
-            data = f.read()
-        os.waitpid(pid, 0)
-        results.append(json.loads(data))
-    return results
-
-
-if __name__ == "__main__":
-    if sys.argv[1] == "fresh":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        print(json.dumps(measure_fresh(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))
-    if sys.argv[1] == "measure":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]),
-                                 int(sys.argv[5]) if len(sys.argv) > 5 else 1,
-                                 int(sys.argv[6]) if len(sys.argv) > 6 else 1)))
-
-
 def train_sonnets(folder: str, steps: int = 300, seed: int = 0) -> torch.Tensor:
     """A tiny character-level Llama trained briefly on data/sonnets.txt (plain torch AdamW, one
     process), saved to ``folder``; returns the text as token ids (a quantized model is judged on
@@ -214,3 +171,11 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = 128) -> flo
     with torch.no_grad():
         loss = model(input_ids=windows, labels=windows).loss
     return float(torch.exp(loss))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "measure":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                 int(sys.argv[5]) if len(sys.argv) > 5 else 1,
+                                 int(sys.argv[6]) if len(sys.argv) > 6 else 1)))
