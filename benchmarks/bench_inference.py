@@ -1,9 +1,13 @@
 """ZeRO-Inference memory and speed: plain transformers vs resident / cpu / disk streaming.
 
     python benchmarks/bench_inference.py [--layers 16 --hidden 1024 --inter 2816 --tokens 16]
+    python benchmarks/bench_inference.py --quantized --cold --tokens 8     (fp32/bf16/int8/int4 x batch 1, 32)
 
 Builds a Llama from a config (826 MB fp32 by default), saves it, then runs each mode in a fresh
 process (peak RSS only grows) via ``tests/inference_cases.py measure`` and prints a table.
+``--quantized``: the model saved in fp32 and bf16 and quantized (``shardwise quantize``) to int8
+and int4 from the fp32 copy (so those compute in fp32), each streamed from disk at batch 1 and 32,
+against plain transformers with the weights resident.
 """
 
 from __future__ import annotations
@@ -19,6 +23,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = [("plain", 1), ("resident", 1), ("cpu", 0), ("cpu", 1), ("disk", 0), ("disk", 1), ("disk", 2)]
 
 
+def _run(folder: str, mode: str, prefetch: int, tokens: int, batch: int, env: dict) -> dict:
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "inference_cases.py"), "measure",
+                          folder, mode, str(tokens), str(prefetch), str(batch)],
+                         capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
+    """tokens/s of fp32, bf16, int8, int4 streamed from disk, and plain transformers, at batch 1 and 32."""
+    import torch
+    from inference_cases import save_large
+
+    from shardwise.quantize import quantize_folder
+
+    base = args.folder or tempfile.mkdtemp(prefix="bench_inference_")
+    folders = {"fp32": os.path.join(base, "fp32"), "bf16": os.path.join(base, "bf16")}
+    if not os.path.exists(folders["fp32"]):
+        print(save_large(folders["fp32"], args.layers, args.hidden, args.inter))
+        save_large(folders["bf16"], args.layers, args.hidden, args.inter, dtype=torch.bfloat16)
+    for bits in (8, 4):
+        folders[f"int{bits}"] = os.path.join(base, f"int{bits}")
+        if not os.path.exists(folders[f"int{bits}"]):
+            quantize_folder(folders["fp32"], folders[f"int{bits}"], bits, args.group_size)
+    rows = [("plain", "fp32"), ("plain", "bf16")] + [("disk", k) for k in ("fp32", "bf16", "int8", "int4")]
+    print(f"{'mode':<7}{'weights':<8}{'batch':>6}{'tokens/s':>10}{'MB read/token':>15}{'peak RSS growth MB':>20}")
+    for batch in (1, 32):
+        for mode, kind in rows:
+            r = _run(folders[kind], mode, 1, args.tokens, batch, env)
+            print(f"{mode:<7}{kind:<8}{batch:>6}{r['tokens_per_s']:>10.2f}{r['read_per_token'] / 1e6:>15.1f}"
+                  f"{r['peak_growth'] / 1e6:>20.0f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=16)
@@ -30,25 +66,28 @@ def main() -> None:
                    "(SHARDWISE_COLD_READS=1), as a model larger than RAM forces")
     p.add_argument("--modes", default=None, help="e.g. disk:0,disk:1 (default: all)")
     p.add_argument("--batch", type=int, default=1, help="sequences generated together")
+    p.add_argument("--quantized", action="store_true", help="fp32/bf16/int8/int4 from disk at batch 1 and 32")
+    p.add_argument("--group-size", type=int, default=64)
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if args.cold:
+        env["SHARDWISE_COLD_READS"] = "1"
+    if args.quantized:
+        quantized_matrix(args, env)
+        return
     from inference_cases import save_large
 
     folder = args.folder or tempfile.mkdtemp(prefix="bench_inference_")
     sizes = save_large(folder, args.layers, args.hidden, args.inter) if not args.folder else None
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    if args.cold:
-        env["SHARDWISE_COLD_READS"] = "1"
     modes = MODES
     if args.modes:
         modes = [(m.split(":")[0], int(m.split(":")[1]) if ":" in m else 1) for m in args.modes.split(",")]
     print(f"model {folder}: {sizes}")
     print(f"{'mode':<9}{'prefetch':>9}{'peak RSS growth MB':>20}{'whole layers MB':>17}{'tokens/s':>10}")
     for mode, prefetch in modes:
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "inference_cases.py"), "measure",
-                              folder, mode, str(args.tokens), str(prefetch), str(args.batch)],
-                             capture_output=True, text=True, env=env, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = _run(folder, mode, prefetch, args.tokens, args.batch, env)
         gathered = f"{r['peak_gathered'] / 1e6:.0f}" if r["peak_gathered"] else "-"
         print(f"{mode:<9}{prefetch if mode in ('cpu', 'disk') else '-':>9}{r['peak_growth'] / 1e6:>20.0f}"
               f"{gathered:>17}{r['tokens_per_s']:>10.2f}", flush=True)

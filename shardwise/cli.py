@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "estimate": ("shardwise.estimate", "memory and communication per ZeRO stage, and advice"),
     "consolidate": ("shardwise.checkpoint", "turn a sharded checkpoint into an HF model directory"),
     "generate": ("shardwise.generate_cli", "generate text from an HF model directory"),
+    "quantize": ("shardwise.quantize", "write an int8/int4 copy of an HF model directory for streamed generate"),
 }
 ENTRY = {"shardwise.checkpoint": "consolidate_main"}
 

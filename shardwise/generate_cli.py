@@ -20,6 +20,9 @@ EXAMPLES = """examples:
   shardwise generate --model llama_dir --prompt "Once upon a time" --max-new-tokens 32
   shardwise generate --model big_dir --prompt "Hello" --offload disk          (weights stay on disk)
   shardwise generate --model big_dir --prompt "Hello" --offload cpu --dtype bf16
+  shardwise quantize big_dir big_int4 --bits 4 && \
+  shardwise generate --model big_int4 --prompt "Hello" --offload disk        (4-bit weights: fewer bytes)
+  shardwise generate --model big_dir --prompt "Hello" --offload cpu --quantize int8   (quantized at load)
   shardwise generate --model dir --prompt "Hello" --nproc 2                  (each rank holds 1/2)
   shardwise generate --model dir --prompt "Hello" --tp 2 --nproc 2           (tensor parallel)
   shardwise generate --model dir --prompt "Hi" --temperature 0.8 --top-p 0.95 --seed 1
@@ -41,6 +44,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="stream decoder layers from disk (nothing resident) or from CPU memory")
     p.add_argument("--prefetch", type=bounded_int(0, 1024, "--prefetch"), default=1,
                    help="layers read ahead of the running one (default 1)")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="stream group-wise quantized layers (with --offload; from disk: a `shardwise quantize` copy)")
+    p.add_argument("--group-size", type=bounded_int(1, 1 << 20, "--group-size"), default=None,
+                   help="elements per scale with --quantize cpu (default 64)")
     p.add_argument("--tp", type=bounded_int(1, 4096, "--tp"), default=1, help="tensor parallel size")
     p.add_argument("--nproc", type=bounded_int(1, 4096, "--nproc"), default=1,
                    help="ranks to run on (relaunches via `shardwise launch`)")
@@ -69,6 +76,28 @@ def _peak_memory() -> str:
     return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MiB RSS"
 
 
+def _progress(rank: int):
+    """A one-line loading progress on stderr (rank 0, rewritten in place)."""
+    def show(done: int, total: int) -> None:
+        if rank == 0:
+            end = "\n" if done == total else ""
+            print(f"\r[shardwise generate] loading: {done}/{total} units", end=end, file=sys.stderr, flush=True)
+    return show
+
+
+def _report(model, new: int, seconds: float, batch: int) -> str:
+    """tokens/s, bytes read per generated token (streamed from disk), peak memory, whole layers."""
+    fetcher = getattr(model, "shardwise_fetcher", None)
+    files = getattr(model, "shardwise_files", None)
+    line = f"{new} tokens in {seconds:.2f} s: {batch * new / seconds:.2f} tokens/s"
+    if files is not None and new and files.bytes_read:  # offload="cpu" reads memory, not files
+        line += f"; {files.bytes_read / new / 2**20:.1f} MiB read per token"
+    line += f"; peak memory {_peak_memory()}"
+    if fetcher is not None:
+        line += f", whole layers at most {fetcher.peak_gathered_bytes / 2**20:.1f} MiB"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
@@ -87,8 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    if args.quantize and not args.offload:
+        print("shardwise generate: --quantize streams quantized layers: add --offload disk or cpu", file=sys.stderr)
+        return 2
+    kwargs = dict(quantize=args.quantize, group_size=args.group_size) if args.quantize else {}
+    if args.tp == 1:
+        kwargs["progress"] = _progress(rank)
     model = init_inference(args.model, tensor_parallel_size=args.tp, offload=args.offload, dtype=dtype,
-                           prefetch=args.prefetch)
+                           prefetch=args.prefetch, **kwargs)
     device = next(model.buffers(), next(model.parameters())).device
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature is not None)
@@ -99,16 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         gen["pad_token_id"] = pad
     torch.manual_seed(args.seed)  # every rank draws the same tokens
     streamer = TextStreamer(tokenizer) if rank == 0 else None
+    files = getattr(model, "shardwise_files", None)
+    if files is not None:
+        files.bytes_read = 0  # count what generation reads, not the load
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, streamer=streamer, **gen)
     seconds = time.perf_counter() - start
     new = out.shape[-1] - ids.shape[-1]
     if rank == 0:
-        fetcher = getattr(model, "shardwise_fetcher", None)
-        gathered = f", whole layers at most {fetcher.peak_gathered_bytes / 2**20:.1f} MiB" if fetcher else ""
-        print(f"\n[shardwise generate] {new} tokens in {seconds:.2f} s: {new / seconds:.2f} tokens/s; "
-              f"peak memory {_peak_memory()}{gathered}", flush=True)
+        print(f"\n[shardwise generate] {_report(model, new, seconds, ids.shape[0])}", flush=True)
     import torch.distributed as dist
 
     if dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the rank

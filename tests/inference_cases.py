@@ -61,33 +61,36 @@ def stream(folder: str, offload: str | None, prefetch: int = 1) -> dict:
     layer = sum(g.padded_numel * g.flat_param.element_size() for g in model.shardwise_groups[0])
     return {"tokens": out.tolist(), "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None,
             "layer_bytes": layer, "bytes_read": files.bytes_read if files else None,
+            "root_bytes": sum(g.memory()["params"] for g in model.shardwise_groups[-1]),
             "file_bytes": sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
                               if f.endswith(".safetensors"))}
 
 
-def tensor_parallel(folder: str) -> list:
+def tensor_parallel(folder: str, offload: str | None = None, quantize: str | None = None) -> list:
     """On every rank: greedy tokens of init_inference with tensor_parallel_size = world."""
     import torch.distributed as dist
 
     from shardwise.inference import init_inference
 
-    model = init_inference(folder, tensor_parallel_size=dist.get_world_size())
+    model = init_inference(folder, tensor_parallel_size=dist.get_world_size(), offload=offload, quantize=quantize)
     return model.generate(prompt(), **GEN).tolist()
 
 
-def save_large(folder: str, layers: int, hidden: int, inter: int, vocab: int = 512) -> dict:
-    """A Llama of ``layers`` decoder layers saved to ``folder`` (fp32); returns its sizes in bytes."""
+def save_large(folder: str, layers: int, hidden: int, inter: int, vocab: int = 512,
+               dtype: torch.dtype = torch.float32) -> dict:
+    """A Llama of ``layers`` decoder layers saved to ``folder`` in ``dtype``; returns its sizes in bytes."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
                       max_position_embeddings=256, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     model.save_pretrained(folder)
     save_tokenizer(folder, vocab)
-    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * 4
-    return {"model_bytes": sum(p.numel() for p in model.parameters()) * 4, "layer_bytes": layer}
+    size = torch.empty((), dtype=dtype).element_size()
+    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * size
+    return {"model_bytes": sum(p.numel() for p in model.parameters()) * size, "layer_bytes": layer}
 
 
 def _rss(field: str) -> int:
@@ -115,15 +118,59 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
     else:
         model = init_inference(folder, offload=None if mode == "resident" else mode, prefetch=prefetch)
+    files = getattr(model, "shardwise_files", None)
+    read0 = files.bytes_read if files is not None else 0
     t1 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0)
     t2 = time.perf_counter()
+    read = (files.bytes_read - read0) / new_tokens if files is not None else 0
     fetcher = getattr(model, "shardwise_fetcher", None)
+    report = model.memory_report() if fetcher else {}
     return {"mode": mode, "prefetch": prefetch, "baseline": baseline, "peak_growth": _rss("VmHWM") - baseline,
             "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t1),
-            "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist()}
+            "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist(),
+            "resident": report.get("params", 0), "gather_pool": report.get("gather_pool", 0),
+            "overflow": report.get("gather_pool_overflow", 0), "read_per_token": read}
+
+
+def train_sonnets(folder: str, steps: int = 300, seed: int = 0) -> torch.Tensor:
+    """A tiny character-level Llama trained briefly on data/sonnets.txt (plain torch AdamW, one
+    process), saved to ``folder``; returns the text as token ids (a quantized model is judged on
+    a model that has learned something: a random one says nothing about quality)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "data", "sonnets.txt")) as f:
+        text = f.read()
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text])
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(chars), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 65, (16,), generator=g)
+        batch = torch.stack([ids[s:s + 65] for s in starts.tolist()])
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(folder)
+    return ids
+
+
+def perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = 128) -> float:
+    """exp(mean next-token loss) over the text cut into windows of ``seq`` tokens."""
+    n = (len(ids) // seq) * seq
+    windows = ids[:n].view(-1, seq)
+    with torch.no_grad():
+        loss = model(input_ids=windows, labels=windows).loss
+    return float(torch.exp(loss))
 
 
 if __name__ == "__main__":

@@ -55,14 +55,25 @@ def test_tensor_parallel_inference(pool2, tiny):
     assert pool2.run("inference_cases:tensor_parallel", folder) == [ref, ref]
 
 
+@pytest.mark.parametrize("offload", ["disk", "cpu"])
+def test_tensor_parallel_with_offload(pool2, tiny, offload):
+    """Each TP rank streams its own slices of every layer: the tokens of TP=2 without offload."""
+    pytest.importorskip("shardwise.tensor_parallel.inference")
+    _, folder, ref = tiny
+    resident = pool2.run("inference_cases:tensor_parallel", folder)
+    assert pool2.run("inference_cases:tensor_parallel", folder, offload) == resident == [ref, ref]
+
+
 def test_bad_arguments(tmp_path):
     save_tiny("llama", str(tmp_path))
     with pytest.raises(ValueError, match="offload"):
         init_inference(str(tmp_path), offload="nvme")
     with pytest.raises(ValueError, match="folder"):
         init_inference(torch.nn.Linear(2, 2), offload="disk")
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
-        init_inference(str(tmp_path), tensor_parallel_size=2, offload="cpu")
+    with pytest.raises(ValueError, match="quantize"):
+        init_inference(str(tmp_path), quantize="int8")  # quantized streaming needs offload
+    with pytest.raises(ValueError, match="shardwise quantize"):
+        init_inference(str(tmp_path), offload="disk", quantize="int4")  # from disk: the quantized copy
 
 
 def test_module_in_memory_streamed_from_cpu(tmp_path):
@@ -75,33 +86,52 @@ def test_module_in_memory_streamed_from_cpu(tmp_path):
     assert torch.equal(streamed.generate(prompt(), **GEN), ref)
 
 
-def _measure(folder: str, mode: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, os.path.join(TESTS, "inference_cases.py"), "measure", folder, mode, "4"],
-                         capture_output=True, text=True, env=env, timeout=600, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _fresh_runs(jobs: list[tuple[str, str]], runs: int) -> dict[tuple[str, str], list[dict]]:
+    """``measure`` for each (folder, mode) in ``runs`` fresh processes, two at a time (2 cores)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    todo = [job for job in jobs for _ in range(runs)]
+    out: dict[tuple[str, str], list[dict]] = {job: [] for job in jobs}
+    running: list[tuple[tuple[str, str], subprocess.Popen]] = []
+    while todo or running:
+        while todo and len(running) < 2:
+            job = todo.pop(0)
+            cmd = [sys.executable, os.path.join(TESTS, "inference_cases.py"), "measure", job[0], job[1], "4"]
+            running.append((job, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                  text=True, env=env)))
+        job, proc = running.pop(0)
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        out[job].append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
 
 
-def test_disk_offload_peak_memory(tmp_path):
-    """24 layers of 12.6 MB: generating from disk grows RSS by ~2 layers, plain transformers by the model.
+def test_streamed_memory_bound_on_every_run(tmp_path):
+    """Ten fresh processes per case (imports, baseline, init_inference, generate): the peak RSS
+    growth beyond what the mode keeps resident is at most 20% of the model on EVERY run.
 
-    The library never holds more than two layers (``peak_gathered``, exact). RSS on top of that is
-    bimodal here: about two runs in three grow by 32-42 MB, the others by 60-140 MB that glibc
-    keeps after generate() returns (not tied to malloc arenas or the hash seed; see the issue
-    note). So the RSS bound is checked on the best of up to five fresh processes.
+    48 layers of 12.6 MB (fp32) / 6.3 MB (bf16). Layers are gathered into a fixed pool of two
+    layer buffers (prefetch 1), so what remains is the pool (4% of the model), the root, the KV
+    cache, activations and ~22 MB of libtorch code paged in by the first forward (file-backed
+    RSS, the same for any model). offload="cpu" on a CPU host keeps the whole model resident
+    (that is the mode): its bound is on the growth beyond the resident shards it reports.
     """
-    sizes = save_large(str(tmp_path), layers=24, hidden=512, inter=1376)
-    plain = _measure(str(tmp_path), "plain")
-    bound, growths = 0.25 * sizes["model_bytes"], []
-    for _ in range(5):
-        disk = _measure(str(tmp_path), "disk")
-        assert disk["tokens"] == plain["tokens"]
-        assert disk["peak_gathered"] == 2 * sizes["layer_bytes"]
-        growths.append(disk["peak_growth"])
-        if growths[-1] < bound:
-            break
-    assert plain["peak_growth"] > 0.9 * sizes["model_bytes"], plain
-    assert min(growths) < bound, (growths, sizes)
+    cases, sizes = [], {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        folder = str(tmp_path / name)
+        sizes[folder] = save_large(folder, layers=48, hidden=512, inter=1376, dtype=dtype)
+        cases += [(folder, "disk"), (folder, "cpu")]
+    results = _fresh_runs(cases, runs=10)
+    for (folder, mode), runs in results.items():
+        model = sizes[folder]["model_bytes"]
+        excess = [r["peak_growth"] - r["resident"] for r in runs]
+        assert max(excess) <= 0.2 * model, (folder, mode, [round(e / model, 3) for e in excess])
+        for r in runs:
+            assert r["gather_pool"] == 2 * sizes[folder]["layer_bytes"] and r["overflow"] == 0
+            assert r["peak_gathered"] == 2 * sizes[folder]["layer_bytes"]
+            assert r["tokens"] == runs[0]["tokens"]
+            assert r["resident"] < 0.01 * model if mode == "disk" else r["resident"] >= model
+    for folder in sizes:  # cpu and disk stream the same weights: same tokens
+        assert results[(folder, "cpu")][0]["tokens"] == results[(folder, "disk")][0]["tokens"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -124,3 +154,5 @@ def test_cli_streams_greedy_tokens(tmp_path, extra):
     assert res.returncode == 0, res.stderr[-3000:]
     assert tok.decode(want[0]) in res.stdout
     assert "tokens/s" in res.stdout and "peak memory" in res.stdout
+    if extra[0] == "--offload":  # streamed: the loading progress line and the bytes read per token
+        assert "loading: 3/3 units" in res.stderr and "MiB read per token" in res.stdout

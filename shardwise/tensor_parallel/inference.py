@@ -10,6 +10,7 @@ built normally on the CPU.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -34,13 +35,42 @@ def _read_local(sl, spec: ShardSpec | None, shape: tuple[int, ...], dtype: torch
     return out
 
 
+def read_tp_slice(files, key: str, spec: ShardSpec, shape: tuple[int, ...], start: int, end: int,
+                  out: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of stored tensor ``key`` (local ``shape``) into the flat ``out``.
+
+    The streamed (offload) path: each gather reads only this rank's part, a contiguous range per
+    piece when the slice is along dim 0, one range per row when along the last dim of a matrix.
+    """
+    numel = math.prod(shape)
+    if (start, end) != (0, numel):
+        raise NotImplementedError(f"{key}: a tensor-parallel slice is streamed whole, not [{start}, {end})")
+    view = out.view(shape)
+    if sum(b - a for a, b, _ in spec.pieces()) < shape[spec.dim]:
+        out.zero_()  # vocabulary padding
+    for a, b, d in spec.pieces():
+        if spec.dim == 0:
+            inner = numel // shape[0]
+            files.read(key, a * inner, b * inner, out[d * inner:(d + b - a) * inner])
+        elif spec.dim == len(shape) - 1 == 1:
+            for r in range(shape[0]):
+                files.read(key, r * spec.full + a, r * spec.full + b, view[r, d:d + b - a])
+        else:
+            raise NotImplementedError(f"{key}: streaming a slice along dim {spec.dim} of {len(shape)}-D")
+    return out
+
+
 def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel_size: int = 1,
-                   dtype: torch.dtype | None = None, **config_kwargs) -> nn.Module:
+                   dtype: torch.dtype | None = None, offload: str | None = None, prefetch: int = 1,
+                   quantize: str | None = None, group_size: int | None = None, **config_kwargs) -> nn.Module:
     """A TP-sharded causal LM in eval mode whose ``generate()`` works; every rank must call this.
 
     ``model_or_path``: a model (sharded in place) or a ``save_pretrained`` directory (only this
     rank's slices are read). Sampling draws from a seed shared within the TP group. The report
     of what was sharded is ``model._tp_report``; bytes read from disk ``model._tp_bytes_loaded``.
+    With ``offload="disk"|"cpu"`` the decoder layers of this rank's slices are streamed as in
+    ``shardwise.inference`` (one ``ShardedGroup`` per layer over this rank alone, gathered from
+    the files or CPU, optionally quantized).
     """
     init_distributed()
     tp = get_mesh(tensor_parallel_size).tp
@@ -64,6 +94,13 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     finally:
         torch.set_default_dtype(previous)
     apply_tensor_parallel(model, tp)
+    if offload is not None:
+        from shardwise.comm import Comm
+        from shardwise.inference import _stream
+        from shardwise.quantize import open_store
+
+        store = open_store(path, model, offload, quantize, group_size)
+        return _stream(model, Comm(solo=True), offload, prefetch, store, dtype)
     files = weight_map(path)
     prefix = f"{model.base_model_prefix}."
     replaced: dict[int, nn.Parameter] = {}

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, Work
+from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
 
@@ -116,6 +117,7 @@ class ShardedGroup:
         secondary: Comm | None = None,
         weight_bits: int = 0,
         grad_bits: int = 0,
+        pool: GatherPool | None = None,
     ):
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
@@ -151,7 +153,10 @@ class ShardedGroup:
 
         # Read straight into the shard (zero.Init from a checkpoint): the full group is never built.
         from_files = shard_reader is not None and policy.shard_params
-        if from_files:
+        self.pool = pool if policy.shard_params and not trainable else None
+        if from_files and self.pool is not None:
+            self.flat_param = torch.empty(0, dtype=self.dtype, device=self.device)
+        elif from_files:
             self.flat_param = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         else:
             self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
@@ -167,7 +172,10 @@ class ShardedGroup:
                 p.data = self._view(self.flat_param, off, p)
             p._shardwise_group = self
 
-        owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
+        # (a pooled group has no buffer until its first gather; it is frozen, so needs no master)
+        owned = self.flat_param
+        if owned.numel():
+            owned = owned.narrow(0, self.own_start, self.own_numel)
         # Stage 3: the persistent copy of the parameters is only this shard (on the CPU with
         # parameter offload); the flat buffer is refilled from it by gather().
         self.param_shard: torch.Tensor | None = None
@@ -237,8 +245,10 @@ class ShardedGroup:
             if not async_op:
                 self.wait_gathered()
             return
-        nbytes = self.padded_numel * self.flat_param.element_size()
-        self.flat_param.untyped_storage().resize_(nbytes)
+        if self.pool is not None:
+            self.flat_param = self.pool.acquire(self.dtype, self.padded_numel, self.device)
+        else:
+            self.flat_param.untyped_storage().resize_(self.padded_numel * self.flat_param.element_size())
         if self.secondary_shard is not None and not exact:  # hpZ: unchanged since the forward kept it
             self._gather_secondary(async_op)
             return
@@ -308,7 +318,11 @@ class ShardedGroup:
         nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = nan.expand(p.shape)
-        self.flat_param.untyped_storage().resize_(0)
+        if self.pool is not None:  # frozen: no saved view needs this storage again
+            self.pool.give_back(self.flat_param)
+            self.flat_param = torch.empty(0, dtype=self.dtype, device=self.device)
+        else:
+            self.flat_param.untyped_storage().resize_(0)
         self._gathered = False
 
     @torch.no_grad()
@@ -482,7 +496,7 @@ class ShardedGroup:
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        live = self.flat_param.untyped_storage().nbytes()
+        live = 0 if self.pool is not None else self.flat_param.untyped_storage().nbytes()  # pool: its own
         return {
             "params": live + nbytes(self.param_shard) + nbytes(self.secondary_shard),
             "grads": nbytes(self.flat_grad) + nbytes(self.shard_grad),

@@ -1,0 +1,309 @@
+"""Group-wise weight-only quantization for streamed inference (``shardwise quantize``, ``quantize=``).
+
+At batch 1 a streamed model is bound by the bytes read per token, so the decoder layers' 2-D
+weights (the Linear projections; GPT-2's Conv1D) are stored as int8 or int4 with one fp16 scale per
+``group_size`` consecutive elements (symmetric: ``w ~ q * scale``, ``|q| <= 127`` or ``7``; int4
+packed two per byte, low nibble first, stored as ``q + 8``). Norms, biases, embeddings and the
+head stay as they are: they are small or resident, and the head and embeddings matter most for
+quality.
+
+A quantized folder (``quantize_folder``) is an ordinary safetensors file where a quantized weight
+``W`` is stored as ``W`` (I8, or U8 packed) and ``W.scale`` (F16), padded to whole groups, plus
+``shardwise_quantization.json`` (bits, group size, original shapes and dtype). To the streaming
+machinery it is just another shard store: :class:`QuantizedStore` fills the gathered buffer with
+dequantized values, a chunk at a time, so no layer-sized temporary is ever allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+
+import torch
+from torch import nn
+
+from shardwise.inference import _ST_DTYPES, SafetensorsReader, _load_meta
+from shardwise.zero.stage3 import assign_params, find_units
+
+DESCRIPTION = "shardwise_quantization.json"
+BITS = {"int8": 8, "int4": 4}
+DEFAULT_GROUP = 64
+_CHUNK = 1 << 16  # elements dequantized at a time (bounded staging, reused)
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+# byte b of a packed int4 tensor holds the levels (b & 15) - 8 (first) and (b >> 4) - 8 (second)
+_INT4_LEVELS = torch.tensor([[(b & 15) - 8, (b >> 4) - 8] for b in range(256)], dtype=torch.float32)
+
+
+def quantize_tensor(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed uint8 values, fp16 scales)`` of ``w`` flattened and padded to whole groups."""
+    flat = w.detach().reshape(-1).float()
+    groups = -(-flat.numel() // group)
+    flat = torch.nn.functional.pad(flat, (0, groups * group - flat.numel())).view(groups, group)
+    qmax = (1 << (bits - 1)) - 1
+    scale = (flat.abs().amax(1) / qmax).half()
+    s = scale.float()
+    q = torch.round(flat / torch.where(s > 0, s, 1.0)[:, None]).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)
+    if bits == 8:
+        return q.view(torch.uint8).clone(), scale
+    u = (q + 8).to(torch.uint8).view(-1, 2)
+    return (u[:, 0] | (u[:, 1] << 4)).contiguous(), scale
+
+
+def dequantize_tensor(packed: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
+                      shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``quantize_tensor`` stands for (whole tensor at once: for checks and references)."""
+    if bits == 8:
+        q = packed.view(torch.int8)
+    else:
+        q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1).to(torch.int8) - 8
+    w = q.view(-1, group).float() * scale.float()[:, None]
+    return w.reshape(-1)[:math.prod(shape)].view(shape).to(dtype)
+
+
+def quantizable(model: nn.Module) -> set[str]:
+    """Names of the 2-D weights inside decoder layers (every unit but the root)."""
+    units = find_units(model)
+    params = assign_params(model, units)
+    ids = {id(p) for ui in range(len(units) - 1) for p in params[ui] if p.dim() == 2}
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+
+
+def is_quantized(folder: str | os.PathLike) -> bool:
+    return os.path.exists(os.path.join(folder, DESCRIPTION))
+
+
+def _check_args(bits: int, group: int) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    if not isinstance(group, int) or group < 2 or group % 2:
+        raise ValueError(f"group_size must be an even integer >= 2, got {group!r}")
+
+
+class QuantizedStore(SafetensorsReader):
+    """A shard store whose quantized tensors are dequantized into the gathered buffer.
+
+    ``resident=True`` (``offload="cpu"``): the packed values and scales are kept in memory,
+    taken from a quantized folder or made at load from a plain one; else they are ``pread``
+    from the quantized folder at every gather. Other tensors read as from any folder.
+    """
+
+    def __init__(self, folder: str, bits: int, group: int, shapes: dict[str, tuple[int, ...]],
+                 dtype: torch.dtype, resident: bool, from_plain: bool = False):
+        super().__init__(folder)
+        _check_args(bits, group)
+        self.bits, self.group, self.qshapes, self.qdtype = bits, group, shapes, dtype
+        self.blobs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, shape in shapes.items():
+            if from_plain:
+                self.blobs[key] = quantize_tensor(super().read(key, 0, math.prod(shape)), bits, group)
+            else:
+                self._check_stored(key, shape)
+                if resident:
+                    self.blobs[key] = self._load_blob(key)
+        self.holds_layers = resident  # the groups re-read from here: no second, dequantized copy
+        self._qlock = threading.Lock()
+        self._stage: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def open(cls, folder: str, resident: bool) -> QuantizedStore:
+        path = os.path.join(folder, DESCRIPTION)
+        try:
+            with open(path) as f:
+                desc = json.load(f)
+            bits, group = int(desc["bits"]), int(desc["group_size"])
+            shapes = {k: tuple(int(d) for d in v) for k, v in desc["tensors"].items()}
+            dtype = _ST_DTYPES[desc["dtype"]]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not a valid quantization description ({type(e).__name__}: {e})") from None
+        return cls(folder, bits, group, shapes, dtype, resident)
+
+    def _check_stored(self, key: str, shape: tuple[int, ...]) -> None:
+        groups = -(-math.prod(shape) // self.group)
+        want = {key: (torch.uint8 if self.bits == 4 else torch.int8, groups * self.group * self.bits // 8),
+                f"{key}.scale": (torch.float16, groups)}
+        for name, (dtype, numel) in want.items():
+            got = self.entries.get(name)
+            if got is None or got[1] != dtype or math.prod(self.shapes[name]) != numel:
+                raise ValueError(f"{self.folder}: quantized tensor {name!r} should be {_ST_NAMES[dtype]} of {numel} "
+                                 f"elements for {self.bits}-bit groups of {self.group} of shape {list(shape)}; "
+                                 f"found {self.shapes.get(name)} {got[1] if got else 'nothing'}")
+
+    def _load_blob(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for name in (key, f"{key}.scale"):
+            fd, dtype, base = self.entries[name]
+            t = torch.empty(math.prod(self.shapes[name]), dtype=dtype)
+            self.read_bytes(fd, base, t, name)
+            out.append(t.view(torch.uint8) if name == key else t)
+        return out[0], out[1]
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(q.numel() + s.numel() * 2 for q, s in self.blobs.values())
+
+    def find(self, names: list[str]) -> str:
+        for n in names:
+            if n in self.qshapes:
+                return n
+        return super().find(names)
+
+    def check_shape(self, key: str, shape: tuple[int, ...], floating: bool = True) -> None:
+        if key not in self.qshapes:
+            return super().check_shape(key, shape, floating)
+        if tuple(self.qshapes[key]) != tuple(shape):
+            raise ValueError(f"{self.folder}/{DESCRIPTION}: quantized tensor {key!r} has shape "
+                             f"{list(self.qshapes[key])} but {self.folder}/config.json makes it {list(shape)}: "
+                             "config and weights do not match")
+
+    def read(self, name: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if name not in self.qshapes:
+            return super().read(name, start, end, out)
+        if out is None:
+            out = torch.empty(end - start, dtype=self.qdtype)
+        with self._qlock:  # one set of staging buffers (the reader thread and a sync gather)
+            self._dequantize(name, start, end, out)
+        return out
+
+    def _buf(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if name not in self._stage:
+            self._stage[name] = torch.empty(numel, dtype=dtype)
+        return self._stage[name][:numel]
+
+    def _raw(self, key: str, scale: bool, lo: int, dst: torch.Tensor) -> None:
+        """Elements [lo, lo + len(dst)) of the packed values (``scale=False``) or the scales."""
+        if key in self.blobs:
+            dst.copy_(self.blobs[key][int(scale)][lo:lo + dst.numel()])
+            return
+        name = f"{key}.scale" if scale else key
+        fd, _, base = self.entries[name]
+        self.read_bytes(fd, base + lo * dst.element_size(), dst, name)
+
+    def _dequantize(self, key: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with elements [start, end): whole groups a chunk at a time, no temporaries
+        beyond the fixed staging buffers."""
+        g, per_byte = self.group, 8 // self.bits
+        chunk = max(1, _CHUNK // g)
+        packed = self._buf("packed", chunk * g // per_byte, torch.uint8)
+        index = self._buf("index", chunk * g // per_byte, torch.int32)
+        scales, scales32 = self._buf("scales", chunk, torch.float16), self._buf("scales32", chunk, torch.float32)
+        vals = self._buf("vals", chunk * g, torch.float32)
+        for ga in range(start // g, -(-end // g), chunk):
+            n = min(chunk, -(-end // g) - ga)
+            q, s = packed[:n * g // per_byte], scales[:n]
+            self._raw(key, False, ga * g // per_byte, q)
+            self._raw(key, True, ga, s)
+            scales32[:n].copy_(s)
+            if self.bits == 8:
+                torch.mul(q.view(torch.int8).view(n, g), scales32[:n, None], out=vals[:n * g].view(n, g))
+            else:  # each byte to its two levels through a 256-entry table: one gather, no strided writes
+                index[:q.numel()].copy_(q)
+                torch.index_select(_INT4_LEVELS, 0, index[:q.numel()], out=vals[:n * g].view(-1, 2))
+                vals[:n * g].view(n, g).mul_(scales32[:n, None])
+            lo, hi = max(start, ga * g), min(end, (ga + n) * g)
+            out[lo - start:hi - start].copy_(vals[lo - ga * g:hi - ga * g])
+
+
+def open_store(path: str, model: nn.Module, offload: str | None, quantize: str | None,
+               group_size: int | None) -> SafetensorsReader:
+    """The shard store for ``init_inference``: plain, a quantized folder, or quantized at load."""
+    if quantize is not None and quantize not in BITS:
+        raise ValueError(f"quantize must be one of {sorted(BITS)} or None, got {quantize!r}")
+    if is_quantized(path):
+        store = QuantizedStore.open(path, resident=offload == "cpu")
+        if quantize is not None and BITS[quantize] != store.bits:
+            raise ValueError(f"{path} is quantized to {store.bits} bits but quantize={quantize!r} was asked")
+        if group_size is not None and group_size != store.group:
+            raise ValueError(f"{path} has groups of {store.group}, not group_size={group_size}")
+        return store
+    if quantize is None:
+        return SafetensorsReader(path)
+    if offload != "cpu":
+        raise ValueError(f"quantize={quantize!r} with offload={offload!r} streams a quantized copy from disk: "
+                         f"write it once with `shardwise quantize {path} DST --bits {BITS[quantize]}` and pass DST")
+    plain = SafetensorsReader(path)
+    names = quantizable(model)
+    shapes = {plain.find([n]): tuple(plain.shapes[plain.find([n])]) for n in names}
+    dtype = next((plain.entries[k][1] for k in shapes), torch.float32)
+    plain.close()
+    return QuantizedStore(path, BITS[quantize], group_size or DEFAULT_GROUP, shapes, dtype, True, from_plain=True)
+
+
+def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -> dict:
+    """Write a quantized copy of the ``save_pretrained`` folder ``src`` to ``dst``, one tensor at a time."""
+    _check_args(bits, group)
+    if is_quantized(src):
+        raise ValueError(f"{src} is already quantized; quantize the original folder")
+    model, _ = _load_meta(src, None)
+    files = SafetensorsReader(src)
+    names = quantizable(model)
+    order = sorted(files.entries, key=lambda k: (files.file_of[k], files.entries[k][2]))
+    header: dict[str, dict] = {"__metadata__": {"format": "pt", "quantized_by": "shardwise"}}
+    offset, shapes, dtype = 0, {}, None
+    for key in order:
+        shape, st = files.shapes[key], _ST_NAMES[files.entries[key][1]]
+        if key in names:
+            shapes[key], dtype = list(shape), dtype or st
+            groups = -(-math.prod(shape) // group)
+            parts = [(key, "I8" if bits == 8 else "U8", groups * group * bits // 8, 1),
+                     (f"{key}.scale", "F16", groups, 2)]
+        else:
+            parts = [(key, st, math.prod(shape), files.entries[key][1].itemsize)]
+        for name, kind, numel, size in parts:
+            header[name] = {"dtype": kind, "shape": list(shape) if name == key and key not in names else [numel],
+                            "data_offsets": [offset, offset + numel * size]}
+            offset += numel * size
+    os.makedirs(dst, exist_ok=True)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(os.path.join(dst, "model.safetensors"), "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for key in order:
+            t = files.read(key, 0, math.prod(files.shapes[key]))
+            pieces = quantize_tensor(t, bits, group) if key in names else (t,)
+            for piece in pieces:
+                f.write(piece.reshape(-1).view(torch.uint8).numpy().tobytes())
+    files.close()
+    for name in os.listdir(src):  # config, tokenizer, generation config: everything but the weights
+        full = os.path.join(src, name)
+        if os.path.isfile(full) and not name.endswith(".safetensors") and name != "model.safetensors.index.json":
+            shutil.copy2(full, os.path.join(dst, name))
+    desc = {"format": "shardwise-groupwise-symmetric", "bits": bits, "group_size": group, "scale_dtype": "F16",
+            "dtype": dtype or "F32", "tensors": shapes}
+    with open(os.path.join(dst, DESCRIPTION), "w") as f:
+        json.dump(desc, f, indent=1)
+    before = sum(os.path.getsize(p) for p in set(files.file_of.values()))
+    return {"tensors_quantized": len(shapes), "bytes_before": before,
+            "bytes_after": os.path.getsize(os.path.join(dst, "model.safetensors"))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="shardwise quantize", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Write a group-wise int8/int4 copy of a save_pretrained folder for "
+                                            "streamed inference (init_inference / generate --offload).",
+                                epilog="examples:\n  shardwise quantize llama_dir llama_int4 --bits 4\n"
+                                       "  shardwise generate --model llama_int4 --prompt Hi --offload disk")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--bits", type=int, choices=[8, 4], required=True)
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP,
+                   help=f"elements per scale (default {DEFAULT_GROUP})")
+    args = p.parse_args(argv)
+    if os.path.abspath(args.src) == os.path.abspath(args.dst):
+        p.error("DST must differ from SRC")
+    try:
+        rep = quantize_folder(args.src, args.dst, args.bits, args.group_size)
+    except (ValueError, OSError) as e:
+        print(f"shardwise quantize: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.dst}: {rep['tensors_quantized']} weights to {args.bits} bits (groups of {args.group_size}); "
+          f"{rep['bytes_before'] / 2**20:.1f} MiB -> {rep['bytes_after'] / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
