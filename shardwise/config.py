@@ -98,7 +98,8 @@ def _rename(section: dict[str, Any], old: str, new: str, where: str, *, deprecat
     if deprecated:
         _deprecated(f"{where}{old}", f"{where}{new}")
     if new in section and section[new] != value:
-        raise ConfigError(f"{where}{old} and {where}{new} are both set, differently; keep only '{new}'")
+        raise ConfigError(f"{where}{old}: {where}{old} and {where}{new} are both set, differently; keep only "
+                          f"'{new}'")
     section[new] = value
 
 

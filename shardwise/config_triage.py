@@ -75,7 +75,8 @@ def _walk(section: dict[str, Any], path: str, model: type[BaseModel] | None, roo
     fields = _schema_fields(model)
     for name in list(section):
         value = section[name]
-        full = f"{path}.{name}" if path else name
+        shown = name if isinstance(name, str) and name.isprintable() else repr(name)  # one line per problem
+        full = f"{path}.{shown}" if path else shown
         key = known.get(name) if isinstance(name, str) else None
         if key is None:
             if model is not None and name in fields:
@@ -114,7 +115,8 @@ def check_table_covers_schema(schema: type[BaseModel], path: str = "") -> list[s
     """Schema fields that the key table does not classify (a test keeps this empty)."""
     missing = []
     for name, sub in _schema_fields(schema).items():
-        full = f"{path}.{name}" if path else name
+        shown = name if isinstance(name, str) and name.isprintable() else repr(name)  # one line per problem
+        full = f"{path}.{shown}" if path else shown
         if full not in BY_PATH:
             missing.append(full)
         elif sub is not None and not BY_PATH[full].subtree:

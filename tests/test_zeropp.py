@@ -28,7 +28,7 @@ def bound(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 # -- kernels ---------------------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(rows=st.integers(1, 4), numel=st.integers(1, 3 * BLOCK + 7), bits=st.sampled_from([8, 4]),
        log_mag=st.floats(-30, 30), seed=st.integers(0, 2**31 - 1))
 def test_block_error_is_at_most_half_a_scale(rows, numel, bits, log_mag, seed):
