@@ -27,7 +27,7 @@ from torch import nn
 
 from shardwise.comm import Comm, Work
 from shardwise.zero.gather_pool import GatherPool
-from shardwise.zero.pending import InflightLimit, _read_pool, _ReadWork
+from shardwise.zero.pending import InflightLimit, ReadWork, read_pool
 from shardwise.zero.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
 
@@ -141,7 +141,7 @@ class ShardedGroup:
         # parameter offload); the flat buffer is refilled from it by gather().
         self.param_shard: torch.Tensor | None = None
         self._gathered = True
-        self._gather_work: Work | _ReadWork | None = None
+        self._gather_work: Work | ReadWork | None = None
         # ZeRO-Inference offload="disk": the files are the persistent copy, nothing stays resident
         # and every gather() reads the shard again through shard_reader.
         self._reread = shard_reader if reread_shard else None
@@ -216,7 +216,7 @@ class ShardedGroup:
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         if self._reread is not None and async_op and self.comm.size == 1:
             # a file read needs a thread to overlap compute (gloo collectives are async already)
-            self._gather_work = _ReadWork(_read_pool().submit(self._read_shard, self._reread, owned))
+            self._gather_work = ReadWork(read_pool().submit(self._read_shard, self._reread, owned))
         elif self.weight_bits and not exact:  # qwZ: param_shard (and the master) stay exact, flat_param is dequantized
             self._gather_work = quantized_all_gather(self.comm, self.param_shard, self.flat_param,
                                                      self.weight_bits, async_op=async_op)

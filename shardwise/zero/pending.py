@@ -7,7 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 
-class _ReadWork:
+class ReadWork:
     """A shard read running on the reader thread (offload="disk" prefetch); ``wait()`` joins it."""
 
     def __init__(self, future: Future):
@@ -20,7 +20,7 @@ class _ReadWork:
 _POOL: list[ThreadPoolExecutor] = []
 
 
-def _read_pool() -> ThreadPoolExecutor:
+def read_pool() -> ThreadPoolExecutor:
     """One reader thread per process: reads stay in order, one stream from the disk."""
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-read"))
