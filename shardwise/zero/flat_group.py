@@ -19,9 +19,7 @@ all-reduce instead of a reduce-scatter, no all-gather): DDP.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -29,50 +27,13 @@ from torch import nn
 
 from shardwise.comm import Comm, Work
 from shardwise.zero.gather_pool import GatherPool
+from shardwise.zero.pending import InflightLimit, ReadWork, read_pool
 from shardwise.zero.quantized_comm import quantized_all_gather, quantized_reduce_scatter
-
-
-class _ReadWork:
-    """A shard read running on the reader thread (offload="disk" prefetch); ``wait()`` joins it."""
-
-    def __init__(self, future: Future):
-        self._future = future
-
-    def wait(self) -> None:
-        self._future.result()
-
-
-_POOL: list[ThreadPoolExecutor] = []
-
-
-def _read_pool() -> ThreadPoolExecutor:
-    """One reader thread per process: reads stay in order, one stream from the disk."""
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-read"))
-    return _POOL[0]
 
 
 def owner_of(p: torch.Tensor) -> ShardedGroup | None:
     """The group holding parameter ``p`` (None if it is not sharded by shardwise)."""
     return getattr(p, "_shardwise_group", None)
-
-
-class InflightLimit:
-    """At most ``limit`` gradient buckets reduce asynchronously at once.
-
-    Each pending reduction keeps buffers alive (at stage >= 2 its full-size bucket, on gloo its
-    ring's receive chunk); without a bound every bucket of the model would still be held when
-    backward ends (4 bytes x params in fp32 at stage 2).
-    """
-
-    def __init__(self, limit: int = 2):
-        self.limit = limit
-        self._queue: deque[ShardedGroup] = deque()
-
-    def admit(self, group: ShardedGroup) -> None:
-        self._queue.append(group)
-        while len(self._queue) > self.limit:
-            self._queue.popleft().wait()
 
 
 @dataclass(frozen=True)
@@ -180,7 +141,7 @@ class ShardedGroup:
         # parameter offload); the flat buffer is refilled from it by gather().
         self.param_shard: torch.Tensor | None = None
         self._gathered = True
-        self._gather_work: Work | _ReadWork | None = None
+        self._gather_work: Work | ReadWork | None = None
         # ZeRO-Inference offload="disk": the files are the persistent copy, nothing stays resident
         # and every gather() reads the shard again through shard_reader.
         self._reread = shard_reader if reread_shard else None
@@ -255,7 +216,7 @@ class ShardedGroup:
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         if self._reread is not None and async_op and self.comm.size == 1:
             # a file read needs a thread to overlap compute (gloo collectives are async already)
-            self._gather_work = _ReadWork(_read_pool().submit(self._read_shard, self._reread, owned))
+            self._gather_work = ReadWork(read_pool().submit(self._read_shard, self._reread, owned))
         elif self.weight_bits and not exact:  # qwZ: param_shard (and the master) stay exact, flat_param is dequantized
             self._gather_work = quantized_all_gather(self.comm, self.param_shard, self.flat_param,
                                                      self.weight_bits, async_op=async_op)
