@@ -28,11 +28,12 @@ from shardwise.checkpoint.fileio import (
 )
 from shardwise.checkpoint.load import read_metadata, read_module, read_saved, resolve_tag
 from shardwise.checkpoint.save import _model_config, full_shape, module_extras
-from shardwise.checkpoint.tp import gather_full, logical_shape, logical_shape_of, rebuild, saved_index, spec_of
+from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.comm import Comm, CommStats
+from shardwise.tensor_parallel.plan import gather_full
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.checkpoint.target import CheckpointTarget
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
@@ -237,7 +238,7 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_16bit_model(engine: Engine, save_dir: str | Path, dtype: torch.dtype | None = None,
+def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torch.dtype | None = None,
                      max_shard_size: str | int = "5GB") -> None:
     """HF weights from a live engine (collective): masters are gathered group by group, rank 0 writes.
 
