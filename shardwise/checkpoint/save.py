@@ -36,11 +36,11 @@ IMPL_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 def full_shape(p: torch.Tensor) -> list[int]:
-    """The parameter's shape on this rank (``p.ds_shape`` when stage 3 keeps a placeholder tensor).
+    """The parameter's shape on this rank (stage 3's released placeholders keep the full shape).
 
     Under TP this is the TP-local (padded) shape; ``tp.logical_shape_of`` gives the HF shape.
     """
-    return [int(s) for s in getattr(p, "ds_shape", p.shape)]
+    return [int(s) for s in p.shape]
 
 
 def module_extras(engine: CheckpointTarget) -> dict[str, torch.Tensor]:
