@@ -1,8 +1,10 @@
-"""The training engine: forward, backward, step, accumulation, clipping, reports.
+"""The DeepSpeed-compatible engine: a thin shell over the functional core.
 
-It owns no sharding logic of its own: the model's trainable parameters live in
-:class:`~shardwise.zero.flat_group.ShardedGroup` buckets, and the ZeRO stage is
-only the policy those buckets were built with.
+config -> :func:`options_from_config` -> :func:`shardwise.fsdp.shard_module` (the same construction
+``shardwise.shard`` uses) -> DeepSpeed's loop helpers: ``backward`` (1/gas and fp16 loss scaling,
+accumulation boundaries, ``no_sync``), ``step`` (overflow skip, clipping, optimizer and scheduler),
+reports and checkpoints. It owns no sharding logic: the groups, their reductions and the end of
+each backward live in :class:`~shardwise.zero.builder.Sharding`.
 """
 
 from __future__ import annotations

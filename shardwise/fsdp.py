@@ -43,9 +43,26 @@ log = logging.getLogger("shardwise")
 _SLOT = "_shardwise_sharding"  # where a sharded module keeps its Sharding (read through sharding_of)
 
 
+class _Slot:
+    """Holds a model's Sharding. A deep copy or a pickle of the model is a plain, unsharded model
+    (the copy gets None), so its forward and backward never touch the original's groups."""
+
+    __slots__ = ("sharding",)
+
+    def __init__(self, sharding: Sharding):
+        self.sharding = sharding
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (type(None), ())
+
+
 def sharding_of(model: nn.Module) -> Sharding:
     """The :class:`Sharding` of a model given to :func:`shard` (or wrapped by an engine)."""
-    s = model.__dict__.get(_SLOT)
+    slot = model.__dict__.get(_SLOT)
+    s = slot.sharding if slot is not None else None
     if s is None:
         raise ValueError(f"{type(model).__name__} is not sharded: call shardwise.shard(model, ...) first "
                          "(or pass engine.module of an engine)")
@@ -152,7 +169,7 @@ def shard_module(model: nn.Module, options: ShardOptions, comm: Comm, replica: C
     """The one construction: place, TP-slice, cast, then build the groups. Returns the Sharding
     (also reachable as ``sharding_of(model)``), with ``param_groups`` (the optimizer groups its
     buckets follow) and ``tp_report`` (None without a TP plan applied here)."""
-    if _SLOT in model.__dict__:
+    if model.__dict__.get(_SLOT) is not None:
         raise ValueError(f"{type(model).__name__} is sharded already; shard a model once")
     _check(options, replica, secondary)
     device = compute_device()
@@ -170,7 +187,7 @@ def shard_module(model: nn.Module, options: ShardOptions, comm: Comm, replica: C
                               shard_reader=reader)
     sharding.param_groups = [{k: v for k, v in pg.items() if k != "params"} for pg in param_groups]
     sharding.tp_report = report
-    model.__dict__[_SLOT] = sharding
+    model.__dict__[_SLOT] = _Slot(sharding)
     return sharding
 
 
@@ -243,7 +260,8 @@ def shard(model: nn.Module, stage: int = 3, mesh: Mesh | None = None, *, shard_s
           prefetch_size: int = 50_000_000, overlap_comm: bool = False) -> nn.Module:
     """Shard ``model`` in place over the data-parallel ranks (ZeRO ``stage`` 0-3); returns it.
 
-    ``mesh``: from ``shardwise.mesh.get_mesh(tp, shard_size)`` (replicate x shard x tp); or
+    ``mesh``: from ``shardwise.mesh.get_mesh(tp, shard_size, secondary_size)`` (replicate x shard x
+    tp; ``secondary_size``: ZeRO++ hpZ, stage 3); or
     ``shard_size`` / ``replicate`` for hybrid sharding without TP (default: shard over every rank).
     Under TP the model is either split already (``apply_tensor_parallel(model, mesh.tp)``) or
     ``tp_plan`` ('auto' or a plan dict) splits it here. ``mixed_precision``: None (fp32) or bf16
@@ -260,7 +278,7 @@ def shard(model: nn.Module, stage: int = 3, mesh: Mesh | None = None, *, shard_s
     options = ShardOptions(stage=stage, bucket_numel=int(bucket_size), persistence_threshold=int(persistence_threshold),
                            prefetch_numel=int(prefetch_size), offload_optimizer=off_opt, offload_param=off_param,
                            overlap_comm=overlap_comm, units=units)
-    shard_module(model, options, m.dp, m.replicate, m.tp, None, compute_dtype=_dtype(mixed_precision),
+    shard_module(model, options, m.dp, m.replicate, m.tp, m.secondary, compute_dtype=_dtype(mixed_precision),
                  model_parameters=param_groups, tp_plan=tp_plan)
     cls = type(model)
     if cls not in _CLASSES:

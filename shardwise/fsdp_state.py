@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import checkpoint
+from shardwise.checkpoint import load_checkpoint as load_engine_checkpoint
+from shardwise.checkpoint import save_checkpoint as save_engine_checkpoint
 from shardwise.fsdp import sharding_of
 from shardwise.fsdp_optim import ShardedOptimizer
 from shardwise.tensor_parallel.plan import gather_param
@@ -97,8 +98,8 @@ class TrainState:
 def save_checkpoint(save_dir: str | Path, model: nn.Module, optimizer: ShardedOptimizer | None = None,
                     lr_scheduler: Any = None, tag: str | None = None, client_state: dict | None = None) -> str:
     """The engine's sharded checkpoint of ``model`` (and optimizer, scheduler); collective. Returns its path."""
-    return checkpoint.save_checkpoint(TrainState(model, optimizer, lr_scheduler), save_dir, tag=tag,
-                                      client_state=client_state)
+    return save_engine_checkpoint(TrainState(model, optimizer, lr_scheduler), save_dir, tag=tag,
+                                  client_state=client_state)
 
 
 def load_checkpoint(load_dir: str | Path, model: nn.Module, optimizer: ShardedOptimizer | None = None,
@@ -109,9 +110,9 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, optimizer: ShardedOp
     state = TrainState(model, optimizer, lr_scheduler)
     for g in state.sharding.all_groups:
         g.drop_secondary()
-    out = checkpoint.load_checkpoint(state, load_dir, tag=tag, load_optimizer_states=optimizer is not None,
-                                     load_lr_scheduler_states=lr_scheduler is not None,
-                                     load_module_only=optimizer is None, load_module_strict=strict)
+    out = load_engine_checkpoint(state, load_dir, tag=tag, load_optimizer_states=optimizer is not None,
+                                 load_lr_scheduler_states=lr_scheduler is not None,
+                                 load_module_only=optimizer is None, load_module_strict=strict)
     if optimizer is not None:
         optimizer.param_groups, optimizer.state = optimizer.optimizer.param_groups, optimizer.optimizer.state
         optimizer.global_steps = state.global_steps

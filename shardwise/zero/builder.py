@@ -129,12 +129,18 @@ class Sharding:
         reaches a parameter outside the forward), and stage 3's pre-backward gathers."""
         self._handles.append(self.module.register_forward_hook(self._root_post_forward))
         for g in self.groups:
-            for p in g.params:
-                self._handles.append(p.register_hook(self._on_param_grad))
+            self._handles += [p.register_hook(self._on_param_grad) for p in g.params if p.requires_grad]
         if self.fetcher is not None:
             self.fetcher.on_backward = self.on_backward
 
+    def __deepcopy__(self, memo: dict) -> Sharding:
+        """A deep-copied model carries copies of these hooks; they stay bound to this Sharding and,
+        called with the copy, do nothing (see ``_root_post_forward``)."""
+        return self
+
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:  # noqa: ARG002
+        if module is not self.module:  # a deep copy of the model: not sharded
+            return output
         if self._queued and not self._armed:
             self._queued = False  # a backward that raised left its callback unrun
         if torch.is_grad_enabled():
