@@ -69,6 +69,7 @@ def train_plain_loop(kind: str, stage: int, gas: int = 1, clip: float = 0.0, pre
     weights = {n: w for n, w in _weights(model).items() if ".extra." not in n}
     return {"losses": losses, "weights": weights, "norms": norms, "comm_in_no_sync": comm_in_no_sync,
             "unfinished_groups": len(unfinished), "class": type(model).__name__,
+            "replicas": model.sharding.replica.size,
             "master_device": str(model.sharding.groups[0].master.device)}
 
 

@@ -61,10 +61,12 @@ def test_offload(pool2, stage, offload):
     assert res[0]["master_device"] == "cpu"
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_hybrid_shard2_replicate2(pool4, stage):
-    res = pool4.run("shard_api_cases:train_plain_loop", "llama", stage, shard_size=2)
+@pytest.mark.parametrize(("stage", "how"), [(1, {"shard_size": 2}), (2, {"shard_size": 2}), (3, {"replicate": 2})])
+def test_hybrid_shard2_replicate2(pool4, stage, how):
+    """Shard inside groups of 2, replicate across 2 (shard_size=2 or, the same, replicate=2)."""
+    res = pool4.run("shard_api_cases:train_plain_loop", "llama", stage, **how)
     _check_equivalent(res, _ref(stage, world=4))
+    assert res[0]["replicas"] == 2
 
 
 @pytest.mark.parametrize("stage", [2, 3])
