@@ -141,8 +141,8 @@ class Sharding:
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:  # noqa: ARG002
         if module is not self.module:  # a deep copy of the model: not sharded
             return output
-        if self._queued and not self._armed:
-            self._queued = False  # a backward that raised left its callback unrun
+        if self._queued and torch._C._current_graph_task_id() == -1:
+            self._armed = self._queued = False  # outside any backward: one that raised left its callback unrun
         if torch.is_grad_enabled():
             tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
             if tensors:
