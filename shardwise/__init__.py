@@ -9,6 +9,7 @@ from shardwise.fsdp_optim import ShardedOptimizer, clip_grad_norm_
 from shardwise.fsdp_state import (
     full_state_dict,
     load_checkpoint,
+    load_full_state_dict,
     load_sharded_state_dict,
     save_checkpoint,
     sharded_state_dict,
@@ -19,6 +20,6 @@ from shardwise.zero import GatheredParameters
 
 __all__ = ["initialize", "add_config_arguments", "init_inference", "init_distributed", "RanksDivergedError",
            "zero", "comm", "utils", "shard", "ShardedModule", "ShardedOptimizer", "clip_grad_norm_",
-           "full_state_dict", "sharded_state_dict", "load_sharded_state_dict", "save_checkpoint", "load_checkpoint",
-           "GatheredParameters"]
+           "GatheredParameters", "full_state_dict", "load_full_state_dict", "sharded_state_dict",
+           "load_sharded_state_dict", "save_checkpoint", "load_checkpoint"]
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
 """State dicts and checkpoints of a model given to ``shardwise.shard``.
 
 - :func:`full_state_dict`: ``model.state_dict()`` of the unsharded model (parameters gathered over
-  the data-parallel and TP groups), on rank 0 only by default, on the CPU.
+  the data-parallel and TP groups), on rank 0 only by default, on the CPU;
+  :func:`load_full_state_dict` puts one (read on rank 0) back into every rank's shards.
 - :func:`sharded_state_dict` / :func:`load_sharded_state_dict`: this rank's element range of every
   parameter (fp32 masters), to keep in memory or in the user's own files at the same layout.
 - :func:`save_checkpoint` / :func:`load_checkpoint`: the engine's checkpoint files (any world size,
@@ -38,6 +39,34 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True)
                 sd[name] = gather_param(p, sh.tp)
         out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in sd.items()} if mine else {}
     return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Load an unsharded state dict, read on data-parallel rank 0 (others may pass ``{}``), into
+    every rank's shards and masters (collective). ``full_state_dict``'s output loads back."""
+    sh = sharding_of(model)
+    if sh.tp.size > 1:
+        raise NotImplementedError("load_full_state_dict under tensor parallelism: use load_checkpoint, which "
+                                  "reads a checkpoint at any TP degree")
+    sh.wait_for_params()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    targets = {**params, **{n: b for n, b in model.named_buffers() if n in state_dict or not strict}}
+    box = [sorted(set(params) - set(state_dict))] if sh.dp_rank == 0 else [None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if strict and box[0]:
+        raise KeyError(f"load_full_state_dict: {len(box[0])} parameters missing from the state dict, e.g. "
+                       f"{box[0][0]!r} (pass strict=False to keep their current values)")
+    with GatheredParameters(list(params.values()), modifier_rank=0):
+        if sh.dp_rank == 0:
+            for n, t in targets.items():
+                if n in state_dict:
+                    t.data.copy_(state_dict[n])
+    grouped = {id(p) for g in sh.all_groups for p in g.params}
+    for c in (sh.comm, sh.replica):  # what no group shares: frozen parameters (stages 0-2), buffers
+        for t in {id(t): t for n, t in targets.items() if id(t) not in grouped}.values():
+            c.broadcast(t.data, src=0)
 
 
 def _pieces(model: nn.Module):

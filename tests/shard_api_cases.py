@@ -137,7 +137,8 @@ def _weights_engine(engine) -> dict[str, torch.Tensor]:
 
 
 def sharded_state_round_trip(kind: str, stage: int) -> dict:
-    """sharded_state_dict, a step that changes the weights, load_sharded_state_dict: back to the saved ones."""
+    """sharded_state_dict, a step that changes the weights, load_sharded_state_dict: back to the saved ones;
+    the same with full_state_dict / load_full_state_dict."""
     model, opt = _functional(kind, stage)
     ids = batches(1, 1, 4, 16)[0, 0, dist.get_rank() * 2:(dist.get_rank() + 1) * 2]
     _step(model, opt, ids)
@@ -146,7 +147,12 @@ def sharded_state_round_trip(kind: str, stage: int) -> dict:
     _step(model, opt, ids)
     moved = _weights(model)
     shardwise.load_sharded_state_dict(model, state)
-    return {"before": before, "moved": moved, "after": _weights(model), "pieces": len(state)}
+    after = _weights(model)
+    full = shardwise.full_state_dict(model)  # rank 0 only; the others pass {}
+    _step(model, opt, ids)
+    shardwise.load_full_state_dict(model, full)
+    return {"before": before, "moved": moved, "after": after, "pieces": len(state),
+            "after_full": _weights(model)}
 
 
 def double_shard_refused(kind: str) -> str:

@@ -88,11 +88,13 @@ def test_checkpoints_cross_between_functional_api_and_engine(pool2, tmp_path, sa
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_sharded_state_dict_round_trip(pool2, stage):
+def test_state_dict_round_trips(pool2, stage):
+    """sharded and full state dicts load back exactly, after a step has moved the weights."""
     r = pool2.run("shard_api_cases:sharded_state_round_trip", "llama", stage)[0]
     assert r["pieces"] > 0 and max_rel_diff(r["moved"], r["before"]) > 0  # the step moved the weights
     for n, w in r["before"].items():
         assert (r["after"][n] == w).all(), n
+        assert (r["after_full"][n] == w).all(), n
 
 
 def test_sharding_twice_is_refused(pool2):
