@@ -19,9 +19,11 @@ MODES: dict[str, tuple[str, int, str]] = {
     "ds2": ("deepspeed", 2, "fp32"),
     "sw3": ("shardwise", 3, "fp32"),
     "fsdp2": ("fsdp2", 3, "fp32"),
+    "swfn3": ("shardwise-fn", 3, "fp32"),
     "ds3": ("deepspeed", 3, "fp32"),
     "sw3-bf16": ("shardwise", 3, "bf16"),
     "fsdp2-bf16": ("fsdp2", 3, "bf16"),
+    "swfn3-bf16": ("shardwise-fn", 3, "bf16"),
     "ds3-bf16": ("deepspeed", 3, "bf16"),
 }
 LABELS = {
@@ -29,6 +31,7 @@ LABELS = {
     "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "sw3": "shardwise ZeRO-3",
     "fsdp2": "torch FSDP2", "ds3": "DeepSpeed ZeRO-3", "sw3-bf16": "shardwise ZeRO-3",
     "fsdp2-bf16": "torch FSDP2", "ds3-bf16": "DeepSpeed ZeRO-3",
+    "swfn3": "shardwise.shard ZeRO-3 (FSDP-style loop)", "swfn3-bf16": "shardwise.shard ZeRO-3 (FSDP-style loop)",
 }
 # Same AdamW everywhere (torch's fused kernel, which shardwise also picks on CPU).
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -103,30 +103,42 @@ def _build_fsdp2(model, precision):
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
+    return _plain_loop(model, torch.optim.AdamW(model.parameters(), fused=True, **ADAMW))
 
+
+def _build_shardwise_fn(model, stage, precision):
+    """shardwise's functional API in FSDP2's loop: shard(), then any torch optimizer on the shards."""
+    import torch
+
+    import shardwise
+
+    model = shardwise.shard(model, stage=stage, mixed_precision=precision, bucket_size=BUCKET, overlap_comm=True)
+    opt = shardwise.ShardedOptimizer(model, torch.optim.AdamW, fused=True, **ADAMW)
+    return _plain_loop(model, opt, comm=lambda: model.sharding.comm.stats.as_dict())
+
+
+def _plain_loop(model, opt, **kw) -> Runner:
+    """model(**b).loss; loss.backward(); opt.step(); opt.zero_grad()."""
     def step():
         opt.step()
         opt.zero_grad()
 
-    return Runner(lambda b: model(**b).loss, lambda loss: loss.backward(), step)
+    return Runner(lambda b: model(**b).loss, lambda loss: loss.backward(), step, **kw)
 
 
-def _zero_section(stage: int) -> dict:
-    return {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-            "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
+def _ds_config(stage: int, precision: str, micro: int) -> dict:
+    """The config keys shardwise's engine and DeepSpeed share."""
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "steps_per_print": 10**9, "bf16": {"enabled": precision == "bf16"},
+            "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                                  "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}}
 
 
 def _build_shardwise(model, stage, precision, micro):
     import shardwise
 
-    cfg = {
-        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0, "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
-        "bf16": {"enabled": precision == "bf16"},
-        "zero_optimization": _zero_section(stage),
-    }
+    cfg = {**_ds_config(stage, precision, micro),
+           "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}}
     engine, *_ = shardwise.initialize(model=model, config=cfg)
 
     def fwd(b):
@@ -139,13 +151,8 @@ def _build_deepspeed(model, stage, precision, micro):
     import deepspeed
     import torch
 
-    cfg = {
-        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0, "steps_per_print": 10**9, "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
-        "bf16": {"enabled": precision == "bf16"},
-        "zero_optimization": _zero_section(stage),
-    }
+    cfg = {**_ds_config(stage, precision, micro), "wall_clock_breakdown": False,
+           "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 
@@ -192,6 +199,8 @@ def worker(args) -> None:
         runner = _build_fsdp2(model, precision)
     elif framework == "shardwise":
         runner = _build_shardwise(model, stage, precision, args.micro)
+    elif framework == "shardwise-fn":
+        runner = _build_shardwise_fn(model, stage, precision)
     else:
         runner = _build_deepspeed(model, stage, precision, args.micro)
 
@@ -468,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": params, "seq": args.seq, "micro": args.micro, "nproc": args.nproc, "warmup": args.warmup,
         "steps": args.steps, "repeats": args.repeats,
         "adamw": ", ".join(f"{k}={v}" for k, v in ADAMW.items()),
-        "zero": json.dumps({k: v for k, v in _zero_section(0).items() if k != "stage"}),
+        "zero": json.dumps({k: v for k, v in _ds_config(0, "fp32", 1)["zero_optimization"].items() if k != "stage"}),
         "contention": (f"the box has {os.cpu_count()} cores and {args.nproc} single-threaded ranks fill "
                        f"them; other jobs shared it (1-min load average before each job: "
                        f"{min(loads, default=float('nan')):.1f}-{max(loads, default=float('nan')):.1f}), "

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from shardwise import comm, utils, zero
 from shardwise.comm import RanksDivergedError, init_distributed
+from shardwise.fsdp import ShardedModule, shard
+from shardwise.fsdp_optim import ShardedOptimizer, clip_grad_norm_
+from shardwise.fsdp_state import (
+    full_state_dict,
+    load_checkpoint,
+    load_full_state_dict,
+    load_sharded_state_dict,
+    save_checkpoint,
+    sharded_state_dict,
+)
 from shardwise.inference import init_inference
 from shardwise.initialize import add_config_arguments, initialize
+from shardwise.zero import GatheredParameters
 
 __all__ = ["initialize", "add_config_arguments", "init_inference", "init_distributed", "RanksDivergedError",
-           "zero", "comm", "utils"]
+           "zero", "comm", "utils", "shard", "ShardedModule", "ShardedOptimizer", "clip_grad_norm_",
+           "GatheredParameters", "full_state_dict", "load_full_state_dict", "sharded_state_dict",
+           "load_sharded_state_dict", "save_checkpoint", "load_checkpoint"]
 __version__ = "0.1.0"

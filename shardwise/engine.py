@@ -1,8 +1,10 @@
-"""The training engine: forward, backward, step, accumulation, clipping, reports.
+"""The DeepSpeed-compatible engine: a thin shell over the functional core.
 
-It owns no sharding logic of its own: the model's trainable parameters live in
-:class:`~shardwise.zero.flat_group.ShardedGroup` buckets, and the ZeRO stage is
-only the policy those buckets were built with.
+config -> :func:`options_from_config` -> :func:`shardwise.fsdp.shard_module` (the same construction
+``shardwise.shard`` uses) -> DeepSpeed's loop helpers: ``backward`` (1/gas and fp16 loss scaling,
+accumulation boundaries, ``no_sync``), ``step`` (overflow skip, clipping, optimizer and scheduler),
+reports and checkpoints. It owns no sharding logic: the groups, their reductions and the end of
+each backward live in :class:`~shardwise.zero.builder.Sharding`.
 """
 
 from __future__ import annotations
@@ -18,23 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm import Comm, compute_device
+from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
+from shardwise.comm import Comm
 from shardwise.engine_api import EngineAccessors, UsageError
 from shardwise.engine_checks import check_all_used, check_save_args, guard_direct_step, track_used
-from shardwise.optim import build_optimizer, build_scheduler, client_param_groups, rebuild_client_optimizer
+from shardwise.fsdp import shard_module
+from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
-from shardwise.zero.flat_group import ShardedGroup, ShardPolicy, owner_of
-from shardwise.zero.gathered import guard_state_dict
-from shardwise.zero.init import (
-    SafetensorsSource,
-    is_deferred,
-    is_placeholder,
-    materialize_by_init,
-    swap_meta_parameters,
-    tied_aliases,
-)
-from shardwise.zero.partition import broadcast_model, build_groups
-from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
+from shardwise.zero.builder import ShardOptions
 
 log = logging.getLogger("shardwise")
 
@@ -43,36 +36,24 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _waiter(groups: list[ShardedGroup]):
-    def hook(module: nn.Module, args: Any) -> None:
-        for g in groups:
-            g.wait_gathered()
-
-    return hook
-
-
-def _list_params(model_parameters: Any) -> Any:
-    """Consume a generator of parameters (or of group dicts) now, before parameters are swapped:
-    holding the objects keeps their ids unique, so the remap below cannot confuse a freed meta
-    parameter's id with a new one's."""
-    if model_parameters is None:
-        return None
-    items = list(model_parameters)
-    if items and isinstance(items[0], dict):
-        return [{**g, "params": list(g["params"])} for g in items]
-    return items
-
-
-def _remap_params(model_parameters: Any, swapped: dict[int, nn.Parameter]) -> Any:
-    """Point user-given ``model_parameters`` (listed by ``_list_params``) at the model's parameters."""
-    if model_parameters is None:
-        return None
-    items = model_parameters
-    if items and isinstance(items[0], dict):
-        return [{**g, "params": [swapped.get(id(p), p) for p in g["params"]]} for g in items]
-    if items and isinstance(items[0], tuple):
-        return [(n, swapped.get(id(p), p)) for n, p in items]
-    return [swapped.get(id(p), p) for p in items]
+def options_from_config(config) -> ShardOptions:
+    """The DeepSpeed config's ``zero_optimization`` section as the builder's options."""
+    zero = config.zero_optimization
+    off_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
+    off_param = zero.offload_param.device == "cpu"
+    return ShardOptions(
+        stage=config.zero_stage,
+        bucket_numel=int(min(zero.reduce_bucket_size, zero.allgather_bucket_size)),
+        persistence_threshold=int(zero.stage3_param_persistence_threshold),
+        prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+        max_live_numel=int(zero.stage3_max_live_parameters),
+        offload_optimizer=off_opt, offload_param=off_param,
+        pin_memory=bool((off_opt and zero.offload_optimizer.pin_memory)
+                        or (off_param and zero.offload_param.pin_memory)),
+        overlap_comm=bool(zero.overlap_comm),
+        weight_bits=8 if zero.zero_quantized_weights else 0,  # ZeRO++ qwZ / qgZ: zero/quantized_comm.py
+        grad_bits=config.shardwise.quantized_gradient_bits if zero.zero_quantized_gradients else 0,
+    )
 
 
 class Engine(EngineAccessors, nn.Module):
@@ -92,14 +73,6 @@ class Engine(EngineAccessors, nn.Module):
         self.comm = comm if comm is not None else Comm()
         self.tp = tp if tp is not None else Comm(None, self.comm.stats, solo=True)
         self.replica = replicate if replicate is not None else Comm(None, self.comm.stats, solo=True)
-        if self.replica.size > 1 and config.zero_stage == 0:
-            raise ValueError("hybrid sharding (zero_optimization.mics_shard_size) needs zero_optimization.stage "
-                             ">= 1: stage 0 shards nothing")
-        if secondary is not None and secondary.size > 1 and (config.zero_stage != 3 or self.replica.size > 1):
-            raise ValueError("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ) needs "
-                             "zero_optimization.stage 3 and no mics_shard_size")
-        self.dp_world = self.comm.size * self.replica.size
-        self.dp_rank = self.replica.rank * self.comm.size + self.comm.rank
         self.stage = config.zero_stage
         self.gas = config.gradient_accumulation_steps
         self.micro_steps = 0
@@ -108,94 +81,20 @@ class Engine(EngineAccessors, nn.Module):
         self._in_no_sync = False
         self._last_loss: torch.Tensor | None = None
         self.last_grad_norm: float | None = None
-
-        device = compute_device()
-        deferred = is_deferred(model)
-        if deferred and config.zero_stage != 3:
-            raise ValueError("the model was built under shardwise.zero.Init (its parameters are not "
-                             "materialized yet), which needs zero_optimization.stage 3")
-        if deferred:
-            model_parameters = _list_params(model_parameters)
-            swapped = swap_meta_parameters(model, device)  # real values arrive unit by unit below
-            model_parameters = _remap_params(model_parameters, swapped)
-            if optimizer is not None and not callable(optimizer):  # a client optimizer built on meta
-                optimizer.param_groups[:] = _remap_params(optimizer.param_groups, swapped)
-            for m in model.modules():
-                for name, b in list(m.named_buffers(recurse=False)):
-                    setattr(m, name, b.to(device))
-        else:
-            model.to(device)
-        self.tp_report = None
-        if self.tp.size > 1 and not model_is_tp:
-            if deferred:
-                raise ValueError("tensor_parallel.autotp_size > 1 with a model built under zero.Init is not "
-                                 "supported yet; build the model normally (TP shards it first)")
-            from shardwise.tensor_parallel import apply_tensor_parallel
-
-            world = Comm(None, self.comm.stats)
-            with torch.no_grad():  # every TP rank must slice the same weights
-                for t in list(model.parameters()) + list(model.buffers()):
-                    world.broadcast(t.data, src=0)
-            self.tp_report = apply_tensor_parallel(model, self.tp)
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                r = self.tp_report
-                log.info(f"tensor parallel {r.tp_size}-way from the {r.plan_source}: {len(r.sharded)} "
-                         f"parameters sharded, {len(r.replicated)} replicated")
         self.compute_dtype: torch.dtype = config.compute_dtype
-        if self.compute_dtype != torch.float32:  # params only; buffers (rotary freqs) stay fp32
-            for p in model.parameters():
-                if p.is_floating_point():
-                    p.data = p.data.to(self.compute_dtype)
+        options = options_from_config(config)
+        self.offload_optimizer, self.offload_param = options.offload_optimizer, options.offload_param
+        self.sharding = shard_module(model, options, self.comm, self.replica, self.tp, secondary,
+                                     compute_dtype=self.compute_dtype, model_parameters=model_parameters,
+                                     optimizer=optimizer, tp_plan=False if model_is_tp else "auto")
+        sh = self.sharding
         self.module = model
+        self.dp_world, self.dp_rank = sh.dp_world, sh.dp_rank
+        self.tp_report, self.policy, self.units, self.fetcher = sh.tp_report, sh.policy, sh.units, sh.fetcher
+        self.groups_by_pg, self.unit_groups, self.groups = sh.groups_by_pg, sh.unit_groups, sh.groups
 
-        zero = config.zero_optimization
-        offload = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
-        self.offload_optimizer = offload == "cpu"
-        if self.offload_optimizer and self.stage == 0:
-            raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1: "
-                             "the optimizer state is offloaded shard by shard")
-        param_groups = client_param_groups(model, model_parameters, optimizer)
-        bucket = int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
-        self.policy = ShardPolicy.for_stage(self.stage)
-        self.offload_param = zero.offload_param.device == "cpu"
-        unit_params = None
-        self.units: list[nn.Module] = []
-        if self.stage == 3:
-            self.units = find_units(model)
-            owned = assign_params(model, self.units)
-            unit_params = [owned[i] for i in range(len(self.units))]
-        materialize, reader = self._deferred_sources(model, device) if deferred else (None, None)
-        self.groups_by_pg, self.unit_groups = build_groups(
-            model, param_groups, self.comm, self.policy, bucket, units=unit_params,
-            materialize=materialize, shard_reader=reader, device=device,
-            persistence_threshold=int(zero.stage3_param_persistence_threshold),
-            offload_device=torch.device("cpu") if self.offload_optimizer else None,
-            pin_memory=bool((self.offload_optimizer and zero.offload_optimizer.pin_memory)
-                            or (self.offload_param and zero.offload_param.pin_memory)),
-            overlap_comm=bool(zero.overlap_comm),
-            param_offload_device=torch.device("cpu") if self.offload_param else None,
-            replicate=self.replica,
-            secondary=secondary,
-            weight_bits=8 if zero.zero_quantized_weights else 0,  # ZeRO++ qwZ / qgZ: zero/quantized_comm.py
-            grad_bits=config.shardwise.quantized_gradient_bits if zero.zero_quantized_gradients else 0,
-        )
-        self.groups: list[ShardedGroup] = [g for gs in self.groups_by_pg for g in gs]
-        for c in (self.comm, self.replica):  # shard group 0 takes rank 0's weights, then every replica
-            broadcast_model(model, self.groups + [g for gs in self.unit_groups for g in gs], c)
-        self.fetcher = (ParamFetcher(self.units, self.unit_groups, int(zero.stage3_prefetch_bucket_size),
-                                     int(zero.stage3_max_live_parameters))
-                        if self.stage == 3 else None)
-        if self.stage == 3:
-            guard_state_dict(model)
-        self._async_publish = self.stage in (1, 2)
-        if self._async_publish:
-            self._install_param_waits(model)
-
-        master_groups = []
-        for pg, gs in zip(param_groups, self.groups_by_pg, strict=True):
-            d = {k: v for k, v in pg.items() if k != "params"}
-            d["params"] = [g.master for g in gs]
-            master_groups.append(d)
+        master_groups = [{**opts, "params": [g.master for g in gs]}
+                         for opts, gs in zip(sh.param_groups, self.groups_by_pg, strict=True)]
         self.optimizer = self._make_optimizer(optimizer, master_groups)
         guard_direct_step(self, self.optimizer)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
@@ -207,36 +106,9 @@ class Engine(EngineAccessors, nn.Module):
             g.engine_ref = weakref.ref(self)  # shardwise.utils.safe_get_* find the engine from a param
 
     # -- construction ---------------------------------------------------------------
-    def _install_param_waits(self, model: nn.Module) -> None:
-        """Stages 1-2: a module's forward waits for the all-gather of the buckets it uses."""
-        self._wait_handles = []
-        for m in model.modules():
-            groups = {id(g): g for p in m.parameters(recurse=False) if (g := owner_of(p)) is not None}
-            if groups:
-                self._wait_handles.append(m.register_forward_pre_hook(_waiter(list(groups.values()))))
-
     def wait_for_params(self) -> None:
         """Finish the asynchronous all-gathers of the last step (before reading parameters)."""
-        for g in self.groups:
-            g.wait_gathered()
-
-    @staticmethod
-    def _deferred_sources(model: nn.Module, device: torch.device):
-        """zero.Init: read shards from the checkpoint folder, or run the model's init per unit."""
-        source = getattr(model, "_shardwise_source", None)
-        if source is None:
-            return (lambda ps: materialize_by_init(model, ps, device)), None
-        files = SafetensorsSource(source)
-        model._shardwise_files = files
-        aliases = tied_aliases(model)
-
-        def read(p: nn.Parameter, start: int, end: int) -> torch.Tensor:
-            if not is_placeholder(p):  # given its values in GatheredParameters before initialize
-                return p.detach().reshape(-1)[start:end]
-            names = aliases[id(p)]
-            return files.read(names[0], p.shape, start, end, names[1:])
-
-        return None, read
+        self.sharding.wait_for_params()
 
     def _make_optimizer(self, client, master_groups: list[dict]) -> torch.optim.Optimizer | None:
         """DeepSpeed's rules: a client optimizer (or factory) wins over the config's ``optimizer``
@@ -311,16 +183,14 @@ class Engine(EngineAccessors, nn.Module):
         self._require_optimizer("backward")
         track_used(self)
         reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
-        for g in self.groups:
-            g.begin_backward(reduce_now)
+        self.sharding.arm(reduce_now)
         scale = 1.0 / self.gas if scale_wrt_gas else 1.0
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
+        # The sharding's autograd callback finishes the groups when this backward completes; the
+        # call after it only acts when no hook fired (a loss that reached no sharded parameter).
         (loss * scale).backward(retain_graph=retain_graph)
-        for g in self.groups:
-            g.end_backward()
-        if self.fetcher is not None:
-            self.fetcher.release_all()  # frozen groups, and any a skipped branch left gathered
+        self.sharding.finish_backward()
         self._grads_reduced = reduce_now
         self._last_loss = loss.detach()
         return loss / self.gas if scale_wrt_gas else loss
@@ -336,14 +206,11 @@ class Engine(EngineAccessors, nn.Module):
             self.micro_steps += 1
             return
         check_all_used(self)
-        for g in self.groups:
-            g.wait()
-            g.wait_gathered()
         unscale = 1.0 / self.dp_world
         if self.loss_scaler is not None:
             unscale /= self.loss_scaler.scale
-        grads = [g.attach_master_grad(unscale) for g in self.groups]
-        norm = self._global_grad_norm(grads)
+        grads = self.sharding.reduced_grads(unscale)
+        norm = self.sharding.grad_norm(grads)
         overflow = not math.isfinite(norm)
         skip = self.loss_scaler.update(overflow) if self.loss_scaler is not None else False
         if overflow and self.loss_scaler is not None:
@@ -365,34 +232,15 @@ class Engine(EngineAccessors, nn.Module):
                 self._engine_stepping = False
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            # Stages 1-2: the updated shards travel while the next forward starts; each module
-            # waits for its own bucket (forward order: the last bucket holds the first layers).
-            for g in reversed(self.groups):
-                g.publish_master(async_op=self._async_publish)
+            self.sharding.publish()  # stages 1-2: all-gathered while the next forward starts
         else:
             self.skipped_steps += 1
         self._step_applied = not skip
         self.last_grad_norm = norm
-        for g in self.groups:
-            g.zero_grad()
+        self.sharding.zero_grad()
         self.global_steps += 1
         self.micro_steps += 1
         self._maybe_log()
-
-    def _global_grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """L2 norm over every shard on every rank (inf/nan when any rank overflowed)."""
-        # [replicated, TP-sharded]: TP-sharded gradients are summed over the TP group too, while
-        # replicated ones (identical on every TP rank) count once.
-        sq = torch.zeros(2, dtype=torch.float64)
-        for g, grad in zip(self.groups, grads, strict=True):
-            sq[int(g.tp_sharded)] += torch.linalg.vector_norm(grad.float()).double().square()
-        if self.policy.shard_optimizer:
-            self.comm.all_reduce(sq)
-        if self.tp.size > 1:
-            tp_part = sq[1:].clone()
-            self.tp.all_reduce(tp_part)
-            sq[1] = tp_part[0]
-        return float(sq.sum().sqrt().item())
 
     def _maybe_log(self) -> None:
         every = self.config.steps_per_print
@@ -435,8 +283,7 @@ class Engine(EngineAccessors, nn.Module):
         return full < free / 2
 
     def zero_grad(self) -> None:
-        for g in self.groups:
-            g.zero_grad()
+        self.sharding.zero_grad()
         self._grads_reduced = False
 
     def memory_report(self) -> dict[str, int]:
@@ -472,8 +319,6 @@ class Engine(EngineAccessors, nn.Module):
     # -- checkpoints (implemented in shardwise.checkpoint; these only delegate) -------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
         """Sharded checkpoint of model, optimizer, scheduler, counters and RNG (collective)."""
-        from shardwise.checkpoint import save_checkpoint
-
         tag = check_save_args(self, save_dir, tag)
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
@@ -483,14 +328,10 @@ class Engine(EngineAccessors, nn.Module):
         """Load a checkpoint saved at any world size / stage; returns ``(path, client_state)``."""
         for g in self.groups + [g for gs in self.unit_groups for g in gs]:
             g.drop_secondary()  # hpZ: the loaded parameters replace what the secondary shards hold
-        from shardwise.checkpoint import load_checkpoint
-
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only, load_module_strict=load_module_strict)
 
     def save_16bit_model(self, save_dir, save_filename=None, max_shard_size="5GB") -> None:  # noqa: ARG002
         """HF-format weights (config.json + model*.safetensors) in the compute dtype (collective)."""
-        from shardwise.checkpoint import save_16bit_model
-
         save_16bit_model(self, save_dir, max_shard_size=max_shard_size)

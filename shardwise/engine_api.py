@@ -211,16 +211,8 @@ class EngineAccessors:
         Afterwards the module no longer gathers or reduces anything; at stage 3 its parameters
         stay released placeholders (gather them with ``GatheredParameters`` first if needed).
         """
-        self.wait_for_params()
-        for g in self.groups + [g for gs in self.unit_groups for g in gs]:
-            g.wait()
-            g.remove_hooks()
-        if self.fetcher is not None:
-            self.fetcher.release_all()
-            self.fetcher.remove()
+        self.sharding.remove()
         for h in getattr(self, "_used_hooks", []):
-            h.remove()
-        for h in getattr(self, "_wait_handles", []):
             h.remove()
 
     # -- aliases --------------------------------------------------------------------

@@ -375,8 +375,11 @@ def _recommend(est: Estimate, mb: int | None, seq: int | None, ckpt: bool) -> No
                "activation checkpointing or lower the micro batch.")
 
 
-# The report and the CLI live in estimate_report; re-exported so `shardwise.estimate.main` works.
-from shardwise.estimate_report import format_report, main  # noqa: E402
+# The report and the CLI live in estimate_report (which imports this module); resolved on first use
+# so `shardwise.estimate.main` and `format_report` work without an import cycle.
+def __getattr__(name: str) -> Any:
+    if name in ("format_report", "main"):
+        from shardwise import estimate_report
 
-__all__ = ["ModelFacts", "Estimate", "count_params", "estimate", "format_report", "main", "model_facts",
-           "parse_bytes", "parse_count"]
+        return getattr(estimate_report, name)
+    raise AttributeError(f"module 'shardwise.estimate' has no attribute {name!r}")

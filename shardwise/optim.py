@@ -16,6 +16,9 @@ import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from shardwise.config_schema import _OPTIMIZERS
+from shardwise.config_schema import _SCHEDULERS as _SCHEDULER_PARAMS
+
 __all__ = [
     "build_optimizer",
     "rebuild_client_optimizer",
@@ -26,8 +29,9 @@ __all__ = [
     "WarmupCosineLR",
 ]
 
-_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
-_SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+# The names come from the config schema (the one list of what the config accepts).
+_SUPPORTED_OPTIMIZERS = tuple(name for name, _ in _OPTIMIZERS.values())
+_SUPPORTED_SCHEDULERS = tuple(_SCHEDULER_PARAMS)
 
 
 def _accepted_kwargs(cls: type) -> set[str]:

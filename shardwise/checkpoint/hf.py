@@ -8,7 +8,6 @@ whole state dict in RAM instead.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,26 +27,15 @@ from shardwise.checkpoint.fileio import (
 )
 from shardwise.checkpoint.load import read_metadata, read_module, read_saved, resolve_tag
 from shardwise.checkpoint.save import _model_config, full_shape, module_extras
-from shardwise.checkpoint.tp import gather_full, logical_shape, logical_shape_of, rebuild, saved_index, spec_of
+from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.comm import Comm, CommStats
+from shardwise.estimate import parse_bytes
+from shardwise.tensor_parallel.plan import gather_full
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.checkpoint.target import CheckpointTarget
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
-
-
-def parse_size(s: str | int) -> int:
-    """``"5GB"`` (10^9), ``"500MiB"`` (2^20), ``"2e9"`` or an int -> bytes."""
-    if isinstance(s, int):
-        return s
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B)?\s*", s, flags=re.IGNORECASE)
-    if not m:
-        raise ValueError(f"bad size {s!r}; examples: 5GB, 500MB, 2GiB, 1000000")
-    unit = (m.group(2) or "B").upper()
-    base = 1024 if "I" in unit else 1000
-    power = "BKMGT".index(unit[0]) if unit[0] in "KMGT" else 0
-    return int(float(m.group(1)) * base**power)
 
 
 def _nbytes(spec: Spec) -> int:
@@ -198,7 +186,7 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
     saved = _saved_specs(meta)
     specs: list[Spec] = [(n, out_dt if dt.is_floating_point else dt, shape) for n, dt, shape in saved]
     out = Path(out_dir)
-    w = ShardedHFWriter(out, specs, parse_size(max_shard_size))
+    w = ShardedHFWriter(out, specs, parse_bytes(max_shard_size))
     for (name, dt, _), (_, t) in zip(specs, _full_tensors(meta, reader, saved), strict=True):
         w.write(name, t.to(dt))
         del t
@@ -241,7 +229,7 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_16bit_model(engine: Engine, save_dir: str | Path, dtype: torch.dtype | None = None,
+def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torch.dtype | None = None,
                      max_shard_size: str | int = "5GB") -> None:
     """HF weights from a live engine (collective): masters are gathered group by group, rank 0 writes.
 
@@ -269,7 +257,7 @@ def save_16bit_model(engine: Engine, save_dir: str | Path, dtype: torch.dtype | 
     w = None
     try:
         if rank0:
-            w = ShardedHFWriter(Path(save_dir), specs, parse_size(max_shard_size))
+            w = ShardedHFWriter(Path(save_dir), specs, parse_bytes(max_shard_size))
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by agree()
         err = e
     agree(comm, err, "save_16bit_model")

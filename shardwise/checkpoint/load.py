@@ -40,7 +40,7 @@ from shardwise.checkpoint.tp import (
 from shardwise.checkpoint.validate import confined_path, match_like, parse_metadata
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.checkpoint.target import CheckpointTarget
 
 log = logging.getLogger("shardwise")
 
@@ -89,7 +89,7 @@ def read_metadata(path: Path) -> dict:
     return parse_metadata(read_json(path / "metadata.json"), path / "metadata.json")
 
 
-def _match(engine: Engine, meta: dict, strict: bool, source: Path) -> tuple[set[str], set[str]]:
+def _match(engine: CheckpointTarget, meta: dict, strict: bool, source: Path) -> tuple[set[str], set[str]]:
     """Match saved names to the model: returns (trainable names absent from the checkpoint, module
     tensor names absent from it). A shape mismatch is always refused; a missing or unexpected name
     too under ``strict`` (else it is reported and the live value kept)."""
@@ -145,12 +145,13 @@ def read_module(reader: ShardReader, module: dict, key: str) -> torch.Tensor:
     return reader.read_full(f"module/{key}", info["file"], dtype_from_name(info["dtype"]), info["shape"])
 
 
-def _current_state(engine: Engine, g, k: str) -> torch.Tensor | None:
+def _current_state(engine: CheckpointTarget, g, k: str) -> torch.Tensor | None:
     v = engine.optimizer.state.get(g.master, {}).get(k)
     return v if torch.is_tensor(v) and v.shape == g.master.shape else None
 
 
-def _read_own(engine: Engine, meta: dict, reader: ShardReader, states: list[str], skip: set[str]) -> list[dict]:
+def _read_own(engine: CheckpointTarget, meta: dict, reader: ShardReader, states: list[str],
+              skip: set[str]) -> list[dict]:
     """Per group: {"bufs": {"master": tensor, state: tensor, ...}, "scalars": {...}} for this rank's range.
 
     A parameter saved with this rank's TP split is read by element range; one saved at another TP
@@ -187,7 +188,7 @@ def _read_own(engine: Engine, meta: dict, reader: ShardReader, states: list[str]
     return out
 
 
-def _read_module(engine: Engine, meta: dict, reader: ShardReader, skip: set[str]) -> dict[str, torch.Tensor]:
+def _read_module(engine: CheckpointTarget, meta: dict, reader: ShardReader, skip: set[str]) -> dict[str, torch.Tensor]:
     """Frozen parameters and buffers, whole or as this rank's TP piece (resharded if saved otherwise)."""
     live, saved = module_extras(engine), meta["module"]
     out = {}
@@ -204,7 +205,7 @@ def _read_module(engine: Engine, meta: dict, reader: ShardReader, skip: set[str]
     return out
 
 
-def _stage_optimizer(engine: Engine, meta: dict, loaded: list[dict], source: Path) -> dict:
+def _stage_optimizer(engine: CheckpointTarget, meta: dict, loaded: list[dict], source: Path) -> dict:
     """The torch optimizer state_dict to install, every saved value checked against the live one.
 
     torch then applies its own dtype/device rules (``step`` on CPU unless fused/capturable).
@@ -248,7 +249,7 @@ def _stage_optimizer(engine: Engine, meta: dict, loaded: list[dict], source: Pat
     return {"state": state, "param_groups": groups}
 
 
-def _install_optimizer(engine: Engine, sd: dict, path: Path) -> None:
+def _install_optimizer(engine: CheckpointTarget, sd: dict, path: Path) -> None:
     """``load_state_dict``, undone if torch refuses the state (a check the staging missed)."""
     opt = engine.optimizer
     old = opt.state_dict()  # references the live state tensors, which load_state_dict replaces
@@ -272,7 +273,7 @@ class _Staged:
     rng: Callable[[], None] | None = None
 
 
-def _stage(engine: Engine, path: Path, meta: dict, verify: bool, strict: bool, with_opt: bool,
+def _stage(engine: CheckpointTarget, path: Path, meta: dict, verify: bool, strict: bool, with_opt: bool,
            with_sched: bool, module_only: bool, rank: int, world: int) -> _Staged:
     source = path / "metadata.json"
     skip_t, skip_m = _match(engine, meta, strict, source)
@@ -297,7 +298,7 @@ def _stage(engine: Engine, path: Path, meta: dict, verify: bool, strict: bool, w
     return st
 
 
-def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None,
+def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, verify: bool = True,
                     load_module_strict: bool = True) -> tuple[str | None, dict | None]:

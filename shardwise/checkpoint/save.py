@@ -29,21 +29,21 @@ from shardwise.checkpoint.fileio import (
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.checkpoint.target import CheckpointTarget
 
 # optimizer param_group keys that pick a kernel, not a hyperparameter: the loading side keeps its own
 IMPL_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 def full_shape(p: torch.Tensor) -> list[int]:
-    """The parameter's shape on this rank (``p.ds_shape`` when stage 3 keeps a placeholder tensor).
+    """The parameter's shape on this rank (stage 3's released placeholders keep the full shape).
 
     Under TP this is the TP-local (padded) shape; ``tp.logical_shape_of`` gives the HF shape.
     """
-    return [int(s) for s in getattr(p, "ds_shape", p.shape)]
+    return [int(s) for s in p.shape]
 
 
-def module_extras(engine: Engine) -> dict[str, torch.Tensor]:
+def module_extras(engine: CheckpointTarget) -> dict[str, torch.Tensor]:
     """Frozen parameters and persistent buffers by state_dict name (tied tensors once).
 
     Walks the modules instead of calling ``state_dict()``, which stage 3 refuses while sharded.
@@ -93,7 +93,7 @@ def _split_state(g, state: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any
     return elem, scalars
 
 
-def _write_rank(engine: Engine, folder: Path, rank: int) -> dict:
+def _write_rank(engine: CheckpointTarget, folder: Path, rank: int) -> dict:
     """Write this rank's shard file; returns its manifest (merged into metadata.json by rank 0).
 
     Under TP, TP-sharded parameters are saved per TP rank under ``NAME@tp{r}of{t}``; replicated ones
@@ -161,7 +161,7 @@ def _model_config(module: torch.nn.Module) -> dict | None:
     return d
 
 
-def _metadata(engine: Engine, manifests: list[dict], world: int, client_state: dict) -> dict:
+def _metadata(engine: CheckpointTarget, manifests: list[dict], world: int, client_state: dict) -> dict:
     tensors: dict[str, dict] = {}
     for m in manifests:  # every rank describes its saved names (TP ranks have different ones)
         for key, t in m["tensors"].items():
@@ -215,7 +215,7 @@ def _metadata(engine: Engine, manifests: list[dict], world: int, client_state: d
     }
 
 
-def _finalize(engine: Engine, root: Path, tmp: Path, tag: str, world: int, client_state: dict,
+def _finalize(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, world: int, client_state: dict,
               save_latest: bool) -> None:
     """Rank 0: merge the rank manifests, then rename the folder into place and update ``latest``."""
     from shardwise.checkpoint.fileio import read_json, write_json
@@ -258,7 +258,7 @@ def remove_stale_partials(root: Path) -> list[str]:
     return gone
 
 
-def save_checkpoint(engine: Engine, save_dir: str | Path, tag: str | None = None,
+def save_checkpoint(engine: CheckpointTarget, save_dir: str | Path, tag: str | None = None,
                     client_state: dict | None = None, save_latest: bool = True) -> str:
     """Write ``save_dir/tag`` (default ``global_step{N}``) from every rank; returns its path.
 

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 
 from shardwise.checkpoint.fileio import CheckpointError
-from shardwise.comm import Comm
 from shardwise.tensor_parallel.layers import ShardSpec
 
 SpecLike = ShardSpec | None
@@ -146,19 +145,3 @@ def rebuild(name: str, out: torch.Tensor, out_spec: SpecLike, keys: list[str], e
         raise CheckpointError(f"{name}: the saved TP pieces {keys} cover {filled} of the {need} rows "
                               "this rank needs")
     return out
-
-
-def gather_full(local: torch.Tensor, spec: SpecLike, tp: Comm) -> torch.Tensor:
-    """All TP ranks' local tensors -> the full HF tensor (padding dropped), on every TP rank."""
-    if spec is None:
-        return local
-    local = local.contiguous()
-    buf = local.new_empty((tp.size, local.numel()))
-    buf[tp.rank].copy_(local.view(-1))
-    tp.all_gather(buf.view(-1))
-    full = local.new_empty(logical_shape_of(list(local.shape), spec))
-    for r in range(tp.size):
-        shard = buf[r].view(local.shape)
-        for a, b, d in spec.for_rank(r).pieces():
-            full.narrow(spec.dim, a, b - a).copy_(shard.narrow(spec.dim, d, b - a))
-    return full

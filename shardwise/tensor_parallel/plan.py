@@ -65,9 +65,6 @@ class TPReport:
     partial_grad: list[str] = field(default_factory=list)
     tied: bool = False
 
-    def sharded_param_ids(self, model: nn.Module) -> set[int]:
-        return {id(p) for n, p in model.named_parameters() if n in self.sharded}
-
 
 def _config_heads(config) -> tuple[int | None, int | None]:
     n = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
@@ -277,12 +274,16 @@ def _wrap_generate(model: nn.Module, tp: Comm) -> None:
 
 
 # -- whole tensors back from shards --------------------------------------------------------------
-def gather_param(p: torch.Tensor, tp: Comm) -> torch.Tensor:
-    """The full (unpadded, HF-layout) tensor of a TP-sharded parameter; replicated ones as they are."""
-    spec: ShardSpec | None = getattr(p, "_tp_spec", None)
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a tensor-parallel slice (what the ZeRO builder is told, see zero/builder.py)."""
+    return getattr(p, "_tp_spec", None) is not None
+
+
+def gather_full(local: torch.Tensor, spec: ShardSpec | None, tp: Comm) -> torch.Tensor:
+    """All TP ranks' local tensors -> the full HF tensor (padding dropped), on every TP rank."""
     if spec is None or tp.size == 1:
-        return p.detach().clone()
-    local = p.detach().contiguous()
+        return local
+    local = local.contiguous()
     buf = local.new_empty((tp.size, local.numel()))
     buf[tp.rank].copy_(local.view(-1))
     tp.all_gather(buf.view(-1))
@@ -296,6 +297,14 @@ def gather_param(p: torch.Tensor, tp: Comm) -> torch.Tensor:
     return full
 
 
+def gather_param(p: torch.Tensor, tp: Comm) -> torch.Tensor:
+    """The full (unpadded, HF-layout) tensor of a TP-sharded parameter; replicated ones as they are."""
+    spec = getattr(p, "_tp_spec", None)
+    if spec is None or tp.size == 1:
+        return p.detach().clone()
+    return gather_full(p.detach(), spec, tp)
+
+
 def gather_state_dict(model: nn.Module, tp: Comm | None = None) -> dict[str, torch.Tensor]:
     """Full parameters by name (every TP rank gets them); tied parameters appear once."""
     tp = tp or model._tp_comm
@@ -304,17 +313,8 @@ def gather_state_dict(model: nn.Module, tp: Comm | None = None) -> dict[str, tor
 
 def tp_grad_norm(params, tp: Comm, norm_type: float = 2.0) -> torch.Tensor:
     """Global 2-norm of grads over the TP group: sharded grads summed over ranks, replicated once."""
+    from shardwise.grad_norm import global_grad_norm
+
     if norm_type != 2.0:
         raise NotImplementedError("only the 2-norm")
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum()
-        if getattr(p, "_tp_spec", None) is not None:
-            sharded += sq
-        else:
-            replicated += sq
-    tp.all_reduce(sharded)
-    return (sharded + replicated).sqrt()
+    return global_grad_norm(((p.grad, is_tp_sharded(p)) for p in params if p.grad is not None), tp=tp)

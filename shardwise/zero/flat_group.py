@@ -99,7 +99,7 @@ class ShardedGroup:
         self._filled: list[bool] = []
         self.trainable = trainable
         self.dtype = params[0].dtype
-        self.tp_sharded = getattr(params[0], "_tp_spec", None) is not None
+        self.tp_sharded = False  # a TP slice? set by the builder (zero/partition.py): ZeRO reads no TP specs
         self.device = device if device is not None else params[0].device
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]

@@ -47,17 +47,16 @@ def _pg_index(model: nn.Module, param_groups: list[dict]) -> dict[int, int]:
     return where
 
 
-def _kind(p: nn.Parameter) -> tuple:
-    """What must be equal inside one group: dtype, and whether TP sharded it (for the grad norm)."""
-    return p.dtype, getattr(p, "_tp_spec", None) is not None
+def _never(p: nn.Parameter) -> bool:  # noqa: ARG001
+    return False
 
 
-def _buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
+def _buckets(params: list[nn.Parameter], bucket_numel: int, kind: Callable) -> list[list[nn.Parameter]]:
     """Consecutive runs of one kind, each at most ``bucket_numel`` elements (or one param)."""
     out: list[list[nn.Parameter]] = []
     for p in params:
         cur = out[-1] if out else None
-        if cur is None or _kind(cur[0]) != _kind(p) or sum(q.numel() for q in cur) + p.numel() > bucket_numel:
+        if cur is None or kind(cur[0]) != kind(p) or sum(q.numel() for q in cur) + p.numel() > bucket_numel:
             out.append([p])
         else:
             cur.append(p)
@@ -73,6 +72,7 @@ def build_groups(
     units: list[list[nn.Parameter]] | None = None,
     persistence_threshold: int = 0,
     materialize: Callable[[list[nn.Parameter]], None] | None = None,
+    tp_sharded: Callable[[nn.Parameter], bool] = _never,
     **group_kwargs,
 ) -> tuple[list[list[ShardedGroup]], list[list[ShardedGroup]]]:
     """Cut the model into groups; returns (trainable groups per optimizer param group, groups per unit).
@@ -81,8 +81,15 @@ def build_groups(
     (unit, param group, dtype), frozen parameters in groups of their own (sharded, no optimizer
     state), and parameters of at most ``persistence_threshold`` elements kept whole in buckets.
     ``materialize`` (zero.Init) gives a unit's meta parameters real values just before its groups
-    are built, so only one unit is ever whole.
+    are built, so only one unit is ever whole. ``tp_sharded`` tells a tensor-parallel slice from a
+    replicated parameter (the builder passes it in: ZeRO reads no TP specs); a group holds one kind,
+    so the global gradient norm can count replicated gradients once.
     """
+
+    def _kind(p: nn.Parameter) -> tuple:
+        """What must be equal inside one group: dtype, and whether TP sliced it (for the grad norm)."""
+        return p.dtype, tp_sharded(p)
+
     names = {id(p): n for n, p in model.named_parameters()}
     order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
     pg_of = _pg_index(model, param_groups)
@@ -91,14 +98,16 @@ def build_groups(
     inflight = InflightLimit()
 
     def make(ps: list[nn.Parameter], pol: ShardPolicy, trainable: bool = True) -> ShardedGroup:
-        return ShardedGroup(ps, [names[id(p)] for p in ps], comm, pol, trainable=trainable,
-                            inflight=inflight, **group_kwargs)
+        g = ShardedGroup(ps, [names[id(p)] for p in ps], comm, pol, trainable=trainable,
+                         inflight=inflight, **group_kwargs)
+        g.tp_sharded = tp_sharded(ps[0])
+        return g
 
     if units is None:
         for gi in range(len(param_groups)):
             ps = [p for p in param_groups[gi]["params"] if p.requires_grad]
             ps.sort(key=lambda p: -order[id(p)])
-            by_pg[gi] = [make(b, policy) for b in _buckets(ps, bucket_numel)]
+            by_pg[gi] = [make(b, policy) for b in _buckets(ps, bucket_numel, _kind)]
         return by_pg, []
 
     keep_whole = ShardPolicy.for_stage(2)
@@ -110,14 +119,14 @@ def build_groups(
         groups: list[ShardedGroup] = []
         frozen = [p for p in unit_params if not p.requires_grad]
         frozen.sort(key=lambda p: str(_kind(p)))  # one group per kind
-        for b in _buckets(frozen, 1 << 62):
+        for b in _buckets(frozen, 1 << 62, _kind):
             groups.append(make(b, policy, trainable=False))
         for gi in range(len(param_groups)):
             ps = [p for p in unit_params if p.requires_grad and pg_of.get(id(p)) == gi]
             big = [p for p in ps if p.numel() > persistence_threshold]
             persistent[gi] += [p for p in ps if p.numel() <= persistence_threshold]
             big.sort(key=lambda p: str(_kind(p)))
-            for b in _buckets(big, 1 << 62):
+            for b in _buckets(big, 1 << 62, _kind):
                 g = make(b, policy)
                 groups.append(g)
                 by_pg[gi].append(g)
@@ -126,7 +135,7 @@ def build_groups(
         if materialize is not None:
             materialize(ps)
         ps.sort(key=lambda p: -order[id(p)])
-        by_pg[gi] += [make(b, keep_whole) for b in _buckets(ps, bucket_numel)]
+        by_pg[gi] += [make(b, keep_whole) for b in _buckets(ps, bucket_numel, _kind)]
     return by_pg, by_unit
 
 

@@ -27,6 +27,7 @@ forward takes another path, silently (one debug line).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -112,6 +113,7 @@ class ParamFetcher:
         self.check_next = True  # run the next forward under ReleasedUseCheck (first forwards, new paths)
         self._check: ReleasedUseCheck | None = None
         self._handles = []
+        self.on_backward: Callable[[], None] | None = None  # the builder's backward-completion hook
         for gs in groups:
             for g in gs:
                 g.fetcher = self
@@ -188,6 +190,8 @@ class ParamFetcher:
     # -- backward ---------------------------------------------------------------------
     def _make_pre_backward(self, ui: int):
         def hook(_grad):
+            if self.on_backward is not None:
+                self.on_backward()
             self._gather(ui)
             if ui in self.order:
                 pos = self.order.index(ui)

@@ -1,0 +1,35 @@
+"""The global gradient 2-norm over ZeRO shards and tensor-parallel slices (one definition).
+
+ZeRO shards are disjoint pieces of the data-parallel gradient, so their squares are summed over
+the shard group. Under TP a gradient is either a TP slice (squares summed over the TP group too) or
+replicated (identical on every TP rank: counted once). Used by the engine's step,
+``shardwise.clip_grad_norm_`` and ``tensor_parallel.tp_grad_norm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from shardwise.comm import Comm
+
+
+def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool]], tp: Comm | None = None,
+                     shard: Comm | None = None) -> torch.Tensor:
+    """2-norm (float64 scalar) of ``(grad, is_tp_slice)`` pairs.
+
+    ``shard``: the group over which the grads are disjoint shards (None: every rank holds the
+    whole gradient). ``tp``: the tensor-parallel group (None or size 1: no TP). inf/nan when any
+    rank's gradient overflowed.
+    """
+    sq = torch.zeros(2, dtype=torch.float64)  # [replicated, TP slice]
+    for g, tp_slice in grads:
+        sq[int(tp_slice)] += torch.linalg.vector_norm(g.detach().float()).double().square()
+    if shard is not None and shard.size > 1:
+        shard.all_reduce(sq)
+    if tp is not None and tp.size > 1:
+        part = sq[1:].clone()
+        tp.all_reduce(part)
+        sq[1] = part[0]
+    return sq.sum().sqrt()
