@@ -22,6 +22,14 @@ from shardwise.utils.tensor_fragment import (
     safe_set_local_grad,
     safe_set_local_optimizer_state,
 )
+from shardwise.zero.leaf import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 
 logger = logging.getLogger("shardwise")
 
@@ -35,6 +43,8 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
 
 __all__ = [
     "logger", "log_dist", "zero_to_fp32",
+    "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+    "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",

@@ -1,0 +1,50 @@
+"""Rank-side cases for test_ds_conformance.py (behaviours found by running DeepSpeed's unit tests)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from ds_api_cases import LR, config, data, mine, model, reference, train, weight_diff
+
+import shardwise as deepspeed
+from shardwise.zero import GatheredParameters, unwrap_model_for_generation
+
+
+def read_only_edit(stage: int, editor: int) -> dict:
+    """An in-place edit inside GatheredParameters(modifier_rank=None) raises on every rank and
+    the weights stay what they were (the edit is not half-applied)."""
+    m, ref = model(), model()
+    engine, *_ = deepspeed.initialize(model=m, config=config(stage))
+    w = m.l1.weight
+    error = None
+    try:
+        with GatheredParameters([w, m.l2.weight]):
+            if dist.get_rank() == editor:
+                with torch.no_grad():
+                    w.add_(1.0)
+    except RuntimeError as e:
+        error = str(e)
+    with GatheredParameters([w]):
+        diff = float((w.detach() - ref.l1.weight.detach()).abs().max())
+    with GatheredParameters([w], modifier_rank=0):  # a read that edits nothing raises nothing
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                w.mul_(1.0)
+    with GatheredParameters([w]):
+        clean = float(w.detach().sum())
+    return {"error": error, "diff": diff, "clean": clean}
+
+
+def unwrap_for_generation(stage: int) -> dict:
+    """Inside the block every parameter is whole and a forward equals the plain model's; after it,
+    training goes on exactly as plain torch trains."""
+    m, ref = model(), model()
+    engine, *_ = deepspeed.initialize(model=m, config=config(stage))
+    x, y = data(1, seed=7)
+    with unwrap_model_for_generation(engine) as unwrapped:
+        whole = all(p.numel() == q.numel() and torch.equal(p.detach(), q.detach())
+                    for p, q in zip(m.parameters(), ref.parameters(), strict=True))
+        fwd = [float((unwrapped(mine(x[0]), mine(y[0])) - ref(mine(x[0]), mine(y[0]))).abs()) for _ in range(2)]
+    train(engine, 3)
+    reference(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01), 3)
+    return {"whole": whole, "forward_diff": max(fwd), "after_diff": weight_diff(engine, ref)}

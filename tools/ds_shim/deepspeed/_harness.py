@@ -1,0 +1,23 @@
+"""Test-harness helpers DeepSpeed's tests use for gating and parametrizing, not library API:
+a torch version check and the offload device vocabulary of the config (``"none"``, ``"cpu"``,
+``"nvme"``, the strings shardwise's config takes)."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from packaging import version
+
+
+def required_torch_version(min_version: float | None = None, max_version: float | None = None) -> bool:
+    have = version.parse(".".join(torch.__version__.split("+")[0].split(".")[:2]))
+    if min_version is not None and have < version.parse(str(min_version)):
+        return False
+    return max_version is None or have <= version.parse(str(max_version))
+
+
+class OffloadDeviceEnum(enum.StrEnum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
