@@ -59,3 +59,31 @@ def test_leaf_modules_by_suffix():
     assert found == [m[0], m[1][0]] and missing == ["zz"]
     with pytest.raises(ValueError, match="zz"):
         set_z3_leaf_modules_by_suffix(m, ["zz"])
+
+
+class _CustomInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        nn.init.constant_(self.fc.weight, 0.5)  # after Linear was built: lost on meta
+
+
+class _OwnInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def test_zero_init_refuses_a_custom_init_it_would_lose():
+    """DeepSpeed keeps a parent's in-place init of a child's parameter under zero.Init; shardwise
+    would re-run reset_parameters() at materialization (another start than plain torch), so it
+    refuses it, naming the parameter, instead of training from other weights silently."""
+    import shardwise
+
+    with pytest.raises(ValueError, match=r"zero.Init: 1 parameter.*Linear\.weight of shape \(4, 4\)"):
+        with shardwise.zero.Init():
+            kept = _CustomInit()  # noqa: F841 (a model nobody keeps needs no check)
+    with shardwise.zero.Init():  # modules' own reset_parameters in their __init__ are what is replayed
+        m = _OwnInit()
+    assert all(p.is_meta for p in m.parameters())
+    assert not nn.Linear(2, 2).weight.is_meta  # the watch and the meta patch end with the context
