@@ -10,3 +10,7 @@ from shardwise.initialize import add_config_arguments, initialize
 __all__ = ["initialize", "add_config_arguments", "init_inference", "init_distributed", "RanksDivergedError",
            "zero", "comm", "utils"]
 __version__ = "0.1.0"
+# DeepSpeed exposes these; scripts print or compare them (no git metadata is baked into a source tree).
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("."))
+__git_hash__ = "unknown"
+__git_branch__ = "unknown"

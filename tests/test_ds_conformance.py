@@ -87,3 +87,29 @@ def test_zero_init_refuses_a_custom_init_it_would_lose():
         m = _OwnInit()
     assert all(p.is_meta for p in m.parameters())
     assert not nn.Linear(2, 2).weight.is_meta  # the watch and the meta patch end with the context
+
+
+def test_zero_init_joins_the_launched_job(tmp_path):
+    """DeepSpeed's zero.Init initializes torch.distributed when the launcher's environment is set
+    (scripts ask for ranks inside it); shardwise joins the job the same way."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch.distributed as d, shardwise\n"
+            "assert not d.is_initialized()\n"
+            "with shardwise.zero.Init():\n"
+            "    print(d.is_initialized(), d.get_world_size())\n")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(29000 + os.getpid() % 1000))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "1"]
+
+
+def test_version_attributes():
+    import shardwise
+
+    assert isinstance(shardwise.__version_major__, int) and isinstance(shardwise.__git_hash__, str)
+    assert f"{shardwise.__version_major__}.{shardwise.__version_minor__}.{shardwise.__version_patch__}" == \
+        shardwise.__version__

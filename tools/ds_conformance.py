@@ -81,11 +81,11 @@ def classify(message: str) -> str:
         return "reads DeepSpeed internals"
     if re.search(r"module 'shardwise[\w.]*' has no attribute", message):
         return "missing public API"
-    if INTERNAL_ATTR.search(message):
+    if INTERNAL_ATTR.search(message) or "'Parameter' object has no attribute" in message:
         return "reads DeepSpeed internals"
     if "cuda" in message.lower() or "nccl" in message.lower():
         return "needs CUDA"
-    if "Test hanged" in message or "Timeout" in message:
+    if "Test hanged" in message or "no junit" in message:
         return "hang/timeout"
     return "behaviour (triage)"
 

@@ -35,6 +35,10 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
+        if not torch.distributed.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            from shardwise.comm_api import init_distributed  # as DeepSpeed's Init: join the launched job
+
+            init_distributed()
         self._meta = params_on_meta()
         self._meta.__enter__()
         self._watch = EditWatch()  # custom in-place inits the later materialization would not replay

@@ -9,6 +9,20 @@ can say which DeepSpeed name it needed.
 
 from deepspeed._proxy import ShimMissing, install  # noqa: F401
 from shardwise import *  # noqa: F403
-from shardwise import __version__, add_config_arguments, comm, init_distributed, init_inference, initialize, utils, zero  # noqa: F401
+from shardwise import (  # noqa: F401
+    __git_branch__,
+    __git_hash__,
+    __version__,
+    __version_major__,
+    __version_minor__,
+    __version_patch__,
+    add_config_arguments,
+    comm,
+    init_distributed,
+    init_inference,
+    initialize,
+    utils,
+    zero,
+)
 
 install()

@@ -18,6 +18,7 @@ SOURCES: dict[str, list[str]] = {
     "deepspeed.runtime.zero": ["shardwise.zero"],
     "deepspeed.runtime.zero.partition_parameters": ["shardwise.zero"],
     "deepspeed.utils.zero_to_fp32": ["shardwise.utils.zero_to_fp32"],
+    "deepspeed.runtime.lr_schedules": ["shardwise.optim"],  # WarmupLR & co., the config's scheduler types
     "deepspeed.utils.torch": ["deepspeed._harness"],
     "deepspeed.runtime.zero.offload_config": ["deepspeed._harness"],
 }
@@ -41,7 +42,7 @@ class _StubMeta(type):
         raise ShimMissing(f"SHIM-MISSING {cls._ds_name}")
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return False
+        raise ShimMissing(f"SHIM-MISSING {cls._ds_name} (isinstance)")
 
 
 def _stub(qualname: str) -> type:
