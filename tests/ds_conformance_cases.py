@@ -48,3 +48,24 @@ def unwrap_for_generation(stage: int) -> dict:
     train(engine, 3)
     reference(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01), 3)
     return {"whole": whole, "forward_diff": max(fwd), "after_diff": weight_diff(engine, ref)}
+
+
+def vectorized_grad_update(stage: int) -> float:
+    """safe_update_full_grad_vectorized(params, f) before step() trains as plain torch does with
+    every gradient replaced by f(grad); returns the largest weight difference after 2 steps."""
+    from shardwise.utils import safe_update_full_grad_vectorized
+
+    m, ref = model(), model()
+    engine, *_ = deepspeed.initialize(model=m, config=config(stage))
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    xs, ys = data(2)
+    for s in range(2):
+        engine.backward(engine(mine(xs[s]), mine(ys[s])))
+        safe_update_full_grad_vectorized(list(m.parameters()), lambda g, p: g + 0.01 * p.numel() ** 0.5)
+        engine.step()
+        opt.zero_grad()
+        ref(xs[s], ys[s]).backward()
+        for p in ref.parameters():
+            p.grad += 0.01 * p.numel() ** 0.5
+        opt.step()
+    return weight_diff(engine, ref)

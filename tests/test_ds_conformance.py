@@ -113,3 +113,15 @@ def test_version_attributes():
     assert isinstance(shardwise.__version_major__, int) and isinstance(shardwise.__git_hash__, str)
     assert f"{shardwise.__version_major__}.{shardwise.__version_minor__}.{shardwise.__version_patch__}" == \
         shardwise.__version__
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_safe_update_full_grad_vectorized(pool2, stage):
+    assert max(pool2.run("ds_conformance_cases:vectorized_grad_update", stage)) < TOL
+
+
+def test_repeating_loader_restarts():
+    from shardwise.utils import RepeatingLoader
+
+    it = RepeatingLoader([1, 2, 3])
+    assert [next(it) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1] and it.epoch == 2

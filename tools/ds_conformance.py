@@ -81,7 +81,8 @@ def classify(message: str) -> str:
         return "reads DeepSpeed internals"
     if re.search(r"module 'shardwise[\w.]*' has no attribute", message):
         return "missing public API"
-    if INTERNAL_ATTR.search(message) or "'Parameter' object has no attribute" in message:
+    if INTERNAL_ATTR.search(message) or re.search(r"'(Parameter|Adam\w*|SGD|\w*Optimizer\w*)' object has no "
+                                                  r"attribute", message):
         return "reads DeepSpeed internals"
     if "cuda" in message.lower() or "nccl" in message.lower():
         return "needs CUDA"
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=300, help="per-test seconds before DeepSpeed's harness gives up")
     ap.add_argument("--repo", type=Path, default=REPO, help="the shardwise tree to test (default: this one)")
     ap.add_argument("--pytest", default="", help="extra pytest arguments, e.g. \"-k 'not nvme'\"")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     if not (args.checkout / "tests" / "unit" / "common.py").exists():
         ap.error(f"{args.checkout} is not a DeepSpeed checkout (no tests/unit/common.py)")
     args.out.mkdir(parents=True, exist_ok=True)

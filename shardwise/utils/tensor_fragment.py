@@ -24,7 +24,7 @@ __all__ = [
     "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad", "safe_set_full_grad",
     "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
     "safe_set_local_fp32_param", "safe_get_local_grad", "safe_set_local_grad",
-    "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
+    "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized",
 ]
 
 
@@ -240,3 +240,17 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, opt
     with torch.no_grad():
         w.piece(_state_or_raise(w, optim_state_key)).copy_(w.check_local(value))
 
+
+
+def safe_update_full_grad_vectorized(param_list: list[torch.Tensor], update_func) -> None:
+    """DeepSpeed's batched gradient edit: each gradient becomes ``update_func(full_grad, param)``.
+
+    Collective as ``safe_get_full_grad`` is (every rank passes the same list); parameters without
+    a gradient yet are skipped, as DeepSpeed skips them.
+    """
+    for p in param_list:
+        if not p.requires_grad:
+            continue
+        grad = safe_get_full_grad(p)
+        if grad is not None:
+            safe_set_full_grad(p, update_func(grad, p))

@@ -21,3 +21,8 @@ class OffloadDeviceEnum(enum.StrEnum):
     none = "none"
     cpu = "cpu"
     nvme = "nvme"
+
+
+# DeepSpeed's build metadata, as an install without CUDA reports it ("0.0": not built against it).
+torch_info = {"version": ".".join(torch.__version__.split("+")[0].split(".")[:2]), "bf16_support": False,
+              "cuda_version": "0.0", "nccl_version": "0.0", "hip_version": "0.0"}

@@ -20,6 +20,7 @@ SOURCES: dict[str, list[str]] = {
     "deepspeed.utils.zero_to_fp32": ["shardwise.utils.zero_to_fp32"],
     "deepspeed.runtime.lr_schedules": ["shardwise.optim"],  # WarmupLR & co., the config's scheduler types
     "deepspeed.utils.torch": ["deepspeed._harness"],
+    "deepspeed.git_version_info": ["deepspeed._harness"],
     "deepspeed.runtime.zero.offload_config": ["deepspeed._harness"],
 }
 # Real files of the shim itself (not proxied).
