@@ -69,3 +69,11 @@ def vectorized_grad_update(stage: int) -> float:
             p.grad += 0.01 * p.numel() ** 0.5
         opt.step()
     return weight_diff(engine, ref)
+
+
+def scalar_all_gather_into_tensor() -> list[int]:
+    """deepspeed.comm.all_gather_into_tensor of one 0-dim flag per rank (DeepSpeed's tests do this)."""
+    flag = torch.tensor(dist.get_rank() + 1, dtype=torch.int)
+    out = torch.zeros(dist.get_world_size(), dtype=torch.int)
+    deepspeed.comm.all_gather_into_tensor(out, flag)
+    return out.tolist()

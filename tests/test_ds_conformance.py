@@ -125,3 +125,7 @@ def test_repeating_loader_restarts():
 
     it = RepeatingLoader([1, 2, 3])
     assert [next(it) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1] and it.epoch == 2
+
+
+def test_scalar_all_gather_into_tensor(pool2):
+    assert pool2.run("ds_conformance_cases:scalar_all_gather_into_tensor") == [[1, 2], [1, 2]]
