@@ -26,3 +26,14 @@ class OffloadDeviceEnum(enum.StrEnum):
 # DeepSpeed's build metadata, as an install without CUDA reports it ("0.0": not built against it).
 torch_info = {"version": ".".join(torch.__version__.split("+")[0].split(".")[:2]), "bf16_support": False,
               "cuda_version": "0.0", "nccl_version": "0.0", "hip_version": "0.0"}
+
+# Config vocabulary DeepSpeed's tests spell through constants (the strings a JSON config holds).
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+WARMUP_LR = "WarmupLR"
+WARMUP_DECAY_LR = "WarmupDecayLR"
+WARMUP_COSINE_LR = "WarmupCosineLR"
+ONE_CYCLE = "OneCycle"
+LR_RANGE_TEST = "LRRangeTest"
+CYCLE_MIN_LR = "cycle_min_lr"
+CYCLE_MAX_LR = "cycle_max_lr"

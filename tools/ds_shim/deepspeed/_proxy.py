@@ -18,7 +18,8 @@ SOURCES: dict[str, list[str]] = {
     "deepspeed.runtime.zero": ["shardwise.zero"],
     "deepspeed.runtime.zero.partition_parameters": ["shardwise.zero"],
     "deepspeed.utils.zero_to_fp32": ["shardwise.utils.zero_to_fp32"],
-    "deepspeed.runtime.lr_schedules": ["shardwise.optim"],  # WarmupLR & co., the config's scheduler types
+    "deepspeed.runtime.lr_schedules": ["shardwise.optim", "deepspeed._harness"],  # WarmupLR & co.
+    "deepspeed.runtime.config": ["deepspeed._harness"],  # only its config-string constants
     "deepspeed.utils.torch": ["deepspeed._harness"],
     "deepspeed.git_version_info": ["deepspeed._harness"],
     "deepspeed.runtime.zero.offload_config": ["deepspeed._harness"],
