@@ -77,3 +77,29 @@ def scalar_all_gather_into_tensor() -> list[int]:
     out = torch.zeros(dist.get_world_size(), dtype=torch.int)
     deepspeed.comm.all_gather_into_tensor(out, flag)
     return out.tolist()
+
+
+class Tied(torch.nn.Module):
+    """DeepSpeed's shared-weights checkpoint test shape: one Parameter under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 6)
+        self.a.weight = self.b.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.b(self.a(x)) ** 2).mean()
+
+
+def save_tied(stage: int, folder: str) -> dict:
+    """Train one step and save; returns the full fp32 values every name should hold."""
+    from shardwise.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(0)
+    m = Tied()
+    engine, *_ = deepspeed.initialize(model=m, config=config(stage))
+    engine.backward(engine(torch.randn(2, 6)))
+    engine.step()
+    engine.save_checkpoint(folder, tag="t")
+    return {n: safe_get_full_fp32_param(p) for n, p in m.named_parameters(remove_duplicate=False)}

@@ -129,3 +129,48 @@ def test_repeating_loader_restarts():
 
 def test_scalar_all_gather_into_tensor(pool2):
     assert pool2.run("ds_conformance_cases:scalar_all_gather_into_tensor") == [[1, 2], [1, 2]]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_to_fp32_keeps_tied_names(pool2, stage, tmp_path):
+    """DeepSpeed's zero_to_fp32 gives a shared parameter under each of its names (one tensor),
+    so ``load_state_dict(strict=True)`` works; convert_zero_checkpoint_to_fp32_state_dict writes
+    ``pytorch_model.bin`` by default (DeepSpeed's signature), split with an index above max_shard_size."""
+    import json
+
+    import torch
+    from ds_conformance_cases import Tied
+
+    from shardwise.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+    )
+
+    want = pool2.run("ds_conformance_cases:save_tied", stage, str(tmp_path / "ck"))[0]
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ck", tag="t")
+    assert set(state) == set(want) and state["a.weight"] is state["b.weight"]
+    assert all(torch.equal(state[n], want[n]) for n in want)
+    Tied().load_state_dict(state, strict=True)
+
+    assert convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ck", tmp_path / "bin", tag="t") == \
+        ["pytorch_model.bin"]
+    loaded = torch.load(tmp_path / "bin" / "pytorch_model.bin")
+    assert loaded["a.weight"] is loaded["b.weight"] and all(torch.equal(loaded[n], want[n]) for n in want)
+
+    names = convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ck", tmp_path / "split", max_shard_size=100,
+                                                       tag="t")
+    index = json.loads((tmp_path / "split" / "pytorch_model.bin.index.json").read_text())
+    assert len(names) > 1 and set(index["weight_map"]) == set(want)
+    merged = {}
+    for n in names:
+        merged.update(torch.load(tmp_path / "split" / n))
+    assert merged["a.weight"] is merged["b.weight"] and all(torch.equal(merged[n], want[n]) for n in want)
+
+
+def test_config_error_has_deepspeeds_name():
+    """Scripts catch ``deepspeed.DeepSpeedConfigError``; a bad config raises it here too."""
+    import shardwise
+    from shardwise.config import load_config
+
+    with pytest.raises(shardwise.DeepSpeedConfigError, match="tag_validation"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"tag_validation": "foo"}})

@@ -108,6 +108,8 @@ def install() -> None:
     def missing(name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name[:1].isupper():  # a class or constant DeepSpeed has at top level, not a submodule
+            return _stub(f"deepspeed.{name}")
         try:
             return importlib.import_module(f"deepspeed.{name}")
         except ImportError:
