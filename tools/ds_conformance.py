@@ -161,6 +161,17 @@ def report(rows: list[dict], out: Path) -> str:
     return text
 
 
+def from_junit(dirs: list[Path], out: Path) -> str:
+    """Rebuild the report from earlier runs' junit files (later folders win for a file run twice)."""
+    by_file: dict[str, Path] = {}
+    for d in dirs:
+        for xml in sorted((d / "junit").glob("*.xml")):
+            by_file[xml.name[:-4].replace("__", "/")] = xml
+    rows = [r for rel, xml in by_file.items() for r in parse(xml, rel)]
+    out.mkdir(parents=True, exist_ok=True)
+    return report(rows, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkout", type=Path, help="a DeepSpeed source checkout (holds tests/unit)")
@@ -169,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=300, help="per-test seconds before DeepSpeed's harness gives up")
     ap.add_argument("--repo", type=Path, default=REPO, help="the shardwise tree to test (default: this one)")
     ap.add_argument("--pytest", default="", help="extra pytest arguments, e.g. \"-k 'not nvme'\"")
+    ap.add_argument("--from-junit", type=Path, nargs="+", metavar="DIR",
+                    help="only rebuild report.md from these earlier --out folders (checkout then unused)")
     args = ap.parse_intermixed_args(argv)
+    if args.from_junit:
+        print(from_junit(args.from_junit, args.out))
+        return 0
     if not (args.checkout / "tests" / "unit" / "common.py").exists():
         ap.error(f"{args.checkout} is not a DeepSpeed checkout (no tests/unit/common.py)")
     args.out.mkdir(parents=True, exist_ok=True)
