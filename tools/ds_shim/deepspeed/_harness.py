@@ -37,3 +37,6 @@ ONE_CYCLE = "OneCycle"
 LR_RANGE_TEST = "LRRangeTest"
 CYCLE_MIN_LR = "cycle_min_lr"
 CYCLE_MAX_LR = "cycle_max_lr"
+
+# A size DeepSpeed's tensor-fragment tests use as a hidden dimension (its swap threshold, 1 MiB).
+MIN_SWAPPABLE_BYTES = 1024**2

@@ -22,6 +22,7 @@ SOURCES: dict[str, list[str]] = {
     "deepspeed.runtime.config": ["deepspeed._harness"],  # only its config-string constants
     "deepspeed.utils.torch": ["deepspeed._harness"],
     "deepspeed.git_version_info": ["deepspeed._harness"],
+    "deepspeed.runtime.swap_tensor": ["deepspeed._harness"],  # only a size constant
     "deepspeed.runtime.zero.offload_config": ["deepspeed._harness"],
 }
 # Real files of the shim itself (not proxied).
