@@ -174,3 +174,11 @@ def test_config_error_has_deepspeeds_name():
 
     with pytest.raises(shardwise.DeepSpeedConfigError, match="tag_validation"):
         load_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"tag_validation": "foo"}})
+
+
+def test_mics_init_builds_deferred_as_init():
+    import shardwise
+
+    with shardwise.zero.MiCS_Init(config_dict_or_path={"zero_optimization": {"stage": 3, "mics_shard_size": 1}}):
+        m = nn.Linear(3, 3)
+    assert m.weight.is_meta and m.weight.shape == (3, 3)
