@@ -103,3 +103,20 @@ def save_tied(stage: int, folder: str) -> dict:
     engine.step()
     engine.save_checkpoint(folder, tag="t")
     return {n: safe_get_full_fp32_param(p) for n, p in m.named_parameters(remove_duplicate=False)}
+
+
+def frozen_getters(stage: int) -> dict:
+    """DeepSpeed's safe_get_* answer None for a frozen parameter (no fp32 master, gradient or
+    state); the trained ones still answer with their values."""
+    from shardwise import utils as u
+
+    m = model()
+    m.l1.weight.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=m, config=config(stage))
+    train(engine, 1)
+    got = [u.safe_get_full_fp32_param(m.l1.weight), u.safe_get_full_grad(m.l1.weight),
+           u.safe_get_full_optimizer_state(m.l1.weight, "exp_avg"), u.safe_get_local_fp32_param(m.l1.weight),
+           u.safe_get_local_grad(m.l1.weight), u.safe_get_local_optimizer_state(m.l1.weight, "exp_avg")]
+    trained = [u.safe_get_full_fp32_param(m.l2.weight), u.safe_get_full_grad(m.l2.weight),
+               u.safe_get_full_optimizer_state(m.l2.weight, "exp_avg")]
+    return {"frozen_none": all(t is None for t in got), "trained_values": all(t is not None for t in trained)}

@@ -182,3 +182,9 @@ def test_mics_init_builds_deferred_as_init():
     with shardwise.zero.MiCS_Init(config_dict_or_path={"zero_optimization": {"stage": 3, "mics_shard_size": 1}}):
         m = nn.Linear(3, 3)
     assert m.weight.is_meta and m.weight.shape == (3, 3)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_safe_get_of_a_frozen_parameter_is_none(pool2, stage):
+    for r in pool2.run("ds_conformance_cases:frozen_getters", stage):
+        assert r == {"frozen_none": True, "trained_values": True}
