@@ -162,12 +162,14 @@ def report(rows: list[dict], out: Path) -> str:
 
 
 def from_junit(dirs: list[Path], out: Path) -> str:
-    """Rebuild the report from earlier runs' junit files (later folders win for a file run twice)."""
-    by_file: dict[str, Path] = {}
+    """Rebuild the report from earlier runs' junit files (a test run in several folders: the last
+    folder's outcome counts; runs of parts of a file, e.g. with ``-k``, add up)."""
+    by_test: dict[tuple[str, str], dict] = {}
     for d in dirs:
         for xml in sorted((d / "junit").glob("*.xml")):
-            by_file[xml.name[:-4].replace("__", "/")] = xml
-    rows = [r for rel, xml in by_file.items() for r in parse(xml, rel)]
+            for r in parse(xml, xml.name[:-4].replace("__", "/")):
+                by_test[(r["file"], r["test"])] = r
+    rows = list(by_test.values())
     out.mkdir(parents=True, exist_ok=True)
     return report(rows, out)
 
