@@ -154,6 +154,8 @@ def all_gather_object(object_list: list, obj: Any, group: Any = None, **_: Any) 
 def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
                            async_op: bool = False, **_: Any) -> Any:
     fn = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+    if tensor.dim() == 0:  # a scalar flag per rank (NCCL takes it; gloo wants a 1-element tensor)
+        tensor = tensor.reshape(1)
     return fn(output_tensor, tensor, group=group, async_op=async_op)
 
 

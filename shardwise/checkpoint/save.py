@@ -212,7 +212,20 @@ def _metadata(engine: CheckpointTarget, manifests: list[dict], world: int, clien
         "rng": [m["rng"] for m in manifests],
         "client_state": client_state,
         "has_model_config": _model_config(engine.module) is not None,
+        "tied": _tied_names(engine.module, saved),
     }
+
+
+def _tied_names(module: torch.nn.Module, saved: set[str]) -> dict[str, str]:
+    """``{alias: saved name}`` of parameters shared under several names (saved once), so offline
+    readers (zero_to_fp32) can give the state dict every name the model has."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first and first[id(p)] in saved and name != first[id(p)]:
+            tied[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    return tied
 
 
 def _finalize(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, world: int, client_state: dict,

@@ -216,6 +216,7 @@ class Metadata(BaseModel):
     rng: list[dict[Name, Any]]
     client_state: Any = None
     has_model_config: StrictBool = False
+    tied: dict[Name, Name] = {}  # alias -> saved name of a shared parameter (absent before v0.1 checkpoints)
 
     @model_validator(mode="after")
     def _cross(self) -> Metadata:

@@ -8,6 +8,7 @@ import logging
 import torch.distributed as dist
 
 from shardwise.utils import zero_to_fp32
+from shardwise.utils.repeating_loader import RepeatingLoader
 from shardwise.utils.tensor_fragment import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -21,6 +22,15 @@ from shardwise.utils.tensor_fragment import (
     safe_set_local_fp32_param,
     safe_set_local_grad,
     safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
+from shardwise.zero.leaf import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
 )
 
 logger = logging.getLogger("shardwise")
@@ -34,7 +44,9 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
 
 
 __all__ = [
-    "logger", "log_dist", "zero_to_fp32",
+    "logger", "log_dist", "zero_to_fp32", "RepeatingLoader", "safe_update_full_grad_vectorized",
+    "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+    "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",

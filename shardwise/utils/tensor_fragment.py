@@ -24,7 +24,7 @@ __all__ = [
     "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad", "safe_set_full_grad",
     "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
     "safe_set_local_fp32_param", "safe_get_local_grad", "safe_set_local_grad",
-    "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
+    "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized",
 ]
 
 
@@ -111,6 +111,12 @@ class _Where:
         self.g.wait_gathered()
 
 
+def _frozen(param: torch.Tensor | None) -> bool:
+    """A parameter the optimizer does not train has no fp32 master, gradient or state: None, as
+    DeepSpeed's getters answer for it."""
+    return isinstance(param, torch.Tensor) and not param.requires_grad
+
+
 def _unreduced_local_grad(w: _Where) -> bool:
     """Stages 0-1 before the reduction: every rank holds its own whole gradient."""
     eng = w.engine
@@ -120,6 +126,8 @@ def _unreduced_local_grad(w: _Where) -> bool:
 # -- parameters ----------------------------------------------------------------------------
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """The whole fp32 value of ``param`` (the optimizer's master); collective at stages >= 1."""
+    if _frozen(param):
+        return None
     if owner_of(param) is None:
         return param.detach().float().clone() if param is not None else None
     w = _Where(param)
@@ -143,8 +151,10 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
             param.data.copy_(value.reshape(param.shape))
 
 
-def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor:
+def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's piece of the fp32 value (1-D; the whole parameter at stage 0, maybe empty)."""
+    if _frozen(param):
+        return None
     w = _Where(param)
     return w.piece(w.param_shard()).float().clone()
 
@@ -162,6 +172,8 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The whole gradient the optimizer will step with (see the module docstring); None before
     any backward. Collective at stages >= 1 once reduced."""
+    if _frozen(param):
+        return None
     if owner_of(param) is None:
         return param.grad
     w = _Where(param)
@@ -191,6 +203,8 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's piece of the gradient (1-D), in the units of ``safe_get_full_grad``."""
+    if _frozen(param):
+        return None
     w = _Where(param)
     shard, scale = w.grad_shard()
     return None if shard is None else w.piece(shard).float().mul(scale)
@@ -216,6 +230,8 @@ def _state_or_raise(w: _Where, key: str) -> torch.Tensor:
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     """The whole fp32 optimizer state ``optim_state_key`` of ``param``; collective at stages >= 1."""
+    if _frozen(param):
+        return None
     w = _Where(param)
     t = w.state(optim_state_key)
     if t is None or t.dim() == 0:
@@ -230,6 +246,8 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
 
 
 def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    if _frozen(param):
+        return None
     w = _Where(param)
     t = w.state(optim_state_key)
     return None if t is None or t.dim() == 0 else w.piece(t).float().clone()
@@ -240,3 +258,17 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, opt
     with torch.no_grad():
         w.piece(_state_or_raise(w, optim_state_key)).copy_(w.check_local(value))
 
+
+
+def safe_update_full_grad_vectorized(param_list: list[torch.Tensor], update_func) -> None:
+    """DeepSpeed's batched gradient edit: each gradient becomes ``update_func(full_grad, param)``.
+
+    Collective as ``safe_get_full_grad`` is (every rank passes the same list); parameters without
+    a gradient yet are skipped, as DeepSpeed skips them.
+    """
+    for p in param_list:
+        if not p.requires_grad:
+            continue
+        grad = safe_get_full_grad(p)
+        if grad is not None:
+            safe_set_full_grad(p, update_func(grad, p))

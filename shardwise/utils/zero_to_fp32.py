@@ -8,12 +8,13 @@ returned as a plain state dict of fp32 tensors (integer buffers keep their dtype
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shardwise.checkpoint.hf import consolidate, iter_consolidated
+from shardwise.checkpoint.hf import consolidate, iter_consolidated, parse_size
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "convert_zero_checkpoint_to_fp32_state_dict"]
@@ -24,21 +25,25 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: st
     """``{name: tensor}`` of the whole model in fp32 from ``checkpoint_dir`` (``tag``: the folder
     inside it; default: the one named in its ``latest`` file). Holds the whole model in memory,
     as DeepSpeed's does; ``shardwise consolidate`` streams to disk instead."""
+    from shardwise.checkpoint.load import read_metadata, resolve_tag
+
+    meta = read_metadata(resolve_tag(checkpoint_dir, tag))
     _, specs, stream = iter_consolidated(checkpoint_dir, tag)
-    trained = _trained_names(checkpoint_dir, tag) if exclude_frozen_parameters else None
+    trained = _trained_names(meta) if exclude_frozen_parameters else None
     out: dict[str, torch.Tensor] = {}
     for (name, dt, _), (_, t) in zip(specs, stream, strict=True):
         if trained is not None and name not in trained:
             continue
         out[name] = t.float() if dt.is_floating_point else t.clone()
+    for alias, name in meta.get("tied", {}).items():  # shared parameters: every name, one tensor
+        if name in out:
+            out[alias] = out[name]
     return out
 
 
-def _trained_names(checkpoint_dir: str | Path, tag: str | None) -> set[str]:
-    from shardwise.checkpoint.load import read_metadata, resolve_tag
+def _trained_names(meta: dict) -> set[str]:
     from shardwise.checkpoint.tp import logical_name
 
-    meta = read_metadata(resolve_tag(checkpoint_dir, tag))
     return {logical_name(k, info) for k, info in meta["tensors"].items()}
 
 
@@ -59,11 +64,51 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str |
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, output_dir: str | Path,
-                                               tag: str | None = None, max_shard_size: str | int = "5GB",
-                                               safe_serialization: bool = True) -> list[str]:
-    """Write the fp32 weights as HF safetensors files in ``output_dir`` (streamed, one tensor at a
-    time); returns the file names. Only ``safe_serialization=True`` is written."""
-    if not safe_serialization:
-        raise ValueError("convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False): shardwise "
-                         "writes safetensors only; load them with safetensors.torch.load_file")
-    return consolidate(checkpoint_dir, output_dir, tag=tag, dtype="fp32", max_shard_size=max_shard_size)
+                                               max_shard_size: str | int | None = "5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> list[str]:
+    """DeepSpeed's signature and output: the fp32 state dict in ``output_dir`` as
+    ``pytorch_model.bin`` (``torch.load`` + ``load_state_dict``; shared parameters stay one tensor),
+    or ``model.safetensors`` with ``safe_serialization=True``; split into HF-indexed
+    ``-0000k-of-0000n`` files above ``max_shard_size``. Returns the weight file names."""
+    out = Path(output_dir)
+    if safe_serialization:  # streamed, one tensor at a time (shared tensors are written once)
+        if exclude_frozen_parameters:
+            raise ValueError("convert_zero_checkpoint_to_fp32_state_dict: exclude_frozen_parameters=True is "
+                             "supported with safe_serialization=False only")
+        return consolidate(checkpoint_dir, out, tag=tag, dtype="fp32",
+                           max_shard_size=max_shard_size or "1000000GB", weights_only=True)
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _split(state, parse_size(max_shard_size) if max_shard_size is not None else None)
+    if len(shards) == 1:
+        torch.save(shards[0], out / "pytorch_model.bin")
+        return ["pytorch_model.bin"]
+    names = [f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        torch.save(shard, out / name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+    (out / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
+
+
+def _split(state: dict[str, torch.Tensor], limit: int | None) -> list[dict[str, torch.Tensor]]:
+    """Greedy shards of at most ``limit`` bytes (a larger tensor alone); aliases of a tensor go
+    with it, so each file keeps a shared parameter as one tensor."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, home = 0, {}
+    for name, t in state.items():
+        if id(t) in home:
+            home[id(t)][name] = t
+            continue
+        n = t.numel() * t.element_size()
+        if limit is not None and shards[-1] and size + n > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        home[id(t)] = shards[-1]
+        size += n
+    return shards

@@ -8,8 +8,22 @@ from shardwise.zero.external import (
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
 from shardwise.zero.gathered import GatheredParameters
 from shardwise.zero.init import Init
-from shardwise.zero.leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+from shardwise.zero.leaf import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
+from shardwise.zero.unwrap import unwrap_model_for_generation
 
-__all__ = ["GatheredParameters", "Init", "ReleasedParameterError", "ShardedGroup", "ShardPolicy",
+__all__ = ["GatheredParameters", "Init", "MiCS_Init", "ReleasedParameterError", "ShardedGroup", "ShardPolicy",
            "get_z3_leaf_modules", "register_external_parameter", "set_z3_leaf_modules",
-           "unregister_external_parameter", "unset_z3_leaf_modules", "z3_leaf_module"]
+           "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "unregister_external_parameter", "unset_z3_leaf_modules", "unwrap_model_for_generation",
+           "z3_leaf_module"]
+
+# DeepSpeed's MiCS_Init: the same deferred build; the sharding layout (zero_optimization.mics_shard_size,
+# ZeRO inside groups of k ranks, replicas across) is applied by initialize from the config, as for Init.
+MiCS_Init = Init

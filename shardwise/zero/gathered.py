@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from shardwise.comm import Comm
+from shardwise.comm import Comm, compute_device
 from shardwise.zero.flat_group import ShardedGroup, owner_of
 from shardwise.zero.init import defer_again, materialize_for_gather
 
@@ -39,11 +39,13 @@ class GatheredParameters:
         if isinstance(params, torch.Tensor):
             params = [params]
         params = list(params) if enabled else []
+        self.params = list({id(p): p for p in params}.values())
         self.groups = _groups_of(params)
         # zero.Init before initialize: parameters still on meta get real values in the block
         self.deferred = [p for p in {id(p): p for p in params}.values() if p.is_meta]
         self.modifier_rank = modifier_rank
         self._was_gathered: list[bool] = []
+        self._versions: list[tuple[torch.Tensor, int, int]] = []
 
     def __enter__(self) -> GatheredParameters:
         self._was_gathered = [g.is_gathered for g in self.groups]
@@ -51,9 +53,34 @@ class GatheredParameters:
             g.gather(exact=True)  # also finishes a pending stage 1-2 all-gather; never quantized (qwZ)
         if self.deferred:
             materialize_for_gather(self.deferred, Comm())
+        if self.modifier_rank is None:  # read-only block: an in-place edit would be lost, so detect it
+            self._versions = [(p, p._version, p.data_ptr()) for p in self.params]
         return self
 
     def __exit__(self, *exc) -> None:
+        edited = exc[0] is None and self._edited_read_only()
+        self._exit(*exc)
+        if edited:
+            raise RuntimeError(
+                "GatheredParameters(modifier_rank=None): detected in-place modification of a parameter "
+                "inside the block; such an edit is not kept consistently on every rank (discarded on exit at "
+                "stage 3, overwritten by the next step below it). Pass modifier_rank=<rank> to keep that "
+                "rank's edits on every rank")
+
+    def _edited_read_only(self) -> bool:
+        """True on every rank when any rank edited a parameter in place (a collective, as the block is)."""
+        if self.modifier_rank is not None or not self._versions:
+            return False
+        mine = any(p._version != v or p.data_ptr() != ptr for p, v, ptr in self._versions)
+        self._versions = []
+        comm = self.groups[0].comm if self.groups else Comm()
+        if comm.size == 1:
+            return mine
+        flag = torch.tensor([float(mine)], device=compute_device())
+        comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _exit(self, *exc) -> None:
         if self.modifier_rank is not None and exc[0] is None:
             for g in self.groups:
                 g.adopt_full(src=self.modifier_rank)

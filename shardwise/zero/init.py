@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.zero.init_edits import EditWatch
+
 
 class Init:
     """Context manager: models built inside are materialized shard by shard by ``initialize``."""
@@ -33,13 +35,19 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
+        if not torch.distributed.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            from shardwise.comm_api import init_distributed  # as DeepSpeed's Init: join the launched job
+
+            init_distributed()
         self._meta = params_on_meta()
         self._meta.__enter__()
+        self._watch = EditWatch()  # custom in-place inits the later materialization would not replay
+        self._watch.start()
         try:
             from transformers import PreTrainedModel
         except ImportError:  # pragma: no cover - transformers is a dependency
             return self
-        dtype = self.dtype
+        dtype, watch = self.dtype, self._watch
 
         def from_pretrained(cls, path: str | os.PathLike, *args: Any, **kwargs: Any):
             from transformers import AutoConfig
@@ -56,6 +64,7 @@ class Init:
 
         def post_init(model: PreTrainedModel) -> None:
             original_post_init(model)
+            watch.rebase(model)
             for p in model.parameters():  # the outermost model's post_init runs last
                 p._shardwise_root = weakref.ref(model)  # GatheredParameters needs its init / folder
 
@@ -74,6 +83,7 @@ class Init:
         if getattr(self, "_meta", None) is not None:
             self._meta.__exit__(*exc)
             self._meta = None
+            self._watch.stop(check=exc[0] is None)
 
 
 @contextlib.contextmanager

@@ -45,3 +45,35 @@ def z3_leaf_module(model: nn.Module) -> bool:
 
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if z3_leaf_module(m)]
+
+
+def _set_where(model: nn.Module, keys: list[str], hit, flag: bool, raise_if_not_found: bool,
+               what: str) -> tuple[list[nn.Module], list[str]]:
+    """Flag the modules whose ``named_modules()`` name satisfies ``hit(name, key)`` for some key."""
+    named = list(model.named_modules())
+    found: dict[int, nn.Module] = {}
+    missing = []
+    for key in keys:
+        matched = [m for n, m in named if hit(n, key)]
+        if not matched:
+            missing.append(key)
+        for m in matched:
+            m._z3_leaf = flag
+            found.setdefault(id(m), m)
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module {what} {missing!r} in {type(model).__name__}")
+    return list(found.values()), missing
+
+
+def set_z3_leaf_modules_by_name(model: nn.Module, module_names: list[str], flag: bool = True,
+                                raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+    """Flag (or with ``flag=False`` unflag) the modules of these ``named_modules()`` names;
+    returns (the modules, the names that matched none)."""
+    return _set_where(model, module_names, lambda n, k: n == k, flag, raise_if_not_found, "named")
+
+
+def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: list[str], flag: bool = True,
+                                  raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+    """As :func:`set_z3_leaf_modules_by_name` for every module whose name ends with a suffix."""
+    return _set_where(model, module_name_suffixes, lambda n, k: n.endswith(k), flag, raise_if_not_found,
+                      "with name suffix")
