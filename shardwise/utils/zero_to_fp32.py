@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.checkpoint.hf import consolidate, iter_consolidated, parse_size
+from shardwise.checkpoint.hf import consolidate, iter_consolidated
+from shardwise.estimate import parse_bytes
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "convert_zero_checkpoint_to_fp32_state_dict"]
@@ -80,7 +81,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, outpu
                            max_shard_size=max_shard_size or "1000000GB", weights_only=True)
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
     out.mkdir(parents=True, exist_ok=True)
-    shards = _split(state, parse_size(max_shard_size) if max_shard_size is not None else None)
+    shards = _split(state, parse_bytes(max_shard_size) if max_shard_size is not None else None)
     if len(shards) == 1:
         torch.save(shards[0], out / "pytorch_model.bin")
         return ["pytorch_model.bin"]
