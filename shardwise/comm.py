@@ -110,10 +110,6 @@ def _teardown() -> None:
             failed = True
     if not failed:
         if dist.is_available() and dist.is_initialized():
-            try:  # leave together: no rank's gloo threads see a peer's sockets close mid-teardown
-                dist.barrier()
-            except Exception:  # noqa: BLE001 - a peer already gone: nothing left to synchronize with
-                return
             dist.destroy_process_group()
         return
     if getattr(sys, "last_value", None) is not None:  # exiting on an error anyway: skip the destructors
