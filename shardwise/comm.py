@@ -62,7 +62,8 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
     _GLOBAL_TIMEOUT[0] = timeout.total_seconds()
-    atexit.register(_teardown)  # runs before the interpreter destroys anything
+    _OWN_GROUP[0] = True
+    _register_teardown()  # atexit runs before the interpreter destroys anything
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:
@@ -86,18 +87,25 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
 _GLOBAL_TIMEOUT = [600.0]
 _PENDING: weakref.WeakSet[Work] = weakref.WeakSet()  # collectives started and not yet waited for
 _DIVERGED = [False]  # a collective failed: the group is unusable, waiting on it could hang
+_OWN_GROUP = [False]  # init_distributed created the default group (so teardown destroys it)
+_TEARDOWN_REGISTERED = [False]
 
 
 def _teardown() -> None:
-    """At exit, finish what the library started; never leave a live gloo group to the interpreter.
+    """At exit, finish what the library started; never leave gloo work to the interpreter.
 
-    Scripts written for DeepSpeed end without ``destroy_process_group``. Left alone, the group's
-    C++ threads (and any ring send/recv still pending) are torn down during interpreter
-    finalization, which sometimes aborts the process ("terminate called without an active
-    exception", SIGABRT) after a successful run. On a clean exit: wait for pending collectives,
-    then destroy the group shardwise created. After an unhandled exception (its traceback already
-    printed) or a failed collective, waiting could block on a peer that will never answer, so the
-    process ends at once with exit code 1, before any destructor runs.
+    Scripts written for DeepSpeed end without ``destroy_process_group``. A gloo worker thread
+    frees each finished collective after waking the rank that waited for it; the work holds
+    tensors whose Python objects need the GIL to be freed. If the script's last collective
+    (a loss ``all_reduce`` before it prints and returns) finishes just before the interpreter
+    finalizes, the worker asks for the GIL during finalization, Python ends the thread inside a
+    C++ destructor, and the process aborts ("terminate called without an active exception",
+    SIGABRT) after a correct run: seen in gdb as ``~AsyncAllreduceWork`` in
+    ``ProcessGroupGloo::runLoop`` -> ``take_gil`` -> ``pthread_exit``. So on a clean exit: wait
+    for pending collectives, destroy the group shardwise created, then let worker threads run
+    until they are idle (:func:`_let_worker_threads_settle`). After an unhandled exception (its
+    traceback already printed) or a failed collective, waiting could block on a peer that will
+    never answer, so the process ends at once with exit code 1, before any destructor runs.
     """
     import sys
 
@@ -109,8 +117,9 @@ def _teardown() -> None:
         except RanksDivergedError:
             failed = True
     if not failed:
-        if dist.is_available() and dist.is_initialized():
+        if _OWN_GROUP[0] and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        _let_worker_threads_settle()
         return
     if getattr(sys, "last_value", None) is not None:  # exiting on an error anyway: skip the destructors
         import logging
@@ -122,6 +131,47 @@ def _teardown() -> None:
             except (OSError, ValueError):
                 pass
         os._exit(1)
+
+
+def _let_worker_threads_settle(limit_s: float = 1.0, step_s: float = 0.005, calm_polls: int = 3) -> None:
+    """Sleep (GIL released) until no other thread of this process is runnable, at most ``limit_s``.
+
+    A gloo worker still freeing its last collective is either runnable or waiting for the GIL,
+    which each sleep hands over; once it is done it blocks on its queue. ``calm_polls``
+    consecutive polls with no runnable thread mean no worker is left inside that window. Reads
+    thread states from ``/proc/self/task``; where that does not exist, the sleeps alone remain.
+    """
+    import threading
+    import time
+
+    me, calm = threading.get_native_id(), 0
+    deadline = time.monotonic() + limit_s
+    while calm < calm_polls and time.monotonic() < deadline:
+        time.sleep(step_s)
+        calm = 0 if _other_thread_runnable(me) else calm + 1
+
+
+def _other_thread_runnable(me: int) -> bool:
+    try:
+        tids = [t for t in os.listdir("/proc/self/task") if int(t) != me]
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+        if state == "R":
+            return True
+    return False
+
+
+def _register_teardown() -> None:
+    """Once per process, whoever created the group: every exit path passes :func:`_teardown`."""
+    if not _TEARDOWN_REGISTERED[0]:
+        _TEARDOWN_REGISTERED[0] = True
+        atexit.register(_teardown)
 
 
 def _free_port() -> int:
@@ -187,6 +237,8 @@ class Comm:
         """
         self.group = group
         self.scope = scope
+        if dist.is_initialized() and not solo:
+            _register_teardown()  # also when the script created the group itself
         self.stats = stats if stats is not None else CommStats()
         on = dist.is_initialized() and not solo
         self.size = dist.get_world_size(group) if on else 1
