@@ -260,3 +260,15 @@ def test_run_config_file_and_flag_override(tmp_path: Path) -> None:
         parse_args(["--run-config", str(rc), "--config", "x.json"])
     with pytest.raises(SystemExit):
         parse_args(["--config", "x.json", "--eval-fraction", "1.5"])
+
+
+def test_timeout_from_the_config_key_unless_the_flag_is_given(tmp_path: Path) -> None:
+    """`shardwise.timeout_s` in the DeepSpeed config sets the collective timeout of `train`, as it does
+    for initialize(); --timeout overrides it; a bad value is a one-line usage error."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "shardwise": {"timeout_s": 42}}))
+    assert parse_args(["--config", str(cfg)]).timeout == 42
+    assert parse_args(["--config", str(cfg), "--timeout", "7"]).timeout == 7
+    cfg.write_text(json.dumps({"train_batch_size": 4, "shardwise": {"timeout_s": "42"}}))
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(cfg)])

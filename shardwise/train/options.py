@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.cli_errors import OneLineParser
+from shardwise.config_read import timeout_of
+from shardwise.config_schema import ConfigError
 from shardwise.train.data import REPO_DATA
 from shardwise.train.model import MODEL_PRESETS
 
@@ -126,6 +128,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     _validate(args, p)
     args.ds_config = read_ds_config(args.config, args.steps, p)
+    if args.timeout is None:  # the flag wins; else the config's shardwise.timeout_s, as initialize() reads it
+        try:
+            args.timeout = timeout_of(args.ds_config)
+        except ConfigError as e:
+            p.error(f"--config: {e}")
     return args
 
 
