@@ -317,8 +317,16 @@ class Engine(EngineAccessors, nn.Module):
         return self.comm.stats.as_dict()
 
     # -- checkpoints (implemented in shardwise.checkpoint; these only delegate) -------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
-        """Sharded checkpoint of model, optimizer, scheduler, counters and RNG (collective)."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Sharded checkpoint of model, optimizer, scheduler, counters and RNG (collective).
+
+        ``exclude_frozen_parameters=True`` is refused: a load would then have to take frozen weights
+        from whatever model it is given, which this format does not record as intended.
+        """
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not implemented: "
+                                      "frozen parameters are always saved (and checked on load)")
         tag = check_save_args(self, save_dir, tag)
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 

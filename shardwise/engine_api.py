@@ -143,6 +143,11 @@ class EngineAccessors:
     def sparse_gradients_enabled(self) -> bool:
         return False
 
+    @property
+    def sparse_tensor_module_names(self) -> set[str]:
+        """Modules whose gradients are reduced as sparse tensors: none (``sparse_gradients`` is refused)."""
+        return set()
+
     # -- ranks and devices ----------------------------------------------------------
     @property
     def device(self) -> torch.device:

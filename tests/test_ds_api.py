@@ -200,7 +200,30 @@ def test_checkpoint_tag_validation_and_empty_dir(pool2, mode, tmp_path):
     res = pool2.run("ds_api_cases:checkpoint_args", mode, str(tmp_path))
     for r in res:
         assert len(r["errors"]) == 2 and all("save_dir" in e for e in r["errors"])
+        assert "exclude_frozen_parameters" in r["exclude_frozen"]
         if mode == "Fail":
             assert "differs from another rank" in r["tag_error"]
         else:
             assert r["path"] == "tag-0"  # rank 0's tag, after a warning
+
+
+def test_moe_param_group_helpers_pass_dense_groups_and_refuse_experts():
+    """deepspeed.moe.utils as DeepSpeed's checkpoint tests call it on dense models: groups come back
+    as lists with the same parameters; an expert parameter (allreduce=False) is refused by name."""
+    from shardwise.utils.moe import (
+        configure_moe_param_groups,
+        is_moe_param,
+        split_params_into_different_moe_groups_for_optimizer,
+    )
+
+    m = SimpleModel()
+    params = list(m.parameters())
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": m.parameters(), "name": "p", "lr": 2.0})
+    assert len(groups) == 1 and groups[0]["params"] == params and groups[0]["lr"] == 2.0
+    assert configure_moe_param_groups(params)[0]["params"] == params
+    assert not any(is_moe_param(p) for p in params)
+    params[0].allreduce, params[0].group_name = False, "ep_size_2"
+    with pytest.raises(NotImplementedError, match="expert parameter.*ep_size_2"):
+        split_params_into_different_moe_groups_for_optimizer([{"params": params, "name": "p"}])
+    with pytest.raises(ValueError, match="param groups"):
+        split_params_into_different_moe_groups_for_optimizer("params")
