@@ -27,6 +27,7 @@ from torch import nn
 
 from shardwise.comm import Comm, Work
 from shardwise.zero.gather_pool import GatherPool
+from shardwise.zero.layout import FlatLayout
 from shardwise.zero.pending import InflightLimit, ReadWork, read_pool
 from shardwise.zero.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
@@ -101,16 +102,12 @@ class ShardedGroup:
         self.dtype = params[0].dtype
         self.tp_sharded = False  # a TP slice? set by the builder (zero/partition.py): ZeRO reads no TP specs
         self.device = device if device is not None else params[0].device
-        self.numels = [p.numel() for p in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
-        self.numel = sum(self.numels)
-        world = comm.size
-        self.shard_numel = -(-self.numel // world)
-        self.padded_numel = self.shard_numel * world
+        self.layout = FlatLayout(tuple(p.numel() for p in params), comm.size)
         if policy.shard_optimizer:
-            self.own_start, self.own_numel = comm.rank * self.shard_numel, self.shard_numel
+            self.own_start, self.own_numel = self.layout.shard_range(comm.rank)
         else:
-            self.own_start, self.own_numel = 0, self.padded_numel
+            self.own_start, self.own_numel = 0, self.layout.padded_numel
+        self.owned = self.layout.segments(self.own_start, self.own_numel)  # param pieces this rank owns
 
         # Read straight into the shard (zero.Init from a checkpoint): the full group is never built.
         from_files = shard_reader is not None and policy.shard_params
@@ -186,7 +183,27 @@ class ShardedGroup:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in params] if trainable else []
 
-    # -- layout -----------------------------------------------------------------------
+    # -- layout (zero/layout.py owns the arithmetic) -------------------------------------
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return self.layout.numels
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.layout.offsets
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.padded_numel
+
     @staticmethod
     def _view(flat: torch.Tensor, off: int, p: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, off, p.numel()).view(p.shape)
@@ -293,15 +310,14 @@ class ShardedGroup:
         A reader with ``fills_out = True`` is called as ``reader(p, start, end, out)`` and writes
         into ``out`` itself (no temporary per parameter: offload="disk" reads at every gather).
         """
-        lo, hi = self.own_start, self.own_start + self.own_numel
-        dest[max(self.numel - lo, 0):].zero_()
+        dest[max(self.numel - self.own_start, 0):].zero_()
         fills_out = getattr(reader, "fills_out", False)
-        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
-            s, e = max(off, lo), min(off + n, hi)
-            if s < e and fills_out:
-                reader(p, s - off, e - off, dest[s - lo:e - lo])
-            elif s < e:
-                dest[s - lo:e - lo].copy_(reader(p, s - off, e - off))
+        for seg in self.owned:
+            p, out = self.params[seg.index], dest[seg.offset:seg.offset + seg.length]
+            if fills_out:
+                reader(p, seg.start, seg.stop, out)
+            else:
+                out.copy_(reader(p, seg.start, seg.stop))
 
     @torch.no_grad()
     def adopt_full(self, src: int) -> None:
