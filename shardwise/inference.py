@@ -42,6 +42,7 @@ from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
 from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
+from shardwise.zero.store import FileStore, ResidentStore
 
 OFFLOADS = (None, "cpu", "disk")
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -329,10 +330,9 @@ def _stream(model: nn.Module, comm: Comm, offload: str | None, prefetch: int,
         policy = resident if is_root and offload is not None else stage3
         groups.append([
             ShardedGroup(ps, [names[id(p)] for p in ps], comm if policy is stage3 else Comm(solo=True),
-                         policy, trainable=False, shard_reader=reader, device=device,
-                         param_offload_device=torch.device("cpu") if offload == "cpu" else None,
-                         pin_memory=offload == "cpu", reread_shard=reread and policy is stage3,
-                         pool=None if is_root else pool)
+                         policy, trainable=False, device=device, pool=None if is_root else pool,
+                         store=FileStore(reader) if reread and policy is stage3 else
+                         ResidentStore(torch.device("cpu") if offload == "cpu" else None, offload == "cpu", reader))
             for ps in split[ui]])
         if progress is not None:
             progress(ui + 1, len(units))

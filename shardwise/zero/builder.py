@@ -31,6 +31,7 @@ from shardwise.zero.flat_group import ShardedGroup, ShardPolicy, owner_of
 from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.partition import broadcast_model, build_groups
 from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
+from shardwise.zero.store import store_factory
 
 
 @dataclass
@@ -245,11 +246,10 @@ def build_sharding(model: nn.Module, param_groups: list[dict], options: ShardOpt
     cpu = torch.device("cpu")
     by_pg, by_unit = build_groups(
         model, param_groups, comm, policy, options.bucket_numel, units=unit_params,
-        materialize=materialize, shard_reader=shard_reader, device=device,
-        persistence_threshold=options.persistence_threshold,
+        materialize=materialize, device=device, persistence_threshold=options.persistence_threshold,
+        store=store_factory("cpu" if options.offload_param else "device", shard_reader, options.pin_memory),
         offload_device=cpu if options.offload_optimizer else None,
         pin_memory=options.pin_memory, overlap_comm=options.overlap_comm,
-        param_offload_device=cpu if options.offload_param else None,
         replicate=replica, secondary=secondary, weight_bits=options.weight_bits, grad_bits=options.grad_bits,
         **({"tp_sharded": tp_sharded} if tp_sharded is not None else {}),
     )

@@ -19,7 +19,6 @@ all-reduce instead of a reduce-scatter, no all-gather): DDP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +27,9 @@ from torch import nn
 from shardwise.comm import Comm, Work
 from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.layout import FlatLayout
-from shardwise.zero.pending import InflightLimit, ReadWork, read_pool
+from shardwise.zero.pending import InflightLimit, ReadWork
 from shardwise.zero.quantized_comm import quantized_all_gather, quantized_reduce_scatter
+from shardwise.zero.store import ResidentStore, ShardStore
 
 
 def owner_of(p: torch.Tensor) -> ShardedGroup | None:
@@ -65,25 +65,30 @@ class ShardedGroup:
         names: list[str],
         comm: Comm,
         policy: ShardPolicy,
+        *,
+        store: ShardStore | None = None,
+        trainable: bool = True,
+        device: torch.device | None = None,
+        pool: GatherPool | None = None,
         master_dtype: torch.dtype = torch.float32,
         offload_device: torch.device | None = None,
         pin_memory: bool = False,
         overlap_comm: bool = False,
-        param_offload_device: torch.device | None = None,
-        trainable: bool = True,
-        shard_reader: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None,
-        device: torch.device | None = None,
-        reread_shard: bool = False,
         inflight: InflightLimit | None = None,
         replicate: Comm | None = None,
         secondary: Comm | None = None,
         weight_bits: int = 0,
         grad_bits: int = 0,
-        pool: GatherPool | None = None,
     ):
+        """``store``: where the stage-3 shard persists and the initial values' source (default: on
+        ``device``, from the parameters). ``pool``: buffers a frozen stage-3 group is gathered into.
+        ``offload_device`` / ``pin_memory``: the fp32 master's place (optimizer offload)."""
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
         self.params, self.names, self.comm, self.policy = params, names, comm, policy
+        self.store = store if store is not None else ResidentStore()
+        if self.store.rereads and (trainable or not policy.shard_params):
+            raise ValueError(f"{names[0]!r}: a file-backed store needs a frozen stage-3 group")
         # Hybrid sharding: ranks holding the same shard in other shard groups; their gradient
         # shards are summed once per step (see attach_master_grad).
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
@@ -91,14 +96,11 @@ class ShardedGroup:
         # so the backward gathers inside the k ranks of ``secondary`` (a node) instead of over every rank.
         self.secondary = secondary if secondary is not None and secondary.size > 1 and policy.shard_params else None
         self.secondary_shard: torch.Tensor | None = None  # valid until the parameters change
-        self.overlap_comm = overlap_comm
-        self.inflight = inflight
+        self.overlap_comm, self.inflight, self.trainable = overlap_comm, inflight, trainable
         # ZeRO++ (zero/quantized_comm.py): bits of the stage-3 parameter all-gather (qwZ) and of the
         # gradient reduce-scatter (qgZ); 0 = exact. Nothing is quantized on a group of one rank.
-        self.weight_bits = weight_bits if comm.size > 1 and policy.shard_params and not reread_shard else 0
+        self.weight_bits = weight_bits if comm.size > 1 and policy.shard_params and not self.store.rereads else 0
         self.grad_bits = grad_bits if comm.size > 1 and policy.shard_optimizer else 0
-        self._filled: list[bool] = []
-        self.trainable = trainable
         self.dtype = params[0].dtype
         self.tp_sharded = False  # a TP slice? set by the builder (zero/partition.py): ZeRO reads no TP specs
         self.device = device if device is not None else params[0].device
@@ -108,58 +110,51 @@ class ShardedGroup:
         else:
             self.own_start, self.own_numel = 0, self.layout.padded_numel
         self.owned = self.layout.segments(self.own_start, self.own_numel)  # param pieces this rank owns
-
-        # Read straight into the shard (zero.Init from a checkpoint): the full group is never built.
-        from_files = shard_reader is not None and policy.shard_params
         self.pool = pool if policy.shard_params and not trainable else None
-        if from_files and self.pool is not None:
-            self.flat_param = torch.empty(0, dtype=self.dtype, device=self.device)
-        elif from_files:
-            self.flat_param = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        self._gathered = True
+        self._gather_work: Work | ReadWork | None = None
+        owned = self._init_params()
+        self._init_master(owned, master_dtype, offload_device, pin_memory)
+        self._init_grads()
+
+    def _init_params(self) -> torch.Tensor | None:
+        """Fill the flat buffer (every rank from rank 0's weights) and point the parameters at it;
+        stage 3 then moves this rank's shard into the store and releases the rest. Returns what the
+        master starts from (None: a file-backed store keeps no copy)."""
+        # Read straight into the shard (zero.Init from a checkpoint): the full group is never built.
+        from_files = self.store.reader is not None and self.policy.shard_params
+        if from_files:  # a pooled group has no buffer until its first gather
+            self.flat_param = torch.empty(0 if self.pool is not None else self.padded_numel,
+                                          dtype=self.dtype, device=self.device)
         else:
             self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            reader = self.store.reader
             with torch.no_grad():
-                for p, off, n in zip(params, self.offsets, self.numels, strict=True):
-                    src = shard_reader(p, 0, n) if shard_reader is not None else p.detach().reshape(-1)
+                for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+                    src = reader(p, 0, n) if reader is not None else p.detach().reshape(-1)
                     self.flat_param[off : off + n].copy_(src)
-            comm.broadcast(self.flat_param, src=0)  # every rank starts from rank 0's weights
+            self.comm.broadcast(self.flat_param, src=0)  # every rank starts from rank 0's weights
             if self.replicate is not None:
                 self.replicate.broadcast(self.flat_param, src=0)
-        for p, off in zip(params, self.offsets, strict=True):
+        for p, off in zip(self.params, self.offsets, strict=True):
             if not from_files:
                 p.data = self._view(self.flat_param, off, p)
             p._shardwise_group = self
+        owned = self.flat_param.narrow(0, self.own_start, self.own_numel) if self.flat_param.numel() else None
+        if not self.policy.shard_params:
+            return owned
+        # Stage 3: the persistent copy of the parameters is only this shard, in the store; the
+        # flat buffer is refilled from it by gather().
+        self.store.keep(self, None if from_files else owned)
+        self.release()
+        return self.store.shard
 
-        # (a pooled group has no buffer until its first gather; it is frozen, so needs no master)
-        owned = self.flat_param
-        if owned.numel():
-            owned = owned.narrow(0, self.own_start, self.own_numel)
-        # Stage 3: the persistent copy of the parameters is only this shard (on the CPU with
-        # parameter offload); the flat buffer is refilled from it by gather().
-        self.param_shard: torch.Tensor | None = None
-        self._gathered = True
-        self._gather_work: Work | ReadWork | None = None
-        # ZeRO-Inference offload="disk": the files are the persistent copy, nothing stays resident
-        # and every gather() reads the shard again through shard_reader.
-        self._reread = shard_reader if reread_shard else None
-        if reread_shard and not (from_files and not trainable):
-            raise ValueError("reread_shard needs shard_reader, stage-3 policy and trainable=False")
-        if self._reread is not None:
-            self.release()
-        elif policy.shard_params:
-            self.param_shard = torch.empty(self.own_numel, dtype=self.dtype,
-                                           device=param_offload_device or self.device,
-                                           pin_memory=pin_memory and torch.cuda.is_available()
-                                           and param_offload_device is not None)
-            if from_files:
-                self._read_shard(shard_reader, self.param_shard)
-            else:
-                self.param_shard.copy_(owned)
-            owned = self.param_shard
-            self.release()
-        same_device = owned.device == (offload_device or owned.device)
-        self.master_is_view = master_dtype == self.dtype and offload_device is None and same_device
-        if not trainable:
+    def _init_master(self, owned: torch.Tensor | None, master_dtype: torch.dtype,
+                     offload_device: torch.device | None, pin_memory: bool) -> None:
+        """What the optimizer steps on: a view of the shard when dtype and device allow (no copy)."""
+        # (with parameter offload the view is of the CPU shard: the optimizer steps there)
+        self.master_is_view = master_dtype == self.dtype and offload_device is None
+        if not self.trainable:
             self.master = None
         elif self.master_is_view:
             self.master = owned
@@ -169,19 +164,26 @@ class ShardedGroup:
                                       pin_memory=pin_memory and torch.cuda.is_available())
             self.master.copy_(owned)
 
-        # Gradients. Without grad sharding the flat grad buffer is persistent and
-        # every param.grad is a view of it (gradients accumulate in place).
+    def _init_grads(self) -> None:
+        """Without grad sharding the flat grad buffer is persistent and every param.grad is a view
+        of it (gradients accumulate in place); stage >= 2 makes a bucket per backward."""
         self.flat_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None  # stage >= 2: reduced shard, accumulated
-        if trainable and not policy.shard_grads:
-            self._alloc_flat_grad()  # stage >= 2: shard_grad is made by the first reduction
-        self._index = {id(p): i for i, p in enumerate(params)}
+        if self.trainable and not self.policy.shard_grads:
+            self._alloc_flat_grad()
+        self._filled: list[bool] = []
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._ready = 0
         self._reduce_now = False
         self._pending: list[Work] = []
         self._bucket_in_flight: torch.Tensor | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in params] if trainable else []
+                       for p in self.params] if self.trainable else []
+
+    @property
+    def param_shard(self) -> torch.Tensor | None:
+        """Stage 3: this rank's persistent shard (None when file-backed or not stage 3)."""
+        return self.store.shard
 
     # -- layout (zero/layout.py owns the arithmetic) -------------------------------------
     @property
@@ -231,19 +233,12 @@ class ShardedGroup:
             self._gather_secondary(async_op)
             return
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
-        if self._reread is not None and async_op and self.comm.size == 1:
-            # a file read needs a thread to overlap compute (gloo collectives are async already)
-            self._gather_work = ReadWork(read_pool().submit(self._read_shard, self._reread, owned))
-        elif self.weight_bits and not exact:  # qwZ: param_shard (and the master) stay exact, flat_param is dequantized
+        if self.weight_bits and not exact:  # qwZ: param_shard (and the master) stay exact, flat_param is dequantized
             self._gather_work = quantized_all_gather(self.comm, self.param_shard, self.flat_param,
                                                      self.weight_bits, async_op=async_op)
-        else:
-            if self._reread is not None:
-                self._read_shard(self._reread, owned)
-            else:
-                with torch.no_grad():
-                    owned.copy_(self.param_shard)
-            self._gather_work = self.comm.all_gather(self.flat_param, async_op=async_op)
+        else:  # one rank: a file read goes to the reader thread (gloo collectives are async already)
+            read = self.store.fill(self, owned, async_read=async_op and self.comm.size == 1)
+            self._gather_work = read or self.comm.all_gather(self.flat_param, async_op=async_op)
         self._point_params_at_buffer(async_op)
 
     def _point_params_at_buffer(self, async_op: bool) -> None:
@@ -304,22 +299,6 @@ class ShardedGroup:
         self._gathered = False
 
     @torch.no_grad()
-    def _read_shard(self, reader: Callable[[nn.Parameter, int, int], torch.Tensor], dest: torch.Tensor) -> None:
-        """Fill ``dest`` (this rank's shard) from ``reader``; only the padding is zeroed.
-
-        A reader with ``fills_out = True`` is called as ``reader(p, start, end, out)`` and writes
-        into ``out`` itself (no temporary per parameter: offload="disk" reads at every gather).
-        """
-        dest[max(self.numel - self.own_start, 0):].zero_()
-        fills_out = getattr(reader, "fills_out", False)
-        for seg in self.owned:
-            p, out = self.params[seg.index], dest[seg.offset:seg.offset + seg.length]
-            if fills_out:
-                reader(p, seg.start, seg.stop, out)
-            else:
-                out.copy_(reader(p, seg.start, seg.stop))
-
-    @torch.no_grad()
     def adopt_full(self, src: int) -> None:
         """Take the full parameters of data-parallel rank ``src`` (edited in place) as everyone's new value.
 
@@ -332,8 +311,7 @@ class ShardedGroup:
         if self.replicate is not None:
             self.replicate.broadcast(self.flat_param, src=src // k)
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
-        if self.param_shard is not None:
-            self.param_shard.copy_(owned)
+        self.store.update(owned)
         if self.master is not None and not self.master_is_view:
             self.master.copy_(owned)
 
@@ -450,7 +428,7 @@ class ShardedGroup:
         if self.policy.shard_params:  # the next gather() reads the shard
             self.drop_secondary()
             if not self.master_is_view:
-                self.param_shard.copy_(self.master, non_blocking=True)
+                self.store.update(self.master, non_blocking=True)
             return None
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         if not self.master_is_view:
@@ -475,7 +453,7 @@ class ShardedGroup:
 
         live = 0 if self.pool is not None else self.flat_param.untyped_storage().nbytes()  # pool: its own
         return {
-            "params": live + nbytes(self.param_shard) + nbytes(self.secondary_shard),
+            "params": live + self.store.nbytes + nbytes(self.secondary_shard),
             "grads": nbytes(self.flat_grad) + nbytes(self.shard_grad),
             "master_params": 0 if self.master_is_view else nbytes(self.master),
         }
