@@ -20,6 +20,7 @@ all-reduce instead of a reduce-scatter, no all-gather): DDP.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import nn
@@ -48,6 +49,19 @@ class ShardPolicy:
     @classmethod
     def for_stage(cls, stage: int) -> ShardPolicy:
         return cls(shard_optimizer=stage >= 1, shard_grads=stage >= 2, shard_params=stage >= 3)
+
+
+class GatherState(Enum):
+    """Where a group's full parameters are (FSDP2's sharded/unsharded, with the in-flight step).
+
+    RELEASED: only the store's shard; parameters are NaN placeholders (stage 3 between uses).
+    GATHERING: an all-gather or file read into the flat buffer is in flight; ``wait_gathered()``.
+    GATHERED: the flat buffer holds every parameter (always so at stages 0-2, once waited).
+    """
+
+    RELEASED = "released"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
 
 
 class ShardedGroup:
@@ -111,7 +125,7 @@ class ShardedGroup:
             self.own_start, self.own_numel = 0, self.layout.padded_numel
         self.owned = self.layout.segments(self.own_start, self.own_numel)  # param pieces this rank owns
         self.pool = pool if policy.shard_params and not trainable else None
-        self._gathered = True
+        self.state = GatherState.GATHERED  # changed only by _to_gathered / _to_released
         self._gather_work: Work | ReadWork | None = None
         owned = self._init_params()
         self._init_master(owned, master_dtype, offload_device, pin_memory)
@@ -213,7 +227,17 @@ class ShardedGroup:
     # -- stage 3: gather before use, release after ---------------------------------------
     @property
     def is_gathered(self) -> bool:
-        return self._gathered
+        """The flat buffer is (or is being) filled: parameters are views of it."""
+        return self.state is not GatherState.RELEASED
+
+    def _to_gathered(self, work: Work | ReadWork | None) -> None:
+        """GATHERING while ``work`` (the all-gather or read filling the buffer) runs, else GATHERED."""
+        self._gather_work = work
+        self.state = GatherState.GATHERED if work is None else GatherState.GATHERING
+
+    def _to_released(self) -> None:
+        self._gather_work = None
+        self.state = GatherState.RELEASED
 
     def gather(self, async_op: bool = False, exact: bool = False) -> None:
         """Make the full parameters available (all-gather into the flat buffer).
@@ -221,7 +245,7 @@ class ShardedGroup:
         With ``weight_bits`` (qwZ) the gathered copy is dequantized, unless ``exact``
         (GatheredParameters: what users read or edit are the true weights).
         """
-        if self._gathered:
+        if self.state is not GatherState.RELEASED:
             if not async_op:
                 self.wait_gathered()
             return
@@ -234,16 +258,16 @@ class ShardedGroup:
             return
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         if self.weight_bits and not exact:  # qwZ: param_shard (and the master) stay exact, flat_param is dequantized
-            self._gather_work = quantized_all_gather(self.comm, self.param_shard, self.flat_param,
-                                                     self.weight_bits, async_op=async_op)
+            work = quantized_all_gather(self.comm, self.param_shard, self.flat_param, self.weight_bits,
+                                        async_op=async_op)
         else:  # one rank: a file read goes to the reader thread (gloo collectives are async already)
             read = self.store.fill(self, owned, async_read=async_op and self.comm.size == 1)
-            self._gather_work = read or self.comm.all_gather(self.flat_param, async_op=async_op)
-        self._point_params_at_buffer(async_op)
+            work = read or self.comm.all_gather(self.flat_param, async_op=async_op)
+        self._point_params_at_buffer(work, async_op)
 
-    def _point_params_at_buffer(self, async_op: bool) -> None:
+    def _point_params_at_buffer(self, work: Work | ReadWork | None, async_op: bool) -> None:
         """The gather is under way: parameters become views of the (filling) flat buffer."""
-        self._gathered = True
+        self._to_gathered(work)
         for p, off in zip(self.params, self.offsets, strict=True):
             p.data = self._view(self.flat_param, off, p)
         if not async_op:
@@ -262,17 +286,17 @@ class ShardedGroup:
         start, n = self._secondary_range()
         with torch.no_grad():
             self.flat_param.narrow(0, start, n).copy_(self.secondary_shard)
-        self._gather_work = self.secondary.all_gather(self.flat_param, async_op=async_op)
-        self._point_params_at_buffer(async_op)
+        self._point_params_at_buffer(self.secondary.all_gather(self.flat_param, async_op=async_op), async_op)
 
     def drop_secondary(self) -> None:
         """The parameters changed (optimizer step, edit, load) or the backward is over."""
         self.secondary_shard = None
 
     def wait_gathered(self) -> None:
+        """GATHERING -> GATHERED: the buffer holds the full parameters once this returns."""
         if self._gather_work is not None:
             self._gather_work.wait()
-            self._gather_work = None
+            self._to_gathered(None)
 
     def release(self, keep_secondary: bool = False) -> None:
         """Free the full parameters; each param becomes a 1-element NaN placeholder of full shape.
@@ -282,7 +306,7 @@ class ShardedGroup:
         refuses writes. ``keep_secondary`` (after a training forward, hpZ) keeps this rank's
         1/k of the full parameters for the backward's gather inside the node.
         """
-        if not self.policy.shard_params or not self._gathered:
+        if not self.policy.shard_params or self.state is GatherState.RELEASED:
             return
         self.wait_gathered()
         if keep_secondary and self.secondary is not None and self.secondary_shard is None:
@@ -296,7 +320,7 @@ class ShardedGroup:
             self.flat_param = torch.empty(0, dtype=self.dtype, device=self.device)
         else:
             self.flat_param.untyped_storage().resize_(0)
-        self._gathered = False
+        self._to_released()
 
     @torch.no_grad()
     def adopt_full(self, src: int) -> None:
@@ -434,8 +458,9 @@ class ShardedGroup:
         if not self.master_is_view:
             owned.copy_(self.master, non_blocking=True)
         if self.policy.shard_optimizer:
-            self._gather_work = self.comm.all_gather(self.flat_param, async_op=async_op)
-            return self._gather_work
+            work = self.comm.all_gather(self.flat_param, async_op=async_op)
+            self._to_gathered(work)  # stages 1-2: GATHERING until each module's forward waits for it
+            return work
         return None
 
     def zero_grad(self) -> None:
