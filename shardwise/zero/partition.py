@@ -75,6 +75,7 @@ def build_groups(
     materialize: Callable[[list[nn.Parameter]], None] | None = None,
     tp_sharded: Callable[[nn.Parameter], bool] = _never,
     store: Callable[[], ShardStore] | None = None,
+    on_unit: Callable[[int], None] | None = None,
     **group_kwargs,
 ) -> tuple[list[list[ShardedGroup]], list[list[ShardedGroup]]]:
     """Cut the model into groups; returns (trainable groups per optimizer param group, groups per unit).
@@ -86,7 +87,8 @@ def build_groups(
     are built, so only one unit is ever whole. ``tp_sharded`` tells a tensor-parallel slice from a
     replicated parameter (the builder passes it in: ZeRO reads no TP specs); a group holds one kind,
     so the global gradient norm can count replicated gradients once. ``store`` makes each group's
-    shard store (zero/store.py; default: resident on the group's device).
+    shard store (zero/store.py; default: resident on the group's device). ``on_unit(i)`` is called
+    once unit ``i``'s groups are built (loading progress).
     """
 
     def _kind(p: nn.Parameter) -> tuple:
@@ -116,7 +118,7 @@ def build_groups(
     keep_whole = ShardPolicy.for_stage(2)
     persistent: list[list[nn.Parameter]] = [[] for _ in param_groups]
     by_unit: list[list[ShardedGroup]] = []
-    for unit_params in units:
+    for ui, unit_params in enumerate(units):
         if materialize is not None:
             materialize(unit_params)
         groups: list[ShardedGroup] = []
@@ -134,6 +136,8 @@ def build_groups(
                 groups.append(g)
                 by_pg[gi].append(g)
         by_unit.append(groups)
+        if on_unit is not None:
+            on_unit(ui)
     for gi, ps in enumerate(persistent):
         if materialize is not None:
             materialize(ps)
