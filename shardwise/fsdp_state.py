@@ -72,10 +72,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
 def _pieces(model: nn.Module):
     """(name, group, the parameter's range [a, b) inside this rank's shard ``lo``) per owned piece."""
     for g in sharding_of(model).groups:
-        for name, off, n in zip(g.names, g.offsets, g.numels, strict=True):
-            a, b = max(off, g.own_start), min(off + n, g.own_start + g.own_numel)
-            if a < b:
-                yield name, g, a - off, b - off, a - g.own_start
+        for seg in g.owned:
+            yield g.names[seg.index], g, seg.start, seg.stop, seg.offset
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, dict[str, Any]]:

@@ -1,14 +1,16 @@
 """ZeRO-Inference: generate with models larger than memory, through the one stage-3 mechanism.
 
 Streaming a decoder layer from CPU memory or from disk *is* stage 3 where the shard lives
-elsewhere, so this module builds no second mechanism: every decoder layer becomes a frozen
-:class:`~shardwise.zero.flat_group.ShardedGroup` and :class:`~shardwise.zero.stage3.ParamFetcher`
-gathers it just before its forward, prefetches the next ``prefetch`` layers and releases it after.
+elsewhere, so this module builds no second mechanism: the one builder
+(``zero/builder.build_frozen``) makes every decoder layer a frozen
+:class:`~shardwise.zero.flat_group.ShardedGroup` whose shard store (``zero/store.py``) is chosen
+by ``offload``, and :class:`~shardwise.zero.stage3.ParamFetcher` gathers it just before its
+forward, prefetches the next ``prefetch`` layers and releases it after.
 
 * ``offload="cpu"``: the shard (the whole layer at world 1) sits in (pinned) CPU memory and
   ``gather()`` copies it to the compute device.
 * ``offload="disk"``: nothing is resident; ``gather()`` reads the layer from the safetensors files
-  each time (``reread_shard``), on a reader thread when prefetched so reading overlaps compute.
+  each time (a ``FileStore``), on a reader thread when prefetched so reading overlaps compute.
   Files are read with ``pread`` into the gathered buffer, not mmapped, so pages of layers already
   used never stay mapped into the process.
 * several ranks (``offload=None`` under torchrun): each rank holds 1/N of every layer and
@@ -16,7 +18,7 @@ gathers it just before its forward, prefetches the next ``prefetch`` layers and 
 
 The root's own parameters (embeddings, final norm, head) are needed by every forward; in the
 streamed modes they stay resident, as ``stage3_param_persistence_threshold`` keeps small ones.
-Decoder layers are gathered into a fixed :class:`~shardwise.zero.flat_group.GatherPool` of
+Decoder layers are gathered into a fixed :class:`~shardwise.zero.gather_pool.GatherPool` of
 ``prefetch + 1`` layer buffers made once, so the memory held does not depend on the allocator.
 ``quantize=`` streams group-wise int8/int4 weights from a :class:`~shardwise.quantize.QuantizedStore`
 (another shard store), dequantized into the gathered buffer.
@@ -37,11 +39,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, compute_device, init_distributed
-from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
-from shardwise.zero.gather_pool import GatherPool
+from shardwise.zero.builder import build_frozen
 from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
-from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
+from shardwise.zero.stage3 import ParamFetcher
 
 OFFLOADS = (None, "cpu", "disk")
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -314,28 +315,13 @@ def _stream(model: nn.Module, comm: Comm, offload: str | None, prefetch: int,
     for m in model.modules():  # parameters move layer by layer, when their groups are built
         for name, b in list(m.named_buffers(recurse=False)):
             setattr(m, name, b.to(device))
-    names = {id(p): n for n, p in model.named_parameters()}
     reader = param_reader(model, files) if files is not None else None
-    units = find_units(model)
-    owned = assign_params(model, units)
-    stage3, resident = ShardPolicy.for_stage(3), ShardPolicy.for_stage(0)
-    split = [_by_dtype(owned[ui]) for ui in range(len(units))]
-    pool = _make_pool(split[:-1], comm.size, prefetch, device)
     # a store holding the layers itself (quantized in memory) is their persistent copy, as files are
-    reread = offload == "disk" or getattr(files, "holds_layers", False)
-    groups: list[list[ShardedGroup]] = []
-    for ui in range(len(units)):
-        is_root = ui == len(units) - 1
-        policy = resident if is_root and offload is not None else stage3
-        groups.append([
-            ShardedGroup(ps, [names[id(p)] for p in ps], comm if policy is stage3 else Comm(solo=True),
-                         policy, trainable=False, shard_reader=reader, device=device,
-                         param_offload_device=torch.device("cpu") if offload == "cpu" else None,
-                         pin_memory=offload == "cpu", reread_shard=reread and policy is stage3,
-                         pool=None if is_root else pool)
-            for ps in split[ui]])
-        if progress is not None:
-            progress(ui + 1, len(units))
+    rereads = offload == "disk" or getattr(files, "holds_layers", False)
+    mode = "file" if rereads else "cpu" if offload == "cpu" else "device"
+    units, groups, pool = build_frozen(
+        model, comm, mode, reader, whole_root=offload is not None, layers_held=prefetch + 1, device=device,
+        progress=progress)
     layer_numel = max((sum(g.padded_numel for g in gs) for gs in groups[:-1]), default=0)
     # at most the running layer plus `prefetch` read-ahead ones are ever whole
     model.shardwise_fetcher = ParamFetcher(units, groups, prefetch * layer_numel,
@@ -354,24 +340,6 @@ def _stream(model: nn.Module, comm: Comm, offload: str | None, prefetch: int,
 
         model.generate = generate
     return model
-
-
-def _by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """One group per dtype (a flat buffer holds one dtype)."""
-    out: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        out.setdefault(p.dtype, []).append(p)
-    return list(out.values())
-
-
-def _make_pool(layers: list[list[list[nn.Parameter]]], world: int, prefetch: int,
-               device: torch.device) -> GatherPool | None:
-    """Buffers for ``prefetch + 1`` whole layers, each the size of the largest group of any layer."""
-    sizes = [-(-sum(p.numel() for p in ps) // world) * world * ps[0].element_size()
-             for unit in layers for ps in unit]
-    if not sizes:
-        return None
-    return GatherPool((prefetch + 1) * max(len(unit) for unit in layers), max(sizes), device)
 
 
 def memory_report(model: nn.Module) -> dict[str, int]:

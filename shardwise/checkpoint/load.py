@@ -167,22 +167,22 @@ def _read_own(engine: CheckpointTarget, meta: dict, reader: ShardReader, states:
             bufs[k] = cur.detach().clone() if cur is not None else torch.zeros(
                 g.own_numel, dtype=dtype_from_name(meta["state_dtypes"][k]))
         first = None  # the scalars (Adam's step) of the first parameter this rank holds part of
-        for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True):
-            a, b = max(off, g.own_start), min(off + n, g.own_start + g.own_numel)
-            if a >= b or name in skip:
+        for seg in g.owned:
+            name, p = g.names[seg.index], g.params[seg.index]
+            if name in skip:
                 continue
             spec = spec_of(p)
             key = direct_key(name, spec, tensors)
             first = first or key or index[name][0]
             for k, buf in bufs.items():
-                dst = buf.narrow(0, a - g.own_start, b - a)
+                dst = buf.narrow(0, seg.offset, seg.length)
                 if key is not None:
-                    reader.read_range(f"{k}/{key}", tensors[key]["segments"], a - off, b - off, dst)
+                    reader.read_range(f"{k}/{key}", tensors[key]["segments"], seg.start, seg.stop, dst)
                     continue
                 local = torch.zeros(full_shape(p), dtype=buf.dtype)
                 rebuild(name, local, spec, index[name], tensors,
                         lambda s, k=k, dt=buf.dtype: read_saved(reader, tensors, k, s, dt))
-                dst.copy_(local.view(-1)[a - off: b - off])
+                dst.copy_(local.view(-1)[seg.start:seg.stop])
         scal = meta["scalars"].get(first, {}) if states and first else {}
         out.append({"bufs": bufs, "scalars": scal})
     return out

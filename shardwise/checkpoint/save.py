@@ -112,21 +112,21 @@ def _write_rank(engine: CheckpointTarget, folder: Path, rank: int) -> dict:
         state = engine.optimizer.state.get(g.master, {}) if engine.optimizer is not None else {}  # None: eval engine
         elem, sc = _split_state(g, state) if writes else ({}, {})
         state_dtypes.update({k: dtype_name(v.dtype) for k, v in elem.items()})
-        for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True):
+        own = {s.index: s for s in g.owned}
+        for i, (name, p, n) in enumerate(zip(g.names, g.params, g.numels, strict=True)):
             spec = spec_of(p)
             if spec is None and tp_rank != 0:
                 continue  # replicated over TP: TP rank 0 saves it
             key, shape = saved_name(name, spec), full_shape(p)
             tensors[key] = {"shape": shape, "numel": n, "dtype": dtype_name(g.dtype),
                             "tp": tp_meta(name, spec, shape), "segments": []}
-            a, b = max(off, g.own_start), min(off + n, g.own_start + g.own_numel)
-            if not writes or a >= b:
+            seg = own.get(i)
+            if not writes or seg is None:
                 continue
-            segments[key] = [a - off, b - off]
+            segments[key] = [seg.start, seg.stop]
             scalars[key] = sc
-            lo = a - g.own_start
-            pieces.append((f"master/{key}", g.master.narrow(0, lo, b - a)))
-            pieces += [(f"{k}/{key}", v.narrow(0, lo, b - a)) for k, v in elem.items()]
+            pieces.append((f"master/{key}", g.master.narrow(0, seg.offset, seg.length)))
+            pieces += [(f"{k}/{key}", v.narrow(0, seg.offset, seg.length)) for k, v in elem.items()]
     module: dict[str, dict] = {}
     if engine.comm.rank == 0 and first_replica:  # frozen params, buffers: dp rank 0 (TP pieces per TP rank)
         for name, t in module_extras(engine).items():

@@ -39,8 +39,9 @@ class _Where:
         self.p = p
         i = g._index[id(p)]
         self.off, self.n = g.offsets[i], g.numels[i]
-        s, e = max(self.off, g.own_start), min(self.off + self.n, g.own_start + g.own_numel)
-        self.s, self.e = (s, e) if s < e else (self.off, self.off)  # overlap in flat coordinates
+        seg = g.layout.segment_of(i, g.own_start, g.own_numel)
+        # overlap with the owned range, in flat coordinates
+        self.s, self.e = (self.off + seg.start, self.off + seg.stop) if seg is not None else (self.off, self.off)
         ref = getattr(g, "engine_ref", None)
         self.engine = ref() if ref is not None else None
 

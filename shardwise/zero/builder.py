@@ -28,9 +28,12 @@ from torch.utils._pytree import tree_leaves
 from shardwise.comm import Comm
 from shardwise.grad_norm import global_grad_norm
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy, owner_of
+from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.gathered import guard_state_dict
+from shardwise.zero.layout import FlatLayout
 from shardwise.zero.partition import broadcast_model, build_groups
 from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
+from shardwise.zero.store import Reader, store_factory
 
 
 @dataclass
@@ -245,11 +248,10 @@ def build_sharding(model: nn.Module, param_groups: list[dict], options: ShardOpt
     cpu = torch.device("cpu")
     by_pg, by_unit = build_groups(
         model, param_groups, comm, policy, options.bucket_numel, units=unit_params,
-        materialize=materialize, shard_reader=shard_reader, device=device,
-        persistence_threshold=options.persistence_threshold,
+        materialize=materialize, device=device, persistence_threshold=options.persistence_threshold,
+        store=store_factory("cpu" if options.offload_param else "device", shard_reader, options.pin_memory),
         offload_device=cpu if options.offload_optimizer else None,
         pin_memory=options.pin_memory, overlap_comm=options.overlap_comm,
-        param_offload_device=cpu if options.offload_param else None,
         replicate=replica, secondary=secondary, weight_bits=options.weight_bits, grad_bits=options.grad_bits,
         **({"tp_sharded": tp_sharded} if tp_sharded is not None else {}),
     )
@@ -262,3 +264,51 @@ def build_sharding(model: nn.Module, param_groups: list[dict], options: ShardOpt
         guard_state_dict(model)
     return Sharding(model, by_pg, by_unit, units, fetcher, comm, replica, tp, stage, options)
 
+
+
+def build_frozen(model: nn.Module, comm: Comm, mode: str, reader: Reader | None, *, whole_root: bool,
+                 layers_held: int, device: torch.device, progress: Callable[[int, int], None] | None = None,
+                 ) -> tuple[list[nn.Module], list[list[ShardedGroup]], GatherPool | None]:
+    """ZeRO-Inference's groups: ``(units, groups per unit, pool)``, every parameter frozen.
+
+    Each decoder layer is stage-3 sharded over ``comm`` with a ``mode`` store (``store_factory``:
+    resident, CPU or re-read through ``reader`` at every gather) and gathered into a
+    :class:`GatherPool` of ``layers_held`` layers. The root (embeddings, norm, head) is needed by
+    every forward: ``whole_root`` keeps it whole on this rank (streamed modes), else it is sharded
+    like the layers but never pooled (it stays gathered for the whole forward). ``progress(i, n)``
+    follows the n units being built.
+    """
+    units = choose_units(model, None)
+
+    def on_unit(i: int) -> None:
+        if progress is not None:
+            progress(i + 1, len(units))
+
+    owned = assign_params(model, units)
+    layers, root = [owned[i] for i in range(len(units) - 1)], owned[len(units) - 1]
+    pool = _layer_pool(layers, comm.size, layers_held, device)
+    stage3, frozen = ShardPolicy.for_stage(3), [{"params": []}]
+    _, by_unit = build_groups(model, frozen, comm, stage3, 1 << 62, units=layers, device=device, pool=pool,
+                              store=store_factory(mode, reader, pin_memory=mode == "cpu"), on_unit=on_unit)
+    if whole_root:
+        root_comm, policy, store = Comm(solo=True), ShardPolicy.for_stage(0), store_factory("device", reader)
+    else:
+        root_comm, policy, store = comm, stage3, store_factory(mode, reader, pin_memory=mode == "cpu")
+    _, (root_groups,) = build_groups(model, frozen, root_comm, policy, 1 << 62, units=[root], device=device,
+                                     store=store)
+    on_unit(len(units) - 1)
+    return units, by_unit + [root_groups], pool
+
+
+def _layer_pool(layers: list[list[nn.Parameter]], world: int, layers_held: int,
+                device: torch.device) -> GatherPool | None:
+    """Buffers for ``layers_held`` whole layers: one per group (a dtype) of a layer, each the size of
+    the largest group of any layer (groups are cut by dtype, as ``build_groups`` cuts frozen ones)."""
+    sizes, per_layer = [], 0
+    for ps in layers:
+        numel: dict[torch.dtype, int] = {}
+        for p in ps:
+            numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
+        sizes += [FlatLayout((n,), world).padded_numel * dt.itemsize for dt, n in numel.items()]
+        per_layer = max(per_layer, len(numel))
+    return GatherPool(layers_held * per_layer, max(sizes), device) if sizes else None

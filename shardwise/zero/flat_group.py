@@ -19,7 +19,6 @@ all-reduce instead of a reduce-scatter, no all-gather): DDP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +26,11 @@ from torch import nn
 
 from shardwise.comm import Comm, Work
 from shardwise.zero.gather_pool import GatherPool
-from shardwise.zero.pending import InflightLimit, ReadWork, read_pool
-from shardwise.zero.quantized_comm import quantized_all_gather, quantized_reduce_scatter
+from shardwise.zero.gather_state import GatherState, StageThreeGather
+from shardwise.zero.layout import FlatLayout
+from shardwise.zero.pending import InflightLimit, ReadWork
+from shardwise.zero.quantized_comm import quantized_reduce_scatter
+from shardwise.zero.store import ResidentStore, ShardStore
 
 
 def owner_of(p: torch.Tensor) -> ShardedGroup | None:
@@ -49,7 +51,7 @@ class ShardPolicy:
         return cls(shard_optimizer=stage >= 1, shard_grads=stage >= 2, shard_params=stage >= 3)
 
 
-class ShardedGroup:
+class ShardedGroup(StageThreeGather):
     """Parameters of one bucket (or one module) sharing a flat buffer and its shards.
 
     ``master`` is what the optimizer steps on: a view of this rank's shard of
@@ -64,25 +66,30 @@ class ShardedGroup:
         names: list[str],
         comm: Comm,
         policy: ShardPolicy,
+        *,
+        store: ShardStore | None = None,
+        trainable: bool = True,
+        device: torch.device | None = None,
+        pool: GatherPool | None = None,
         master_dtype: torch.dtype = torch.float32,
         offload_device: torch.device | None = None,
         pin_memory: bool = False,
         overlap_comm: bool = False,
-        param_offload_device: torch.device | None = None,
-        trainable: bool = True,
-        shard_reader: Callable[[nn.Parameter, int, int], torch.Tensor] | None = None,
-        device: torch.device | None = None,
-        reread_shard: bool = False,
         inflight: InflightLimit | None = None,
         replicate: Comm | None = None,
         secondary: Comm | None = None,
         weight_bits: int = 0,
         grad_bits: int = 0,
-        pool: GatherPool | None = None,
     ):
+        """``store``: where the stage-3 shard persists and the initial values' source (default: on
+        ``device``, from the parameters). ``pool``: buffers a frozen stage-3 group is gathered into.
+        ``offload_device`` / ``pin_memory``: the fp32 master's place (optimizer offload)."""
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
         self.params, self.names, self.comm, self.policy = params, names, comm, policy
+        self.store = store if store is not None else ResidentStore()
+        if self.store.rereads and (trainable or not policy.shard_params):
+            raise ValueError(f"{names[0]!r}: a file-backed store needs a frozen stage-3 group")
         # Hybrid sharding: ranks holding the same shard in other shard groups; their gradient
         # shards are summed once per step (see attach_master_grad).
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
@@ -90,79 +97,65 @@ class ShardedGroup:
         # so the backward gathers inside the k ranks of ``secondary`` (a node) instead of over every rank.
         self.secondary = secondary if secondary is not None and secondary.size > 1 and policy.shard_params else None
         self.secondary_shard: torch.Tensor | None = None  # valid until the parameters change
-        self.overlap_comm = overlap_comm
-        self.inflight = inflight
+        self.overlap_comm, self.inflight, self.trainable = overlap_comm, inflight, trainable
         # ZeRO++ (zero/quantized_comm.py): bits of the stage-3 parameter all-gather (qwZ) and of the
         # gradient reduce-scatter (qgZ); 0 = exact. Nothing is quantized on a group of one rank.
-        self.weight_bits = weight_bits if comm.size > 1 and policy.shard_params and not reread_shard else 0
+        self.weight_bits = weight_bits if comm.size > 1 and policy.shard_params and not self.store.rereads else 0
         self.grad_bits = grad_bits if comm.size > 1 and policy.shard_optimizer else 0
-        self._filled: list[bool] = []
-        self.trainable = trainable
         self.dtype = params[0].dtype
         self.tp_sharded = False  # a TP slice? set by the builder (zero/partition.py): ZeRO reads no TP specs
         self.device = device if device is not None else params[0].device
-        self.numels = [p.numel() for p in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
-        self.numel = sum(self.numels)
-        world = comm.size
-        self.shard_numel = -(-self.numel // world)
-        self.padded_numel = self.shard_numel * world
+        self.layout = FlatLayout(tuple(p.numel() for p in params), comm.size)
         if policy.shard_optimizer:
-            self.own_start, self.own_numel = comm.rank * self.shard_numel, self.shard_numel
+            self.own_start, self.own_numel = self.layout.shard_range(comm.rank)
         else:
-            self.own_start, self.own_numel = 0, self.padded_numel
-
-        # Read straight into the shard (zero.Init from a checkpoint): the full group is never built.
-        from_files = shard_reader is not None and policy.shard_params
+            self.own_start, self.own_numel = 0, self.layout.padded_numel
+        self.owned = self.layout.segments(self.own_start, self.own_numel)  # param pieces this rank owns
         self.pool = pool if policy.shard_params and not trainable else None
-        if from_files and self.pool is not None:
-            self.flat_param = torch.empty(0, dtype=self.dtype, device=self.device)
-        elif from_files:
-            self.flat_param = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        self.state = GatherState.GATHERED  # changed only by _to_gathered / _to_released
+        self._gather_work: Work | ReadWork | None = None
+        owned = self._init_params()
+        self._init_master(owned, master_dtype, offload_device, pin_memory)
+        self._init_grads()
+
+    def _init_params(self) -> torch.Tensor | None:
+        """Fill the flat buffer (every rank from rank 0's weights) and point the parameters at it;
+        stage 3 then moves this rank's shard into the store and releases the rest. Returns what the
+        master starts from (None: a file-backed store keeps no copy)."""
+        # Read straight into the shard (zero.Init from a checkpoint): the full group is never built.
+        from_files = self.store.reader is not None and self.policy.shard_params
+        if from_files:  # a pooled group has no buffer until its first gather
+            self.flat_param = torch.empty(0 if self.pool is not None else self.padded_numel,
+                                          dtype=self.dtype, device=self.device)
         else:
             self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            reader = self.store.reader
             with torch.no_grad():
-                for p, off, n in zip(params, self.offsets, self.numels, strict=True):
-                    src = shard_reader(p, 0, n) if shard_reader is not None else p.detach().reshape(-1)
+                for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+                    src = reader(p, 0, n) if reader is not None else p.detach().reshape(-1)
                     self.flat_param[off : off + n].copy_(src)
-            comm.broadcast(self.flat_param, src=0)  # every rank starts from rank 0's weights
+            self.comm.broadcast(self.flat_param, src=0)  # every rank starts from rank 0's weights
             if self.replicate is not None:
                 self.replicate.broadcast(self.flat_param, src=0)
-        for p, off in zip(params, self.offsets, strict=True):
+        for p, off in zip(self.params, self.offsets, strict=True):
             if not from_files:
                 p.data = self._view(self.flat_param, off, p)
             p._shardwise_group = self
+        owned = self.flat_param.narrow(0, self.own_start, self.own_numel) if self.flat_param.numel() else None
+        if not self.policy.shard_params:
+            return owned
+        # Stage 3: the persistent copy of the parameters is only this shard, in the store; the
+        # flat buffer is refilled from it by gather().
+        self.store.keep(self, None if from_files else owned)
+        self.release()
+        return self.store.shard
 
-        # (a pooled group has no buffer until its first gather; it is frozen, so needs no master)
-        owned = self.flat_param
-        if owned.numel():
-            owned = owned.narrow(0, self.own_start, self.own_numel)
-        # Stage 3: the persistent copy of the parameters is only this shard (on the CPU with
-        # parameter offload); the flat buffer is refilled from it by gather().
-        self.param_shard: torch.Tensor | None = None
-        self._gathered = True
-        self._gather_work: Work | ReadWork | None = None
-        # ZeRO-Inference offload="disk": the files are the persistent copy, nothing stays resident
-        # and every gather() reads the shard again through shard_reader.
-        self._reread = shard_reader if reread_shard else None
-        if reread_shard and not (from_files and not trainable):
-            raise ValueError("reread_shard needs shard_reader, stage-3 policy and trainable=False")
-        if self._reread is not None:
-            self.release()
-        elif policy.shard_params:
-            self.param_shard = torch.empty(self.own_numel, dtype=self.dtype,
-                                           device=param_offload_device or self.device,
-                                           pin_memory=pin_memory and torch.cuda.is_available()
-                                           and param_offload_device is not None)
-            if from_files:
-                self._read_shard(shard_reader, self.param_shard)
-            else:
-                self.param_shard.copy_(owned)
-            owned = self.param_shard
-            self.release()
-        same_device = owned.device == (offload_device or owned.device)
-        self.master_is_view = master_dtype == self.dtype and offload_device is None and same_device
-        if not trainable:
+    def _init_master(self, owned: torch.Tensor | None, master_dtype: torch.dtype,
+                     offload_device: torch.device | None, pin_memory: bool) -> None:
+        """What the optimizer steps on: a view of the shard when dtype and device allow (no copy)."""
+        # (with parameter offload the view is of the CPU shard: the optimizer steps there)
+        self.master_is_view = master_dtype == self.dtype and offload_device is None
+        if not self.trainable:
             self.master = None
         elif self.master_is_view:
             self.master = owned
@@ -172,136 +165,51 @@ class ShardedGroup:
                                       pin_memory=pin_memory and torch.cuda.is_available())
             self.master.copy_(owned)
 
-        # Gradients. Without grad sharding the flat grad buffer is persistent and
-        # every param.grad is a view of it (gradients accumulate in place).
+    def _init_grads(self) -> None:
+        """Without grad sharding the flat grad buffer is persistent and every param.grad is a view
+        of it (gradients accumulate in place); stage >= 2 makes a bucket per backward."""
         self.flat_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None  # stage >= 2: reduced shard, accumulated
-        if trainable and not policy.shard_grads:
-            self._alloc_flat_grad()  # stage >= 2: shard_grad is made by the first reduction
-        self._index = {id(p): i for i, p in enumerate(params)}
+        if self.trainable and not self.policy.shard_grads:
+            self._alloc_flat_grad()
+        self._filled: list[bool] = []
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._ready = 0
         self._reduce_now = False
         self._pending: list[Work] = []
         self._bucket_in_flight: torch.Tensor | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in params] if trainable else []
+                       for p in self.params] if self.trainable else []
 
-    # -- layout -----------------------------------------------------------------------
+    @property
+    def param_shard(self) -> torch.Tensor | None:
+        """Stage 3: this rank's persistent shard (None when file-backed or not stage 3)."""
+        return self.store.shard
+
+    # -- layout (zero/layout.py owns the arithmetic) -------------------------------------
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return self.layout.numels
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.layout.offsets
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.padded_numel
+
     @staticmethod
     def _view(flat: torch.Tensor, off: int, p: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, off, p.numel()).view(p.shape)
-
-    # -- stage 3: gather before use, release after ---------------------------------------
-    @property
-    def is_gathered(self) -> bool:
-        return self._gathered
-
-    def gather(self, async_op: bool = False, exact: bool = False) -> None:
-        """Make the full parameters available (all-gather into the flat buffer).
-
-        With ``weight_bits`` (qwZ) the gathered copy is dequantized, unless ``exact``
-        (GatheredParameters: what users read or edit are the true weights).
-        """
-        if self._gathered:
-            if not async_op:
-                self.wait_gathered()
-            return
-        if self.pool is not None:
-            self.flat_param = self.pool.acquire(self.dtype, self.padded_numel, self.device)
-        else:
-            self.flat_param.untyped_storage().resize_(self.padded_numel * self.flat_param.element_size())
-        if self.secondary_shard is not None and not exact:  # hpZ: unchanged since the forward kept it
-            self._gather_secondary(async_op)
-            return
-        owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
-        if self._reread is not None and async_op and self.comm.size == 1:
-            # a file read needs a thread to overlap compute (gloo collectives are async already)
-            self._gather_work = ReadWork(read_pool().submit(self._read_shard, self._reread, owned))
-        elif self.weight_bits and not exact:  # qwZ: param_shard (and the master) stay exact, flat_param is dequantized
-            self._gather_work = quantized_all_gather(self.comm, self.param_shard, self.flat_param,
-                                                     self.weight_bits, async_op=async_op)
-        else:
-            if self._reread is not None:
-                self._read_shard(self._reread, owned)
-            else:
-                with torch.no_grad():
-                    owned.copy_(self.param_shard)
-            self._gather_work = self.comm.all_gather(self.flat_param, async_op=async_op)
-        self._point_params_at_buffer(async_op)
-
-    def _point_params_at_buffer(self, async_op: bool) -> None:
-        """The gather is under way: parameters become views of the (filling) flat buffer."""
-        self._gathered = True
-        for p, off in zip(self.params, self.offsets, strict=True):
-            p.data = self._view(self.flat_param, off, p)
-        if not async_op:
-            self.wait_gathered()
-
-    def _secondary_range(self) -> tuple[int, int]:
-        n = self.padded_numel // self.secondary.size
-        return self.secondary.rank * n, n
-
-    def _gather_secondary(self, async_op: bool) -> None:
-        """hpZ: refill the flat buffer from the secondary shards of the k ranks of a node.
-
-        The shards hold what the forward computed with (dequantized under qwZ), so the backward
-        differentiates exactly the forward's weights.
-        """
-        start, n = self._secondary_range()
-        with torch.no_grad():
-            self.flat_param.narrow(0, start, n).copy_(self.secondary_shard)
-        self._gather_work = self.secondary.all_gather(self.flat_param, async_op=async_op)
-        self._point_params_at_buffer(async_op)
-
-    def drop_secondary(self) -> None:
-        """The parameters changed (optimizer step, edit, load) or the backward is over."""
-        self.secondary_shard = None
-
-    def wait_gathered(self) -> None:
-        if self._gather_work is not None:
-            self._gather_work.wait()
-            self._gather_work = None
-
-    def release(self, keep_secondary: bool = False) -> None:
-        """Free the full parameters; each param becomes a 1-element NaN placeholder of full shape.
-
-        The placeholder keeps ``p.shape`` right for code that reads shapes, makes any compute
-        with a released parameter loudly NaN (never a silent size-0 or zero tensor), and
-        refuses writes. ``keep_secondary`` (after a training forward, hpZ) keeps this rank's
-        1/k of the full parameters for the backward's gather inside the node.
-        """
-        if not self.policy.shard_params or not self._gathered:
-            return
-        self.wait_gathered()
-        if keep_secondary and self.secondary is not None and self.secondary_shard is None:
-            start, n = self._secondary_range()
-            self.secondary_shard = self.flat_param.narrow(0, start, n).clone()
-        nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
-        for p in self.params:
-            p.data = nan.expand(p.shape)
-        if self.pool is not None:  # frozen: no saved view needs this storage again
-            self.pool.give_back(self.flat_param)
-            self.flat_param = torch.empty(0, dtype=self.dtype, device=self.device)
-        else:
-            self.flat_param.untyped_storage().resize_(0)
-        self._gathered = False
-
-    @torch.no_grad()
-    def _read_shard(self, reader: Callable[[nn.Parameter, int, int], torch.Tensor], dest: torch.Tensor) -> None:
-        """Fill ``dest`` (this rank's shard) from ``reader``; only the padding is zeroed.
-
-        A reader with ``fills_out = True`` is called as ``reader(p, start, end, out)`` and writes
-        into ``out`` itself (no temporary per parameter: offload="disk" reads at every gather).
-        """
-        lo, hi = self.own_start, self.own_start + self.own_numel
-        dest[max(self.numel - lo, 0):].zero_()
-        fills_out = getattr(reader, "fills_out", False)
-        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
-            s, e = max(off, lo), min(off + n, hi)
-            if s < e and fills_out:
-                reader(p, s - off, e - off, dest[s - lo:e - lo])
-            elif s < e:
-                dest[s - lo:e - lo].copy_(reader(p, s - off, e - off))
 
     @torch.no_grad()
     def adopt_full(self, src: int) -> None:
@@ -316,8 +224,7 @@ class ShardedGroup:
         if self.replicate is not None:
             self.replicate.broadcast(self.flat_param, src=src // k)
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
-        if self.param_shard is not None:
-            self.param_shard.copy_(owned)
+        self.store.update(owned)
         if self.master is not None and not self.master_is_view:
             self.master.copy_(owned)
 
@@ -434,14 +341,15 @@ class ShardedGroup:
         if self.policy.shard_params:  # the next gather() reads the shard
             self.drop_secondary()
             if not self.master_is_view:
-                self.param_shard.copy_(self.master, non_blocking=True)
+                self.store.update(self.master, non_blocking=True)
             return None
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         if not self.master_is_view:
             owned.copy_(self.master, non_blocking=True)
         if self.policy.shard_optimizer:
-            self._gather_work = self.comm.all_gather(self.flat_param, async_op=async_op)
-            return self._gather_work
+            work = self.comm.all_gather(self.flat_param, async_op=async_op)
+            self._to_gathered(work)  # stages 1-2: GATHERING until each module's forward waits for it
+            return work
         return None
 
     def zero_grad(self) -> None:
@@ -459,7 +367,7 @@ class ShardedGroup:
 
         live = 0 if self.pool is not None else self.flat_param.untyped_storage().nbytes()  # pool: its own
         return {
-            "params": live + nbytes(self.param_shard) + nbytes(self.secondary_shard),
+            "params": live + self.store.nbytes + nbytes(self.secondary_shard),
             "grads": nbytes(self.flat_grad) + nbytes(self.shard_grad),
             "master_params": 0 if self.master_is_view else nbytes(self.master),
         }

@@ -15,6 +15,7 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.zero.flat_group import InflightLimit, ShardedGroup, ShardPolicy
+from shardwise.zero.store import ShardStore
 
 
 def normalize_param_groups(model: nn.Module, model_parameters: Iterable | None) -> list[dict]:
@@ -73,6 +74,8 @@ def build_groups(
     persistence_threshold: int = 0,
     materialize: Callable[[list[nn.Parameter]], None] | None = None,
     tp_sharded: Callable[[nn.Parameter], bool] = _never,
+    store: Callable[[], ShardStore] | None = None,
+    on_unit: Callable[[int], None] | None = None,
     **group_kwargs,
 ) -> tuple[list[list[ShardedGroup]], list[list[ShardedGroup]]]:
     """Cut the model into groups; returns (trainable groups per optimizer param group, groups per unit).
@@ -83,7 +86,9 @@ def build_groups(
     ``materialize`` (zero.Init) gives a unit's meta parameters real values just before its groups
     are built, so only one unit is ever whole. ``tp_sharded`` tells a tensor-parallel slice from a
     replicated parameter (the builder passes it in: ZeRO reads no TP specs); a group holds one kind,
-    so the global gradient norm can count replicated gradients once.
+    so the global gradient norm can count replicated gradients once. ``store`` makes each group's
+    shard store (zero/store.py; default: resident on the group's device). ``on_unit(i)`` is called
+    once unit ``i``'s groups are built (loading progress).
     """
 
     def _kind(p: nn.Parameter) -> tuple:
@@ -99,7 +104,7 @@ def build_groups(
 
     def make(ps: list[nn.Parameter], pol: ShardPolicy, trainable: bool = True) -> ShardedGroup:
         g = ShardedGroup(ps, [names[id(p)] for p in ps], comm, pol, trainable=trainable,
-                         inflight=inflight, **group_kwargs)
+                         store=store() if store is not None else None, inflight=inflight, **group_kwargs)
         g.tp_sharded = tp_sharded(ps[0])
         return g
 
@@ -113,7 +118,7 @@ def build_groups(
     keep_whole = ShardPolicy.for_stage(2)
     persistent: list[list[nn.Parameter]] = [[] for _ in param_groups]
     by_unit: list[list[ShardedGroup]] = []
-    for unit_params in units:
+    for ui, unit_params in enumerate(units):
         if materialize is not None:
             materialize(unit_params)
         groups: list[ShardedGroup] = []
@@ -131,6 +136,8 @@ def build_groups(
                 groups.append(g)
                 by_pg[gi].append(g)
         by_unit.append(groups)
+        if on_unit is not None:
+            on_unit(ui)
     for gi, ps in enumerate(persistent):
         if materialize is not None:
             materialize(ps)

@@ -1,0 +1,134 @@
+"""Where the persistent copy of a stage-3 shard lives, and how ``gather()`` gets it back.
+
+A stage-3 group keeps only this rank's shard between uses; ``gather()`` puts it into the owned
+range of the flat buffer and all-gathers the rest. The storage modes differ only in those two
+steps, so each is one small class and :class:`~shardwise.zero.flat_group.ShardedGroup` holds one
+of them instead of a flag per mode:
+
+* :class:`ResidentStore`: the shard is a tensor on the compute device (plain stage 3) or in
+  (optionally pinned) CPU memory (``offload_param``, ZeRO-Inference ``offload="cpu"``); a gather
+  copies it in.
+* :class:`FileStore`: nothing is resident; every gather reads the shard again through a reader
+  (ZeRO-Inference ``offload="disk"``, and quantized stores that dequantize into the buffer). Read
+  on the reader thread when a single rank prefetches, so the read overlaps compute.
+
+Either store may also carry ``reader``, the initial values' source (zero.Init from a checkpoint,
+streamed inference): the shard is then read straight from it and the full group is never built.
+The builder (``zero/builder.py``, ``build_groups``) chooses the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise.zero.layout import Segment
+from shardwise.zero.pending import ReadWork, read_pool
+
+# reader(p, start, end) -> elements [start, end) of p flattened; with ``fills_out = True`` it is
+# called as reader(p, start, end, out) and writes into ``out`` itself (no temporary per parameter)
+Reader = Callable[..., torch.Tensor]
+
+
+@torch.no_grad()
+def read_segments(reader: Reader, params: Sequence[torch.Tensor], segments: Sequence[Segment],
+                  dest: torch.Tensor, used: int) -> None:
+    """Fill ``dest`` (a range of a flat buffer) with ``segments`` read through ``reader``.
+
+    Only ``dest[used:]`` (the padding) is zeroed: the rest is overwritten by the reads.
+    """
+    dest[used:].zero_()
+    fills_out = getattr(reader, "fills_out", False)
+    for seg in segments:
+        out = dest[seg.offset:seg.offset + seg.length]
+        if fills_out:
+            reader(params[seg.index], seg.start, seg.stop, out)
+        else:
+            out.copy_(reader(params[seg.index], seg.start, seg.stop))
+
+
+class ShardStore:
+    """The persistent copy of one group's shard. Subclasses say where it lives."""
+
+    rereads = False  # True: the files are the copy (no tensor kept; a gather reads them again)
+
+    def __init__(self, reader: Reader | None = None):
+        self.reader = reader  # the initial values' source (None: the parameters' own values)
+        self.shard: torch.Tensor | None = None
+
+    def keep(self, group: Any, owned: torch.Tensor | None) -> None:
+        """At build: take this rank's shard, from ``reader`` or from ``owned`` (the filled buffer)."""
+        raise NotImplementedError
+
+    def fill(self, group: Any, owned: torch.Tensor, async_read: bool) -> ReadWork | None:
+        """At gather: write the shard into ``owned``; a ReadWork when it goes on the reader thread."""
+        raise NotImplementedError
+
+    def update(self, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """The parameters changed (optimizer step, edit, load): ``src`` is the new shard."""
+        if self.shard is not None:
+            self.shard.copy_(src, non_blocking=non_blocking)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.shard is None else self.shard.numel() * self.shard.element_size()
+
+    def _read(self, group: Any, dest: torch.Tensor) -> None:
+        read_segments(self.reader, group.params, group.owned, dest, max(group.numel - group.own_start, 0))
+
+
+class ResidentStore(ShardStore):
+    """The shard is a tensor: on the compute device, or on ``device`` (CPU offload), pinned if asked."""
+
+    def __init__(self, device: torch.device | None = None, pin_memory: bool = False, reader: Reader | None = None):
+        super().__init__(reader)
+        self.device, self.pin_memory = device, pin_memory
+
+    def keep(self, group: Any, owned: torch.Tensor | None) -> None:
+        pin = self.pin_memory and self.device is not None and torch.cuda.is_available()
+        self.shard = torch.empty(group.own_numel, dtype=group.dtype, device=self.device or group.device,
+                                 pin_memory=pin)
+        if self.reader is not None:
+            self._read(group, self.shard)
+        else:
+            self.shard.copy_(owned)
+
+    def fill(self, group: Any, owned: torch.Tensor, async_read: bool) -> None:  # noqa: ARG002
+        with torch.no_grad():
+            owned.copy_(self.shard)
+
+
+class FileStore(ShardStore):
+    """No resident copy: every gather reads the shard through ``reader`` (offload="disk", quantized)."""
+
+    rereads = True
+
+    def __init__(self, reader: Reader):
+        super().__init__(reader)
+
+    def keep(self, group: Any, owned: torch.Tensor | None) -> None:
+        """Nothing to keep: the files are the copy."""
+
+    def fill(self, group: Any, owned: torch.Tensor, async_read: bool) -> ReadWork | None:
+        if async_read:  # a file read needs a thread to overlap compute
+            return ReadWork(read_pool().submit(self._read, group, owned))
+        self._read(group, owned)
+        return None
+
+
+def store_factory(mode: str = "device", reader: Reader | None = None,
+                  pin_memory: bool = False) -> Callable[[], ShardStore]:
+    """What the builder hands ``build_groups``: a new store per group.
+
+    ``mode``: "device" (resident), "cpu" (offloaded, ``pin_memory``) or "file" (read at every
+    gather through ``reader``)."""
+    if mode == "file":
+        if reader is None:
+            raise ValueError("a file-backed store needs a reader")
+        return lambda: FileStore(reader)
+    if mode not in ("device", "cpu"):
+        raise ValueError(f"store mode must be 'device', 'cpu' or 'file', got {mode!r}")
+    device = torch.device("cpu") if mode == "cpu" else None
+    return lambda: ResidentStore(device, pin_memory, reader)
