@@ -15,7 +15,7 @@ from shardwise.fsdp_state import (
     save_checkpoint,
     sharded_state_dict,
 )
-from shardwise.inference import init_inference
+from shardwise.inference_api import init_inference
 from shardwise.initialize import add_config_arguments, initialize
 from shardwise.zero import GatheredParameters
 
