@@ -98,7 +98,8 @@ KEYS: tuple[Key, ...] = (
         "power-of-two worlds)"),
     Key("gradient_predivide_factor", H, "as prescale_gradients: g/f summed then times f/world is the same "
         "mean up to float rounding"),
-    Key("gradient_allreduce_op", H, "only 'mean' (the default)", default("mean")),
+    Key("gradient_allreduce_op", H, "'mean' averages gradients over data-parallel ranks, 'sum' adds them (at "
+        "every stage; DeepSpeed refuses 'sum' at stage 3)"),
     Key("communication_data_type", H, "gradients are reduced in the compute dtype; only that dtype (or "
         "null) is accepted", same_as_precision),
     Key("seq_parallel_communication_data_type", I, "used only with sequence parallelism (refused)"),

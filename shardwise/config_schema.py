@@ -180,6 +180,7 @@ class ShardwiseConfig(_Section):
     wall_clock_breakdown: Bool = False
     prescale_gradients: Bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0)
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     seed: int | None = None
     dump_state: Bool = False

@@ -90,6 +90,8 @@ class Engine(EngineAccessors, nn.Module):
         sh = self.sharding
         self.module = model
         self.dp_world, self.dp_rank = sh.dp_world, sh.dp_rank
+        # gradient_allreduce_op: "mean" averages gradients over data-parallel ranks, "sum" adds them
+        self.gradient_average = config.gradient_allreduce_op == "mean"
         self.tp_report, self.policy, self.units, self.fetcher = sh.tp_report, sh.policy, sh.units, sh.fetcher
         self.groups_by_pg, self.unit_groups, self.groups = sh.groups_by_pg, sh.unit_groups, sh.groups
 
@@ -206,7 +208,7 @@ class Engine(EngineAccessors, nn.Module):
             self.micro_steps += 1
             return
         check_all_used(self)
-        unscale = 1.0 / self.dp_world
+        unscale = 1.0 / self.dp_world if self.gradient_average else 1.0
         if self.loss_scaler is not None:
             unscale /= self.loss_scaler.scale
         grads = self.sharding.reduced_grads(unscale)

@@ -451,3 +451,24 @@ def zero_init_client_optimizer() -> float:
     train(engine, 2)
     reference(ref, ref_opt, 2)
     return weight_diff(engine, ref)
+
+
+def allreduce_op(stage: int, op: str) -> list[float]:
+    """DeepSpeed's TestGradientAllreduceOp shape: one SGD(lr=1) step on loss = w·x, x differing per rank."""
+    class LinearLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(2))
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return (self.weight * inputs).sum()
+
+    m = LinearLoss()
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+           "gradient_allreduce_op": op, "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0), config=cfg)
+    x = torch.tensor([1.0, 2.0]) + dist.get_rank()
+    engine.backward(engine(x))
+    engine.step()
+    with deepspeed.zero.GatheredParameters([engine.module.weight]):
+        return engine.module.weight.detach().tolist()

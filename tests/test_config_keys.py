@@ -93,13 +93,29 @@ def test_refused_features_name_the_key(config, path, feature):
 @pytest.mark.parametrize("config, path", [
     ({"communication_data_type": "fp16", "bf16": {"enabled": True}}, "communication_data_type"),
     ({"communication_data_type": "fp32", "fp16": {"enabled": True}}, "communication_data_type"),
-    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
     ({"data_types": {"grad_accum_dtype": "fp32"}, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
      "data_types.grad_accum_dtype"),
 ])
 def test_values_shardwise_does_not_implement_are_refused(config, path):
     msg = error_of(config, supported=ALL)
     assert msg.startswith(path + ": the value") and "is not implemented by shardwise" in msg
+
+
+def test_gradient_allreduce_op_takes_deepspeeds_two_values():
+    assert load_config({"gradient_allreduce_op": "sum"}).gradient_allreduce_op == "sum"
+    assert load_config({}).gradient_allreduce_op == "mean"
+    assert "gradient_allreduce_op" in error_of({"gradient_allreduce_op": "max"}, supported=ALL)
+
+
+def test_every_honoured_key_reaches_the_schema():
+    """A key the table calls honoured must not then fail validation as "unknown" (gradient_allreduce_op
+    once did): each honoured top-level key is a schema field or a legacy name the schema renames."""
+    from shardwise.config_keys import KEYS
+    from shardwise.config_schema import ShardwiseConfig
+
+    fields = set(ShardwiseConfig.model_fields)
+    top = {k.path for k in KEYS if k.status == "honoured" and "." not in k.path}
+    assert top <= fields, sorted(top - fields)
 
 
 def test_ignored_keys_are_noted_once_and_off_values_are_silent():

@@ -90,7 +90,7 @@ class _Where:
         g.wait()
         reduced = g.policy.shard_grads or bool(eng is not None and eng._grads_reduced)
         scale = 1.0 / eng.loss_scaler.scale if eng is not None and eng.loss_scaler is not None else 1.0
-        if reduced:
+        if reduced and getattr(eng, "gradient_average", True):
             scale /= g.comm.size
         if g.policy.shard_grads:
             return g.shard_grad, scale
