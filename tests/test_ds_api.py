@@ -238,3 +238,17 @@ def test_gradient_allreduce_op_mean_or_sum(pool2, stage, op):
     want = (-total / (2 if op == "mean" else 1)).tolist()
     for got in pool2.run("ds_api_cases:allreduce_op", stage, op):
         assert got == want
+
+
+def test_clone_tensors_for_torch_save_copies_views_and_keeps_structure(tmp_path):
+    """A view into a flat buffer saved as is drags the whole buffer along; the clone holds its own data."""
+    from shardwise.utils import clone_tensors_for_torch_save
+
+    flat = torch.arange(1000.0)
+    item = {"a": flat[:4].view(2, 2), "b": [flat[4:6], (flat[6:7], 3)], "c": "text"}
+    out = clone_tensors_for_torch_save(item)
+    assert out["c"] == "text" and out["b"][1][1] == 3 and isinstance(out["b"][1], tuple)
+    for got, src in ((out["a"], item["a"]), (out["b"][0], item["b"][0]), (out["b"][1][0], item["b"][1][0])):
+        assert torch.equal(got, src) and got.untyped_storage().nbytes() == src.numel() * 4
+    torch.save(out, tmp_path / "clone.pt")
+    assert (tmp_path / "clone.pt").stat().st_size < 1000 * 4

@@ -8,6 +8,7 @@ import logging
 import torch.distributed as dist
 
 from shardwise.utils import zero_to_fp32
+from shardwise.utils.checkpoint_utils import clone_tensors_for_torch_save
 from shardwise.utils.repeating_loader import RepeatingLoader
 from shardwise.utils.tensor_fragment import (
     safe_get_full_fp32_param,
@@ -45,6 +46,7 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
 
 __all__ = [
     "logger", "log_dist", "zero_to_fp32", "RepeatingLoader", "safe_update_full_grad_vectorized",
+    "clone_tensors_for_torch_save",
     "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
     "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",

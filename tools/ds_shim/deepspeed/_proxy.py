@@ -19,6 +19,7 @@ SOURCES: dict[str, list[str]] = {
     "deepspeed.runtime.zero.partition_parameters": ["shardwise.zero"],
     "deepspeed.utils.zero_to_fp32": ["shardwise.utils.zero_to_fp32"],
     "deepspeed.moe.utils": ["shardwise.utils.moe"],
+    "deepspeed.checkpoint.utils": ["shardwise.utils.checkpoint_utils"],
     "deepspeed.runtime.lr_schedules": ["shardwise.optim", "deepspeed._harness"],  # WarmupLR & co.
     "deepspeed.runtime.config": ["deepspeed._harness"],  # only its config-string constants
     "deepspeed.utils.torch": ["deepspeed._harness"],
