@@ -134,6 +134,13 @@ def test_quantized_folder_mismatches_are_refused(folders):
         quantize_folder(folders[4], folders[4] + "_again", 4, GROUP)
 
 
+def test_two_rank_quantized_streaming(pool2, folders):
+    """Stage-3 sharding over 2 ranks: each reads its byte range of the packed int4 weights (the
+    Int4Linear parameters included) and the all-gather rebuilds them bit for bit."""
+    want = _dequantized_reference(folders["plain"], 4)
+    assert [r["tokens"] for r in pool2.run("inference_cases:stream", folders[4], "disk")] == [want, want]
+
+
 def test_tensor_parallel_quantized_streaming(pool2, folders):
     """Tensor-parallel slices are dequantized per layer (no kernel form), ROWS64 order included."""
     want = _dequantized_reference(folders["plain"], 4, kernel=False)
