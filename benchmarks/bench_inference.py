@@ -6,8 +6,12 @@
 Builds a Llama from a config (826 MB fp32 by default), saves it, then runs each mode in a fresh
 process (peak RSS only grows) via ``tests/inference_cases.py measure`` and prints a table.
 ``--quantized``: the model saved in fp32 and bf16 and quantized (``shardwise quantize``) to int8
-and int4 from the fp32 copy (so those compute in fp32), each streamed from disk at batch 1 and 32,
-against plain transformers with the weights resident.
+and int4 from the bf16 copy (so those compute in bf16, as the bf16 row does; int4 Linear layers
+through torch's CPU int4 kernel), each streamed from disk at batch 1 and 32, against plain
+transformers with the weights resident and, with ``--accelerate PATH`` (a folder holding the
+accelerate package, put on PYTHONPATH for those runs only), Accelerate's ``device_map="auto"``
+disk offload. ``--split``: also the seconds per token spent reading, dequantizing and in the int4
+kernel (``SHARDWISE_BENCH_SPLIT=1``; wrapping costs a little).
 """
 
 from __future__ import annotations
@@ -45,14 +49,27 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
     for bits in (8, 4):
         folders[f"int{bits}"] = os.path.join(base, f"int{bits}")
         if not os.path.exists(folders[f"int{bits}"]):
-            quantize_folder(folders["fp32"], folders[f"int{bits}"], bits, args.group_size)
+            quantize_folder(folders["bf16"], folders[f"int{bits}"], bits, args.group_size)
     rows = [("plain", "fp32"), ("plain", "bf16")] + [("disk", k) for k in ("fp32", "bf16", "int8", "int4")]
-    print(f"{'mode':<7}{'weights':<8}{'batch':>6}{'tokens/s':>10}{'MB read/token':>15}{'peak RSS growth MB':>20}")
+    if args.accelerate:
+        rows += [("accelerate", "fp32"), ("accelerate", "bf16")]
+    if args.split:
+        env = dict(env, SHARDWISE_BENCH_SPLIT="1")
+    print(f"{'mode':<11}{'weights':<8}{'batch':>6}{'tokens/s':>10}{'MB read/token':>15}{'peak RSS growth MB':>20}"
+          f"  split s/token")
     for batch in (1, 32):
         for mode, kind in rows:
-            r = _run(folders[kind], mode, 1, args.tokens, batch, env)
-            print(f"{mode:<7}{kind:<8}{batch:>6}{r['tokens_per_s']:>10.2f}{r['read_per_token'] / 1e6:>15.1f}"
-                  f"{r['peak_growth'] / 1e6:>20.0f}", flush=True)
+            run_env = env if mode != "accelerate" else dict(env, PYTHONPATH=f"{args.accelerate}:{env['PYTHONPATH']}")
+            try:
+                r = _run(folders[kind], mode, 1, args.tokens, batch, run_env)
+            except subprocess.CalledProcessError as e:
+                print(f"{mode:<11}{kind:<8}{batch:>6}  failed: {e.stderr.strip().splitlines()[-1]}", flush=True)
+                continue
+            split = r.get("split_s_per_token") or {}
+            print(f"{mode:<11}{kind:<8}{batch:>6}{r['tokens_per_s']:>10.2f}{r['read_per_token'] / 1e6:>15.1f}"
+                  f"{r['peak_growth'] / 1e6:>20.0f}  " + " ".join(f"{k}={v:.4f}" for k, v in split.items())
+                  + (f" placement={r['placement']}" if r.get("placement") else ""),
+                  flush=True)
 
 
 def main() -> None:
@@ -68,6 +85,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences generated together")
     p.add_argument("--quantized", action="store_true", help="fp32/bf16/int8/int4 from disk at batch 1 and 32")
     p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--accelerate", default=None, help="folder holding the accelerate package (pip --target)")
+    p.add_argument("--split", action="store_true", help="time per token in reads / dequantization / int4 kernel")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     sys.path.insert(0, ROOT)

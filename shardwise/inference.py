@@ -261,6 +261,9 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
                        progress=progress)
     model, want = _load_meta(path, dtype)
     files = open_store(path, model, offload, quantize, group_size)
+    from shardwise.quantized_linear import install
+
+    install(model, files, want, _device())  # int4 Linear weights stay packed where the CPU kernel runs
     return _stream(model, comm, offload, prefetch, files, want, progress)
 
 

@@ -9,9 +9,11 @@ quality.
 
 A quantized folder (``quantize_folder``) is an ordinary safetensors file where a quantized weight
 ``W`` is stored as ``W`` (I8, or U8 packed) and ``W.scale`` (F16), padded to whole groups, plus
-``shardwise_quantization.json`` (bits, group size, original shapes and dtype). To the streaming
+``shardwise_quantization.json`` (bits, group size, original shapes and dtype, and which int4
+weights are stored in the ROWS64 byte order of ``shardwise.quantized_linear``). To the streaming
 machinery it is just another shard store: :class:`QuantizedStore` fills the gathered buffer with
-dequantized values, a chunk at a time, so no layer-sized temporary is ever allocated.
+dequantized values, a chunk at a time, so no layer-sized temporary is ever allocated; or, for a
+Linear swapped for ``Int4Linear`` (int4, CPU), with the packed bytes and scales as stored.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import torch
 from torch import nn
 
 from shardwise.inference import _ST_DTYPES, SafetensorsReader, _load_meta
+from shardwise.quantized_linear import PACKED, ROWS, SCALE, from_rows64, kernel_eligible, to_rows64
 from shardwise.zero.stage3 import assign_params, find_units
 
 DESCRIPTION = "shardwise_quantization.json"
 BITS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP = 64
-_CHUNK = 1 << 16  # elements dequantized at a time (bounded staging, reused)
+_CHUNK = 1 << 18  # elements dequantized at a time (bounded staging, reused)
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 # byte b of a packed int4 tensor holds the levels (b & 15) - 8 (first) and (b >> 4) - 8 (second)
 _INT4_LEVELS = torch.tensor([[(b & 15) - 8, (b >> 4) - 8] for b in range(256)], dtype=torch.float32)
@@ -73,6 +76,13 @@ def quantizable(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
+def rows64_names(model: nn.Module, names: set[str], bits: int, group: int) -> set[str]:
+    """The int4 weights among ``names`` stored in the kernel's ROWS64 order (Linear, shapes it takes)."""
+    if bits != 4:
+        return set()
+    return {n for n in names if n.endswith(".weight") and kernel_eligible(model.get_submodule(n[:-7]), group)}
+
+
 def is_quantized(folder: str | os.PathLike) -> bool:
     return os.path.exists(os.path.join(folder, DESCRIPTION))
 
@@ -93,14 +103,23 @@ class QuantizedStore(SafetensorsReader):
     """
 
     def __init__(self, folder: str, bits: int, group: int, shapes: dict[str, tuple[int, ...]],
-                 dtype: torch.dtype, resident: bool, from_plain: bool = False):
+                 dtype: torch.dtype, resident: bool, from_plain: bool = False, rows64: set[str] = frozenset()):
         super().__init__(folder)
         _check_args(bits, group)
         self.bits, self.group, self.qshapes, self.qdtype = bits, group, shapes, dtype
+        self.rows64, self.packed_in_use = set(rows64), set()  # the latter: set by quantized_linear.install
+        for key in self.rows64:
+            shape = shapes.get(key, ())
+            if bits != 4 or len(shape) != 2 or shape[0] % ROWS or shape[1] % group:
+                raise ValueError(f"{folder}/{DESCRIPTION}: {key!r} ({list(shape)}) is listed as rows64 but only "
+                                 f"int4 [out, in] weights with out % {ROWS} == 0 and in % {group} == 0 can be")
         self.blobs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for key, shape in shapes.items():
             if from_plain:
-                self.blobs[key] = quantize_tensor(super().read(key, 0, math.prod(shape)), bits, group)
+                packed, scale = quantize_tensor(super().read(key, 0, math.prod(shape)), bits, group)
+                if key in self.rows64:
+                    packed = to_rows64(packed, *shape)
+                self.blobs[key] = packed, scale
             else:
                 self._check_stored(key, shape)
                 if resident:
@@ -118,9 +137,10 @@ class QuantizedStore(SafetensorsReader):
             bits, group = int(desc["bits"]), int(desc["group_size"])
             shapes = {k: tuple(int(d) for d in v) for k, v in desc["tensors"].items()}
             dtype = _ST_DTYPES[desc["dtype"]]
+            rows64 = {str(k) for k in desc.get("rows64", [])}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a valid quantization description ({type(e).__name__}: {e})") from None
-        return cls(folder, bits, group, shapes, dtype, resident)
+        return cls(folder, bits, group, shapes, dtype, resident, rows64=rows64)
 
     def _check_stored(self, key: str, shape: tuple[int, ...]) -> None:
         groups = -(-math.prod(shape) // self.group)
@@ -146,13 +166,23 @@ class QuantizedStore(SafetensorsReader):
     def resident_bytes(self) -> int:
         return sum(q.numel() + s.numel() * 2 for q, s in self.blobs.values())
 
+    def _raw_key(self, name: str) -> tuple[str, bool] | None:
+        """``(weight key, is scale)`` for an Int4Linear parameter's store key, else None."""
+        for suffix, scale in ((PACKED, False), (SCALE, True)):
+            if name.endswith(suffix) and name[:-len(suffix)] in self.packed_in_use:
+                return name[:-len(suffix)], scale
+        return None
+
     def find(self, names: list[str]) -> str:
         for n in names:
-            if n in self.qshapes:
+            if n in self.qshapes or self._raw_key(n) is not None:
                 return n
         return super().find(names)
 
     def check_shape(self, key: str, shape: tuple[int, ...], floating: bool = True) -> None:
+        raw = self._raw_key(key)
+        if raw is not None:  # Int4Linear sizes its parameters from the same shape: only the key matters
+            return
         if key not in self.qshapes:
             return super().check_shape(key, shape, floating)
         if tuple(self.qshapes[key]) != tuple(shape):
@@ -161,6 +191,9 @@ class QuantizedStore(SafetensorsReader):
                              "config and weights do not match")
 
     def read(self, name: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        raw = self._raw_key(name)
+        if raw is not None:
+            return self._read_raw(*raw, start, end, out)
         if name not in self.qshapes:
             return super().read(name, start, end, out)
         if out is None:
@@ -169,8 +202,25 @@ class QuantizedStore(SafetensorsReader):
             self._dequantize(name, start, end, out)
         return out
 
+    def _read_raw(self, key: str, scale: bool, start: int, end: int, out: torch.Tensor | None) -> torch.Tensor:
+        """Elements [start, end) of an Int4Linear parameter: the packed bytes (any dtype's view of
+        them) or the scales (converted to ``out``'s dtype), as stored."""
+        if out is None:
+            out = torch.empty(end - start, dtype=torch.float16 if scale else torch.uint8)
+        if not scale:
+            size = out.element_size()
+            self._raw(key, False, start * size, out.view(torch.uint8))
+        elif out.dtype == torch.float16:
+            self._raw(key, True, start, out)
+        else:
+            with self._qlock:
+                staged = self._buf("raw_scales", end - start, torch.float16)
+                self._raw(key, True, start, staged)
+                out.copy_(staged)
+        return out
+
     def _buf(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if name not in self._stage:
+        if name not in self._stage or self._stage[name].numel() < numel:
             self._stage[name] = torch.empty(numel, dtype=dtype)
         return self._stage[name][:numel]
 
@@ -185,18 +235,32 @@ class QuantizedStore(SafetensorsReader):
 
     def _dequantize(self, key: str, start: int, end: int, out: torch.Tensor) -> None:
         """Fill ``out`` with elements [start, end): whole groups a chunk at a time, no temporaries
-        beyond the fixed staging buffers."""
+        beyond the fixed staging buffers. From disk the packed bytes and scales of the whole range
+        are read first, in one read each: chunk-sized reads were thousands of small (cold: evicted,
+        so real) I/Os per token, 5x slower than the dequantization itself (int8, issue 12)."""
         g, per_byte = self.group, 8 // self.bits
-        chunk = max(1, _CHUNK // g)
+        chunk, first, stop = max(1, _CHUNK // g), start // g, -(-end // g)
+        if key in self.rows64:  # whole blocks of 64 rows: the same bytes in both orders, reordered here
+            block = ROWS * self.qshapes[key][1] // g
+            chunk, first, stop = -(-chunk // block) * block, first // block * block, -(-stop // block) * block
         packed = self._buf("packed", chunk * g // per_byte, torch.uint8)
         index = self._buf("index", chunk * g // per_byte, torch.int32)
         scales, scales32 = self._buf("scales", chunk, torch.float16), self._buf("scales32", chunk, torch.float32)
         vals = self._buf("vals", chunk * g, torch.float32)
-        for ga in range(start // g, -(-end // g), chunk):
-            n = min(chunk, -(-end // g) - ga)
+        if key in self.blobs:
+            all_q, all_s = self.blobs[key][0][first * g // per_byte:], self.blobs[key][1][first:]
+        else:  # bounded by the largest quantized tensor's packed bytes, kept for reuse
+            all_q = self._buf("range_packed", (stop - first) * g // per_byte, torch.uint8)
+            all_s = self._buf("range_scales", stop - first, torch.float16)
+            self._raw(key, False, first * g // per_byte, all_q)
+            self._raw(key, True, first, all_s)
+        for ga in range(first, stop, chunk):
+            n = min(chunk, stop - ga)
             q, s = packed[:n * g // per_byte], scales[:n]
-            self._raw(key, False, ga * g // per_byte, q)
-            self._raw(key, True, ga, s)
+            q.copy_(all_q[(ga - first) * g // per_byte:(ga - first + n) * g // per_byte])
+            if key in self.rows64:
+                q.copy_(from_rows64(q, self.qshapes[key][1]))
+            s.copy_(all_s[ga - first:ga - first + n])
             scales32[:n].copy_(s)
             if self.bits == 8:
                 torch.mul(q.view(torch.int8).view(n, g), scales32[:n, None], out=vals[:n * g].view(n, g))
@@ -230,7 +294,9 @@ def open_store(path: str, model: nn.Module, offload: str | None, quantize: str |
     shapes = {plain.find([n]): tuple(plain.shapes[plain.find([n])]) for n in names}
     dtype = next((plain.entries[k][1] for k in shapes), torch.float32)
     plain.close()
-    return QuantizedStore(path, BITS[quantize], group_size or DEFAULT_GROUP, shapes, dtype, True, from_plain=True)
+    group = group_size or DEFAULT_GROUP
+    rows64 = {plain.find([n]) for n in rows64_names(model, names, BITS[quantize], group)}
+    return QuantizedStore(path, BITS[quantize], group, shapes, dtype, True, from_plain=True, rows64=rows64)
 
 
 def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -> dict:
@@ -241,6 +307,7 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
     model, _ = _load_meta(src, None)
     files = SafetensorsReader(src)
     names = quantizable(model)
+    rows64 = rows64_names(model, names, bits, group)
     order = sorted(files.entries, key=lambda k: (files.file_of[k], files.entries[k][2]))
     header: dict[str, dict] = {"__metadata__": {"format": "pt", "quantized_by": "shardwise"}}
     offset, shapes, dtype = 0, {}, None
@@ -265,6 +332,8 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
         for key in order:
             t = files.read(key, 0, math.prod(files.shapes[key]))
             pieces = quantize_tensor(t, bits, group) if key in names else (t,)
+            if key in rows64:
+                pieces = (to_rows64(pieces[0], *files.shapes[key]), pieces[1])
             for piece in pieces:
                 f.write(piece.reshape(-1).view(torch.uint8).numpy().tobytes())
     files.close()
@@ -273,7 +342,7 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
         if os.path.isfile(full) and not name.endswith(".safetensors") and name != "model.safetensors.index.json":
             shutil.copy2(full, os.path.join(dst, name))
     desc = {"format": "shardwise-groupwise-symmetric", "bits": bits, "group_size": group, "scale_dtype": "F16",
-            "dtype": dtype or "F32", "tensors": shapes}
+            "dtype": dtype or "F32", "tensors": shapes, "rows64": sorted(rows64)}
     with open(os.path.join(dst, DESCRIPTION), "w") as f:
         json.dump(desc, f, indent=1)
     before = sum(os.path.getsize(p) for p in set(files.file_of.values()))

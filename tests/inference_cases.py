@@ -114,13 +114,20 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
     t0 = time.perf_counter()
+    split = _time_split() if os.environ.get("SHARDWISE_BENCH_SPLIT") == "1" else None
     if mode == "plain":
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    elif mode == "accelerate":  # Accelerate's disk offload: a CPU budget of a fifth of the weights
+        budget = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": budget // 5},
+                                                     offload_folder=os.path.join(folder, "accelerate_offload")).eval()
     else:
         model = init_inference(folder, offload=None if mode == "resident" else mode, prefetch=prefetch)
     files = getattr(model, "shardwise_files", None)
     read0 = files.bytes_read if files is not None else 0
     t1 = time.perf_counter()
+    if split is not None:  # the generation's time only, not the load's
+        split.update(dict.fromkeys(split, 0.0))
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0)
@@ -132,7 +139,35 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
             "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t1),
             "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist(),
             "resident": report.get("params", 0), "gather_pool": report.get("gather_pool", 0),
-            "overflow": report.get("gather_pool_overflow", 0), "read_per_token": read}
+            "overflow": report.get("gather_pool_overflow", 0), "read_per_token": read,
+            "split_s_per_token": {k: v / new_tokens for k, v in split.items()} if split else None,
+            "placement": sorted(set(getattr(model, "hf_device_map", {}).values()))}
+
+
+def _time_split() -> dict:
+    """Seconds spent reading (reader thread: overlaps compute), dequantizing and in the int4
+    kernel, accumulated by wrapping those functions (for the benchmark's time split only)."""
+    from shardwise.inference import SafetensorsReader
+    from shardwise.quantize import QuantizedStore
+    from shardwise.quantized_linear import Int4Linear
+
+    acc = {"read": 0.0, "dequantize": 0.0, "int4_kernel": 0.0}
+
+    def timed(cls, name, key):
+        fn = getattr(cls, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[key] += time.perf_counter() - t
+        setattr(cls, name, wrapper)
+
+    timed(SafetensorsReader, "read_bytes", "read")
+    timed(QuantizedStore, "_dequantize", "dequantize")
+    timed(Int4Linear, "forward", "int4_kernel")
+    return acc
 
 
 def train_sonnets(folder: str, steps: int = 300, seed: int = 0) -> torch.Tensor:

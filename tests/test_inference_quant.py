@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ from shardwise.quantize import (
     quantizable,
     quantize_folder,
     quantize_tensor,
+    rows64_names,
 )
+from shardwise.quantized_linear import Int4Linear, install, kernel_available, to_rows64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUP = 32
@@ -49,27 +52,49 @@ def folders(tmp_path_factory) -> dict:
     return out
 
 
-def _dequantized_reference(folder: str, bits: int) -> list:
-    """Plain transformers with every quantizable weight replaced by its dequantized value."""
+def _dequantized_reference(folder: str, bits: int, kernel: bool = True) -> list:
+    """Plain transformers, resident, with every quantizable weight replaced by its dequantized
+    value; with ``kernel`` (what streaming does on CPU), the int4 Linear weights the kernel takes
+    are instead kept packed in an Int4Linear, as the streamed model computes them."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     names = quantizable(model)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
+    if kernel:
+        install(model, SimpleNamespace(rows64=rows64_names(model, names, bits, GROUP), group=GROUP),
+                torch.float32, torch.device("cpu"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in names:
                 p.copy_(dequantize_tensor(*quantize_tensor(p, bits, GROUP), bits, GROUP, tuple(p.shape), p.dtype))
+        for name, mod in model.named_modules():
+            if isinstance(mod, Int4Linear):
+                packed, scale = quantize_tensor(weights[f"{name}.weight"], bits, GROUP)
+                mod.weight_packed.copy_(to_rows64(packed, mod.out_features, mod.in_features).view(torch.float32))
+                mod.weight_scale.copy_(scale.float())
         return model.generate(prompt(), **GEN).tolist()
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_store_reads_any_element_range(folders, bits):
+    """Dequantized reads of any range, in the flat order and (int4) in the kernel's ROWS64 order."""
+    from safetensors.torch import load_file
+
+    plain = load_file(os.path.join(folders["plain"], "model.safetensors"))
     store = QuantizedStore.open(folders[bits], resident=False)
-    key = next(iter(store.qshapes))
-    n = math.prod(store.qshapes[key])
-    whole = store.read(key, 0, n)
-    for a, b in [(0, 1), (5, 77), (GROUP, 3 * GROUP), (n - 40, n), (1, n - 1)]:
-        assert torch.equal(store.read(key, a, b), whole[a:b])
+    keys = sorted(store.qshapes)
+    if bits == 4:
+        assert store.rows64 and set(keys) - store.rows64  # the tiny model has both kinds
+        keys = [min(store.rows64), min(set(keys) - store.rows64)]
+    for key in keys[:2]:
+        n = math.prod(store.qshapes[key])
+        whole = store.read(key, 0, n)
+        w = plain[key]
+        assert torch.equal(whole.view(w.shape), dequantize_tensor(*quantize_tensor(w, bits, GROUP), bits, GROUP,
+                                                                  tuple(w.shape), w.dtype))
+        for a, b in [(0, 1), (5, 77), (GROUP, 3 * GROUP), (n - 40, n), (1, n - 1)]:
+            assert torch.equal(store.read(key, a, b), whole[a:b])
     assert store.qdtype == torch.float32
 
 
@@ -82,9 +107,11 @@ def test_quantized_streaming_equals_dequantized_model(folders, bits):
     assert disk["tokens"] == want
     cpu = init_inference(folders["plain"], offload="cpu", quantize=f"int{bits}", group_size=GROUP)
     assert cpu.generate(prompt(), **GEN).tolist() == want
+    kernels = sum(isinstance(m, Int4Linear) for m in cpu.modules())
+    assert kernels == (6 if bits == 4 and kernel_available() else 0)  # q, o, down of 2 layers (gate/up: 96 rows)
     # offload="cpu" keeps the root and the packed weights, no dequantized copy (norms: from the file)
     root = sum(g.memory()["params"] for g in cpu.shardwise_groups[-1])
-    sizes = [p.numel() for n, p in cpu.named_parameters() if n in quantizable(cpu)]
+    sizes = [math.prod(shape) for shape in cpu.shardwise_files.qshapes.values()]
     packed = sum(math.ceil(n / GROUP) * (GROUP * bits // 8 + 2) for n in sizes)
     assert cpu.memory_report()["params"] == root + packed
     plain = stream(folders["plain"], "disk")
@@ -107,8 +134,16 @@ def test_quantized_folder_mismatches_are_refused(folders):
         quantize_folder(folders[4], folders[4] + "_again", 4, GROUP)
 
 
-def test_tensor_parallel_quantized_streaming(pool2, folders):
+def test_two_rank_quantized_streaming(pool2, folders):
+    """Stage-3 sharding over 2 ranks: each reads its byte range of the packed int4 weights (the
+    Int4Linear parameters included) and the all-gather rebuilds them bit for bit."""
     want = _dequantized_reference(folders["plain"], 4)
+    assert [r["tokens"] for r in pool2.run("inference_cases:stream", folders[4], "disk")] == [want, want]
+
+
+def test_tensor_parallel_quantized_streaming(pool2, folders):
+    """Tensor-parallel slices are dequantized per layer (no kernel form), ROWS64 order included."""
+    want = _dequantized_reference(folders["plain"], 4, kernel=False)
     assert pool2.run("inference_cases:tensor_parallel", folders[4], "disk") == [want, want]
 
 

@@ -1,0 +1,120 @@
+"""int4 Linear layers that stay packed: torch's CPU int4 matmul kernel instead of dequantizing.
+
+Dequantizing a streamed int4 layer into a float buffer before every use costs more CPU time than
+reading the bf16 layer would (issue 12: 0.41x bf16 tokens/s). ``aten._weight_int4pack_mm_for_cpu``
+multiplies bf16 activations by weights kept as 4-bit levels with one (scale, zero) per group along
+the input dimension, which is exactly the group-wise symmetric format of ``shardwise.quantize``
+(``w = (level - 8) * scale``, zero 0) when the groups lie along a row (``in_features`` a multiple
+of the group size). The kernel wants its own byte order, ``ROWS64``: per block of 64 output rows,
+for each input index ``j`` 32 bytes, byte ``r`` holding row ``r`` (low nibble) and row ``r + 32``
+(high nibble) at ``j``. ``shardwise quantize`` writes eligible weights in that order, so a gathered
+layer is used as read: no conversion, no dequantization. The order is defined here in plain torch
+(so any machine can dequantize it) and checked against the running torch's packing once; where
+they differ, or on GPU, those weights are dequantized per layer as before.
+
+The quantized shard store stays one store: a packed weight is streamed as two parameters of the
+swapped-in :class:`Int4Linear` (the packed bytes, viewed as the model's dtype so the gather and
+release machinery treats them as any float parameter, and the scales), which the store serves as
+raw bytes under ``<weight key>_packed`` / ``<weight key>_scale``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the CPU kernel accepts
+ROWS = 64  # output rows per block of the ROWS64 order
+PACKED, SCALE = "_packed", "_scale"  # suffixes of the raw store keys of an Int4Linear's parameters
+
+
+def kernel_eligible(module: nn.Module, group: int) -> bool:
+    """A Linear whose int4 weight the kernel can take as stored (else: dequantized per layer)."""
+    return (isinstance(module, nn.Linear) and group in KERNEL_GROUPS and module.out_features % ROWS == 0
+            and module.in_features % group == 0)
+
+
+def to_rows64(flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Packed int4 in flat order (two consecutive elements per byte, low nibble first) to ROWS64."""
+    levels = torch.stack([flat & 15, flat >> 4], dim=1).view(n // ROWS, 2, ROWS // 2, k)
+    return (levels[:, 0] | (levels[:, 1] << 4)).transpose(1, 2).contiguous().view(-1)
+
+
+def from_rows64(blocked: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`to_rows64` for whole row blocks (``blocked.numel()`` a multiple of 32 k)."""
+    b = blocked.view(-1, k, ROWS // 2)
+    rows = torch.stack([b & 15, b >> 4], dim=1).transpose(2, 3).reshape(-1, k // 2, 2)
+    return (rows[..., 0] | (rows[..., 1] << 4)).reshape(-1)
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Whether this torch has the CPU int4 kernel and packs in the ROWS64 order (checked on a probe)."""
+    convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    if convert is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return False
+    n, k = 2 * ROWS, 96
+    i, j = torch.arange(n)[:, None], torch.arange(k)[None, :]
+    levels = ((i * 7 + j * 3 + i * j) % 16).to(torch.int32)
+    flat = levels.to(torch.uint8).view(-1, 2)
+    ours = to_rows64(flat[:, 0] | (flat[:, 1] << 4), n, k)
+    try:
+        return torch.equal(convert(levels, 1).reshape(-1), ours)
+    except RuntimeError:
+        return False
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` whose weight is int4 in ROWS64 order with group-wise scales, multiplied by the
+    CPU kernel in bf16 (activations rounded to bf16, fp32 accumulation, output in the input's dtype).
+
+    ``weight_packed`` holds the ``out * in / 2`` packed bytes viewed as ``dtype``; ``weight_scale``
+    the ``out * in / group`` scales (row-major: row ``r``'s groups together) in ``dtype``.
+    """
+
+    def __init__(self, linear: nn.Linear, group: int, dtype: torch.dtype):
+        super().__init__()
+        if not kernel_eligible(linear, group):
+            raise ValueError(f"Int4Linear needs out_features % {ROWS} == 0, in_features % group == 0 and group in "
+                             f"{KERNEL_GROUPS}; got {linear.out_features}x{linear.in_features}, group {group}")
+        self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
+        nbytes, size = self.out_features * self.in_features // 2, torch.empty((), dtype=dtype).element_size()
+        dev = linear.weight.device
+        self.weight_packed = nn.Parameter(torch.empty(nbytes // size, dtype=dtype, device=dev), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(self.out_features * self.in_features // group, dtype=dtype,
+                                                     device=dev), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        scale = self.weight_scale.view(n, k // self.group).t().to(torch.bfloat16)
+        scales_and_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1)  # [k / group, n, 2]
+        packed = self.weight_packed.view(torch.uint8).view(n, k // 2)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, k).to(torch.bfloat16), packed, self.group,
+                                                       scales_and_zeros)
+        y = y.to(x.dtype).view(*x.shape[:-1], n)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, int4 packed"
+
+
+def install(model: nn.Module, store: object, dtype: torch.dtype, device: torch.device) -> int:
+    """Swap the Linear layers whose weights ``store`` holds in ROWS64 order for :class:`Int4Linear`
+    when the kernel runs here (CPU, matching packing); returns how many were swapped (0: every
+    quantized weight is dequantized per layer instead)."""
+    rows64 = getattr(store, "rows64", set())
+    if not rows64 or device.type != "cpu" or not kernel_available():
+        return 0
+    swapped = []
+    for name, mod in model.named_modules():
+        key = f"{name}.weight"
+        if key in rows64 and kernel_eligible(mod, store.group):
+            swapped.append((name, Int4Linear(mod, store.group, dtype)))
+    for name, new in swapped:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    store.packed_in_use = {f"{name}.weight" for name, _ in swapped}
+    return len(swapped)

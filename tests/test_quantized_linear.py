@@ -1,0 +1,97 @@
+"""Int4Linear (torch's CPU int4 kernel on weights kept packed) against dequantize-then-matmul, the
+ROWS64 byte order against torch's own packing, and the fallback for shapes the kernel cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.quantize import dequantize_tensor, quantize_tensor
+from shardwise.quantized_linear import (
+    Int4Linear,
+    from_rows64,
+    install,
+    kernel_available,
+    kernel_eligible,
+    to_rows64,
+)
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no CPU int4 kernel packing in ROWS64 order here")
+
+
+def _packed_linear(n: int, k: int, group: int, bias: bool, dtype: torch.dtype):
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k) * torch.rand(n, 1)  # rows of different scales
+    packed, scale = quantize_tensor(w, 4, group)
+    lin = nn.Linear(k, n, bias=bias)
+    m = Int4Linear(lin, group, dtype)
+    m.weight_packed.data = to_rows64(packed, n, k).view(dtype)
+    m.weight_scale.data = scale.to(dtype)
+    return m, packed, scale
+
+
+def test_rows64_round_trip():
+    flat = torch.randint(0, 256, (192 * 96 // 2,), dtype=torch.uint8)
+    assert torch.equal(from_rows64(to_rows64(flat, 192, 96), 96), flat)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(64, 64), (192, 96), (1024, 2816)])
+def test_rows64_is_torch_packing(n, k):
+    levels = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    pairs = levels.to(torch.uint8).view(-1, 2)
+    ours = to_rows64(pairs[:, 0] | (pairs[:, 1] << 4), n, k)
+    assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1).reshape(-1), ours)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,group,batch,bias,dtype", [(128, 256, 64, 1, False, torch.float32),
+                                                        (192, 96, 32, 5, True, torch.float32),
+                                                        (1024, 2816, 64, 3, False, torch.bfloat16),
+                                                        (64, 512, 256, 2, False, torch.float32)])
+def test_kernel_equals_dequantize_then_matmul(n, k, group, batch, bias, dtype):
+    """The kernel rounds the activations and scales to bf16, multiplies the exact levels * scales
+    with fp32 accumulation and rounds the result to bf16. So against the float64 product of the
+    same bf16-rounded inputs with the dequantized weights, the error is at most the output's
+    rounding, 2^-8 |y|, plus fp32 accumulation, k 2^-24 sum |x||w|."""
+    m, packed, scale = _packed_linear(n, k, group, bias, dtype)
+    x = (torch.randn(2, batch, k) * 3).to(dtype)
+    y = m(x)
+    assert y.dtype == dtype and y.shape == (2, batch, n)
+    levels = dequantize_tensor(packed, torch.ones_like(scale), 4, group, (n, k), torch.float64)
+    w = (levels.view(n, k // group, group) * scale.bfloat16().double().view(n, k // group, 1)).view(n, k)
+    xb = x.bfloat16().double()
+    ref, absdot = xb @ w.t(), xb.abs() @ w.abs().t()
+    bound = 2.0**-8 * ref.abs() + k * 2.0**-24 * absdot
+    if bias:  # added in the model's dtype after the kernel: one more rounding of the sum
+        ref = ref + m.bias.double()
+        bound = bound + (2.0**-24 if dtype == torch.float32 else 2.0**-8) * (ref.abs() + bound)
+    assert ((y.double() - ref).abs() <= bound).all(), ((y.double() - ref).abs() - bound).max()
+
+
+def test_ineligible_shapes_are_refused_not_computed():
+    for n, k, group in [(96, 64, 32), (64, 96, 64), (64, 64, 16)]:
+        lin = nn.Linear(k, n)
+        assert not kernel_eligible(lin, group)
+        with pytest.raises(ValueError, match="out_features"):
+            Int4Linear(lin, group, torch.float32)
+
+
+def test_install_swaps_only_listed_eligible_linears():
+    class Store:
+        group, rows64 = 32, {"a.weight", "b.weight"}
+
+    model = nn.Sequential()
+    model.add_module("a", nn.Linear(64, 64))
+    model.add_module("b", nn.Linear(64, 96))  # listed but 96 rows: stays a Linear (dequantized path)
+    model.add_module("c", nn.Linear(64, 64))  # not listed
+    store = Store()
+    swapped = install(model, store, torch.float32, torch.device("cpu"))
+    if not kernel_available():
+        assert swapped == 0 and isinstance(model.a, nn.Linear)
+        return
+    assert swapped == 1 and isinstance(model.a, Int4Linear)
+    assert type(model.b) is nn.Linear and type(model.c) is nn.Linear
+    assert store.packed_in_use == {"a.weight"}
+    assert install(model, store, torch.float32, torch.device("meta")) == 0  # not on CPU: no kernel
