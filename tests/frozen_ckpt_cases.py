@@ -96,3 +96,27 @@ def load_error(kind: str, stage: int, ckpt: str, extra_frozen: bool = False, **l
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def functional_api(ckpt: str) -> dict:
+    """``shardwise.shard`` at stage 3 with LoRA: save with and without frozen parameters, load both."""
+    out = {}
+    for exclude in (False, True):
+        model = shardwise.shard(make_model("lora", 0), stage=3, bucket_size=20_000)
+        opt = shardwise.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        ids = torch.arange(16).view(1, 16) + dist.get_rank()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        shardwise.save_checkpoint(f"{ckpt}/{exclude}", model, opt, exclude_frozen_parameters=exclude)
+        with GatheredParameters(list(model.parameters())):
+            want = {n: p.detach().clone() for n, p in model.named_parameters()}
+        fresh = shardwise.shard(make_model("lora", 123), stage=3, bucket_size=20_000)
+        with GatheredParameters(list(fresh.parameters())):
+            before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
+        shardwise.load_checkpoint(f"{ckpt}/{exclude}", fresh)
+        with GatheredParameters(list(fresh.parameters())):
+            got = {n: p.detach().clone() for n, p in fresh.named_parameters()}
+        frozen = set(frozen_param_names("lora"))
+        out[exclude] = all(torch.equal(got[n], before[n] if exclude and n in frozen else want[n]) for n in want)
+    return out

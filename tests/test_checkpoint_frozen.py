@@ -63,6 +63,22 @@ def test_resume_is_bitwise_identical(pool2, tmp_path, kind, stage):
         assert segs == [{"file": "rank00000.safetensors", "start": 0, "stop": meta["frozen"][frozen[0]]["numel"]}]
 
 
+def test_bf16_stage3_resume_is_bitwise_identical(pool2, tmp_path):
+    """bf16: frozen shards are saved in bf16 (no fp32 copy exists) and come back unchanged."""
+    base = pool2.run("frozen_ckpt_cases:save_run", "lora", 3, str(tmp_path / "ckpt"), precision="bf16")
+    res = pool2.run("frozen_ckpt_cases:load_run", "lora", 3, str(tmp_path / "ckpt"), precision="bf16")
+    for r in range(2):
+        assert res[r]["losses"] == base[r]["losses"][STEPS // 2:]
+    assert all(torch.equal(res[0]["loaded"][n], w) for n, w in base[0]["at_save"].items())
+    assert all(torch.equal(res[0]["weights"][n], w) for n, w in base[0]["weights"].items())
+    meta = _meta(tmp_path / "ckpt")
+    assert {f["dtype"] for f in meta["frozen"].values()} == {"bfloat16"}
+
+
+def test_functional_api_exclude_frozen_parameters(pool2, tmp_path):
+    assert pool2.run("frozen_ckpt_cases:functional_api", str(tmp_path)) == [{False: True, True: True}] * 2
+
+
 @pytest.fixture(scope="module")
 def lora3(pool2, tmp_path_factory):
     """LoRA at stage 3, world 2: a full checkpoint, an excluded one (same step), and an HF export."""
@@ -182,7 +198,7 @@ def test_damaged_frozen_metadata_is_refused(meta1, how):
 
 def test_format2_checkpoint_with_frozen_in_module_still_loads(tmp_path, meta1):
     """Format 2 kept frozen parameters whole in 'module': rewrite one that way, load it at stage 3."""
-    _, source = meta1
+    _, source, at_save = meta1
     ckpt = tmp_path / "v2"
     shutil.copytree(source.parent.parent, ckpt)
     name, t = "model.embed_tokens.weight", torch.randn(509, 64)
@@ -195,4 +211,4 @@ def test_format2_checkpoint_with_frozen_in_module_still_loads(tmp_path, meta1):
     (ckpt / TAG / "metadata.json").write_text(json.dumps(m))
     res = load_run("layers", 3, str(ckpt), train=False)
     assert torch.equal(res["loaded"][name], t)
-    assert all(torch.equal(res["loaded"][n], w) for n, w in meta1[2].items() if n != name)
+    assert all(torch.equal(res["loaded"][n], w) for n, w in at_save.items() if n != name)
