@@ -323,14 +323,12 @@ class Engine(EngineAccessors, nn.Module):
                         exclude_frozen_parameters: bool = False) -> str:
         """Sharded checkpoint of model, optimizer, scheduler, counters and RNG (collective).
 
-        ``exclude_frozen_parameters=True`` is refused: a load would then have to take frozen weights
-        from whatever model it is given, which this format does not record as intended.
+        ``exclude_frozen_parameters=True`` (DeepSpeed's): frozen parameters are not written, only
+        listed; a load leaves them as the model it loads into has them.
         """
-        if exclude_frozen_parameters:
-            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not implemented: "
-                                      "frozen parameters are always saved (and checked on load)")
         tag = check_save_args(self, save_dir, tag)
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -123,10 +123,12 @@ class TrainState:
 
 
 def save_checkpoint(save_dir: str | Path, model: nn.Module, optimizer: ShardedOptimizer | None = None,
-                    lr_scheduler: Any = None, tag: str | None = None, client_state: dict | None = None) -> str:
-    """The engine's sharded checkpoint of ``model`` (and optimizer, scheduler); collective. Returns its path."""
+                    lr_scheduler: Any = None, tag: str | None = None, client_state: dict | None = None,
+                    exclude_frozen_parameters: bool = False) -> str:
+    """The engine's sharded checkpoint of ``model`` (and optimizer, scheduler); collective. Returns its path.
+    ``exclude_frozen_parameters``: as the engine's, frozen parameters are listed, not written."""
     return save_engine_checkpoint(TrainState(model, optimizer, lr_scheduler), save_dir, tag=tag,
-                                  client_state=client_state)
+                                  client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
 
 
 def load_checkpoint(load_dir: str | Path, model: nn.Module, optimizer: ShardedOptimizer | None = None,

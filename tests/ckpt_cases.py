@@ -66,7 +66,7 @@ def _result(engine, losses: list[float], extra: dict | None = None) -> dict:
 
 
 def _model(kind: str, seed: int = 0, freeze: str | None = None) -> torch.nn.Module:
-    """``freeze``: parameters whose name contains it are frozen (saved as module tensors)."""
+    """``freeze``: parameters whose name contains it are frozen (saved in the "frozen" section)."""
     model = build(kind, seed=seed)
     for n, p in model.named_parameters():
         if freeze and freeze in n:

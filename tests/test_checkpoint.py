@@ -168,7 +168,7 @@ def tp_baseline(pool2, tmp_path_factory):
 
 def test_tp_metadata_names_pieces(tp_baseline):
     meta = json.loads((tp_baseline["ckpt"] / "global_step2" / "metadata.json").read_text())
-    assert meta["version"] == 2 and meta["layout"] == {"world": 2, "dp": 1, "tp": 2, "stage": 0,
+    assert meta["version"] == 3 and meta["layout"] == {"world": 2, "dp": 1, "tp": 2, "stage": 0,
                                                        "compute_dtype": "float32"}
     t = meta["tensors"]
     emb = t["model.embed_tokens.weight@tp1of2"]  # vocab 509 padded to 510: 255 rows per rank
@@ -276,14 +276,14 @@ def test_rebuild_refuses_other_split_dim():
 
 
 def test_tp_frozen_sharded_embedding(pool2, tmp_path):
-    """A frozen vocab-parallel embedding is saved as module TP pieces and resharded on load."""
+    """A frozen vocab-parallel embedding is saved as frozen TP pieces and resharded on load."""
     base = pool2.run("ckpt_cases:train_and_save", KIND, 2, str(tmp_path / "ckpt"), str(tmp_path / "hf16"),
                      tp=2, freeze="embed_tokens")
     res = pool2.run("ckpt_cases:load_and_train", KIND, 2, str(tmp_path / "ckpt"), freeze="embed_tokens")
     assert _mean_losses(res) == pytest.approx(base[0]["losses"][STEPS // 2:], rel=TP_TOL)
     assert max_rel_diff(res[0]["weights"], base[0]["weights"]) < TP_TOL
     meta = json.loads((tmp_path / "ckpt" / "global_step2" / "metadata.json").read_text())
-    assert meta["module"]["model.embed_tokens.weight@tp1of2"]["tp"]["rank"] == 1
+    assert meta["frozen"]["model.embed_tokens.weight@tp1of2"]["tp"]["rank"] == 1
     consolidate(tmp_path / "ckpt", tmp_path / "hf")
     torch.testing.assert_close(_hf_logits(tmp_path / "hf"), base[0]["logits_at_save"], rtol=0, atol=1e-5)
 

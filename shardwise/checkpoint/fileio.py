@@ -25,7 +25,7 @@ from safetensors import safe_open
 from shardwise.comm import Comm, CommStats
 
 FORMAT = "shardwise-checkpoint"
-VERSION = 2  # 2: TP-sharded parameters saved per TP rank as NAME@tp{r}of{t}
+VERSION = 3  # 2: TP-sharded parameters saved per TP rank as NAME@tp{r}of{t}; 3: the "frozen" section
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

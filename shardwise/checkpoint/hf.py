@@ -25,8 +25,9 @@ from shardwise.checkpoint.fileio import (
     world_comm,
     write_json,
 )
-from shardwise.checkpoint.load import read_metadata, read_module, read_saved, resolve_tag
-from shardwise.checkpoint.save import _model_config, full_shape, module_extras
+from shardwise.checkpoint.frozen import frozen_groups, full_shape, module_extras, read_whole, saved_extras
+from shardwise.checkpoint.load import read_metadata, read_saved, resolve_tag
+from shardwise.checkpoint.save import _model_config
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.comm import Comm, CommStats
 from shardwise.estimate import parse_bytes
@@ -131,33 +132,35 @@ def _open_checked(ckpt_dir: str | Path, tag: str | None, verify: bool) -> tuple[
 
 
 def _full_tensors(meta: dict, reader: ShardReader, specs: list[Spec]):
-    """``(name, full tensor)`` one at a time: fp32 masters for trained parameters, else the saved dtype."""
-    tensors, module = meta["tensors"], meta["module"]
-    tidx, midx = saved_index(tensors), saved_index(module)
+    """``(name, full tensor)`` one at a time: fp32 masters for trained parameters, else the saved
+    dtype (frozen parameters, buffers)."""
+    tensors, extras = meta["tensors"], saved_extras(meta)
+    tidx, xidx = saved_index(tensors), saved_index(extras)
     for name, _, shape in specs:
         trained = name in tidx
-        src, keys = (tensors, tidx[name]) if trained else (module, midx[name])
+        src, keys = (tensors, tidx[name]) if trained else (extras, xidx[name])
         if src[keys[0]].get("tp"):  # TP pieces: assembled into the full (unpadded) tensor, piece by piece
             buf = torch.empty(shape, dtype=torch.float32 if trained else dtype_from_name(src[keys[0]]["dtype"]))
             t = rebuild(name, buf, None, keys, src,
                         (lambda k: read_saved(reader, tensors, "master", k, torch.float32)) if trained
-                        else (lambda k: read_module(reader, module, k)))
+                        else (lambda k: read_whole(reader, extras, k)))
         elif trained and len(tensors[name]["segments"]) == 1:  # one file: read it straight, no 2nd buffer
             t = reader.read_full(f"master/{name}", tensors[name]["segments"][0]["file"], torch.float32,
                                  [tensors[name]["numel"]]).view(shape)
         elif trained:
             t = read_saved(reader, tensors, "master", name, torch.float32)
         else:
-            t = read_module(reader, module, name)
+            t = read_whole(reader, extras, name)
         reader.release()
         yield name, t
 
 
 def _saved_specs(meta: dict) -> list[Spec]:
-    tidx, midx = saved_index(meta["tensors"]), saved_index(meta["module"])
+    extras = saved_extras(meta)
+    tidx, xidx = saved_index(meta["tensors"]), saved_index(extras)
     out = []
     for name in meta["order"]:
-        info = meta["tensors"][tidx[name][0]] if name in tidx else meta["module"][midx[name][0]]
+        info = meta["tensors"][tidx[name][0]] if name in tidx else extras[xidx[name][0]]
         out.append((name, dtype_from_name(info["dtype"]), tuple(logical_shape(info))))
     return out
 
@@ -243,12 +246,13 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
     tp = engine.tp if engine.tp.size == 1 else Comm(engine.tp.group, CommStats())
     dtype = dtype or (engine.groups[0].dtype if engine.groups else torch.float32)
     rank0 = comm.rank == 0
-    extras = {}  # frozen parameters (cast; TP pieces gathered) and persistent buffers
+    extras = {}  # unsharded frozen parameters (cast; TP pieces gathered) and persistent buffers
     for n, t in module_extras(engine).items():
         v = gather_full(t.detach(), spec_of(t), tp)
         extras[n] = v.to(dtype) if isinstance(t, torch.nn.Parameter) else v
-    # every TP rank walks the parameters in the model's order (TP ranks may bucket them differently)
-    where = {id(p): (g, name, p, off, n) for g in engine.groups
+    # every TP rank walks the parameters in the model's order (TP ranks may bucket them differently);
+    # stage-3 frozen groups are gathered from their stores' shards like trained ones from masters
+    where = {id(p): (g, name, p, off, n) for g in engine.groups + frozen_groups(engine)
              for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True)}
     todo = [where[id(p)] for _, p in engine.module.named_parameters() if id(p) in where]
     specs = [(name, dtype, tuple(logical_shape_of(full_shape(p), spec_of(p)))) for _, name, p, _, _ in todo]
@@ -263,9 +267,13 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
     agree(comm, err, "save_16bit_model")
     cached, full = None, None
     for g, name, p, off, n in todo:  # every rank joins every gather, even after rank 0 failed to write
-        if g is not cached:  # one group's flat masters at a time
-            full = torch.zeros(g.padded_numel, dtype=g.master.dtype, device=g.master.device)
-            full.narrow(0, g.own_start, g.own_numel).copy_(g.master)
+        if g is not cached:  # one group's flat masters (a frozen group: its shards) at a time
+            own = g.master if g.trainable else g.param_shard
+            if own is None:
+                raise NotImplementedError(f"save_16bit_model: frozen parameter {g.names[0]} is file-backed; "
+                                          "its files are already the model's weights")
+            full = torch.zeros(g.padded_numel, dtype=own.dtype, device=own.device)
+            full.narrow(0, g.own_start, g.own_numel).copy_(own)
             if engine.stage >= 1:
                 dp.all_gather(full)
             cached = g

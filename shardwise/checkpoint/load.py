@@ -28,7 +28,16 @@ from shardwise.checkpoint.fileio import (
     rng_setter,
     world_comm,
 )
-from shardwise.checkpoint.save import IMPL_KEYS, full_shape, module_extras
+from shardwise.checkpoint.frozen import (
+    frozen_groups,
+    full_shape,
+    install_frozen_shards,
+    module_extras,
+    read_frozen_shards,
+    read_whole,
+    saved_extras,
+)
+from shardwise.checkpoint.save import IMPL_KEYS
 from shardwise.checkpoint.tp import (
     direct_key,
     logical_shape,
@@ -90,12 +99,14 @@ def read_metadata(path: Path) -> dict:
 
 
 def _match(engine: CheckpointTarget, meta: dict, strict: bool, source: Path) -> tuple[set[str], set[str]]:
-    """Match saved names to the model: returns (trainable names absent from the checkpoint, module
-    tensor names absent from it). A shape mismatch is always refused; a missing or unexpected name
-    too under ``strict`` (else it is reported and the live value kept)."""
-    tensors, module = meta["tensors"], meta["module"]
-    tidx, midx = saved_index(tensors), saved_index(module)
-    live_mod = module_extras(engine)
+    """Match saved names to the model: returns (trainable names absent from the checkpoint, untrained
+    names absent from it: buffers, frozen parameters). A shape mismatch is always refused; a missing
+    or unexpected name too under ``strict`` (else it is reported and the live value kept). Frozen
+    parameters the checkpoint lists as excluded keep their live values and are never missing."""
+    tensors, extras = meta["tensors"], saved_extras(meta)
+    tidx, xidx = saved_index(tensors), saved_index(extras)
+    live_x = {**module_extras(engine), **{n: p for g in frozen_groups(engine)
+                                          for n, p in zip(g.names, g.params, strict=True)}}
     wrong: list[str] = []
     miss_t: set[str] = set()
     live_t: set[str] = set()
@@ -114,22 +125,25 @@ def _match(engine: CheckpointTarget, meta: dict, strict: bool, source: Path) -> 
                 miss_t.add(name)
             else:
                 compare(name, tensors[tidx[name][0]], p, full_shape(p))
-    miss_m = {n for n in live_mod if n not in midx}
-    for name in set(live_mod) & set(midx):
-        compare(name, module[midx[name][0]], live_mod[name], list(live_mod[name].shape))
-    unexpected = sorted((set(tidx) - live_t) | (set(midx) - set(live_mod)))
-    missing = sorted(miss_t | miss_m)
+    excluded = set(meta["excluded_frozen"])
+    miss_x = {n for n in live_x if n not in xidx}
+    for name in set(live_x) & set(xidx):
+        compare(name, extras[xidx[name][0]], live_x[name], full_shape(live_x[name]))
+    unexpected = sorted((set(tidx) - live_t) | (set(xidx) - set(live_x)))
+    missing = sorted(miss_t | (miss_x - excluded))
     if wrong:
         raise CheckpointError(f"{source}: does not fit this model: size mismatch {wrong[:5]}"
                               f"{'...' if len(wrong) > 5 else ''}")
     if missing or unexpected:
+        crossed = sorted(set(missing) & set(unexpected))  # trained when saved, frozen here (or the reverse)
         what = (f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} ({len(missing)}), unexpected "
-                f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} ({len(unexpected)})")
+                f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} ({len(unexpected)})"
+                + (f"; {crossed[:3]} changed between trainable and frozen" if crossed else ""))
         if strict:
             raise CheckpointError(f"{source}: does not match this model: {what}; pass "
                                   "load_module_strict=False to load the matching names only")
         log.warning(f"{source}: load_module_strict=False: {what}; those keep their current values")
-    return miss_t, miss_m
+    return miss_t, miss_x
 
 
 def read_saved(reader: ShardReader, tensors: dict, prefix: str, key: str, dtype: torch.dtype) -> torch.Tensor:
@@ -138,11 +152,6 @@ def read_saved(reader: ShardReader, tensors: dict, prefix: str, key: str, dtype:
     buf = torch.empty(info["numel"], dtype=dtype)
     reader.read_range(f"{prefix}/{key}", info["segments"], 0, info["numel"], buf)
     return buf.view(info["shape"])
-
-
-def read_module(reader: ShardReader, module: dict, key: str) -> torch.Tensor:
-    info = module[key]
-    return reader.read_full(f"module/{key}", info["file"], dtype_from_name(info["dtype"]), info["shape"])
 
 
 def _current_state(engine: CheckpointTarget, g, k: str) -> torch.Tensor | None:
@@ -189,19 +198,21 @@ def _read_own(engine: CheckpointTarget, meta: dict, reader: ShardReader, states:
 
 
 def _read_module(engine: CheckpointTarget, meta: dict, reader: ShardReader, skip: set[str]) -> dict[str, torch.Tensor]:
-    """Frozen parameters and buffers, whole or as this rank's TP piece (resharded if saved otherwise)."""
-    live, saved = module_extras(engine), meta["module"]
+    """Buffers and unsharded frozen parameters, whole or as this rank's TP piece (resharded if saved
+    otherwise), from the ``module`` or ``frozen`` section."""
+    live, saved = module_extras(engine), saved_extras(meta)
+    index = saved_index(saved)
     out = {}
     for name, t in live.items():
         if name in skip:
             continue
-        spec, keys = spec_of(t), saved_index(saved)[name]
+        spec, keys = spec_of(t), index[name]
         key = direct_key(name, spec, saved)
         if key is not None:
-            out[name] = read_module(reader, saved, key)
+            out[name] = read_whole(reader, saved, key)
             continue
         out[name] = rebuild(name, torch.zeros(t.shape, dtype=dtype_from_name(saved[keys[0]]["dtype"])),
-                            spec, keys, saved, lambda s: read_module(reader, saved, s))
+                            spec, keys, saved, lambda s: read_whole(reader, saved, s))
     return out
 
 
@@ -267,6 +278,7 @@ class _Staged:
 
     masters: list[torch.Tensor] = field(default_factory=list)
     module: dict[str, torch.Tensor] = field(default_factory=dict)
+    frozen: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (stage-3 frozen group, new shard)
     optimizer: dict | None = None
     scheduler: dict | None = None
     scaler: dict | None = None
@@ -280,7 +292,8 @@ def _stage(engine: CheckpointTarget, path: Path, meta: dict, verify: bool, stric
     reader = ShardReader(path, meta["files"], verify=verify)
     loaded = _read_own(engine, meta, reader, meta["states"] if with_opt else [], skip_t)
     st = _Staged(masters=[got["bufs"]["master"] for got in loaded],
-                 module=_read_module(engine, meta, reader, skip_m))
+                 module=_read_module(engine, meta, reader, skip_m),
+                 frozen=read_frozen_shards(engine, meta, reader, skip_m))
     reader.release()
     if module_only:
         return st
@@ -341,6 +354,7 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | N
             g.publish_master()
         for name, t in st.module.items():
             live[name].data.copy_(t)
+        install_frozen_shards(st.frozen)
     if load_module_only:
         return str(path), meta["client_state"]
     if st.optimizer is not None:

@@ -26,6 +26,7 @@ from shardwise.checkpoint.fileio import (
     to_json,
     world_comm,
 )
+from shardwise.checkpoint.frozen import describe_frozen, full_shape, module_extras
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
 
 if TYPE_CHECKING:
@@ -33,40 +34,6 @@ if TYPE_CHECKING:
 
 # optimizer param_group keys that pick a kernel, not a hyperparameter: the loading side keeps its own
 IMPL_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
-
-
-def full_shape(p: torch.Tensor) -> list[int]:
-    """The parameter's shape on this rank (stage 3's released placeholders keep the full shape).
-
-    Under TP this is the TP-local (padded) shape; ``tp.logical_shape_of`` gives the HF shape.
-    """
-    return [int(s) for s in p.shape]
-
-
-def module_extras(engine: CheckpointTarget) -> dict[str, torch.Tensor]:
-    """Frozen parameters and persistent buffers by state_dict name (tied tensors once).
-
-    Walks the modules instead of calling ``state_dict()``, which stage 3 refuses while sharded.
-    """
-    from shardwise.zero.flat_group import owner_of
-
-    grouped = {id(p) for g in engine.groups for p in g.params}
-    out: dict[str, torch.Tensor] = {}
-    for name, p in engine.module.named_parameters():
-        if id(p) in grouped:
-            continue
-        if owner_of(p) is not None:
-            raise NotImplementedError(f"frozen parameter {name} is sharded (stage 3): checkpoints of "
-                                      "frozen stage-3 parameters are not supported yet")
-        out[name] = p
-    seen: set[int] = set()
-    for mname, m in engine.module.named_modules():
-        for bname, b in m.named_buffers(recurse=False):
-            if b is None or bname in m._non_persistent_buffers_set or id(b) in seen:
-                continue
-            seen.add(id(b))
-            out[f"{mname}.{bname}" if mname else bname] = b
-    return out
 
 
 def _after_file_written(path: Path) -> None:
@@ -93,11 +60,12 @@ def _split_state(g, state: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any
     return elem, scalars
 
 
-def _write_rank(engine: CheckpointTarget, folder: Path, rank: int) -> dict:
+def _write_rank(engine: CheckpointTarget, folder: Path, rank: int, exclude_frozen: bool = False) -> dict:
     """Write this rank's shard file; returns its manifest (merged into metadata.json by rank 0).
 
     Under TP, TP-sharded parameters are saved per TP rank under ``NAME@tp{r}of{t}``; replicated ones
-    only by TP rank 0 (of each data-parallel group, which tiles them with its ZeRO shards).
+    only by TP rank 0 (of each data-parallel group, which tiles them with its ZeRO shards). Frozen
+    parameters: see ``checkpoint/frozen.py``.
     """
     # stage 0: replicated, dp rank 0 writes; hybrid sharding: the first replica writes its shards
     first_replica = engine.replica.rank == 0
@@ -127,9 +95,13 @@ def _write_rank(engine: CheckpointTarget, folder: Path, rank: int) -> dict:
             scalars[key] = sc
             pieces.append((f"master/{key}", g.master.narrow(0, seg.offset, seg.length)))
             pieces += [(f"{k}/{key}", v.narrow(0, seg.offset, seg.length)) for k, v in elem.items()]
+    whole_writes = engine.comm.rank == 0 and first_replica  # unsharded: dp rank 0 (TP pieces per TP rank)
+    frozen, frozen_segs, frozen_pieces, excluded = describe_frozen(engine, first_replica, whole_writes, tp_rank,
+                                                                   exclude_frozen)
+    pieces += frozen_pieces
     module: dict[str, dict] = {}
-    if engine.comm.rank == 0 and first_replica:  # frozen params, buffers: dp rank 0 (TP pieces per TP rank)
-        for name, t in module_extras(engine).items():
+    if whole_writes:  # persistent buffers
+        for name, t in module_extras(engine, params=False).items():
             spec = spec_of(t)
             if spec is None and tp_rank != 0:
                 continue
@@ -139,6 +111,7 @@ def _write_rank(engine: CheckpointTarget, folder: Path, rank: int) -> dict:
             pieces.append((f"module/{key}", t.detach()))
     manifest: dict[str, Any] = {"rank": rank, "file": None, "tensors": tensors, "segments": segments,
                                 "scalars": scalars, "state_dtypes": state_dtypes, "module": module,
+                                "frozen": frozen, "frozen_segments": frozen_segs, "excluded_frozen": excluded,
                                 "rng": rng_state()}
     if pieces:
         fname = _rank_file(rank)
@@ -161,31 +134,39 @@ def _model_config(module: torch.nn.Module) -> dict | None:
     return d
 
 
-def _metadata(engine: CheckpointTarget, manifests: list[dict], world: int, client_state: dict) -> dict:
-    tensors: dict[str, dict] = {}
+def _merge_segmented(manifests: list[dict], entries: str, segments: str) -> dict[str, dict]:
+    """One section of segment-saved tensors from every rank's manifest; the segments must tile each."""
+    out: dict[str, dict] = {}
     for m in manifests:  # every rank describes its saved names (TP ranks have different ones)
-        for key, t in m["tensors"].items():
-            if key in tensors and tensors[key]["shape"] != t["shape"]:
-                raise AssertionError(f"{key}: ranks disagree on its shape ({tensors[key]['shape']} "
+        for key, t in m[entries].items():
+            if key in out and out[key]["shape"] != t["shape"]:
+                raise AssertionError(f"{key}: ranks disagree on its shape ({out[key]['shape']} "
                                      f"and {t['shape']})")
-            tensors.setdefault(key, t)
-    files, scalars, module, state_dtypes = {}, {}, {}, {}
+            out.setdefault(key, t)
     for m in manifests:
-        if m["file"] is not None:
-            files[m["file"]] = {"sha256": m["sha256"], "bytes": m["bytes"]}
-        for name, (a, b) in m["segments"].items():
-            tensors[name]["segments"].append({"file": m["file"], "start": a, "stop": b})
-        scalars.update(m["scalars"])
-        state_dtypes.update(m["state_dtypes"])
-        module.update({k: {**v, "file": m["file"]} for k, v in m["module"].items()})
-    for name, t in tensors.items():  # the shards must tile every parameter exactly
+        for name, (a, b) in m[segments].items():
+            out[name]["segments"].append({"file": m["file"], "start": a, "stop": b})
+    for name, t in out.items():  # the shards must tile every parameter exactly
         t["segments"].sort(key=lambda s: s["start"])
         pos = 0
         for s in t["segments"]:
             assert s["start"] == pos, f"{name}: segments leave a gap at {pos}"
             pos = s["stop"]
         assert pos == t["numel"], f"{name}: segments cover {pos} of {t['numel']} elements"
-    saved = {logical_name(k, v) for k, v in tensors.items()} | {logical_name(k, v) for k, v in module.items()}
+    return out
+
+
+def _metadata(engine: CheckpointTarget, manifests: list[dict], world: int, client_state: dict) -> dict:
+    tensors = _merge_segmented(manifests, "tensors", "segments")
+    frozen = _merge_segmented(manifests, "frozen", "frozen_segments")
+    files, scalars, module, state_dtypes = {}, {}, {}, {}
+    for m in manifests:
+        if m["file"] is not None:
+            files[m["file"]] = {"sha256": m["sha256"], "bytes": m["bytes"]}
+        scalars.update(m["scalars"])
+        state_dtypes.update(m["state_dtypes"])
+        module.update({k: {**v, "file": m["file"]} for k, v in m["module"].items()})
+    saved = {logical_name(k, v) for sec in (tensors, module, frozen) for k, v in sec.items()}
     order = [n for n, _ in engine.module.named_parameters() if n in saved]
     order += [n for n in dict.fromkeys(logical_name(k, v) for k, v in module.items()) if n not in order]
     opt = engine.optimizer
@@ -201,6 +182,8 @@ def _metadata(engine: CheckpointTarget, manifests: list[dict], world: int, clien
         "state_dtypes": state_dtypes,
         "scalars": scalars,
         "module": module,
+        "frozen": frozen,
+        "excluded_frozen": sorted({n for m in manifests for n in m["excluded_frozen"]}),
         "files": files,
         "param_groups": [to_json({k: v for k, v in pg.items() if k != "params" and k not in IMPL_KEYS},
                                  f"optimizer.param_groups[{i}]")
@@ -272,11 +255,14 @@ def remove_stale_partials(root: Path) -> list[str]:
 
 
 def save_checkpoint(engine: CheckpointTarget, save_dir: str | Path, tag: str | None = None,
-                    client_state: dict | None = None, save_latest: bool = True) -> str:
+                    client_state: dict | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> str:
     """Write ``save_dir/tag`` (default ``global_step{N}``) from every rank; returns its path.
 
     Collective: every rank must call it. Files go to ``save_dir/.tag.partial`` first and the folder
     is renamed into place only once every rank's file and the metadata are on disk.
+    ``exclude_frozen_parameters``: frozen parameters are not written, only listed as excluded
+    (a load keeps the model's own values for them).
     """
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not tag or "/" in tag or tag.startswith(".") or tag in ("latest", "latest.tmp"):
@@ -298,7 +284,7 @@ def save_checkpoint(engine: CheckpointTarget, save_dir: str | Path, tag: str | N
     try:
         from shardwise.checkpoint.fileio import write_json
 
-        manifest = _write_rank(engine, tmp, comm.rank)
+        manifest = _write_rank(engine, tmp, comm.rank, exclude_frozen_parameters)
         write_json(tmp / f"rank{comm.rank:05d}.json", manifest)
     except BaseException as e:  # noqa: BLE001
         err = e

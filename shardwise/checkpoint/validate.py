@@ -152,6 +152,12 @@ class TensorInfo(_Strict):
         return self
 
 
+class FrozenInfo(TensorInfo):
+    """A frozen parameter: segments like a trained tensor, in its own dtype (checkpoint/frozen.py)."""
+
+    dtype: AnyDtype
+
+
 class ModuleInfo(_Strict):
     shape: Shape
     dtype: AnyDtype
@@ -208,6 +214,8 @@ class Metadata(BaseModel):
     state_dtypes: dict[Name, FloatDtype]
     scalars: dict[Name, dict[Name, Scalar]]
     module: dict[Name, ModuleInfo]
+    frozen: dict[Name, FrozenInfo] = {}  # format 3: frozen parameters (format 2 kept them in 'module')
+    excluded_frozen: list[Name] = []  # frozen parameters left out by exclude_frozen_parameters=True
     files: dict[Name, FileInfo]
     param_groups: list[dict[Name, Any]]
     lr_scheduler: dict[Name, Any] | None
@@ -237,6 +245,11 @@ class Metadata(BaseModel):
                 if s.file not in need:
                     raise ValueError(f"{key}: segment file {s.file!r} is not listed in 'files'")
                 need[s.file] += (s.stop - s.start) * per_elem
+        for key, f in self.frozen.items():
+            for s in f.segments:
+                if s.file not in need:
+                    raise ValueError(f"frozen {key}: segment file {s.file!r} is not listed in 'files'")
+                need[s.file] += (s.stop - s.start) * _itemsize(f.dtype)
         for key, m in self.module.items():
             if m.file not in need:
                 raise ValueError(f"module {key}: file {m.file!r} is not listed in 'files'")
@@ -246,15 +259,23 @@ class Metadata(BaseModel):
                 raise ValueError(f"{f} would need at least {n} bytes for the tensors listed, it has "
                                  f"{self.files[f].bytes}")
         tidx, midx = saved_index(self._dicts(self.tensors)), saved_index(self._dicts(self.module))
-        if set(tidx) & set(midx):
-            raise ValueError(f"{sorted(set(tidx) & set(midx))[:3]} saved both as trained and as module tensors")
-        for idx, entries in ((tidx, self.tensors), (midx, self.module)):
+        fidx = saved_index(self._dicts(self.frozen))
+        named = {"trained": tidx, "module": midx, "frozen": fidx}
+        for a, b in (("trained", "module"), ("trained", "frozen"), ("module", "frozen")):
+            if both := set(named[a]) & set(named[b]):
+                raise ValueError(f"{sorted(both)[:3]} saved both as {a} and as {b} tensors")
+        if set(self.module) & set(self.frozen):
+            raise ValueError(f"keys {sorted(set(self.module) & set(self.frozen))[:3]} are both module and frozen")
+        saved = set(tidx) | set(midx) | set(fidx)
+        if len(set(self.excluded_frozen)) != len(self.excluded_frozen) or saved & set(self.excluded_frozen):
+            raise ValueError("'excluded_frozen' must list distinct names that are not saved")
+        for idx, entries in ((tidx, self.tensors), (midx, self.module), (fidx, self.frozen)):
             d = self._dicts(entries)
             for name, keys in idx.items():
                 check_pieces(name, keys, d)
                 if len({tuple(d[k]["tp"]["full_shape"]) if d[k]["tp"] else None for k in keys}) != 1:
                     raise ValueError(f"{name}: its TP pieces disagree on the full shape")
-        if len(set(self.order)) != len(self.order) or set(self.order) != set(tidx) | set(midx):
+        if len(set(self.order)) != len(self.order) or set(self.order) != saved:
             raise ValueError("'order' must list every saved tensor name exactly once")
         return self
 

@@ -30,10 +30,10 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: st
 
     meta = read_metadata(resolve_tag(checkpoint_dir, tag))
     _, specs, stream = iter_consolidated(checkpoint_dir, tag)
-    trained = _trained_names(meta) if exclude_frozen_parameters else None
+    frozen = _frozen_names(meta) if exclude_frozen_parameters else set()
     out: dict[str, torch.Tensor] = {}
     for (name, dt, _), (_, t) in zip(specs, stream, strict=True):
-        if trained is not None and name not in trained:
+        if name in frozen:
             continue
         out[name] = t.float() if dt.is_floating_point else t.clone()
     for alias, name in meta.get("tied", {}).items():  # shared parameters: every name, one tensor
@@ -42,19 +42,29 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: st
     return out
 
 
-def _trained_names(meta: dict) -> set[str]:
+def _frozen_names(meta: dict) -> set[str]:
+    """Frozen parameters in the checkpoint: its ``frozen`` section (format 3). Format 2 kept them
+    in ``module`` with the buffers, indistinguishable: every untrained tensor is left out then."""
     from shardwise.checkpoint.tp import logical_name
 
-    return {logical_name(k, info) for k, info in meta["tensors"].items()}
+    if meta["version"] >= 3:
+        return {logical_name(k, info) for k, info in meta["frozen"].items()}
+    return set(meta["order"]) - {logical_name(k, info) for k, info in meta["tensors"].items()}
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | Path,
                                          tag: str | None = None) -> nn.Module:
     """Load the checkpoint's fp32 weights into ``model`` (moved to the CPU, as DeepSpeed does);
-    returns it. Names the checkpoint lacks or has in excess are reported, not ignored."""
+    returns it. Names the checkpoint lacks or has in excess are reported, not ignored, except
+    frozen parameters it was saved without (``exclude_frozen_parameters=True``): those keep the
+    model's values."""
+    from shardwise.checkpoint.load import read_metadata, resolve_tag
+
+    excluded = set(read_metadata(resolve_tag(checkpoint_dir, tag))["excluded_frozen"])
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     model = model.cpu()
     missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [n for n in missing if n not in excluded]
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = {n for n in missing if n in params and any(params[m] is params[n] for m in state if m in params)}
     missing = [n for n in missing if n not in tied]
