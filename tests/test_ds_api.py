@@ -233,7 +233,9 @@ def test_moe_param_group_helpers_pass_dense_groups_and_refuse_experts():
 @pytest.mark.parametrize("op", ["mean", "sum"])
 def test_gradient_allreduce_op_mean_or_sum(pool2, stage, op):
     """gradient_allreduce_op: "mean" averages the data-parallel gradients, "sum" adds them (DeepSpeed's
-    gradient_average = False); rank r feeds x = [1, 2] + r, so the step is -(x0 + x1) / {2, 1}."""
+    gradient_average = False); rank r feeds x = [1, 2] + r, so the step is -(x0 + x1) / {2, 1}. Read
+    directly after step() at stages 0-2: the stage 1-2 all-gather of the updated shards has finished
+    (it once returned early, and rank 0 saw rank 1's element from before the step)."""
     total = torch.tensor([1.0, 2.0]) + torch.tensor([2.0, 3.0])
     want = (-total / (2 if op == "mean" else 1)).tolist()
     for got in pool2.run("ds_api_cases:allreduce_op", stage, op):

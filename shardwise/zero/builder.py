@@ -204,10 +204,14 @@ class Sharding:
         return float(global_grad_norm(pairs, tp=self.tp, shard=self.comm if self.policy.shard_optimizer else None))
 
     def publish(self) -> None:
-        """After the optimizer step: the updated shards back into the parameters. Stages 1-2 all-gather
-        asynchronously, last bucket (the first layers) first; each module waits for its own."""
+        """After the optimizer step: the updated shards back into the parameters. Stages 1-2 start every
+        all-gather (last bucket, the first layers, first) and wait for all of them before returning:
+        code between ``step()`` and the next forward (logging ``module.weight``, an EMA, ``state_dict()``)
+        reads the parameters directly, and must never see another rank's range from before the step."""
         for g in reversed(self.groups):
             g.publish_master(async_op=self.stage in (1, 2))
+        for g in reversed(self.groups):
+            g.wait_gathered()
 
     def zero_grad(self) -> None:
         for g in self.groups:
