@@ -234,7 +234,7 @@ class Engine(EngineAccessors, nn.Module):
                 self._engine_stepping = False
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            self.sharding.publish()  # stages 1-2: all-gathered while the next forward starts
+            self.sharding.publish()  # stages 1-2: all-gathered before step() returns
         else:
             self.skipped_steps += 1
         self._step_applied = not skip

@@ -4,7 +4,7 @@
 rank's 1/N at stages >= 1), so the plain loop ``loss.backward(); opt.step(); opt.zero_grad()``
 steps exactly what the engine steps: it waits for the gradient reductions, averages over the
 data-parallel ranks, steps, and writes the updated shards back into the parameters (stages 1-2
-all-gather them while the next forward starts). It is a ``torch.optim.Optimizer`` whose
+all-gather them before ``step()`` returns). It is a ``torch.optim.Optimizer`` whose
 ``param_groups`` and ``state`` are the inner optimizer's, so LR schedulers work on it.
 """
 
