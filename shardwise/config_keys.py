@@ -34,10 +34,21 @@ def default(*values: Any) -> Accepts:
     return lambda v, _root: v is None or any(v == d and type(v) is type(d) for d in values)
 
 
+def flag_off(v: Any) -> bool:
+    """An `enabled`-style flag that asks for nothing: absent/null, false or 0. Anything else (true, 1,
+    and also an ambiguous "false" string) counts as on, so a refused feature is never dropped silently."""
+    return v is None or v is False or (type(v) is int and v == 0)
+
+
+def flag_on(v: Any) -> bool:
+    """The schema's reading of a boolean flag (config_schema._strict_bool): true or 1."""
+    return v is True or (type(v) is int and v == 1)
+
+
 def disabled(v: Any, _root: dict[str, Any]) -> bool:
-    """A section that enables nothing: null, {}, or no `"enabled": true` anywhere inside it."""
+    """A section that enables nothing: null, {}, or no `"enabled"` flag that is on anywhere inside it."""
     if isinstance(v, dict):
-        return all(disabled(x, _root) for k, x in v.items() if k != "enabled") and v.get("enabled") is not True
+        return all(disabled(x, _root) for k, x in v.items() if k != "enabled") and flag_off(v.get("enabled"))
     if isinstance(v, list):
         return all(disabled(x, _root) for x in v)
     return True
@@ -46,7 +57,7 @@ def disabled(v: Any, _root: dict[str, Any]) -> bool:
 def precision_of(root: dict[str, Any]) -> str:
     def on(section: str) -> bool:
         s = root.get(section)
-        return isinstance(s, dict) and s.get("enabled") is True
+        return isinstance(s, dict) and flag_on(s.get("enabled"))
     return "bf16" if on("bf16") else "fp16" if on("fp16") else "fp32"
 
 
@@ -67,7 +78,7 @@ def grad_accum_ok(v: Any, root: dict[str, Any]) -> bool:
 
 def _off(key: str) -> Accepts:
     """A section whose `key` flag (a bool) is not true."""
-    return lambda v, _r: not isinstance(v, dict) or v.get(key) is not True
+    return lambda v, _r: not isinstance(v, dict) or flag_off(v.get(key))
 
 
 H, I, R = "honoured", "ignored", "refused"

@@ -15,10 +15,13 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 def _strict_bool(value: Any) -> Any:
-    """Only JSON true/false: a string "false" must never read as true (DeepSpeed's top level would)."""
+    """JSON true/false, or the integers 1/0 (unambiguous; DeepSpeed's own tests write them). Never a
+    string: "false" must not read as true (DeepSpeed's top level would)."""
     if isinstance(value, bool):
         return value
-    raise ValueError(f"expected true or false (a JSON boolean), got {type(value).__name__} {value!r}")
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"expected true or false (a JSON boolean, or 1/0), got {type(value).__name__} {value!r}")
 
 
 Bool = Annotated[bool, BeforeValidator(_strict_bool)]

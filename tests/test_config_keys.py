@@ -204,13 +204,24 @@ def test_absurd_sizes_are_range_errors(config, path):
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": "false"}}},
      "zero_optimization.offload_optimizer.pin_memory"),
     ({"fp16": {"enabled": "false"}}, "fp16.enabled"),
-    ({"bf16": {"enabled": 1}}, "bf16.enabled"),
+    ({"bf16": {"enabled": 2}}, "bf16.enabled"),
     ({"prescale_gradients": "true"}, "prescale_gradients"),
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": "no"}}}, "optimizer.params.amsgrad"),
 ])
 def test_booleans_are_strict(config, path):
     msg = error_of(config)
     assert path in msg and "expected true or false" in msg
+
+
+def test_integer_flags_one_and_zero_read_as_booleans_everywhere():
+    """1/0 are true/false for honoured keys, and a refused section with "enabled": 1 (or an ambiguous
+    "false" string) is refused, never dropped as if it were off."""
+    cfg = load_config({"bf16": {"enabled": 1}, "zero_allow_untested_optimizer": 1, "prescale_gradients": 0})
+    assert cfg.bf16.enabled is True and cfg.zero_allow_untested_optimizer is True and cfg.prescale_gradients is False
+    assert "not implemented" in error_of({"communication_data_type": "fp32", "bf16": {"enabled": 1}}, supported=ALL)
+    for on in (1, "false", True):
+        assert "not implemented" in error_of({"amp": {"enabled": on}}, supported=ALL)
+    assert load_config({"amp": {"enabled": 0}}).train_micro_batch_size_per_gpu == 1
 
 
 def test_string_false_never_turns_offload_on():
