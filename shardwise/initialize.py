@@ -24,6 +24,7 @@ from shardwise.engine import Engine
 from shardwise.engine_api import UsageError
 from shardwise.mesh import get_mesh
 from shardwise.mpu import mesh_from_mpu, mpu_sizes
+from shardwise.unshard import is_sharded, unshard_module
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
@@ -133,6 +134,8 @@ def initialize(
         shard = cfg.zero_optimization.mics_shard_size
         hpz = cfg.zero_optimization.zero_hpz_partition_size
         mesh = get_mesh(cfg.tp_size, shard if shard > 0 else None, secondary_size=hpz)
+    if is_sharded(model):  # initialize() again on a model an earlier engine wraps, as DeepSpeed allows
+        unshard_module(model)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate,
                     model_is_tp=mpu is not None, secondary=mesh.secondary)

@@ -472,3 +472,18 @@ def allreduce_op(stage: int, op: str) -> list[float]:
         return engine.module.weight.detach().tolist()
     with deepspeed.zero.GatheredParameters([engine.module.weight]):
         return engine.module.weight.detach().tolist()
+
+
+def reinitialize(stage: int) -> float:
+    """initialize() twice on one model (a notebook cell run again): the second engine starts from the
+    first one's weights with a fresh optimizer, as in plain torch (largest weight difference)."""
+    m = model()
+    ref = copy.deepcopy(m)
+    engine, _, _, _ = deepspeed.initialize(model=m, config=config(stage), model_parameters=m.parameters())
+    train(engine, 2)
+    engine, _, _, _ = deepspeed.initialize(model=m, config=config(stage), model_parameters=m.parameters())
+    train(engine, 2, seed=2)
+    for seed in (1, 2):
+        opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+        reference(ref, opt, 2, seed=seed)
+    return weight_diff(engine, ref)

@@ -254,3 +254,11 @@ def test_clone_tensors_for_torch_save_copies_views_and_keeps_structure(tmp_path)
         assert torch.equal(got, src) and got.untyped_storage().nbytes() == src.numel() * 4
     torch.save(out, tmp_path / "clone.pt")
     assert (tmp_path / "clone.pt").stat().st_size < 1000 * 4
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_initialize_again_on_the_same_model(pool2, stage):
+    """DeepSpeed allows a second initialize() on a model an earlier engine wraps; the new engine trains
+    on from the current weights with a fresh optimizer (plain torch: a new AdamW on the same module)."""
+    for diff in pool2.run("ds_api_cases:reinitialize", stage):
+        assert diff < TOL
