@@ -65,15 +65,22 @@ _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp1
                 "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 
 
+def dtype_name(v: Any) -> str | None:
+    """"fp32", "fp16" or "bf16" for any of DeepSpeed's spellings of a dtype; None otherwise."""
+    return _DTYPE_NAMES.get(v.lower()) if isinstance(v, str) else None
+
+
 def same_as_precision(v: Any, root: dict[str, Any]) -> bool:
-    return v is None or (isinstance(v, str) and _DTYPE_NAMES.get(v.lower()) == precision_of(root))
+    return v is None or dtype_name(v) == precision_of(root)
 
 
 def grad_accum_ok(v: Any, root: dict[str, Any]) -> bool:
-    """DeepSpeed's ZeRO-2/3 optimizers do not read grad_accum_dtype; below, it must be the compute dtype."""
+    """The compute dtype, or fp32 (wider than any compute dtype: zero/grad_accum.py), at every stage.
+    Another value (bf16 or fp16 not the compute dtype) is refused at stages 0-1; DeepSpeed's ZeRO-2/3
+    optimizers do not read the key, so there it is accepted and, as by DeepSpeed, ignored."""
     zero = root.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    return same_as_precision(v, root) or (isinstance(stage, int) and stage >= 2)
+    return same_as_precision(v, root) or dtype_name(v) == "fp32" or (isinstance(stage, int) and stage >= 2)
 
 
 def _off(key: str) -> Accepts:
@@ -137,8 +144,10 @@ KEYS: tuple[Key, ...] = (
     Key("bf16.bf16_master_weights_and_grads", R, "bf16 master weights and gradients", default(False)),
     Key("bf16.bf16_optimizer_states", R, "bf16 optimizer states", default(False)),
     Key("data_types", H, "section"),
-    Key("data_types.grad_accum_dtype", H, "gradients accumulate in the compute dtype; another dtype is "
-        "refused at stages 0-1 (DeepSpeed ignores it at stages 2-3)", grad_accum_ok),
+    Key("data_types.grad_accum_dtype", H, "the compute dtype (default), or fp32 with bf16/fp16 compute: "
+        "gradients accumulate over micro-batches and are reduced in fp32, at every stage (param.grad is "
+        "then None after backward: read safe_get_full_grad); another dtype is refused at stages 0-1 "
+        "(DeepSpeed ignores it at stages 2-3)", grad_accum_ok),
     Key("data_types.param_dtype", H, "parameters are in the compute dtype; only that dtype (or null)",
         same_as_precision),
     Key("data_types.buffer_dtype", R, "casting buffers (buffers keep their dtype)", default()),

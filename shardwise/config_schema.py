@@ -241,6 +241,15 @@ class ShardwiseConfig(_Section):
     def compute_dtype(self) -> torch.dtype:
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
 
+    @property
+    def grad_accum_dtype(self) -> torch.dtype | None:
+        """fp32 when ``data_types.grad_accum_dtype`` asks for it with bf16/fp16 compute, else None (the
+        compute dtype; config_keys.grad_accum_ok refuses at load what the engine cannot honour)."""
+        from shardwise.config_keys import dtype_name
+
+        fp32 = dtype_name(self.data_types.get("grad_accum_dtype")) == "fp32"
+        return torch.float32 if fp32 and self.precision != "fp32" else None
+
 
 # -- per-type parameter models (validated after the type is known) --------------------------------------
 _Beta = Annotated[float, Field(ge=0, lt=1)]

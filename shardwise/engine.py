@@ -53,6 +53,7 @@ def options_from_config(config) -> ShardOptions:
         overlap_comm=bool(zero.overlap_comm),
         weight_bits=8 if zero.zero_quantized_weights else 0,  # ZeRO++ qwZ / qgZ: zero/quantized_comm.py
         grad_bits=config.shardwise.quantized_gradient_bits if zero.zero_quantized_gradients else 0,
+        grad_accum_dtype=config.grad_accum_dtype,
     )
 
 

@@ -62,6 +62,8 @@ def test_every_refused_key_has_an_off_value_and_refuses_on():
                            "offload_optimizer": {"device": "cpu", "super_offload": False}}},
     {"communication_data_type": "bf16", "bf16": {"enabled": True}},
     {"data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}},
+    {"data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}},
+    {"data_types": {"grad_accum_dtype": "float32"}, "fp16": {"enabled": True}},
 ])
 def test_deepspeed_keys_accepted(config):
     load_config(config, world_size=1, supported=ALL)
@@ -93,8 +95,8 @@ def test_refused_features_name_the_key(config, path, feature):
 @pytest.mark.parametrize("config, path", [
     ({"communication_data_type": "fp16", "bf16": {"enabled": True}}, "communication_data_type"),
     ({"communication_data_type": "fp32", "fp16": {"enabled": True}}, "communication_data_type"),
-    ({"data_types": {"grad_accum_dtype": "fp32"}, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
-     "data_types.grad_accum_dtype"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}, "zero_optimization": {"stage": 1}}, "data_types.grad_accum_dtype"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}, "fp16": {"enabled": True}}, "data_types.grad_accum_dtype"),
 ])
 def test_values_shardwise_does_not_implement_are_refused(config, path):
     msg = error_of(config, supported=ALL)

@@ -51,6 +51,7 @@ class ShardOptions:
     overlap_comm: bool = False
     weight_bits: int = 0  # ZeRO++ qwZ
     grad_bits: int = 0  # ZeRO++ qgZ
+    grad_accum_dtype: torch.dtype | None = None  # None: the parameters' dtype (zero/grad_accum.py)
     units: Any = None  # stage 3: None (find them), module classes, or modules
 
 
@@ -257,6 +258,7 @@ def build_sharding(model: nn.Module, param_groups: list[dict], options: ShardOpt
         offload_device=cpu if options.offload_optimizer else None,
         pin_memory=options.pin_memory, overlap_comm=options.overlap_comm,
         replicate=replica, secondary=secondary, weight_bits=options.weight_bits, grad_bits=options.grad_bits,
+        grad_dtype=options.grad_accum_dtype,
         **({"tp_sharded": tp_sharded} if tp_sharded is not None else {}),
     )
     every = [g for gs in by_pg for g in gs] + [g for gs in by_unit for g in gs]

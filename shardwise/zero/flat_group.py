@@ -27,6 +27,7 @@ from torch import nn
 from shardwise.comm import Comm, Work
 from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.gather_state import GatherState, StageThreeGather
+from shardwise.zero.grad_accum import accumulation_dtype
 from shardwise.zero.layout import FlatLayout
 from shardwise.zero.pending import InflightLimit, ReadWork
 from shardwise.zero.quantized_comm import quantized_reduce_scatter
@@ -80,10 +81,13 @@ class ShardedGroup(StageThreeGather):
         secondary: Comm | None = None,
         weight_bits: int = 0,
         grad_bits: int = 0,
+        grad_dtype: torch.dtype | None = None,
     ):
         """``store``: where the stage-3 shard persists and the initial values' source (default: on
         ``device``, from the parameters). ``pool``: buffers a frozen stage-3 group is gathered into.
-        ``offload_device`` / ``pin_memory``: the fp32 master's place (optimizer offload)."""
+        ``offload_device`` / ``pin_memory``: the fp32 master's place (optimizer offload).
+        ``grad_dtype``: what gradients accumulate and are reduced in (default: the parameters' dtype;
+        see ``zero/grad_accum.py``)."""
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
         self.params, self.names, self.comm, self.policy = params, names, comm, policy
@@ -103,6 +107,7 @@ class ShardedGroup(StageThreeGather):
         self.weight_bits = weight_bits if comm.size > 1 and policy.shard_params and not self.store.rereads else 0
         self.grad_bits = grad_bits if comm.size > 1 and policy.shard_optimizer else 0
         self.dtype = params[0].dtype
+        self.grad_dtype = accumulation_dtype(self.dtype, grad_dtype, names[0])
         self.tp_sharded = False  # a TP slice? set by the builder (zero/partition.py): ZeRO reads no TP specs
         self.device = device if device is not None else params[0].device
         self.layout = FlatLayout(tuple(p.numel() for p in params), comm.size)
@@ -228,10 +233,17 @@ class ShardedGroup(StageThreeGather):
         if self.master is not None and not self.master_is_view:
             self.master.copy_(owned)
 
+    @property
+    def grads_are_views(self) -> bool:
+        """Is each ``param.grad`` a view of the flat gradient? Only when both have one dtype: with a
+        wider ``grad_dtype`` autograd's compute-dtype gradient is folded in and dropped."""
+        return self.grad_dtype == self.dtype
+
     def _alloc_flat_grad(self) -> None:
-        self.flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        for p, off in zip(self.params, self.offsets, strict=True):
-            p.grad = self._view(self.flat_grad, off, p)
+        self.flat_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        if self.grads_are_views:
+            for p, off in zip(self.params, self.offsets, strict=True):
+                p.grad = self._view(self.flat_grad, off, p)
 
     # -- backward ---------------------------------------------------------------------
     def begin_backward(self, reduce_now: bool) -> None:
@@ -241,18 +253,19 @@ class ShardedGroup(StageThreeGather):
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self.flat_grad is None:  # stage >= 2: the bucket lives only during its backward
-            self.flat_grad = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            self.flat_grad = torch.empty(self.padded_numel, dtype=self.grad_dtype, device=self.device)
             self._filled = [False] * len(self.params)
         i = self._index[id(p)]
         view = self._view(self.flat_grad, self.offsets[i], p)
         if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
             # autograd stole a fresh tensor (grad was None): copy it into the bucket (the first
-            # gradient of a fresh stage >= 2 bucket) or fold it in
+            # gradient of a fresh stage >= 2 bucket) or fold it in (into a wider grad_dtype: every
+            # micro-batch, so the sum is never rounded to the compute dtype)
             if self.policy.shard_grads and not self._filled[i]:
                 view.copy_(p.grad)
             else:
                 view.add_(p.grad)
-            p.grad = None if self.policy.shard_grads else view
+            p.grad = view if self.grads_are_views and not self.policy.shard_grads else None
         if self.policy.shard_grads:
             self._filled[i] = True
         self._ready += 1
@@ -267,7 +280,7 @@ class ShardedGroup(StageThreeGather):
             self._ready = len(self.params)  # no param of this group got a gradient
 
     def reduce_grads(self) -> None:
-        """Sum gradients over ranks: all-reduce (stage 0), or reduce-scatter to the shard."""
+        """Sum gradients over ranks: all-reduce (stage 0), or reduce-scatter to the shard; in ``grad_dtype``."""
         self._ready = len(self.params)
         assert self.flat_grad is not None
         if not self.policy.shard_optimizer:
@@ -277,7 +290,7 @@ class ShardedGroup(StageThreeGather):
             w = self._reduce_scatter(self.flat_grad, owned)
         else:
             if self.shard_grad is None:
-                self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+                self.shard_grad = torch.zeros(self.shard_numel, dtype=self.grad_dtype, device=self.device)
             self._zero_unfilled()
             w = self._reduce_scatter(self.flat_grad, self.shard_grad, accumulate=True)
 
@@ -312,10 +325,10 @@ class ShardedGroup(StageThreeGather):
 
     # -- step -------------------------------------------------------------------------
     def owned_grad(self) -> torch.Tensor:
-        """This rank's reduced (unscaled) gradient for ``master``, in the group's dtype."""
+        """This rank's reduced (unscaled) gradient for ``master``, in ``grad_dtype``."""
         if self.policy.shard_grads:
             if self.shard_grad is None:  # no backward reached this group yet
-                self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+                self.shard_grad = torch.zeros(self.shard_numel, dtype=self.grad_dtype, device=self.device)
             return self.shard_grad
         return self.flat_grad.narrow(0, self.own_start, self.own_numel)
 
