@@ -90,6 +90,7 @@ class SafetensorsReader:
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = os.fspath(folder)
+        self._bytes_base = 0
         self.files: list[SafetensorsFile] = []
         self.file_of: dict[str, SafetensorsFile] = {}
         try:
@@ -103,7 +104,12 @@ class SafetensorsReader:
 
     @property
     def bytes_read(self) -> int:
-        return sum(f.bytes_read for f in self.files)
+        """Bytes read from the files since the count was last set (``generate`` zeroes it after the load)."""
+        return sum(f.bytes_read for f in self.files) - self._bytes_base
+
+    @bytes_read.setter
+    def bytes_read(self, value: int) -> None:
+        self._bytes_base = sum(f.bytes_read for f in self.files) - value
 
     def find(self, names: list[str]) -> str:
         for n in names:
