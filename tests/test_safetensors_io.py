@@ -140,3 +140,37 @@ def test_no_descriptor_left_open(tmp_path):
         with pytest.raises(ValueError):
             SafetensorsFile(path)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize(("dim", "full", "size", "parts"), [(0, 9, 2, 1), (1, 6, 2, 3), (2, 5, 3, 1), (1, 7, 4, 1)])
+def test_tp_slices_read_by_ranges_equal_take(tmp_path, dim, full, size, parts):
+    """Every rank's TP slice read by element ranges equals ``ShardSpec.take`` of the whole tensor
+    (fused parts, vocabulary padding, any dim)."""
+    from shardwise.tensor_parallel.inference import read_tp_slice
+    from shardwise.tensor_parallel.layers import ShardSpec
+
+    shape = [3, 4, 5]
+    shape[dim] = full
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    save_file({"t": t}, str(tmp_path / "m.safetensors"))
+    with SafetensorsFile(tmp_path / "m.safetensors") as f:
+        for rank in range(size):
+            spec = ShardSpec(dim, full, size, rank, parts)
+            want = spec.take(t)
+            out = torch.full((want.numel(),), float("nan"))
+            read_tp_slice(f, "t", spec, tuple(want.shape), 0, want.numel(), out)
+            assert torch.equal(out.view(want.shape), want)
+
+
+def test_zero_init_source_refuses_other_shape(tmp_path):
+    """zero.Init reads exact ranges, and refuses a stored tensor whose shape is not the parameter's
+    (its elements would belong to other rows), naming the file."""
+    from shardwise.zero.init import SafetensorsSource
+
+    ts = _tensors()
+    save_file(ts, str(tmp_path / "model.safetensors"))
+    src = SafetensorsSource(tmp_path)
+    assert torch.equal(src.read("x", torch.Size([6, 5]), 7, 23, aliases=["w"]), ts["w"].reshape(-1)[7:23])
+    assert src.bytes_read == 16 * 4
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'w' is stored with shape \[6, 5\].*\[5, 6\]"):
+        src.read("w", torch.Size([5, 6]), 0, 30, aliases=[])
