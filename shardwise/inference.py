@@ -26,11 +26,8 @@ Decoder layers are gathered into a fixed :class:`~shardwise.zero.gather_pool.Gat
 
 from __future__ import annotations
 
-import ctypes
 import json
-import math
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -39,15 +36,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, compute_device, init_distributed
+from shardwise.safetensors_io import SafetensorsFile, TensorInfo
 from shardwise.zero.builder import build_frozen
 from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
 from shardwise.zero.stage3 import ParamFetcher
 
 OFFLOADS = (None, "cpu", "disk")
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-              "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def _confined_files(folder: str) -> list[str]:
@@ -82,109 +77,70 @@ def _confined_files(folder: str) -> list[str]:
     return files
 
 
-def read_into(fd: int, pos: int, dst: torch.Tensor, what: str) -> None:
-    """``pread`` ``dst.nbytes`` bytes at ``pos`` straight into the CPU tensor ``dst`` (no temporary)."""
-    size = dst.numel() * dst.element_size()  # ctypes, not .numpy(): that pins the storage's size
-    buf = memoryview((ctypes.c_char * size).from_address(dst.data_ptr())).cast("B")
-    done = 0
-    while done < size:
-        n = os.preadv(fd, [buf[done:]], pos + done)
-        if n <= 0:
-            raise OSError(f"short read of {what} at byte {pos + done}")
-        done += n
-
-
 class SafetensorsReader:
     """Element ranges of named tensors from an HF safetensors folder, read with ``pread``.
 
-    Unlike ``safe_open`` (mmap), nothing read stays mapped: after a layer is released its bytes
-    are only in the kernel's page cache, which the process's RSS does not count. Every header is
-    checked when opened (known dtype, byte span = shape x dtype, inside the file), and
+    The folder-level part of ZeRO-Inference's reading: which files (the index, confined to the
+    folder) and which name is where. Each file's header is checked by
+    :class:`~shardwise.safetensors_io.SafetensorsFile` (nothing stays mmapped, so after a layer
+    is released its bytes are only in the page cache, which RSS does not count), and
     :meth:`check_shape` holds each tensor to the model's shape, so weights that do not match the
     config are refused by file and tensor instead of streaming garbage.
     """
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = os.fspath(folder)
-        self.entries: dict[str, tuple[int, torch.dtype, int]] = {}  # name -> (fd, dtype, byte offset)
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.file_of: dict[str, str] = {}
-        self._fds: list[int] = []
-        for name in _confined_files(self.folder):
-            fd = os.open(name, os.O_RDONLY)
-            self._fds.append(fd)
-            self._parse_header(fd, name)
-        self.bytes_read = 0
-        self._lock = threading.Lock()
-        # Benchmark knob: drop the pages after each read, as a model larger than RAM forces, so
-        # every gather really goes to the disk (the page cache otherwise makes reads memcpy).
-        self.cold = os.environ.get("SHARDWISE_COLD_READS") == "1"
-
-    def _parse_header(self, fd: int, path: str) -> None:
-        size = os.fstat(fd).st_size
-        head_len = int.from_bytes(os.pread(fd, 8, 0), "little") if size >= 8 else -1
-        if not 0 < head_len <= min(size - 8, 100 << 20):
-            raise ValueError(f"{path}: not a safetensors file (header length {head_len}, file {size} bytes)")
+        self._bytes_base = 0
+        self.files: list[SafetensorsFile] = []
+        self.file_of: dict[str, SafetensorsFile] = {}
         try:
-            header = json.loads(os.pread(fd, head_len, 8))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            dt = info.get("dtype") if isinstance(info, dict) else None
-            if dt not in _ST_DTYPES:
-                raise ValueError(f"{path}: tensor {key!r} has dtype {dt!r}, which shardwise cannot stream "
-                                 f"(supported: {', '.join(_ST_DTYPES)}); convert the checkpoint first")
-            dtype, shape, (a, b) = _ST_DTYPES[dt], tuple(info["shape"]), info["data_offsets"]
-            want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if b - a != want or a < 0 or 8 + head_len + b > size:
-                raise ValueError(f"{path}: tensor {key!r} is {dt} {list(shape)} = {want} bytes but its header "
-                                 f"gives bytes [{a}, {b}) of a {size}-byte file: header and data disagree")
-            self.entries[key] = (fd, dtype, 8 + head_len + a)
-            self.shapes[key], self.file_of[key] = shape, path
+            for name in _confined_files(self.folder):
+                self.files.append(SafetensorsFile(name))
+                self.file_of.update(dict.fromkeys(self.files[-1].tensors, self.files[-1]))
+        except BaseException:
+            self.close()
+            raise
+        self.tensors: dict[str, TensorInfo] = {k: f.tensors[k] for k, f in self.file_of.items()}
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the files since the count was last set (``generate`` zeroes it after the load)."""
+        return sum(f.bytes_read for f in self.files) - self._bytes_base
+
+    @bytes_read.setter
+    def bytes_read(self, value: int) -> None:
+        self._bytes_base = sum(f.bytes_read for f in self.files) - value
 
     def find(self, names: list[str]) -> str:
         for n in names:
-            if n in self.entries:
+            if n in self.tensors:
                 return n
         raise KeyError(f"none of {names} is in the safetensors files of {self.folder}")
 
     def check_shape(self, key: str, shape: tuple[int, ...], floating: bool = True) -> None:
         """Refuse a stored tensor whose shape is not the one the model (its config) expects, or
         integer data for a floating-point parameter (a header whose dtype was changed)."""
-        if floating and not self.entries[key][1].is_floating_point:
-            raise ValueError(f"{self.file_of[key]}: tensor {key!r} is stored as {self.entries[key][1]}, not a "
+        t, path = self.tensors[key], self.file_of[key].path
+        if floating and not t.dtype.is_floating_point:
+            raise ValueError(f"{path}: tensor {key!r} is stored as {t.dtype}, not a "
                              "floating-point dtype; the header does not describe these weights")
-        if tuple(self.shapes[key]) != tuple(shape):
-            raise ValueError(f"{self.file_of[key]}: tensor {key!r} is stored with shape {list(self.shapes[key])} "
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{path}: tensor {key!r} is stored with shape {list(t.shape)} "
                              f"but {self.folder}/config.json makes it {list(shape)}: config and weights "
                              "do not match (fix the config or use the weights it was saved with)")
 
     def read(self, name: str, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements [start, end) of the flattened tensor ``name``: into ``out`` if given (converted
         to its dtype and device), else a new tensor of the stored dtype."""
-        fd, dtype, base = self.entries[name]
-        direct = out is not None and out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
-        dst = out if direct else torch.empty(end - start, dtype=dtype)
-        self.read_bytes(fd, base + start * dst.element_size(), dst, name)
-        if out is not None and not direct:
-            out.copy_(dst)
-        return dst if out is None else out
+        return self.file_of[name].read(name, start, end, out)
 
-    def read_bytes(self, fd: int, pos: int, dst: torch.Tensor, what: str) -> None:
-        """One counted (and, cold, evicted) read of ``dst``'s bytes at ``pos``."""
-        read_into(fd, pos, dst, what)
-        size = dst.numel() * dst.element_size()
-        if self.cold:
-            os.posix_fadvise(fd, pos, size, os.POSIX_FADV_DONTNEED)
-        with self._lock:
-            self.bytes_read += size
+    def read_raw(self, name: str, byte_start: int, dst: torch.Tensor) -> None:
+        """``dst``'s size in bytes from byte ``byte_start`` of ``name``'s data, as stored."""
+        self.file_of[name].read_raw(name, byte_start, dst)
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds.clear()
+        for f in self.files:
+            f.close()
 
 
 def _load_meta(path: str, dtype: torch.dtype | None) -> tuple[nn.Module, torch.dtype]:

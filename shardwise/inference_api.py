@@ -27,6 +27,7 @@ from torch import nn
 
 from shardwise.config_read import read_config
 from shardwise.config_schema import ConfigError
+from shardwise.safetensors_io import dtype_from_name
 
 # shardwise's own keywords of init_inference (see shardwise.inference.init_inference)
 OWN = ("tensor_parallel_size", "offload", "dtype", "prefetch", "quantize", "group_size", "progress")
@@ -42,9 +43,7 @@ UNUSED_DEFAULTS: dict[str, Any] = {
     "quant": {}, "mpu": None, "ep_size": 1, "ep_group": None, "expert_group": None, "ep_mp_group": None,
     "expert_mp_group": None, "moe_experts": [1], "moe_type": "standard",
 }
-_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
-           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32}
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NOTED: set[str] = set()
 
 
@@ -136,8 +135,12 @@ def _dtype(value: Any) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype) and value in (torch.float16, torch.bfloat16, torch.float32):
         return value
     name = str(getattr(value, "value", value)).lower()  # DeepSpeed's DtypeEnum carries the dtype as value
-    if name in _DTYPES:
-        return _DTYPES[name]
+    try:  # the one dtype-name table (shardwise.safetensors_io), limited to compute dtypes
+        dtype = dtype_from_name(name)
+    except ValueError:
+        dtype = None
+    if dtype in _COMPUTE_DTYPES:
+        return dtype
     if "int8" in name:
         raise NotImplementedError("init_inference: dtype int8 (DeepSpeed's int8 kernels) is not implemented; "
                                   "use quantize='int8' (weight-only, streamed) instead")

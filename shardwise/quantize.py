@@ -29,15 +29,15 @@ import threading
 import torch
 from torch import nn
 
-from shardwise.inference import _ST_DTYPES, SafetensorsReader, _load_meta
+from shardwise.inference import SafetensorsReader, _load_meta
 from shardwise.quantized_linear import PACKED, ROWS, SCALE, from_rows64, kernel_eligible, to_rows64
+from shardwise.safetensors_io import ST_DTYPES, ST_NAMES
 from shardwise.zero.stage3 import assign_params, find_units
 
 DESCRIPTION = "shardwise_quantization.json"
 BITS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP = 64
 _CHUNK = 1 << 18  # elements dequantized at a time (bounded staging, reused)
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 # byte b of a packed int4 tensor holds the levels (b & 15) - 8 (first) and (b >> 4) - 8 (second)
 _INT4_LEVELS = torch.tensor([[(b & 15) - 8, (b >> 4) - 8] for b in range(256)], dtype=torch.float32)
 
@@ -136,7 +136,7 @@ class QuantizedStore(SafetensorsReader):
                 desc = json.load(f)
             bits, group = int(desc["bits"]), int(desc["group_size"])
             shapes = {k: tuple(int(d) for d in v) for k, v in desc["tensors"].items()}
-            dtype = _ST_DTYPES[desc["dtype"]]
+            dtype = ST_DTYPES[desc["dtype"]]
             rows64 = {str(k) for k in desc.get("rows64", [])}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a valid quantization description ({type(e).__name__}: {e})") from None
@@ -147,18 +147,17 @@ class QuantizedStore(SafetensorsReader):
         want = {key: (torch.uint8 if self.bits == 4 else torch.int8, groups * self.group * self.bits // 8),
                 f"{key}.scale": (torch.float16, groups)}
         for name, (dtype, numel) in want.items():
-            got = self.entries.get(name)
-            if got is None or got[1] != dtype or math.prod(self.shapes[name]) != numel:
-                raise ValueError(f"{self.folder}: quantized tensor {name!r} should be {_ST_NAMES[dtype]} of {numel} "
+            got = self.tensors.get(name)
+            if got is None or got.dtype != dtype or got.numel != numel:
+                raise ValueError(f"{self.folder}: quantized tensor {name!r} should be {ST_NAMES[dtype]} of {numel} "
                                  f"elements for {self.bits}-bit groups of {self.group} of shape {list(shape)}; "
-                                 f"found {self.shapes.get(name)} {got[1] if got else 'nothing'}")
+                                 f"found {list(got.shape) if got else None} {got.dtype if got else 'nothing'}")
 
     def _load_blob(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
         for name in (key, f"{key}.scale"):
-            fd, dtype, base = self.entries[name]
-            t = torch.empty(math.prod(self.shapes[name]), dtype=dtype)
-            self.read_bytes(fd, base, t, name)
+            t = torch.empty(self.tensors[name].numel, dtype=self.tensors[name].dtype)
+            self.read_raw(name, 0, t)
             out.append(t.view(torch.uint8) if name == key else t)
         return out[0], out[1]
 
@@ -230,8 +229,7 @@ class QuantizedStore(SafetensorsReader):
             dst.copy_(self.blobs[key][int(scale)][lo:lo + dst.numel()])
             return
         name = f"{key}.scale" if scale else key
-        fd, _, base = self.entries[name]
-        self.read_bytes(fd, base + lo * dst.element_size(), dst, name)
+        self.read_raw(name, lo * dst.element_size(), dst)
 
     def _dequantize(self, key: str, start: int, end: int, out: torch.Tensor) -> None:
         """Fill ``out`` with elements [start, end): whole groups a chunk at a time, no temporaries
@@ -291,8 +289,8 @@ def open_store(path: str, model: nn.Module, offload: str | None, quantize: str |
                          f"write it once with `shardwise quantize {path} DST --bits {BITS[quantize]}` and pass DST")
     plain = SafetensorsReader(path)
     names = quantizable(model)
-    shapes = {plain.find([n]): tuple(plain.shapes[plain.find([n])]) for n in names}
-    dtype = next((plain.entries[k][1] for k in shapes), torch.float32)
+    shapes = {plain.find([n]): plain.tensors[plain.find([n])].shape for n in names}
+    dtype = next((plain.tensors[k].dtype for k in shapes), torch.float32)
     plain.close()
     group = group_size or DEFAULT_GROUP
     rows64 = {plain.find([n]) for n in rows64_names(model, names, BITS[quantize], group)}
@@ -308,18 +306,18 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
     files = SafetensorsReader(src)
     names = quantizable(model)
     rows64 = rows64_names(model, names, bits, group)
-    order = sorted(files.entries, key=lambda k: (files.file_of[k], files.entries[k][2]))
+    order = sorted(files.tensors, key=lambda k: (files.file_of[k].path, files.tensors[k].offset))
     header: dict[str, dict] = {"__metadata__": {"format": "pt", "quantized_by": "shardwise"}}
     offset, shapes, dtype = 0, {}, None
     for key in order:
-        shape, st = files.shapes[key], _ST_NAMES[files.entries[key][1]]
+        shape, st = files.tensors[key].shape, ST_NAMES[files.tensors[key].dtype]
         if key in names:
             shapes[key], dtype = list(shape), dtype or st
             groups = -(-math.prod(shape) // group)
             parts = [(key, "I8" if bits == 8 else "U8", groups * group * bits // 8, 1),
                      (f"{key}.scale", "F16", groups, 2)]
         else:
-            parts = [(key, st, math.prod(shape), files.entries[key][1].itemsize)]
+            parts = [(key, st, math.prod(shape), files.tensors[key].dtype.itemsize)]
         for name, kind, numel, size in parts:
             header[name] = {"dtype": kind, "shape": list(shape) if name == key and key not in names else [numel],
                             "data_offsets": [offset, offset + numel * size]}
@@ -330,10 +328,10 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
     with open(os.path.join(dst, "model.safetensors"), "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         for key in order:
-            t = files.read(key, 0, math.prod(files.shapes[key]))
+            t = files.read(key, 0, files.tensors[key].numel)
             pieces = quantize_tensor(t, bits, group) if key in names else (t,)
             if key in rows64:
-                pieces = (to_rows64(pieces[0], *files.shapes[key]), pieces[1])
+                pieces = (to_rows64(pieces[0], *files.tensors[key].shape), pieces[1])
             for piece in pieces:
                 f.write(piece.reshape(-1).view(torch.uint8).numpy().tobytes())
     files.close()
@@ -345,7 +343,7 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
             "dtype": dtype or "F32", "tensors": shapes, "rows64": sorted(rows64)}
     with open(os.path.join(dst, DESCRIPTION), "w") as f:
         json.dump(desc, f, indent=1)
-    before = sum(os.path.getsize(p) for p in set(files.file_of.values()))
+    before = sum(f.size for f in files.files)
     return {"tensors_quantized": len(shapes), "bytes_before": before,
             "bytes_after": os.path.getsize(os.path.join(dst, "model.safetensors"))}
 

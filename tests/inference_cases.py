@@ -147,9 +147,9 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
 def _time_split() -> dict:
     """Seconds spent reading (reader thread: overlaps compute), dequantizing and in the int4
     kernel, accumulated by wrapping those functions (for the benchmark's time split only)."""
-    from shardwise.inference import SafetensorsReader
     from shardwise.quantize import QuantizedStore
     from shardwise.quantized_linear import Int4Linear
+    from shardwise.safetensors_io import SafetensorsFile
 
     acc = {"read": 0.0, "dequantize": 0.0, "int4_kernel": 0.0}
 
@@ -164,7 +164,7 @@ def _time_split() -> dict:
                 acc[key] += time.perf_counter() - t
         setattr(cls, name, wrapper)
 
-    timed(SafetensorsReader, "read_bytes", "read")
+    timed(SafetensorsFile, "read_raw", "read")
     timed(QuantizedStore, "_dequantize", "dequantize")
     timed(Int4Linear, "forward", "int4_kernel")
     return acc

@@ -2,9 +2,10 @@
 
 The writer plans the safetensors header from shapes up front and then streams each tensor's bytes,
 so neither a rank's shard file nor a consolidated HF file is ever built in memory (and views of
-the flat buffers are written without copies). The reader opens files with ``safe_open`` (no
-pickle) after checking each file's size and sha256 against the metadata, so a corrupt or
-truncated file is refused by name before any of its bytes are used.
+the flat buffers are written without copies). The reader checks each file's size and sha256
+against the metadata before opening it with the one safetensors reader
+(:class:`~shardwise.safetensors_io.SafetensorsFile`: no pickle, header validated), so a corrupt
+or truncated file is refused by name before any of its bytes are used.
 """
 
 from __future__ import annotations
@@ -20,38 +21,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from shardwise.comm import Comm, CommStats
+from shardwise.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
+
+__all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name"]
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 3  # 2: TP-sharded parameters saved per TP rank as NAME@tp{r}of{t}; 3: the "frozen" section
 
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in _ST_DTYPES}
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, truncated, or does not fit the engine it is loaded into."""
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"float32"`` / ``"bf16"`` / ``"torch.float16"`` -> torch dtype."""
-    alias = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
-             "float": "float32"}
-    key = name.removeprefix("torch.")
-    key = alias.get(key, key)
-    if key not in _TORCH_DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16 or a torch dtype name")
-    return _TORCH_DTYPES[key]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class SafetensorsWriter:
@@ -72,7 +54,7 @@ class SafetensorsWriter:
             for s in shape:
                 n *= int(s)
             nbytes = n * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": [int(s) for s in shape],
+            header[name] = {"dtype": ST_NAMES[dtype], "shape": [int(s) for s in shape],
                             "data_offsets": [pos, pos + nbytes]}
             self._order.append((name, dtype, tuple(int(s) for s in shape)))
             pos += nbytes
@@ -129,7 +111,7 @@ class ShardReader:
     def __init__(self, folder: Path, files: dict[str, dict], verify: bool = True):
         self.folder, self.files, self.verify = folder, files, verify
         self._verified: set[str] = set()
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, SafetensorsFile] = {}
 
     def _path(self, fname: str) -> Path:
         from shardwise.checkpoint.validate import confined_path
@@ -154,27 +136,26 @@ class ShardReader:
             raise CheckpointError(f"{path}: sha256 mismatch, the file is corrupt")
         self._verified.add(fname)
 
-    def handle(self, fname: str):
+    def handle(self, fname: str) -> SafetensorsFile:
+        """``fname`` opened (header validated) once its size and hash are verified."""
         if fname not in self._open:
             self.check(fname)
             try:
-                self._open[fname] = safe_open(str(self._path(fname)), framework="pt")
-            except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: unreadable header
+                self._open[fname] = SafetensorsFile(self._path(fname))
+            except (OSError, ValueError) as e:  # a header the one reader refuses, naming the file
                 raise CheckpointError(f"{self.folder / fname}: not a readable safetensors file: {e}") from e
         return self._open[fname]
 
-    def _slice(self, fname: str, key: str, dtype: torch.dtype, shape: list[int]):
-        """The header entry ``key`` of ``fname``, refused unless it has ``dtype`` and ``shape``."""
+    def _entry(self, fname: str, key: str, dtype: torch.dtype, shape: list[int]) -> SafetensorsFile:
+        """The file holding ``key``, refused unless its header gives ``key`` ``dtype`` and ``shape``."""
         f = self.handle(fname)
-        try:
-            sl = f.get_slice(key)
-            got_dt, got_shape = sl.get_dtype(), list(sl.get_shape())
-        except Exception as e:  # noqa: BLE001 - SafetensorError / KeyError for a missing name
-            raise CheckpointError(f"{self.folder / fname}: tensor {key} is not in the file ({e})") from e
-        if got_dt != _ST_DTYPES.get(dtype) or got_shape != list(shape):
-            raise CheckpointError(f"{self.folder / fname}: tensor {key} is {got_dt} {got_shape} in the file, "
-                                  f"metadata.json says {dtype_name(dtype)} {list(shape)}")
-        return sl
+        t = f.tensors.get(key)
+        if t is None:
+            raise CheckpointError(f"{self.folder / fname}: tensor {key} is not in the file")
+        if t.dtype != dtype or list(t.shape) != list(shape):
+            raise CheckpointError(f"{self.folder / fname}: tensor {key} is {ST_NAMES[t.dtype]} {list(t.shape)} in the "
+                                  f"file, metadata.json says {dtype_name(dtype)} {list(shape)}")
+        return f
 
     def read_range(self, key: str, segments: list[dict], lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill ``out`` (1-D, hi - lo elements) with elements [lo, hi) of ``key`` from its segments."""
@@ -183,25 +164,27 @@ class ShardReader:
             a, b = max(lo, seg["start"]), min(hi, seg["stop"])
             if a >= b:
                 continue
-            sl = self._slice(seg["file"], key, out.dtype, [seg["stop"] - seg["start"]])
-            i, j = a - seg["start"], b - seg["start"]
-            out.narrow(0, a - lo, b - a).copy_(self._get(seg["file"], key, lambda sl=sl, i=i, j=j: sl[i:j]))
+            f = self._entry(seg["file"], key, out.dtype, [seg["stop"] - seg["start"]])
+            i, j, dst = a - seg["start"], b - seg["start"], out.narrow(0, a - lo, b - a)
+            self._get(seg["file"], key, lambda f=f, i=i, j=j, dst=dst: f.read(key, i, j, dst))
             covered += b - a
         if covered != hi - lo:
             raise CheckpointError(f"{self.folder}: {key} elements [{lo}, {hi}) are not all in the checkpoint")
 
     def read_full(self, key: str, fname: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        self._slice(fname, key, dtype, shape)
-        return self._get(fname, key, lambda: self.handle(fname).get_tensor(key))
+        f = self._entry(fname, key, dtype, shape)
+        return self._get(fname, key, lambda: f.read_tensor(key))
 
     def _get(self, fname: str, key: str, read):
         try:
             return read()
-        except Exception as e:  # noqa: BLE001 - a header whose offsets do not fit the data
+        except (OSError, ValueError) as e:  # a file cut short after it was verified
             raise CheckpointError(f"{self.folder / fname}: cannot read tensor {key}: {e}") from e
 
     def release(self) -> None:
-        """Close open files (unmaps them, so pages read so far leave the resident set)."""
+        """Close the open files (nothing is mapped: reads are ``pread`` into the caller's tensors)."""
+        for f in self._open.values():
+            f.close()
         self._open.clear()
 
 

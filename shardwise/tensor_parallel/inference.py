@@ -2,61 +2,71 @@
 
 From a directory, the model is built with its parameters on the meta device (no memory), the TP
 plan is applied (the parallel layers slice meta tensors for free), and then each parameter is
-read from the safetensors files with ``get_slice`` for exactly the ranges this rank holds, so a
+read from the safetensors files (``shardwise.safetensors_io``) for exactly the ranges this rank holds, so a
 rank never holds (or reads) the full weights of a sharded layer. Buffers (rotary frequencies) are
 built normally on the CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardwise.comm import compute_device, init_distributed
 from shardwise.mesh import get_mesh
+from shardwise.safetensors_io import SafetensorsFile
 from shardwise.tensor_parallel.layers import ShardSpec
 from shardwise.tensor_parallel.plan import apply_tensor_parallel
 from shardwise.zero.init import params_on_meta, weight_map
 
 
-def _read_local(sl, spec: ShardSpec | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """This rank's part of one stored tensor, read by slices (zero where the vocabulary is padded)."""
+def _full_shape(spec: ShardSpec | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the stored tensor a local parameter of ``shape`` is cut from."""
     if spec is None:
-        return sl[:].to(dtype)
-    out = torch.zeros(shape, dtype=dtype)
-    for a, b, d in spec.pieces():
-        index = [slice(None)] * len(shape)
-        index[spec.dim] = slice(a, b)
-        out.narrow(spec.dim, d, b - a).copy_(sl[tuple(index)])
-    return out
+        return shape
+    return (*shape[:spec.dim], spec.full, *shape[spec.dim + 1:])
 
 
 def read_tp_slice(files, key: str, spec: ShardSpec, shape: tuple[int, ...], start: int, end: int,
                   out: torch.Tensor) -> torch.Tensor:
     """This rank's slice of stored tensor ``key`` (local ``shape``) into the flat ``out``.
 
-    The streamed (offload) path: each gather reads only this rank's part, a contiguous range per
-    piece when the slice is along dim 0, one range per row when along the last dim of a matrix.
+    ``files`` is anything with ``read(key, start, end, out)`` (the one safetensors reader or a
+    folder of them). Each piece is one contiguous element range per index of the dimensions
+    before ``spec.dim`` (a single range for dim 0, one per row for the last dim of a matrix), so
+    a rank reads only its part; positions of vocabulary padding are zero.
     """
     numel = math.prod(shape)
     if (start, end) != (0, numel):
         raise NotImplementedError(f"{key}: a tensor-parallel slice is streamed whole, not [{start}, {end})")
-    view = out.view(shape)
     if sum(b - a for a, b, _ in spec.pieces()) < shape[spec.dim]:
         out.zero_()  # vocabulary padding
+    outer, inner = math.prod(shape[:spec.dim]), math.prod(shape[spec.dim + 1:])
+    view = out.view(outer, shape[spec.dim], inner)
     for a, b, d in spec.pieces():
-        if spec.dim == 0:
-            inner = numel // shape[0]
-            files.read(key, a * inner, b * inner, out[d * inner:(d + b - a) * inner])
-        elif spec.dim == len(shape) - 1 == 1:
-            for r in range(shape[0]):
-                files.read(key, r * spec.full + a, r * spec.full + b, view[r, d:d + b - a])
-        else:
-            raise NotImplementedError(f"{key}: streaming a slice along dim {spec.dim} of {len(shape)}-D")
+        for o in range(outer):
+            first = (o * spec.full + a) * inner
+            files.read(key, first, first + (b - a) * inner, view[o, d:d + b - a].reshape(-1))
+    return out
+
+
+def _read_local(f: SafetensorsFile, key: str, spec: ShardSpec | None, shape: tuple[int, ...],
+                dtype: torch.dtype) -> torch.Tensor:
+    """This rank's part of stored tensor ``key`` in ``dtype``, refused unless the stored shape is
+    the one the model's config gives (else slices would be cut from the wrong rows)."""
+    stored, full = f.info(key).shape, _full_shape(spec, shape)
+    if stored != full:
+        raise ValueError(f"{f.path}: tensor {key!r} is stored with shape {list(stored)} but the config "
+                         f"makes it {list(full)}: config and weights do not match")
+    out = torch.empty(shape, dtype=dtype)
+    if spec is None:
+        f.read(key, 0, out.numel(), out.view(-1))
+    else:
+        read_tp_slice(f, key, spec, shape, 0, out.numel(), out.view(-1))
     return out
 
 
@@ -78,7 +88,6 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
         model = model_or_path.to(dtype) if dtype is not None else model_or_path
         apply_tensor_parallel(model, tp)
         return model.eval()
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = os.fspath(model_or_path)
@@ -105,20 +114,23 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     prefix = f"{model.base_model_prefix}."
     replaced: dict[int, nn.Parameter] = {}
     loaded = 0
-    handles: dict[str, object] = {}
-    with contextlib.ExitStack() as stack:
+    handles: dict[Path, SafetensorsFile] = {}
+    try:
         for name, p in model.named_parameters():
             key = name if name in files else name.removeprefix(prefix) if name.removeprefix(prefix) in files \
                 else None
             if key is None:
                 raise KeyError(f"{name} is not in the safetensors files of {path}")
             if files[key] not in handles:
-                handles[files[key]] = stack.enter_context(safe_open(files[key], "pt"))
-            t = _read_local(handles[files[key]].get_slice(key), p._tp_spec, tuple(p.shape), dtype)
+                handles[files[key]] = SafetensorsFile(files[key])
+            t = _read_local(handles[files[key]], key, p._tp_spec, tuple(p.shape), dtype)
             loaded += t.numel() * t.element_size()
             new = nn.Parameter(t.to(compute_device()), requires_grad=False)
             new._tp_spec = p._tp_spec  # type: ignore[attr-defined]
             replaced[id(p)] = new
+    finally:
+        for f in handles.values():
+            f.close()
     for mod in model.modules():  # swap in place; a tied weight is one object in two modules
         for pname, p in list(mod._parameters.items()):
             if p is not None and id(p) in replaced:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.safetensors_io import SafetensorsFile
 from shardwise.zero.init_edits import EditWatch
 
 
@@ -117,10 +118,8 @@ def weight_map(folder: str | os.PathLike) -> dict[str, Path]:
     if not single.exists():
         raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
                                 "(shardwise reads weights from safetensors only)")
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+    with SafetensorsFile(single) as f:
+        return dict.fromkeys(f.tensors, single)
 
 
 def is_deferred(model: nn.Module) -> bool:
@@ -128,35 +127,39 @@ def is_deferred(model: nn.Module) -> bool:
 
 
 class SafetensorsSource:
-    """Reads element ranges of named tensors from an HF safetensors folder (no pickle)."""
+    """zero.Init's view of an HF safetensors folder: a parameter's name (or a tied alias) -> file.
+
+    The index is confined to the folder (:func:`weight_map`); files are opened on first use by the
+    one reader (:class:`~shardwise.safetensors_io.SafetensorsFile`, header validated), and each
+    rank reads exactly the element ranges of its shards (``bytes_read`` shows it).
+    """
 
     def __init__(self, folder: Path):
         self.files = weight_map(folder)
-        self._open: dict[Path, Any] = {}
-        self.bytes_read = 0  # rows actually read, to show each rank reads only its slices
+        self._open: dict[Path, SafetensorsFile] = {}
 
-    def _handle(self, name: str, aliases: list[str]):
-        from safetensors import safe_open
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self._open.values())
 
+    def _handle(self, name: str, aliases: list[str]) -> tuple[SafetensorsFile, str]:
         for n in [name, *aliases]:
             if n in self.files:
                 path = self.files[n]
                 if path not in self._open:
-                    self._open[path] = safe_open(path, framework="pt")
+                    self._open[path] = SafetensorsFile(path)
                 return self._open[path], n
         raise KeyError(f"{name!r} is not in the checkpoint at {next(iter(self.files.values())).parent}")
 
     def read(self, name: str, shape: torch.Size, start: int, end: int, aliases: list[str]) -> torch.Tensor:
-        """Elements [start, end) of the flattened tensor ``name``: reads whole rows only."""
+        """Elements [start, end) of the flattened tensor ``name``, refused unless it is stored with
+        the parameter's ``shape`` (else the elements would belong to other rows: silent garbage)."""
         f, key = self._handle(name, aliases)
-        sl = f.get_slice(key)
-        if len(shape) == 0:
-            return f.get_tensor(key).reshape(-1)[start:end]
-        row = max(1, int(torch.Size(shape[1:]).numel()))
-        r0, r1 = start // row, -(-end // row)
-        rows = sl[r0:r1]
-        self.bytes_read += rows.numel() * rows.element_size()
-        return rows.reshape(-1)[start - r0 * row:end - r0 * row]
+        stored = f.info(key).shape
+        if stored != tuple(shape):
+            raise ValueError(f"{f.path}: tensor {key!r} is stored with shape {list(stored)} but the model's "
+                             f"parameter {name} has shape {list(shape)}: config and weights do not match")
+        return f.read(key, start, end)
 
 
 def swap_meta_parameters(model: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
