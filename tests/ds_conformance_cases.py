@@ -120,3 +120,43 @@ def frozen_getters(stage: int) -> dict:
     trained = [u.safe_get_full_fp32_param(m.l2.weight), u.safe_get_full_grad(m.l2.weight),
                u.safe_get_full_optimizer_state(m.l2.weight, "exp_avg")]
     return {"frozen_none": all(t is None for t in got), "trained_values": all(t is not None for t in trained)}
+
+
+def read_only_edit_kept_or_noop(stage: int) -> dict:
+    """Edits inside GatheredParameters(modifier_rank=None) that lose nothing raise nothing: a no-op
+    edit at any stage, and (fp32, stages 0-2, where the optimizer's master is the parameter's own
+    storage) the same edit on every rank. At stage 3 that edit would be dropped with the gathered
+    buffer, so it still raises."""
+    m, ref = model(), model()
+    deepspeed.initialize(model=m, config=config(stage))
+    w = m.l1.weight
+    out: dict = {"noop_error": None, "same_edit_error": None}
+    try:
+        with GatheredParameters([w, m.l2.weight]), torch.no_grad():
+            w.copy_(w.detach().clone())
+            m.l2.weight.mul_(1.0)
+    except RuntimeError as e:
+        out["noop_error"] = str(e)
+    try:
+        with GatheredParameters([w]), torch.no_grad():
+            w.add_(1.0)
+    except RuntimeError as e:
+        out["same_edit_error"] = str(e)
+    with GatheredParameters([w]):
+        out["diff"] = float((w.detach() - ref.l1.weight.detach()).mean())
+    return out
+
+
+def kept_after_block(stage: int) -> dict:
+    """What a script keeps from a GatheredParameters block (``p.detach().cpu()``, which is a view on
+    CPU, and ``state_dict()`` values) stays valid after the block released the parameters, and
+    training afterwards is unaffected."""
+    m, ref = model(), model()
+    engine, *_ = deepspeed.initialize(model=m, config=config(stage), model_parameters=m.parameters())
+    with GatheredParameters(list(m.parameters())):
+        kept = {n: p.detach().cpu() for n, p in m.named_parameters()}
+        sd = m.state_dict()
+    same = all(torch.equal(kept[n], q.detach()) and torch.equal(sd[n], q.detach()) for n, q in ref.named_parameters())
+    train(engine, 2)
+    reference(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01), 2)
+    return {"same": same, "after_diff": weight_diff(engine, ref)}

@@ -188,3 +188,22 @@ def test_mics_init_builds_deferred_as_init():
 def test_safe_get_of_a_frozen_parameter_is_none(pool2, stage):
     for r in pool2.run("ds_conformance_cases:frozen_getters", stage):
         assert r == {"frozen_none": True, "trained_values": True}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_read_only_gather_allows_edits_that_lose_nothing(pool2, stage):
+    """DeepSpeed's TestZeroToFP32 loads a checkpoint's (equal) weights inside a modifier_rank=None block:
+    an edit that changes no persisted value is allowed; one the block would drop still raises."""
+    for r in pool2.run("ds_conformance_cases:read_only_edit_kept_or_noop", stage):
+        assert r["noop_error"] is None
+        if stage == 3:
+            assert "in-place modification" in r["same_edit_error"] and r["diff"] == 0.0
+        else:
+            assert r["same_edit_error"] is None and r["diff"] == pytest.approx(1.0)
+
+
+def test_tensors_kept_from_a_gathered_block_stay_valid(pool2):
+    """DeepSpeed's TestZeroToFP32 keeps ``param.detach().cpu()`` from inside the block (a view on CPU):
+    at stage 3 the block's exit lets go of the buffer instead of freeing it under those views."""
+    for r in pool2.run("ds_conformance_cases:kept_after_block", 3):
+        assert r["same"] and r["after_diff"] < TOL

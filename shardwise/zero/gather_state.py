@@ -61,6 +61,8 @@ class StageThreeGather:
             return
         if self.pool is not None:
             self.flat_param = self.pool.acquire(self.dtype, self.padded_numel, self.device)
+        elif self.flat_param.numel() == 0:  # released with detach_storage: a buffer of its own
+            self.flat_param = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         else:
             self.flat_param.untyped_storage().resize_(self.padded_numel * self.flat_param.element_size())
         if self.secondary_shard is not None and not exact:  # hpZ: unchanged since the forward kept it
@@ -108,13 +110,17 @@ class StageThreeGather:
             self._gather_work.wait()
             self._to_gathered(None)
 
-    def release(self, keep_secondary: bool = False) -> None:
+    def release(self, keep_secondary: bool = False, detach_storage: bool = False) -> None:
         """Free the full parameters; each param becomes a 1-element NaN placeholder of full shape.
 
         The placeholder keeps ``p.shape`` right for code that reads shapes, makes any compute
         with a released parameter loudly NaN (never a silent size-0 or zero tensor), and
         refuses writes. ``keep_secondary`` (after a training forward, hpZ) keeps this rank's
         1/k of the full parameters for the backward's gather inside the node.
+        ``detach_storage`` (the end of a ``GatheredParameters`` block): instead of freeing the
+        buffer's storage in place, the group lets go of it, so tensors the user kept from the
+        block (``p.detach().cpu()`` is a view on CPU, ``state_dict()`` values are views) stay
+        valid and the memory goes when they do; the next gather allocates a new buffer.
         """
         if not self.policy.shard_params or self.state is GatherState.RELEASED:
             return
@@ -127,6 +133,8 @@ class StageThreeGather:
             p.data = nan.expand(p.shape)
         if self.pool is not None:  # frozen: no saved view needs this storage again
             self.pool.give_back(self.flat_param)
+            self.flat_param = torch.empty(0, dtype=self.dtype, device=self.device)
+        elif detach_storage:
             self.flat_param = torch.empty(0, dtype=self.dtype, device=self.device)
         else:
             self.flat_param.untyped_storage().resize_(0)

@@ -68,12 +68,22 @@ class GatheredParameters:
                 "rank's edits on every rank")
 
     def _edited_read_only(self) -> bool:
-        """True on every rank when any rank edited a parameter in place (a collective, as the block is)."""
+        """True on every rank when an in-place edit on any rank would be lost (a collective, as the
+        block is). An edit that leaves every value equal to what persists (loading the weights the
+        model already has, a no-op clamp) loses nothing and is allowed, as in DeepSpeed."""
         if self.modifier_rank is not None or not self._versions:
             return False
-        mine = any(p._version != v or p.data_ptr() != ptr for p, v, ptr in self._versions)
+        touched = {id(p) for p, v, ptr in self._versions if p._version != v or p.data_ptr() != ptr}
         self._versions = []
         comm = self.groups[0].comm if self.groups else Comm()
+        if not self._any_rank(comm, bool(touched)):
+            return False
+        ungrouped = any(id(p) in touched and owner_of(p) is None for p in self.params)
+        lost = [_differs_from_persisted(g) for g in self.groups]  # every group on every rank: collectives
+        return self._any_rank(comm, ungrouped or any(lost))
+
+    @staticmethod
+    def _any_rank(comm: Comm, mine: bool) -> bool:
         if comm.size == 1:
             return mine
         flag = torch.tensor([float(mine)], device=compute_device())
@@ -94,7 +104,27 @@ class GatheredParameters:
                 defer_again(self.deferred)  # read-only use: edits are discarded, memory freed
         for g, was in zip(self.groups, self._was_gathered, strict=True):
             if not was:
-                g.release()
+                g.release(detach_storage=True)  # tensors kept from the block stay valid
+
+
+def _differs_from_persisted(g) -> bool:
+    """Whether ``g``'s gathered buffer differs from what survives the block. Sharded copies (stage-3
+    shards, released on exit; stage 1-2 masters, which overwrite the parameters at the next step)
+    are all-gathered into a scratch buffer; a replicated copy (stage 0, frozen groups) is rank 0's,
+    broadcast, so ranks that edited differently count too. Collective over ``g.comm``; a
+    file-backed group (nothing resident to compare with) counts as differing."""
+    if g.store.rereads:
+        return True
+    sharded = g.param_shard if g.policy.shard_params else g.master if g.policy.shard_optimizer else None
+    scratch = torch.zeros(g.padded_numel, dtype=g.dtype, device=g.flat_param.device)
+    with torch.no_grad():
+        if sharded is not None:
+            scratch.narrow(0, g.own_start, g.own_numel).copy_(sharded)
+            g.comm.all_gather(scratch)
+        else:
+            scratch.copy_(g.master if g.master is not None else g.flat_param)
+            g.comm.broadcast(scratch, src=0)
+    return not torch.equal(scratch[:g.numel], g.flat_param[:g.numel])
 
 
 def guard_state_dict(model: nn.Module) -> None:
