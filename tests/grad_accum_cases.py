@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from tiny_models import batches, build
-from zero_cases import BETAS, EPS, LR, WD, make_config
+from zero_cases import BETAS, EPS, LR, WD, make_config, run_micro_batches
 
 import shardwise
 from shardwise.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -36,14 +36,7 @@ def train_ranks(config: dict, steps: int = STEPS) -> dict:
     micro, gas = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
     data = batches(steps, gas, micro * world, SEQ)
     engine, *_ = shardwise.initialize(model=model, config=config)
-    losses = []
-    for s in range(steps):
-        for m in range(gas):
-            ids = data[s, m, rank * micro:(rank + 1) * micro]
-            out = engine(input_ids=ids, labels=ids)
-            engine.backward(out.loss)
-            engine.step()
-            losses.append(float(out.loss.detach()))
+    losses = run_micro_batches(engine, data, rank, micro)
     masters = {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()}  # collective
     with GatheredParameters(model.parameters()):  # a no-op below stage 3
         weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}

@@ -62,14 +62,7 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
     if client_optimizer:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     engine, _, _, _ = shardwise.initialize(model=model, config=config, model_parameters=None, optimizer=opt)
-    losses = []
-    for s in range(steps):
-        for m in range(gas):
-            ids = data[s, m, dp_rank * micro:(dp_rank + 1) * micro]
-            out = engine(input_ids=ids, labels=ids)
-            engine.backward(out.loss)
-            engine.step()
-            losses.append(float(out.loss.detach()))
+    losses = run_micro_batches(engine, data, dp_rank, micro)
     files = getattr(model, "_shardwise_files", None)
     result = {"bytes_read": files.bytes_read if files is not None else None,
               "losses": losses, "memory": engine.memory_report(), "comm": engine.comm_stats(),
@@ -94,6 +87,20 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
     if rank == 0:
         result["weights"] = weights
     return result
+
+
+def run_micro_batches(engine, data: torch.Tensor, dp_rank: int, micro: int) -> list[float]:
+    """Every micro-batch of ``data`` (steps x gas x global batch x seq), this rank's slice, through
+    forward/backward/step; the per-micro-batch losses."""
+    losses = []
+    for s in range(data.shape[0]):
+        for m in range(data.shape[1]):
+            ids = data[s, m, dp_rank * micro:(dp_rank + 1) * micro]
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(float(out.loss.detach()))
+    return losses
 
 
 def reference(kind: str, config: dict, world: int = 2, steps: int = 3, seq: int = 16,
