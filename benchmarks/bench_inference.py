@@ -39,7 +39,7 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
     import torch
     from inference_cases import save_large
 
-    from shardwise.quantize import quantize_folder
+    from shardwise.inference.quantize import quantize_folder
 
     base = args.folder or tempfile.mkdtemp(prefix="bench_inference_")
     folders = {"fp32": os.path.join(base, "fp32"), "bf16": os.path.join(base, "bf16")}

@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, port: int, reps: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from shardwise.comm import Comm
-    from shardwise.planner import ring_seconds
+    from shardwise.estimate.planner import ring_seconds
 
     comm = Comm()
     small, large = 4 * 1024, 16 * MiB

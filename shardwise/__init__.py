@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from shardwise import comm, utils, zero
 from shardwise.comm import RanksDivergedError, init_distributed
-from shardwise.config_schema import ConfigError as DeepSpeedConfigError
-from shardwise.fsdp import ShardedModule, shard
-from shardwise.fsdp_optim import ShardedOptimizer, clip_grad_norm_
-from shardwise.fsdp_state import (
+from shardwise.config.schema import ConfigError as DeepSpeedConfigError
+from shardwise.engine.initialize import add_config_arguments, initialize
+from shardwise.fsdp.module import ShardedModule, shard
+from shardwise.fsdp.optim import ShardedOptimizer, clip_grad_norm_
+from shardwise.fsdp.state import (
     full_state_dict,
     load_checkpoint,
     load_full_state_dict,
@@ -15,8 +16,7 @@ from shardwise.fsdp_state import (
     save_checkpoint,
     sharded_state_dict,
 )
-from shardwise.inference_api import init_inference
-from shardwise.initialize import add_config_arguments, initialize
+from shardwise.inference.compat import init_inference
 from shardwise.zero import GatheredParameters
 
 __all__ = ["initialize", "add_config_arguments", "init_inference", "init_distributed", "RanksDivergedError",

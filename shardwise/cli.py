@@ -11,10 +11,11 @@ from shardwise.cli_errors import OneLineParser, UserError, bounded_int, positive
 
 SUBCOMMANDS = {
     "train": ("shardwise.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),
-    "estimate": ("shardwise.estimate", "memory and communication per ZeRO stage, and advice"),
+    "estimate": ("shardwise.estimate.report", "memory and communication per ZeRO stage, and advice"),
     "consolidate": ("shardwise.checkpoint", "turn a sharded checkpoint into an HF model directory"),
-    "generate": ("shardwise.generate_cli", "generate text from an HF model directory"),
-    "quantize": ("shardwise.quantize", "write an int8/int4 copy of an HF model directory for streamed generate"),
+    "generate": ("shardwise.inference.cli", "generate text from an HF model directory"),
+    "quantize": ("shardwise.inference.quantize",
+                 "write an int8/int4 copy of an HF model directory for streamed generate"),
 }
 ENTRY = {"shardwise.checkpoint": "consolidate_main"}
 

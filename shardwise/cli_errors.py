@@ -22,7 +22,7 @@ class UserError(ValueError):
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exception types the CLI reports as one line (imported late: they pull in torch)."""
     from shardwise.checkpoint.fileio import CheckpointError
-    from shardwise.config_schema import ConfigError
+    from shardwise.config.schema import ConfigError
 
     return (UserError, ConfigError, CheckpointError)
 

@@ -16,8 +16,8 @@ import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from shardwise.config_schema import _OPTIMIZERS
-from shardwise.config_schema import _SCHEDULERS as _SCHEDULER_PARAMS
+from shardwise.config.schema import _OPTIMIZERS
+from shardwise.config.schema import _SCHEDULERS as _SCHEDULER_PARAMS
 
 __all__ = [
     "build_optimizer",

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardwise.config import ConfigError, SupportedFeatures, load_config
-from shardwise.config_keys import KEYS
-from shardwise.config_read import read_config
+from shardwise.config.keys import KEYS
+from shardwise.config.read import read_config
 
 PATHS = sorted({k.path for k in KEYS} | {
     "optimizer.type", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.amsgrad",

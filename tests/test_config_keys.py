@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.config import ConfigError, ShardwiseConfig, SupportedFeatures, load_config, timeout_of
-from shardwise.config_keys import BY_PATH, KEYS, markdown
-from shardwise.config_triage import check_table_covers_schema
+from shardwise.config.keys import BY_PATH, KEYS, markdown
+from shardwise.config.triage import check_table_covers_schema
 
 DATA = Path(__file__).parent / "data"
 ALL = SupportedFeatures(stage3=True, tensor_parallel=True, offload_param=True)
@@ -30,11 +30,11 @@ def test_every_schema_field_is_classified():
 def test_docs_table_matches_the_code_table():
     doc = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
     begin, end = doc.index("<!-- keys:begin -->\n") + len("<!-- keys:begin -->\n"), doc.index("<!-- keys:end -->")
-    assert doc[begin:end] == markdown(), "regenerate: python -m shardwise.config_keys --markdown"
+    assert doc[begin:end] == markdown(), "regenerate: python -m shardwise.config.keys --markdown"
 
 
 def test_markdown_cli():
-    out = subprocess.run([sys.executable, "-m", "shardwise.config_keys", "--markdown"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "shardwise.config.keys", "--markdown"], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).parent.parent).stdout
     assert out == markdown() and "| `communication_data_type` |" in out
 
@@ -112,8 +112,8 @@ def test_gradient_allreduce_op_takes_deepspeeds_two_values():
 def test_every_honoured_key_reaches_the_schema():
     """A key the table calls honoured must not then fail validation as "unknown" (gradient_allreduce_op
     once did): each honoured top-level key is a schema field or a legacy name the schema renames."""
-    from shardwise.config_keys import KEYS
-    from shardwise.config_schema import ShardwiseConfig
+    from shardwise.config.keys import KEYS
+    from shardwise.config.schema import ShardwiseConfig
 
     fields = set(ShardwiseConfig.model_fields)
     top = {k.path for k in KEYS if k.status == "honoured" and "." not in k.path}
@@ -281,7 +281,7 @@ def test_initialize_applies_the_timeout_key(tmp_path):
     """A fresh process: shardwise.initialize joins the job with shardwise.timeout_s as its timeout."""
     script = (
         "import torch, shardwise, torch.distributed as dist\n"
-        "from shardwise.comm import _GLOBAL_TIMEOUT\n"
+        "from shardwise.comm.core import _GLOBAL_TIMEOUT\n"
         "cfg = {'shardwise': {'timeout_s': 42}, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}}\n"
         "shardwise.initialize(model=torch.nn.Linear(2, 2), config=cfg)\n"
         "print(_GLOBAL_TIMEOUT[0])\n"

@@ -10,8 +10,8 @@ from tiny_models import build
 from tp_cases import GEN, _prompt
 
 import shardwise
-from shardwise.config_schema import ConfigError
-from shardwise.inference_api import _translate
+from shardwise.config.schema import ConfigError
+from shardwise.inference.compat import _translate
 
 
 def test_deepspeed_options_translate_to_shardwise_keywords():

@@ -1,7 +1,7 @@
 """A script that ends without destroying the process group exits 0, under CPU load, every time.
 
 Issue 11 item 9: such scripts sometimes died at exit with SIGABRT ("terminate called without an
-active exception") after a successful run. shardwise's atexit teardown (shardwise/comm.py) waits
+active exception") after a successful run. shardwise's atexit teardown (shardwise/comm/core.py) waits
 for pending collectives, destroys the group it created and lets gloo's worker threads finish
 freeing their last work before the interpreter finalizes (the abort was a worker asking for the GIL
 during finalization, caught in gdb); after an unhandled exception it ends the process at once

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shardwise.planner import Cluster, Layout, evaluate, plan, ring_seconds
+from shardwise.estimate.planner import Cluster, Layout, evaluate, plan, ring_seconds
 
 GB = 1e9
 TWO_NODES = Cluster(nodes=2, gpus_per_node=8, intra_bw=150 * GB, inter_bw=12.5 * GB, latency=1e-5, tflops=300)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.quantize import dequantize_tensor, quantize_tensor
-from shardwise.quantized_linear import (
+from shardwise.inference.quantize import dequantize_tensor, quantize_tensor
+from shardwise.inference.quantized_linear import (
     Int4Linear,
     from_rows64,
     install,

@@ -30,7 +30,7 @@ from shardwise.checkpoint.load import read_metadata, read_saved, resolve_tag
 from shardwise.checkpoint.save import _model_config
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.comm import Comm, CommStats
-from shardwise.estimate import parse_bytes
+from shardwise.estimate.memory import parse_bytes
 from shardwise.tensor_parallel.plan import gather_full
 
 if TYPE_CHECKING:

@@ -105,8 +105,8 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     apply_tensor_parallel(model, tp)
     if offload is not None:
         from shardwise.comm import Comm
-        from shardwise.inference import _stream
-        from shardwise.quantize import open_store
+        from shardwise.inference.quantize import open_store
+        from shardwise.inference.stream import _stream
 
         store = open_store(path, model, offload, quantize, group_size)
         return _stream(model, Comm(solo=True), offload, prefetch, store, dtype)

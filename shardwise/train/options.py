@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.cli_errors import OneLineParser
-from shardwise.config_read import timeout_of
-from shardwise.config_schema import ConfigError
+from shardwise.config.read import timeout_of
+from shardwise.config.schema import ConfigError
 from shardwise.train.data import REPO_DATA
 from shardwise.train.model import MODEL_PRESETS
 

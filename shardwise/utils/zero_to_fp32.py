@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint.hf import consolidate, iter_consolidated
-from shardwise.estimate import parse_bytes
+from shardwise.estimate.memory import parse_bytes
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "convert_zero_checkpoint_to_fp32_state_dict"]

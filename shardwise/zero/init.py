@@ -37,7 +37,7 @@ class Init:
         if not self.enabled:
             return self
         if not torch.distributed.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            from shardwise.comm_api import init_distributed  # as DeepSpeed's Init: join the launched job
+            from shardwise.comm.compat import init_distributed  # as DeepSpeed's Init: join the launched job
 
             init_distributed()
         self._meta = params_on_meta()

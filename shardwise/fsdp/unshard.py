@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from shardwise.fsdp import _SLOT, sharding_of
+from shardwise.fsdp.module import _SLOT, sharding_of
 
 log = logging.getLogger("shardwise")
 

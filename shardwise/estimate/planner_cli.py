@@ -7,8 +7,8 @@ import json
 import re
 from typing import Any
 
-from shardwise.estimate import ModelFacts, count_params, parse_bytes
-from shardwise.planner import Cluster, format_plans, plan
+from shardwise.estimate.memory import ModelFacts, count_params, parse_bytes
+from shardwise.estimate.planner import Cluster, format_plans, plan
 
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 

@@ -1,6 +1,6 @@
 """DeepSpeed's checks on how an engine is used: unused parameters, checkpoint tags and folders.
 
-Each raises where DeepSpeed raises (with :class:`~shardwise.engine_api.UsageError`, an
+Each raises where DeepSpeed raises (with :class:`~shardwise.engine.compat.UsageError`, an
 AssertionError, where DeepSpeed asserts), so scripts and tests written for DeepSpeed see the same
 failure, with a message that names the fix.
 """
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise.engine_api import UsageError
+from shardwise.engine.compat import UsageError
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.engine.engine import Engine
 
 log = logging.getLogger("shardwise")
 

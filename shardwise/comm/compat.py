@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from shardwise.comm.core import init_distributed as core_init_distributed
+
 ReduceOp = tdist.ReduceOp
 
 __all__ = [
@@ -30,9 +32,7 @@ __all__ = [
 
 
 def _core_init(backend: str | None, timeout: Any) -> None:
-    from shardwise.comm import _init_core
-
-    _init_core(backend, timeout)
+    core_init_distributed(backend, timeout)
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,  # noqa: ARG001

@@ -13,9 +13,9 @@ from typing import Any, get_args, get_origin
 import torch
 from pydantic import BaseModel, ValidationError
 
-from shardwise.config_keys import children
-from shardwise.config_read import read_config, timeout_of  # noqa: F401 (re-exported)
-from shardwise.config_schema import (  # noqa: F401 (re-exported)
+from shardwise.config.keys import children
+from shardwise.config.read import read_config, timeout_of  # noqa: F401 (re-exported)
+from shardwise.config.schema import (  # noqa: F401 (re-exported)
     _DS_ONLY_OPTIMIZERS,
     _M,
     _OPTIMIZERS,
@@ -36,8 +36,8 @@ from shardwise.config_schema import (  # noqa: F401 (re-exported)
     TPSizeConfig,
     ZeroConfig,
 )
-from shardwise.config_triage import announce, raise_problems, triage
-from shardwise.config_triage import suggest as _suggest
+from shardwise.config.triage import announce, raise_problems, triage
+from shardwise.config.triage import suggest as _suggest
 
 
 # -- error formatting -----------------------------------------------------------------------------------

@@ -401,8 +401,3 @@ class Comm:
         if self.size > 1:
             self._guard("barrier", dist.barrier, group=self.group)
 
-
-# DeepSpeed's ``deepspeed.comm`` functions (get_rank, all_reduce, barrier, ...) as shardwise.comm.<name>;
-# its init_distributed (DeepSpeed's signature) replaces the one above, which it calls.
-_init_core = init_distributed
-from shardwise.comm_api import *  # noqa: E402, F403

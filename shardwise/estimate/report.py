@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.cli_errors import OneLineParser, UserError
-from shardwise.estimate import (
+from shardwise.estimate.memory import (
     Estimate,
     estimate,
     model_facts,
@@ -158,7 +158,7 @@ units: counts take K/M/B/T (powers of 1000); GB = 1e9 bytes, GiB = 2^30 bytes, G
 
 def main(argv: list[str] | None = None) -> int:
     """`shardwise estimate` CLI; returns the exit code (2 for bad input, naming the flag)."""
-    from shardwise.planner_cli import add_planner_args, run_planner
+    from shardwise.estimate.planner_cli import add_planner_args, run_planner
 
     p = OneLineParser(prog="shardwise estimate", epilog=EPILOG,
                       formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -10,7 +10,7 @@ quality.
 A quantized folder (``quantize_folder``) is an ordinary safetensors file where a quantized weight
 ``W`` is stored as ``W`` (I8, or U8 packed) and ``W.scale`` (F16), padded to whole groups, plus
 ``shardwise_quantization.json`` (bits, group size, original shapes and dtype, and which int4
-weights are stored in the ROWS64 byte order of ``shardwise.quantized_linear``). To the streaming
+weights are stored in the ROWS64 byte order of ``shardwise.inference.quantized_linear``). To the streaming
 machinery it is just another shard store: :class:`QuantizedStore` fills the gathered buffer with
 dequantized values, a chunk at a time, so no layer-sized temporary is ever allocated; or, for a
 Linear swapped for ``Int4Linear`` (int4, CPU), with the packed bytes and scales as stored.
@@ -29,8 +29,8 @@ import threading
 import torch
 from torch import nn
 
-from shardwise.inference import SafetensorsReader, _load_meta
-from shardwise.quantized_linear import PACKED, ROWS, SCALE, from_rows64, kernel_eligible, to_rows64
+from shardwise.inference.quantized_linear import PACKED, ROWS, SCALE, from_rows64, kernel_eligible, to_rows64
+from shardwise.inference.stream import SafetensorsReader, _load_meta
 from shardwise.safetensors_io import ST_DTYPES, ST_NAMES
 from shardwise.zero.stage3 import assign_params, find_units
 

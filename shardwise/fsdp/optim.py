@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.fsdp import sharding_of
+from shardwise.fsdp.module import sharding_of
 from shardwise.zero.builder import Sharding
 
 

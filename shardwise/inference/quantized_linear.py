@@ -3,7 +3,7 @@
 Dequantizing a streamed int4 layer into a float buffer before every use costs more CPU time than
 reading the bf16 layer would (issue 12: 0.41x bf16 tokens/s). ``aten._weight_int4pack_mm_for_cpu``
 multiplies bf16 activations by weights kept as 4-bit levels with one (scale, zero) per group along
-the input dimension, which is exactly the group-wise symmetric format of ``shardwise.quantize``
+the input dimension, which is exactly the group-wise symmetric format of ``shardwise.inference.quantize``
 (``w = (level - 8) * scale``, zero 0) when the groups lie along a row (``in_features`` a multiple
 of the group size). The kernel wants its own byte order, ``ROWS64``: per block of 64 output rows,
 for each input index ``j`` 32 bytes, byte ``r`` holding row ``r`` (low nibble) and row ``r + 32``

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config_read import read_config
-from shardwise.config_schema import ConfigError
+from shardwise.config.read import read_config
+from shardwise.config.schema import ConfigError
 from shardwise.safetensors_io import dtype_from_name
 
 # shardwise's own keywords of init_inference (see shardwise.inference.init_inference)
@@ -56,7 +56,7 @@ def init_inference(model: nn.Module | str | os.PathLike, config: str | os.PathLi
     (``tensor_parallel_size``, ``offload``, ``dtype``, ``prefetch``, ``quantize``, ``group_size``,
     ``progress``) and DeepSpeed's (see the module docstring).
     """
-    from shardwise.inference import init_inference as prepare
+    from shardwise.inference.stream import init_inference as prepare
 
     if isinstance(config, int) and not isinstance(config, bool):  # an old positional tensor_parallel_size
         kwargs.setdefault("tensor_parallel_size", config)

@@ -1,11 +1,11 @@
 """Every key of DeepSpeed 0.19's config, classified: the one table that says what shardwise does with it.
 
-honoured: implemented (the schema in config_schema.py validates it, the engine uses it).
+honoured: implemented (the schema in config/schema.py validates it, the engine uses it).
 ignored:  no effect on the numbers (logging, profilers, performance knobs): accepted, one notice.
 refused:  changes training and is not implemented: "DeepSpeed feature X (path) is not implemented by
           shardwise" unless the value asks for nothing (the default, or `enabled: false`).
 A key may be honoured only for some values (`accepts`); other values are refused like a refused key.
-Sections marked `subtree` cover all their sub-keys. `python -m shardwise.config_keys --markdown` prints
+Sections marked `subtree` cover all their sub-keys. `python -m shardwise.config.keys --markdown` prints
 the table of docs/config.md (a test keeps them equal).
 """
 
@@ -41,7 +41,7 @@ def flag_off(v: Any) -> bool:
 
 
 def flag_on(v: Any) -> bool:
-    """The schema's reading of a boolean flag (config_schema._strict_bool): true or 1."""
+    """The schema's reading of a boolean flag (config/schema.py, _strict_bool): true or 1."""
     return v is True or (type(v) is int and v == 1)
 
 
@@ -273,7 +273,7 @@ KEYS: tuple[Key, ...] = (
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
 if len(BY_PATH) != len(KEYS):  # pragma: no cover - a duplicated row is a bug in this file
-    raise RuntimeError("duplicate rows in shardwise.config_keys.KEYS")
+    raise RuntimeError("duplicate rows in shardwise.config.keys.KEYS")
 
 
 def children(path: str) -> dict[str, Key]:
@@ -298,5 +298,5 @@ def markdown() -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--markdown"]:
-        sys.exit("usage: python -m shardwise.config_keys --markdown")
+        sys.exit("usage: python -m shardwise.config.keys --markdown")
     sys.stdout.write(markdown())

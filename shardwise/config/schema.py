@@ -244,8 +244,8 @@ class ShardwiseConfig(_Section):
     @property
     def grad_accum_dtype(self) -> torch.dtype | None:
         """fp32 when ``data_types.grad_accum_dtype`` asks for it with bf16/fp16 compute, else None (the
-        compute dtype; config_keys.grad_accum_ok refuses at load what the engine cannot honour)."""
-        from shardwise.config_keys import dtype_name
+        compute dtype; config/keys.py (grad_accum_ok) refuses at load what the engine cannot honour)."""
+        from shardwise.config.keys import dtype_name
 
         fp32 = dtype_name(self.data_types.get("grad_accum_dtype")) == "fp32"
         return torch.float32 if fp32 and self.precision != "fp32" else None

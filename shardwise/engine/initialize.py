@@ -20,11 +20,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardwise.comm import init_distributed
 from shardwise.config import SupportedFeatures, load_config, timeout_of
-from shardwise.engine import Engine
-from shardwise.engine_api import UsageError
+from shardwise.engine.compat import UsageError
+from shardwise.engine.engine import Engine
+from shardwise.engine.mpu import mesh_from_mpu, mpu_sizes
+from shardwise.fsdp.unshard import is_sharded, unshard_module
 from shardwise.mesh import get_mesh
-from shardwise.mpu import mesh_from_mpu, mpu_sizes
-from shardwise.unshard import is_sharded, unshard_module
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 

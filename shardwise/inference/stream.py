@@ -20,7 +20,7 @@ The root's own parameters (embeddings, final norm, head) are needed by every for
 streamed modes they stay resident, as ``stage3_param_persistence_threshold`` keeps small ones.
 Decoder layers are gathered into a fixed :class:`~shardwise.zero.gather_pool.GatherPool` of
 ``prefetch + 1`` layer buffers made once, so the memory held does not depend on the allocator.
-``quantize=`` streams group-wise int8/int4 weights from a :class:`~shardwise.quantize.QuantizedStore`
+``quantize=`` streams group-wise int8/int4 weights from a :class:`~shardwise.inference.quantize.QuantizedStore`
 (another shard store), dequantized into the gathered buffer.
 """
 
@@ -182,12 +182,12 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     running (0: none). ``quantize="int8"|"int4"``: decoder-layer Linear weights are kept
     group-wise quantized (``group_size`` elements per scale) and dequantized per layer when it is
     gathered; from disk this needs a folder written by ``shardwise quantize`` (see
-    ``shardwise.quantize``), which is also picked up when ``quantize`` is None. ``progress(i, n)``
+    ``shardwise.inference.quantize``), which is also picked up when ``quantize`` is None. ``progress(i, n)``
     is called as the n units are set up. The fetcher is ``model.shardwise_fetcher``
     (``peak_gathered_bytes``), None when the weights are simply resident (one rank, no offload);
     ``model.memory_report()`` gives the bytes held, the gather pool included.
     """
-    from shardwise.quantize import is_quantized, open_store
+    from shardwise.inference.quantize import is_quantized, open_store
 
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
@@ -217,7 +217,7 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
                        progress=progress)
     model, want = _load_meta(path, dtype)
     files = open_store(path, model, offload, quantize, group_size)
-    from shardwise.quantized_linear import install
+    from shardwise.inference.quantized_linear import install
 
     install(model, files, want, _device())  # int4 Linear weights stay packed where the CPU kernel runs
     return _stream(model, comm, offload, prefetch, files, want, progress)

@@ -1,4 +1,4 @@
-"""Apply the key table (config_keys) to a raw config: refuse, note what is ignored, flag unknown keys.
+"""Apply the key table (config/keys.py) to a raw config: refuse, note what is ignored, flag unknown keys.
 
 Runs after normalization (aliases, "auto") and before pydantic validation. Keys the schema models keep
 their place (pydantic checks their types); ignored or refused keys that the schema does not model are
@@ -15,8 +15,8 @@ from typing import Any
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from shardwise.config_keys import BY_PATH, Key, children
-from shardwise.config_schema import ConfigError
+from shardwise.config.keys import BY_PATH, Key, children
+from shardwise.config.schema import ConfigError
 
 log = logging.getLogger("shardwise")
 

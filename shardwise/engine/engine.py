@@ -22,9 +22,9 @@ from torch import nn
 
 from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from shardwise.comm import Comm
-from shardwise.engine_api import EngineAccessors, UsageError
-from shardwise.engine_checks import check_all_used, check_save_args, guard_direct_step, track_used
-from shardwise.fsdp import shard_module
+from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
+from shardwise.engine.compat import EngineAccessors, UsageError
+from shardwise.fsdp.module import shard_module
 from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.builder import ShardOptions

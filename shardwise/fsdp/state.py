@@ -21,8 +21,8 @@ from torch import nn
 
 from shardwise.checkpoint import load_checkpoint as load_engine_checkpoint
 from shardwise.checkpoint import save_checkpoint as save_engine_checkpoint
-from shardwise.fsdp import sharding_of
-from shardwise.fsdp_optim import ShardedOptimizer
+from shardwise.fsdp.module import sharding_of
+from shardwise.fsdp.optim import ShardedOptimizer
 from shardwise.tensor_parallel.plan import gather_param
 from shardwise.zero.gathered import GatheredParameters
 

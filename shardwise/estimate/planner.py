@@ -1,6 +1,6 @@
 """Step-time planner: which layout trains fastest on a given cluster, and why.
 
-The memory estimator (``estimate.py``) says what fits; this says what it costs in time. Every
+The memory estimator (``estimate/memory.py``) says what fits; this says what it costs in time. Every
 collective is priced with the alpha-beta (latency-bandwidth) model of a ring: an all-gather or
 reduce-scatter of a buffer of ``B`` bytes over ``n`` ranks takes ``(n-1)·(α + B/n/β)`` and an
 all-reduce twice that (reduce-scatter + all-gather), where ``β`` is the bandwidth of the slowest
@@ -32,7 +32,7 @@ import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shardwise.estimate import ModelFacts, _states, _working
+from shardwise.estimate.memory import ModelFacts, _states, _working
 
 QUANT_BLOCK = 256  # elements per fp32 scale in quantized collectives
 

@@ -374,12 +374,3 @@ def _recommend(est: Estimate, mb: int | None, seq: int | None, ckpt: bool) -> No
                f"(stage {best.stage}, {best.offload} offload) vs {gb:.1f} GB usable; add devices, enable "
                "activation checkpointing or lower the micro batch.")
 
-
-# The report and the CLI live in estimate_report (which imports this module); resolved on first use
-# so `shardwise.estimate.main` and `format_report` work without an import cycle.
-def __getattr__(name: str) -> Any:
-    if name in ("format_report", "main"):
-        from shardwise import estimate_report
-
-        return getattr(estimate_report, name)
-    raise AttributeError(f"module 'shardwise.estimate' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from typing import Any
 
 import hjson
 
-from shardwise.config_schema import ConfigError, check_timeout
+from shardwise.config.schema import ConfigError, check_timeout
 
 MAX_DEPTH = 32  # a DeepSpeed config is at most 5 levels deep; anything far deeper is not a config
 MAX_BYTES = 16 * 1024 * 1024

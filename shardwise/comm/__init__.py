@@ -1,0 +1,15 @@
+"""``shardwise.comm``: the library's collectives (:class:`Comm`, counted) and ``deepspeed.comm``'s functions.
+
+- ``core``: process groups, :class:`Comm` (every collective the library issues), byte accounting,
+  the teardown and the diverged-ranks guard.
+- ``compat``: DeepSpeed's ``deepspeed.comm`` names (``get_rank``, ``all_reduce``, ``barrier``, ...);
+  its ``init_distributed`` (DeepSpeed's signature) is the one this package exports.
+"""
+
+from __future__ import annotations
+
+from shardwise.comm.compat import *  # noqa: F403 (deepspeed.comm's names, listed in compat.__all__)
+from shardwise.comm.compat import __all__ as _compat_names
+from shardwise.comm.core import Comm, CommStats, RanksDivergedError, Work, compute_device
+
+__all__ = ["Comm", "CommStats", "RanksDivergedError", "Work", "compute_device", *_compat_names]

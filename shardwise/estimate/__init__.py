@@ -1,0 +1,28 @@
+"""``shardwise.estimate``: what fits (memory) and what it costs (time), before any device is touched.
+
+- ``memory``: the ZeRO paper's memory / communication arithmetic per stage, and the advice.
+- ``report``: the estimate as text tables, and the ``shardwise estimate`` command line.
+- ``planner``: the step-time planner: which layout trains fastest on a given cluster.
+- ``planner_cli``: the planner's flags on ``shardwise estimate`` (``--nodes`` turns it on).
+"""
+
+from __future__ import annotations
+
+from shardwise.estimate.memory import (
+    Candidate,
+    Component,
+    Estimate,
+    ModelFacts,
+    StageEstimate,
+    count_params,
+    estimate,
+    model_facts,
+    parse_bytes,
+    parse_count,
+)
+from shardwise.estimate.planner import Cluster, Layout, Plan, format_plans, plan
+from shardwise.estimate.report import format_report, main
+
+__all__ = ["estimate", "model_facts", "count_params", "parse_count", "parse_bytes", "ModelFacts", "Estimate",
+           "StageEstimate", "Candidate", "Component", "format_report", "main", "plan", "format_plans", "Cluster",
+           "Layout", "Plan"]
