@@ -93,6 +93,7 @@ def trainer_cases(root: Path) -> dict:
     z3 = trainer_run(root / "z3", stage=3, steps=SAVE_EVERY, stage3_gather_16bit_weights_on_model_save=True)
     res["z3"] = losses(z3)
     z3.save_model(str(root / "z3_model"))
+    res["z3_saved_vs_live"] = saved_vs_live(z3.model, root / "z3_model" / "model.safetensors")
     del z3
     res["lora"] = lora_case(root)
     return res
@@ -110,7 +111,24 @@ def lora_case(root: Path) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=dataset())
     trainer.train()
     trainer.save_model(str(root / "lora_model"))
-    return losses(trainer)
+    return {"losses": losses(trainer),
+            "saved_vs_live": saved_vs_live(trainer.model, root / "lora_model" / "adapter_model.safetensors")}
+
+
+def saved_vs_live(model, path: Path) -> float | None:
+    """Largest difference between a saved file's tensors and the live (gathered) parameters of the
+    same names (PEFT drops the adapter name "default" when saving); None on ranks other than 0."""
+    import deepspeed  # the facade: this script runs under `shardwise launch --as-deepspeed`
+    from safetensors.torch import load_file
+
+    params = dict(model.named_parameters())
+    saved = load_file(path) if int(os.environ.get("RANK", "0")) == 0 else None
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        if saved is None:
+            return None
+        live = {n.replace(".default.", "."): p.detach() for n, p in params.items()}
+        assert set(saved) <= set(live), sorted(set(saved) - set(live))[:3]
+        return max(float((saved[n].float() - live[n].float()).abs().max()) for n in saved)
 
 
 def accelerate_run(root: Path, stage: int, resume: bool) -> dict[int, float]:
