@@ -92,11 +92,23 @@ def trainer_cases(root: Path) -> dict:
     del resumed
     z3 = trainer_run(root / "z3", stage=3, steps=SAVE_EVERY, stage3_gather_16bit_weights_on_model_save=True)
     res["z3"] = losses(z3)
+    res["z3_ds_attrs"] = stage3_attributes_hold(z3.model)
     z3.save_model(str(root / "z3_model"))
     res["z3_saved_vs_live"] = saved_vs_live(z3.model, root / "z3_model" / "model.safetensors")
     del z3
     res["lora"] = lora_case(root)
     return res
+
+
+def stage3_attributes_hold(model) -> bool:
+    """DeepSpeed's stage-3 marks: full sizes on every parameter; the ds_tensor pieces of all ranks
+    add up to the whole parameter."""
+    params = list(model.parameters())
+    whole = all(p.ds_numel == p.numel() and tuple(p.ds_shape) == tuple(p.shape) for p in params)
+    pieces = torch.tensor([p.ds_tensor.numel() for p in params])
+    torch.distributed.all_reduce(pieces)
+    ids = {p.ds_id for p in params}
+    return whole and len(ids) == len(params) and pieces.tolist() == [p.numel() for p in params]
 
 
 def lora_case(root: Path) -> dict:

@@ -98,6 +98,7 @@ def test_trainer_stage3_saves_full_weights(launched):
     want = {n: p.shape for n, p in job.tiny_llama().named_parameters()}
     assert {n: t.shape for n, t in saved.items()} == want  # every weight, none of size 0
     assert launched["trainer"]["z3_saved_vs_live"] == 0.0  # the trained weights, bit for bit
+    assert launched["trainer"]["z3_ds_attrs"]  # ds_id / ds_numel / ds_shape / ds_tensor as DeepSpeed's
 
 
 def test_peft_lora_stage3_trains_and_saves_adapters(launched):

@@ -8,6 +8,7 @@ DeepSpeed's documented training API that shardwise implements (``docs/deepspeed_
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 from typing import Any
 
@@ -26,7 +27,8 @@ VERSION = f"{API_LEVEL}+shardwise"
 
 
 def _take(module: ModuleType, wanted: list[str]) -> dict[str, Any]:
-    return {n: getattr(module, n) for n in wanted}
+    """The named objects of ``module``; submodules are served as facade modules of their own."""
+    return {n: getattr(module, n) for n in wanted if not isinstance(getattr(module, n), ModuleType)}
 
 
 _ZERO = ["GatheredParameters", "Init", "MiCS_Init", "register_external_parameter", "unregister_external_parameter"]
@@ -80,8 +82,8 @@ SURFACE: dict[str, dict[str, Any]] = {
 
 def describe(value: Any) -> str:
     """What serves a name, for the generated list: the shardwise object's path, or the constant."""
-    if isinstance(value, ModuleType):
-        return f"module `{value.__name__}`"
+    if isinstance(value, logging.Logger):
+        return f"`logging.getLogger({value.name!r})`"
     qual = getattr(value, "__qualname__", None)
     module = getattr(value, "__module__", None)
     if qual and module and callable(value):
