@@ -153,3 +153,19 @@ def test_doc_lists_every_served_name():
     block = re.search(r"<!-- names:begin -->\n(.*?)<!-- names:end -->", doc, re.S)
     assert block is not None and block.group(1) == name_table(), \
         "regenerate the list: python -m shardwise.deepspeed names"
+
+
+def test_conformance_tool_reads_the_facade_errors():
+    """tools/ds_conformance.py classifies failures by the facade's error message."""
+    import importlib.util
+
+    from shardwise.deepspeed import DeepSpeedNameNotImplemented
+
+    spec = importlib.util.spec_from_file_location("ds_conformance", ROOT / "tools" / "ds_conformance.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for name, use, cause in [("deepspeed.zero.TiledLinear", " called", "missing public API"),
+                             ("deepspeed.runtime.zero.partition_parameters.ZeroParamStatus", "",
+                              "reads DeepSpeed internals"),
+                             ("deepspeed.accelerator.get_accelerator().foo", "", "harness (accelerator)")]:
+        assert tool.classify(f"E   {DeepSpeedNameNotImplemented(name, use)}\n") == cause

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from shardwise.deepspeed.missing import DeepSpeedNameNotImplemented
+
 
 class Accelerator:
     """The subset of DeepSpeed's ``DeepSpeedAccelerator`` that libraries and scripts call."""
@@ -162,6 +164,11 @@ class Accelerator:
 
     def lazy_call(self, callback: Any) -> Any:
         return callback()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise DeepSpeedNameNotImplemented(f"deepspeed.accelerator.get_accelerator().{name}")
 
 
 _ACCELERATOR: Accelerator | None = None
