@@ -180,6 +180,9 @@ def run_loop(accelerator, out: Path, resume: bool) -> dict[int, float]:
 
 
 def main() -> None:
+    import deepspeed
+
+    assert deepspeed.__version__.endswith("+shardwise"), deepspeed  # the facade, even if one is installed
     root, parts = Path(sys.argv[1]), sys.argv[2:] or ["trainer", "accelerate"]
     res = {}
     if "trainer" in parts:

@@ -152,7 +152,7 @@ def test_doc_lists_every_served_name():
     doc = (ROOT / "docs" / "hf_trainer.md").read_text()
     block = re.search(r"<!-- names:begin -->\n(.*?)<!-- names:end -->", doc, re.S)
     assert block is not None and block.group(1) == name_table(), \
-        "regenerate the list: python -m shardwise.deepspeed names"
+        "regenerate: python -m shardwise.deepspeed names --update docs/hf_trainer.md"
 
 
 def test_conformance_tool_reads_the_facade_errors():

@@ -23,14 +23,18 @@ def mark_stage3_params(engine: Engine) -> None:
     """Set DeepSpeed's stage-3 attributes on every parameter a stage-3 group shards.
 
     ``ds_id``: a unique index; ``ds_numel`` / ``ds_shape``: the whole parameter's (TP-local)
-    size; ``ds_tensor``: this rank's piece of it, a 1-D view of the group's persistent shard
-    (empty when the piece lies on other ranks; None when the shard lives in files).
+    size; ``ds_tensor``: this rank's piece of it, a 1-D view of the group's persistent shard, or of
+    this rank's range of a group kept whole (small parameters under
+    ``stage3_param_persistence_threshold``); empty when the piece lies on other ranks, None when
+    the shard lives in files.
     """
     if engine.stage < 3:
         return
     next_id = 0
     for group in engine.sharding.all_groups:
         shard = group.param_shard
+        if shard is None and not group.store.rereads:  # kept whole: this rank's range of the buffer
+            shard = group.flat_param.narrow(0, group.own_start, group.own_numel)
         pieces = {seg.index: seg for seg in group.owned}
         for i, p in enumerate(group.params):
             seg = pieces.get(i)
