@@ -76,6 +76,9 @@ def _launch_parser() -> OneLineParser:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None)
     p.add_argument("--timeout", type=positive_float, default=None,
                    help="seconds any collective may wait before the ranks fail (SHARDWISE_TIMEOUT; default 600)")
+    p.add_argument("--as-deepspeed", "--as_deepspeed", dest="as_deepspeed", action="store_true",
+                   help="`import deepspeed` in the ranks is shardwise's DeepSpeed facade (HF Trainer, Accelerate; "
+                        "see docs/hf_trainer.md)")
     return p
 
 
@@ -135,7 +138,15 @@ def launch(argv: list[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     if args.timeout is not None:
         env["SHARDWISE_TIMEOUT"] = str(args.timeout)
-    return _run_forwarding_signals(cmd, env)
+    if not args.as_deepspeed:
+        return _run_forwarding_signals(cmd, env)
+    import tempfile
+
+    from shardwise.deepspeed import write_hook
+
+    with tempfile.TemporaryDirectory(prefix="shardwise-deepspeed-") as hook:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(write_hook(hook)), env.get("PYTHONPATH")) if p)
+        return _run_forwarding_signals(cmd, env)
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:

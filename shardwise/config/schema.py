@@ -46,7 +46,7 @@ class SupportedFeatures:
 
     @classmethod
     def everything(cls) -> "SupportedFeatures":
-        """What shardwise.initialize (and the CLI's early config check) accept."""
+        """What shardwise.engine.initialize (and the CLI's early config check) accept."""
         return cls(stage3=True, tensor_parallel=True, offload_param=True, hybrid=True)
 
 
@@ -54,6 +54,11 @@ class _Section(BaseModel):
     """Checked section: unknown keys are errors, because a typo must not silently become a default."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A key read as from the JSON dict: DeepSpeed's ``engine.config`` is that dict, and the
+        Trainer reads ``engine.config.get("zero_optimization", {}).get("stage")``."""
+        return getattr(self, key, default) if key in type(self).model_fields else default
 
 
 class FP16Config(_Section):
@@ -179,7 +184,9 @@ class ShardwiseConfig(_Section):
     train_micro_batch_size_per_gpu: _Batch | None = None  # always set after load_config
     gradient_accumulation_steps: _Batch | None = None  # always set after load_config
     gradient_clipping: float = Field(0.0, ge=0)  # 0 = off
-    steps_per_print: int | None = Field(10, ge=0)  # None or 0 = never
+    # None or 0 = never; accelerate writes float("inf") (DeepSpeed's "never" too)
+    steps_per_print: Annotated[int | None, BeforeValidator(lambda v: None if v == float("inf") else v)] = \
+        Field(10, ge=0)
     wall_clock_breakdown: Bool = False
     prescale_gradients: Bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0)

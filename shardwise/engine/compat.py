@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import compute_device
+from shardwise.fsdp.state import full_state_dict
 
 
 class UsageError(RuntimeError, AssertionError):
@@ -219,6 +220,36 @@ class EngineAccessors:
         self.sharding.remove()
         for h in getattr(self, "_used_hooks", []):
             h.remove()
+
+    # -- saving and compiling, as transformers' Trainer and accelerate call them ---------------
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether a model save gathers the whole 16-bit weights (config key
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save``); accelerate asks before
+        calling :meth:`_zero3_consolidated_16bit_state_dict` at stage 3."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, every tensor at full shape in the compute dtype, on rank 0
+        (``{}`` on the other ranks; collective). DeepSpeed's name: the Trainer and accelerate save
+        stage-3 models through it; ``exclude_frozen_parameters`` keeps only trained parameters
+        (PEFT adapters) and the buffers."""
+        state = full_state_dict(self.module)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule: Any = None) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` the wrapped module's forward in place."""
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...): DeepSpeed's compile passes are not "
+                                      "implemented by shardwise; drop schedule")
+        self.module.compile(backend=backend or "inductor", **(compile_kwargs or {}))
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_compiled", False)
 
     # -- aliases --------------------------------------------------------------------
     def save_fp16_model(self, save_dir: str, save_filename: str | None = None) -> None:

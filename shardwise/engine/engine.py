@@ -100,6 +100,8 @@ class Engine(EngineAccessors, nn.Module):
                          for opts, gs in zip(sh.param_groups, self.groups_by_pg, strict=True)]
         self.optimizer = self._make_optimizer(optimizer, master_groups)
         guard_direct_step(self, self.optimizer)
+        if self.optimizer is not None:
+            self.optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: the last step was skipped
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
         self.fp16 = config.precision == "fp16"
@@ -239,6 +241,7 @@ class Engine(EngineAccessors, nn.Module):
         else:
             self.skipped_steps += 1
         self._step_applied = not skip
+        self.optimizer.overflow = skip
         self.last_grad_norm = norm
         self.sharding.zero_grad()
         self.global_steps += 1

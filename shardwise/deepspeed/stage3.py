@@ -1,0 +1,58 @@
+"""``deepspeed.initialize`` of the facade: shardwise's, plus the stage-3 parameter attributes that
+libraries written for DeepSpeed read.
+
+At stage 3 DeepSpeed marks every partitioned parameter with ``ds_id``, ``ds_numel``, ``ds_shape``
+and ``ds_tensor``; transformers (``num_parameters``), peft (layer shapes, parameter counts) and
+trl test for them to learn the true size of a parameter whose ``.data`` is a placeholder.
+shardwise's placeholders keep the full shape, so the sizes are right either way; the attributes
+are set so that code taking DeepSpeed's branch reads the same numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from shardwise.engine import Engine
+from shardwise.engine.initialize import initialize as shardwise_initialize
+
+
+def mark_stage3_params(engine: Engine) -> None:
+    """Set DeepSpeed's stage-3 attributes on every parameter a stage-3 group shards.
+
+    ``ds_id``: a unique index; ``ds_numel`` / ``ds_shape``: the whole parameter's (TP-local)
+    size; ``ds_tensor``: this rank's piece of it, a 1-D view of the group's persistent shard, or of
+    this rank's range of a group kept whole (small parameters under
+    ``stage3_param_persistence_threshold``); empty when the piece lies on other ranks, None when
+    the shard lives in files.
+    """
+    if engine.stage < 3:
+        return
+    next_id = 0
+    for group in engine.sharding.all_groups:
+        shard = group.param_shard
+        if shard is None and not group.store.rereads:  # kept whole: this rank's range of the buffer
+            shard = group.flat_param.narrow(0, group.own_start, group.own_numel)
+        pieces = {seg.index: seg for seg in group.owned}
+        for i, p in enumerate(group.params):
+            seg = pieces.get(i)
+            p.ds_id, p.ds_numel, p.ds_shape = next_id, p.numel(), torch.Size(p.shape)
+            if shard is None:
+                p.ds_tensor = None
+            elif seg is None:
+                p.ds_tensor = shard.new_empty(0)
+            else:
+                p.ds_tensor = shard.narrow(0, seg.offset, seg.length)
+            next_id += 1
+
+
+@functools.wraps(shardwise_initialize)
+def initialize(*args: Any, **kwargs: Any) -> tuple[Engine, Any, Any, Any]:
+    result = shardwise_initialize(*args, **kwargs)
+    mark_stage3_params(result[0])
+    return result
+
+
+initialize.__module__, initialize.__qualname__ = __name__, "initialize"  # wraps() copied shardwise's
