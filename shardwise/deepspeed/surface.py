@@ -12,7 +12,8 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from shardwise import comm_api, optim, utils, zero
+from shardwise import optim, utils, zero
+from shardwise.comm import compat as comm_api
 from shardwise.config.schema import ConfigError
 from shardwise.deepspeed import accelerator, names, ops
 from shardwise.deepspeed.stage3 import initialize
