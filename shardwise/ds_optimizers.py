@@ -81,23 +81,24 @@ def _normalized(g: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool
     return x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7), tall
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The quintic Newton-Schulz orthogonalization, in bf16 (DeepSpeed's "standard")."""
     a, b, c = NS_COEFFS
-    x, tall = _normalized(g, torch.bfloat16)
+    x, tall = _normalized(g, dtype)
     for _ in range(steps):
         s = x @ x.mT
         x = a * x + (b * s + c * s @ s) @ x
     return x.mT if tall else x
 
 
-def gram_newton_schulz(g: torch.Tensor, steps: int = 5, restart: int = 2) -> torch.Tensor:
+def gram_newton_schulz(g: torch.Tensor, steps: int = 5, restart: int = 2,
+                       dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The same iteration run on the small Gram matrix ``R = X X^T`` (DeepSpeed's "gram", fp16).
 
     The polynomial in ``R`` is accumulated in ``Q`` and applied to ``X`` once at the end, with one
     restart (``X <- Q X``, ``R`` recomputed) at iteration ``restart`` to keep fp16 stable."""
     a, b, c = NS_COEFFS
-    x, tall = _normalized(g, torch.float16)
+    x, tall = _normalized(g, dtype)
     if x.size(-1) <= x.size(-2):  # square: no gain, the standard iteration (in fp16)
         for _ in range(steps):
             s = x @ x.mT

@@ -222,3 +222,19 @@ def train_probe(stage: int) -> dict:
     opt.step()
     model_shapes = sorted({tuple(p.shape) for p in build("llama").parameters()})
     return {"seen": sorted(opt.optimizer.seen_shapes), "model_shapes": model_shapes}
+
+
+def tp_refusal() -> str:
+    """A TP-sliced matrix cannot be stepped whole by a non-elementwise optimizer: refused by name."""
+    from shardwise.mesh import get_mesh
+    from shardwise.tensor_parallel import apply_tensor_parallel
+
+    mesh = get_mesh(2, None)
+    model = build("llama")
+    apply_tensor_parallel(model, mesh.tp)
+    model = shardwise.shard(model, stage=1, mesh=mesh)
+    try:
+        shardwise.ShardedOptimizer(model, torch.optim.Adafactor, lr=1e-2)
+    except ValueError as e:
+        return str(e)
+    return ""
