@@ -5,7 +5,9 @@ rank's 1/N at stages >= 1), so the plain loop ``loss.backward(); opt.step(); opt
 steps exactly what the engine steps: it waits for the gradient reductions, averages over the
 data-parallel ranks, steps, and writes the updated shards back into the parameters (stages 1-2
 all-gather them before ``step()`` returns). It is a ``torch.optim.Optimizer`` whose
-``param_groups`` and ``state`` are the inner optimizer's, so LR schedulers work on it.
+``param_groups`` and ``state`` are the inner optimizer's, so LR schedulers work on it. An optimizer
+that is not elementwise (Adafactor, Muon, a user's class; ``zero/elementwise.py``) is built over whole
+tensors instead, each owned by one rank (``zero/whole_tensor.py``, ``docs/optimizers.md``).
 """
 
 from __future__ import annotations
