@@ -53,6 +53,22 @@ def test_whole_tensor_optimizer_matches_single_process(pool2, case):
         assert stage2["whole_tensor_step_buffers"] > stage2["whole_tensor_params"]
 
 
+def test_client_factories_pick_by_the_class_they_build(pool2):
+    """initialize(optimizer=lambda groups: ...): an Adafactor factory steps whole tensors (exactly), an
+    AdamW factory flat shards."""
+    whole = pool2.run("whole_tensor_cases:train_case", "adafactor_factory", (2,), ("engine",))
+    _assert_exact(whole, reference("adafactor"))
+    _assert_whole(whole)
+    flat = pool2.run("whole_tensor_cases:train_case", "adamw_factory", (2,), ("engine",))
+    assert all(len(s) == 1 for s in flat[0]["engine:2"]["shapes"])
+    assert flat[0]["engine:2"]["memory"]["whole_tensor_params"] == 0
+
+
+def test_checkpoint_of_whole_tensor_state_is_refused_by_name(pool2, tmp_path):
+    msg = pool2.run("whole_tensor_cases:checkpoint_refused", str(tmp_path / "ckpt"))[0]
+    assert "Adafactor optimizer steps whole tensors" in msg and "load_optimizer_states=False" in msg
+
+
 def test_declared_elementwise_optimizer_stays_flat(pool2):
     """A user's optimizer with ``shardwise_elementwise = True`` steps the flat 1-D shards, still exactly."""
     res = pool2.run("whole_tensor_cases:train_case", "sign_momentum", (1, 2, 3))
