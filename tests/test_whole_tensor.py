@@ -26,7 +26,7 @@ def _assert_exact(res: list[dict], ref: dict) -> None:
         for n, want in ref["weights"].items():
             got = run["weights"][n]
             assert torch.equal(got, want), (key, n, (got - want).abs().max().item())
-        for r in range(2):
+        for r in range(len(res)):
             assert res[r][key]["losses"] == ref["losses"][r], (key, r)
 
 
@@ -51,6 +51,12 @@ def test_whole_tensor_optimizer_matches_single_process(pool2, case):
         assert stage0["whole_tensor_params"] == 0  # stage 0: the optimizer steps views of the whole masters
         assert stage2["whole_tensor_params"] == 4 * res[0]["engine:2"]["owned_numel"]
         assert stage2["whole_tensor_step_buffers"] > stage2["whole_tensor_params"]
+
+
+def test_hybrid_shard2_replicate2(pool4):
+    """4 ranks as 2 replicas of shard groups of 2: tensors are dealt within a shard group; still exact."""
+    res = pool4.run("whole_tensor_cases:train_case", "lamb_like", (2, 3), ("functional",), shard_size=2)
+    _assert_exact(res, reference("lamb_like", world=4))
 
 
 def test_client_factories_pick_by_the_class_they_build(pool2):

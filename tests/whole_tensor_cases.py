@@ -127,7 +127,10 @@ def _groups(case: str, model) -> list[dict]:
 
 
 def reference(case: str, world: int = 2) -> dict:
-    """One process: each rank's micro batch backward on its own, gradients averaged as the ranks do."""
+    """One process: each rank's micro batch backward on its own, gradients averaged as the ranks do
+    (2 ranks, or 4 as 2 replicas of shard groups of 2: ``((g0 + g1) + (g2 + g3)) / 4``, where every
+    sum has two terms, so its order cannot matter)."""
+    assert world in (2, 4)
     cls, _, defaults, _ = CASES[case]
     model = _model(case)
     opt = cls(_groups(case, model), **defaults)
@@ -143,10 +146,9 @@ def reference(case: str, world: int = 2) -> dict:
             loss.backward()
             losses[r].append(float(loss.detach()))
             per_rank.append([p.grad.clone() for p in params])
-        for i, p in enumerate(params):
-            total = per_rank[0][i]
-            for r in range(1, world):
-                total = total + per_rank[r][i]
+        for i, p in enumerate(params):  # ranks (0, 1) reduce-scatter, then replicas (hybrid) all-reduce
+            pairs = [per_rank[r][i] + per_rank[r + 1][i] for r in range(0, world, 2)]
+            total = pairs[0] if len(pairs) == 1 else pairs[0] + pairs[1]
             p.grad = total.mul_(1.0 / world)
         opt.step()
     return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
@@ -161,9 +163,9 @@ def _train(step, model, rank: int) -> list[float]:
     return losses
 
 
-def _functional(case: str, stage: int) -> dict:
+def _functional(case: str, stage: int, shard_size: int | None = None) -> dict:
     cls, _, defaults, _ = CASES[case]
-    model = shardwise.shard(_model(case), stage=stage, bucket_size=20_000)
+    model = shardwise.shard(_model(case), stage=stage, bucket_size=20_000, shard_size=shard_size)
     opt = shardwise.ShardedOptimizer(model, cls, param_groups=_groups(case, model), **defaults)
 
     def step(loss: torch.Tensor) -> float:
@@ -204,13 +206,14 @@ def _engine(case: str, stage: int) -> dict:
             "memory": engine.memory_report()}
 
 
-def train_case(case: str, stages: tuple[int, ...] = (1, 2, 3), apis: tuple[str, ...] = ("functional", "engine")
-               ) -> dict:
-    """Every stage and front end of one case: losses, rank 0's weights, the shapes the optimizer stepped."""
+def train_case(case: str, stages: tuple[int, ...] = (1, 2, 3), apis: tuple[str, ...] = ("functional", "engine"),
+               shard_size: int | None = None) -> dict:
+    """Every stage and front end of one case: losses, rank 0's weights, the shapes the optimizer stepped.
+    ``shard_size``: hybrid sharding (functional API only)."""
     out = {}
     for api in apis:
         for stage in stages:
-            run = (_functional if api == "functional" else _engine)(case, stage)
+            run = _functional(case, stage, shard_size) if api == "functional" else _engine(case, stage)
             opt = run.pop("inner")
             run["shapes"] = sorted({tuple(p.shape) for g in opt.param_groups for p in g["params"]})
             run["seen"] = sorted(getattr(opt, "seen_shapes", set()))
