@@ -115,6 +115,8 @@ def test_which_optimizers_are_elementwise():
     class Mine(torch.optim.Optimizer):
         pass
 
+    FusedAdam = type("FusedAdam", (torch.optim.Optimizer,), {"__module__": "deepspeed.ops.adam.fused_adam"})
+    assert is_elementwise(FusedAdam)  # DeepSpeed's, known by name
     KeepsStep([torch.zeros(2)])  # torch wraps step() on first construction: still AdamW's
     assert is_elementwise(KeepsStep) and not is_elementwise(NewStep) and is_elementwise(Declared)
     assert not is_elementwise(Mine) and register_elementwise(Mine) is Mine and is_elementwise(Mine)

@@ -8,7 +8,8 @@ per-tensor trust ratio) would see a 1-D slice that is part of one parameter and 
 and compute something else without an error. So such optimizers step whole tensors instead
 (``zero/whole_tensor.py``), and an optimizer is elementwise only when shardwise knows it is:
 
-* the ``torch.optim`` classes listed below, exactly or subclassed without overriding ``step``;
+* the ``torch.optim`` classes listed below, exactly or subclassed without overriding ``step``, and
+  DeepSpeed's own Adam / Adagrad / Lion classes (by name);
 * a class registered with :func:`register_elementwise` (or used as its decorator);
 * a class with the attribute ``shardwise_elementwise = True`` (``False`` forces whole tensors).
 """
@@ -23,6 +24,9 @@ import torch
 _TORCH_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
                       "Rprop", "ASGD", "SparseAdam")
 _REGISTERED: set[type] = {getattr(torch.optim, n) for n in _TORCH_ELEMENTWISE if hasattr(torch.optim, n)}
+
+# DeepSpeed's own per-element optimizers, known by name (DeepSpeed need not be installed to import this).
+_DEEPSPEED_ELEMENTWISE = ("FusedAdam", "DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "FusedLion", "DeepSpeedCPULion")
 
 FLAG = "shardwise_elementwise"
 
@@ -44,6 +48,8 @@ def is_elementwise(optimizer: torch.optim.Optimizer | type) -> bool:
     flag = getattr(cls, FLAG, None)
     if flag is not None:
         return bool(flag)
+    if cls.__module__.split(".")[0] == "deepspeed" and cls.__name__ in _DEEPSPEED_ELEMENTWISE:
+        return True
     for base in cls.__mro__:
         if base in _REGISTERED:
             # a subclass that keeps the registered class's step keeps its per-element update
