@@ -98,6 +98,10 @@ class WholeTensorStepper:
                 t.shardwise_name = g.names[i]  # read by name-based rules (DeepSpeed's Muon groups)
                 self.owned[id(g)].append(OwnedTensor(g, i, t))
                 self.by_param[id(g.params[i])] = t
+        if self.split:  # an optimizer may read its parameters when it is built (an EMA, Lookahead)
+            with torch.no_grad():
+                for g in self.groups:
+                    self._load_values(g)
 
     def _whole(self, g: ShardedGroup, i: int) -> torch.Tensor:
         """Stage 0: a view of the whole master; else an fp32 tensor of its own, filled before each step."""
@@ -155,13 +159,18 @@ class WholeTensorStepper:
                     grad = g.master.grad
                     o.tensor.grad = None if grad is None else grad.narrow(0, o.offset, o.numel).view(o.tensor.shape)
                 continue
+            self._load_values(g)
             grads = self._gathered(g, g.master.grad)
-            values = self._gathered(g, g.master)
             for o in owned:
-                o.tensor.copy_(values.narrow(0, o.offset, o.numel).view(o.tensor.shape))
                 o.tensor.grad = grads.narrow(0, o.offset, o.numel).view(o.tensor.shape).to(o.tensor.device,
                                                                                            copy=True)
-            del grads, values
+            del grads
+
+    def _load_values(self, g: ShardedGroup) -> None:
+        """The owned tensors of ``g`` from the master shards (which edits and checkpoint loads update)."""
+        values = self._gathered(g, g.master)
+        for o in self.owned[id(g)]:
+            o.tensor.copy_(values.narrow(0, o.offset, o.numel).view(o.tensor.shape))
 
     @torch.no_grad()
     def store(self) -> None:
