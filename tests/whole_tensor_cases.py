@@ -165,7 +165,8 @@ def _train(step, model, rank: int) -> list[float]:
 
 def _functional(case: str, stage: int, shard_size: int | None = None) -> dict:
     cls, _, defaults, _ = CASES[case]
-    model = shardwise.shard(_model(case), stage=stage, bucket_size=20_000, shard_size=shard_size)
+    model = shardwise.shard(_model(case), stage=stage, bucket_size=20_000, shard_size=shard_size,
+                            persistence_threshold=0)  # stage 3: every tensor sharded, none kept whole
     opt = shardwise.ShardedOptimizer(model, cls, param_groups=_groups(case, model), **defaults)
 
     def step(loss: torch.Tensor) -> float:
@@ -183,7 +184,7 @@ def _functional(case: str, stage: int, shard_size: int | None = None) -> dict:
 def _engine(case: str, stage: int) -> dict:
     cls, _, defaults, section = CASES[case]
     model = _model(case)
-    cfg = make_config(stage, optimizer=False)
+    cfg = make_config(stage, optimizer=False, stage3_param_persistence_threshold=0)
     client = None
     if section is not None:
         cfg["optimizer"] = section

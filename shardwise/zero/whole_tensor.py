@@ -21,8 +21,9 @@ front ends and a scheduler see a plain ``torch.optim.Optimizer``):
 
 Stage 0 keeps whole masters on every rank: the optimizer steps views of them, with no traffic.
 The cost (``memory()``, in ``memory_report()``): the owned fp32 copies (~4 bytes x Ψ/N), and during
-``step()`` the owned gradients plus two fp32 buffers of the largest group; per step two all-gathers
-and one reduce-scatter of the fp32 masters. TP slices are refused: their whole tensor spans ranks.
+``step()`` the owned gradients plus two fp32 buffers of the largest group; per step an all-gather of
+the gradients, one of the values (skipped at stages 1-2 in fp32, where the published parameters are
+the masters) and a reduce-scatter of the stepped values. TP slices are refused: their whole tensor spans ranks.
 """
 
 from __future__ import annotations
@@ -168,7 +169,11 @@ class WholeTensorStepper:
 
     def _load_values(self, g: ShardedGroup) -> None:
         """The owned tensors of ``g`` from the master shards (which edits and checkpoint loads update)."""
-        values = self._gathered(g, g.master)
+        if g.master_is_view and not g.policy.shard_params:
+            g.wait_gathered()  # stages 1-2 in fp32: the published buffer already holds every master, exactly
+            values = g.flat_param
+        else:
+            values = self._gathered(g, g.master)
         for o in self.owned[id(g)]:
             o.tensor.copy_(values.narrow(0, o.offset, o.numel).view(o.tensor.shape))
 
