@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardwise.config.schema import _OPTIMIZERS
 from shardwise.config.schema import _SCHEDULERS as _SCHEDULER_PARAMS
+from shardwise.ds_optimizers import MUON_CONFIG_KEYS, Lamb, MuonWithAuxAdam, muon_param_groups
 
 __all__ = [
     "build_optimizer",
@@ -98,6 +99,8 @@ def build_optimizer(opt_type: str, params: dict, param_groups: list[dict]) -> Op
             kw["betas"] = tuple(kw["betas"])
     elif name == "sgd":
         cls = SGD
+    elif name in ("lamb", "muon"):
+        return _build_whole_tensor_optimizer(name, kw, param_groups)
     else:
         raise ValueError(
             f"optimizer.type {opt_type!r} is not supported; supported: {', '.join(_SUPPORTED_OPTIMIZERS)}"
@@ -105,6 +108,28 @@ def build_optimizer(opt_type: str, params: dict, param_groups: list[dict]) -> Op
     _reject_unknown("optimizer.params", kw, cls)
     kw.update(_kernel_kwargs(param_groups, fused, foreach))
     return cls(param_groups, **kw)
+
+
+def config_optimizer_class(opt_type: str) -> type[Optimizer]:
+    """The class ``build_optimizer`` makes for a config ``optimizer.type`` (tells flat from whole-tensor)."""
+    return {"lamb": Lamb, "muon": MuonWithAuxAdam, "sgd": SGD, "adam": Adam}.get(opt_type.lower(), AdamW)
+
+
+def _build_whole_tensor_optimizer(name: str, kw: dict[str, Any], param_groups: list[dict]) -> Optimizer:
+    """DeepSpeed's Lamb (FusedLamb) or Muon (MuonWithAuxAdam) over whole tensors (ds_optimizers.py)."""
+    if name == "muon":
+        unknown = sorted(set(kw) - set(MUON_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"optimizer.params.{unknown[0]} is not a Muon parameter "
+                             f"(accepted: {', '.join(sorted(MUON_CONFIG_KEYS))})")
+        return MuonWithAuxAdam(muon_param_groups(param_groups, kw))
+    if kw.pop("amsgrad", False):
+        raise ValueError("optimizer.params.amsgrad=true: DeepSpeed's Lamb does not support AMSGrad")
+    if kw.pop("max_grad_norm", 0.0):
+        raise ValueError("optimizer.params.max_grad_norm: Lamb's own clipping is not implemented; use "
+                         "gradient_clipping, which clips the same global norm before the step")
+    _reject_unknown("optimizer.params", kw, Lamb)
+    return Lamb(param_groups, **kw)
 
 
 def client_param_groups(model: torch.nn.Module, model_parameters: Any, client: Any) -> list[dict]:

@@ -246,7 +246,12 @@ def test_optimizer_and_scheduler_types():
     assert "did you mean 'AdamW'" in error_of({"optimizer": {"type": "AdamWW"}})
     msg = error_of({"optimizer": {"type": "OneBitAdam"}})
     assert msg.startswith("optimizer.type:") and "is not implemented by shardwise" in msg and "client optimizer" in msg
-    assert "not implemented by shardwise" in error_of({"optimizer": {"type": "Lamb"}})
+    assert "not implemented by shardwise" in error_of({"optimizer": {"type": "OneBitLamb"}})
+    lamb = load_config({"train_batch_size": 2, "optimizer": {"type": "lamb", "params": {"max_coeff": 5.0}}})
+    assert lamb.optimizer.type == "Lamb" and lamb.optimizer.params["min_coeff"] == 0.01  # FusedLamb's default
+    muon = load_config({"train_batch_size": 2, "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02}}})
+    assert muon.optimizer.params["muon_lr"] == 0.02 and muon.optimizer.params["adam_lr"] is None
+    assert "optimizer.params.ns_method" in error_of({"optimizer": {"type": "Muon", "params": {"ns_method": "x"}}})
     msg = error_of({"scheduler": {"type": "OneCycle"}})
     assert msg.startswith("scheduler.type:") and "not implemented by shardwise" in msg
     assert "did you mean 'WarmupLR'" in error_of({"scheduler": {"type": "warmuplr"}})

@@ -197,8 +197,8 @@ def test_build_optimizer_sgd_and_errors() -> None:
     assert type(o) is torch.optim.SGD
     g = o.param_groups[0]
     assert (g["lr"], g["momentum"], g["nesterov"], g["dampening"]) == (0.1, 0.9, True, 0.0)
-    with pytest.raises(ValueError, match=r"optimizer\.type 'Lamb'.*Adam, AdamW, SGD"):
-        build_optimizer("Lamb", {}, _groups())
+    with pytest.raises(ValueError, match=r"optimizer\.type 'OneBitLamb'.*Adam, AdamW, SGD, Lamb, Muon"):
+        build_optimizer("OneBitLamb", {}, _groups())
     with pytest.raises(ValueError, match=r"optimizer\.params\.max_grad_norm"):
         build_optimizer("Adam", {"max_grad_norm": 1.0}, _groups())
 

@@ -47,6 +47,7 @@ from shardwise.checkpoint.tp import (
     spec_of,
 )
 from shardwise.checkpoint.validate import confined_path, match_like, parse_metadata
+from shardwise.zero.whole_tensor import refuse_checkpoint
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -326,6 +327,8 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | N
     comm = world_comm()
     engine.wait_for_params()  # the last step's asynchronous all-gathers still write the parameters
     with_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    if with_opt:
+        refuse_checkpoint(engine.optimizer, "load_checkpoint")
     err: BaseException | None = None
     path, meta, st = None, {}, _Staged()
     try:

@@ -28,6 +28,7 @@ from shardwise.checkpoint.fileio import (
 )
 from shardwise.checkpoint.frozen import describe_frozen, full_shape, module_extras
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
+from shardwise.zero.whole_tensor import refuse_checkpoint
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -264,6 +265,7 @@ def save_checkpoint(engine: CheckpointTarget, save_dir: str | Path, tag: str | N
     ``exclude_frozen_parameters``: frozen parameters are not written, only listed as excluded
     (a load keeps the model's own values for them).
     """
+    refuse_checkpoint(engine.optimizer, "save_checkpoint")
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not tag or "/" in tag or tag.startswith(".") or tag in ("latest", "latest.tmp"):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name (no '/', not hidden)")

@@ -101,7 +101,8 @@ KEYS: tuple[Key, ...] = (
     Key("gradient_accumulation_steps", H, "batch rule; steps between optimizer updates"),
     Key("gradient_clipping", H, "global-norm clipping before the optimizer step"),
     Key("optimizer", H, "section"),
-    Key("optimizer.type", H, "Adam, AdamW or SGD (others refused: pass a client optimizer)"),
+    Key("optimizer.type", H, "Adam, AdamW, SGD (flat shards), Lamb, Muon (whole tensors, "
+        "[optimizers.md](optimizers.md)); others refused: pass a client optimizer"),
     Key("optimizer.params", H, "checked per type (see optimizer)"),
     Key("optimizer.legacy_fusion", I, "a DeepSpeed fused-kernel switch"),
     Key("scheduler", H, "section"),
@@ -204,7 +205,8 @@ KEYS: tuple[Key, ...] = (
         "cpuadam_cores_perc")),
     *(Key(OP + k, I, "NVMe offload tuning; " + _PERF) for k in (
         "nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
-    Key("zero_allow_untested_optimizer", I, "a DeepSpeed safety switch; any torch optimizer works"),
+    Key("zero_allow_untested_optimizer", I, "a DeepSpeed safety switch; any torch optimizer works "
+        "(non-elementwise ones on whole tensors, [optimizers.md](optimizers.md))"),
     Key("zero_force_ds_cpu_optimizer", I, "DeepSpeed's CPU Adam kernel choice"),
     # -- tensor parallelism ---------------------------------------------------------------------------
     Key("tensor_parallel", H, "section"),

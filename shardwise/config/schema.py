@@ -286,6 +286,34 @@ class _SGDParams(_Section):
     nesterov: Bool = False
 
 
+class _LambParams(_Section):
+    """DeepSpeed's FusedLamb keys and defaults (ds_optimizers.Lamb)."""
+
+    lr: float = Field(1e-3, ge=0)
+    bias_correction: Bool = True
+    betas: tuple[_Beta, _Beta] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    eps_inside_sqrt: Bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(0.0, ge=0)
+    max_coeff: float = Field(10.0, gt=0)
+    min_coeff: float = Field(0.01, ge=0)
+    amsgrad: Bool = False
+
+
+class _MuonParams(_Section):
+    """The keys DeepSpeed's engine routes to MuonWithAuxAdam's groups (None: that group's default)."""
+
+    lr: float | None = Field(None, ge=0)
+    muon_lr: float | None = Field(None, ge=0)
+    adam_lr: float | None = Field(None, ge=0)
+    momentum: float | None = Field(None, ge=0, lt=1)
+    betas: tuple[_Beta, _Beta] | None = None
+    eps: float | None = Field(None, gt=0)
+    weight_decay: float | None = Field(None, ge=0)
+    ns_method: Literal["gram", "standard"] | None = None
+
+
 class _WarmupLRParams(_Section):
     warmup_min_lr: float = Field(0.0, ge=0)
     warmup_max_lr: float = Field(1e-3, ge=0)
@@ -308,9 +336,10 @@ class _WarmupCosineLRParams(_Section):
 
 
 _OPTIMIZERS: dict[str, tuple[str, type[BaseModel]]] = {
-    "adam": ("Adam", _AdamParams), "adamw": ("AdamW", _AdamWParams), "sgd": ("SGD", _SGDParams)}
-_DS_ONLY_OPTIMIZERS = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
-                       "muadamw", "musgd", "muon", "cpuadam", "fusedadam"}
+    "adam": ("Adam", _AdamParams), "adamw": ("AdamW", _AdamWParams), "sgd": ("SGD", _SGDParams),
+    "lamb": ("Lamb", _LambParams), "muon": ("Muon", _MuonParams)}
+_DS_ONLY_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
+                       "muadamw", "musgd", "cpuadam", "fusedadam"}
 _SCHEDULERS: dict[str, type[BaseModel]] = {"WarmupLR": _WarmupLRParams, "WarmupDecayLR": _WarmupDecayLRParams,
                                             "WarmupCosineLR": _WarmupCosineLRParams}
 # DeepSpeed accepts these short names for the stage3_* keys (populate_by_name); the long name is ours.

@@ -25,9 +25,10 @@ from shardwise.comm import Comm
 from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.fsdp.module import shard_module
-from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_optimizer
+from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.builder import ShardOptions
+from shardwise.zero.whole_tensor import build_on_sharding, whole_tensor_of
 
 log = logging.getLogger("shardwise")
 
@@ -122,10 +123,14 @@ class Engine(EngineAccessors, nn.Module):
             if self.config.optimizer is not None and self.comm.rank == 0:
                 log.warning("optimizer= was passed to initialize(): the config's `optimizer` section "
                             f"({self.config.optimizer.type}) is ignored, as DeepSpeed does")
-            return rebuild_client_optimizer(client, master_groups)
+            kind = type(client) if isinstance(client, torch.optim.Optimizer) else None  # None: a factory
+            return build_on_sharding(self.sharding, master_groups,
+                                     lambda groups: rebuild_client_optimizer(client, groups), kind)
         if self.config.optimizer is None:
             return None
-        return build_optimizer(self.config.optimizer.type, dict(self.config.optimizer.params), master_groups)
+        opt_type, params = self.config.optimizer.type, dict(self.config.optimizer.params)
+        return build_on_sharding(self.sharding, master_groups, lambda groups: build_optimizer(opt_type, params, groups),
+                                 config_optimizer_class(opt_type))
 
     def _make_scheduler(self, client):
         if self.optimizer is None:
@@ -314,7 +319,11 @@ class Engine(EngineAccessors, nn.Module):
                 if not g.trainable:
                     rep["params"] += g.memory()["params"]
         rep["buffers"] = sum(_nbytes(b) for b in self.module.buffers())
+        whole = whole_tensor_of(self.optimizer)  # non-elementwise optimizers: zero/whole_tensor.py
+        extra = whole.memory() if whole is not None else {"whole_tensor_params": 0, "whole_tensor_step_buffers": 0}
+        rep["whole_tensor_params"] = extra["whole_tensor_params"]
         rep["total"] = sum(rep.values())
+        rep["whole_tensor_step_buffers"] = extra["whole_tensor_step_buffers"]  # transient, during step()
         rep["peak_gathered_params"] = self.fetcher.peak_gathered_bytes if self.fetcher else 0
         return rep
 

@@ -5,7 +5,9 @@ rank's 1/N at stages >= 1), so the plain loop ``loss.backward(); opt.step(); opt
 steps exactly what the engine steps: it waits for the gradient reductions, averages over the
 data-parallel ranks, steps, and writes the updated shards back into the parameters (stages 1-2
 all-gather them before ``step()`` returns). It is a ``torch.optim.Optimizer`` whose
-``param_groups`` and ``state`` are the inner optimizer's, so LR schedulers work on it.
+``param_groups`` and ``state`` are the inner optimizer's, so LR schedulers work on it. An optimizer
+that is not elementwise (Adafactor, Muon, a user's class; ``zero/elementwise.py``) is built over whole
+tensors instead, each owned by one rank (``zero/whole_tensor.py``, ``docs/optimizers.md``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch import nn
 
 from shardwise.fsdp.module import sharding_of
 from shardwise.zero.builder import Sharding
+from shardwise.zero.elementwise import is_elementwise
+from shardwise.zero.whole_tensor import WholeTensorStepper
 
 
 def _prepared(sharding: Sharding) -> list[torch.Tensor]:
@@ -77,10 +81,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, optimizer_class: type[torch.optim.Optimizer],
                  param_groups: Iterable[dict] | None = None, **defaults: Any):
         self.sharding = sharding_of(model)
-        groups = _master_groups(self.sharding, list(param_groups) if param_groups is not None else None, {})
+        user = list(param_groups) if param_groups is not None else None
+        whole = None
+        if is_elementwise(optimizer_class):
+            groups = _master_groups(self.sharding, user, {})
+        else:  # steps whole tensors: zero/whole_tensor.py
+            whole = WholeTensorStepper(self.sharding, optimizer_class.__name__)
+            groups = (whole.from_param_groups(user, {}) if user is not None
+                      else whole.from_master_groups(_master_groups(self.sharding, None, {})))
         if not groups:
             raise ValueError("ShardedOptimizer: the model has no trainable parameters to optimize")
         self.optimizer = optimizer_class(groups, **defaults)
+        if whole is not None:
+            whole.attach(self.optimizer)
         super().__init__(groups, self.optimizer.defaults)
         self.param_groups = self.optimizer.param_groups  # one set of groups: schedulers edit the inner's
         self.state = self.optimizer.state

@@ -1,0 +1,153 @@
+"""Non-elementwise optimizers step whole parameters (shardwise/zero/whole_tensor.py), against one process.
+
+Tolerance: none. The reference (whole_tensor_cases.reference) averages the two ranks' gradients as
+the ranks do, ``(g_0 + g_1) * 0.5``; a sum of two fp32 values does not depend on its order, so the
+ranks' reduced gradient is bit-identical, and the whole-tensor step then runs the same optimizer code
+on the same fp32 tensors. Only at more than 2 ranks would the ring's summation order enter (the
+noise floor of tests/tolerance.py), which is why these tests run on 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from whole_tensor_cases import reference
+
+from shardwise.ds_optimizers import Lamb, gram_newton_schulz, newton_schulz
+from shardwise.zero.elementwise import is_elementwise, register_elementwise
+from shardwise.zero.whole_tensor import deal_whole_tensors
+
+ALL_SHAPES = {(509, 64), (64, 509), (64,), (64, 64), (32, 64), (96, 64), (64, 96)}  # tests/tiny_models llama
+
+
+def _assert_exact(res: list[dict], ref: dict) -> None:
+    for key, run in res[0].items():
+        assert run["weights"].keys() == ref["weights"].keys(), key
+        for n, want in ref["weights"].items():
+            got = run["weights"][n]
+            assert torch.equal(got, want), (key, n, (got - want).abs().max().item())
+        for r in range(len(res)):
+            assert res[r][key]["losses"] == ref["losses"][r], (key, r)
+
+
+def _assert_whole(res: list[dict]) -> None:
+    """Each rank stepped whole tensors, about half of them by size, and the two halves cover the model."""
+    for key in res[0]:
+        owned = [res[r][key]["owned_numel"] for r in range(2)]
+        assert all(shape in ALL_SHAPES for shape in res[0][key]["shapes"]), key
+        assert abs(owned[0] - owned[1]) <= 509 * 64, (key, owned)  # balanced to within the largest tensor
+
+
+@pytest.mark.parametrize("case", ["adafactor", "muon_torch", "lamb_like", "lamb_config", "muon_config"])
+def test_whole_tensor_optimizer_matches_single_process(pool2, case):
+    """Stages 1-3 through ShardedOptimizer and initialize() (a client instance, or the config's
+    "Lamb"/"Muon" section for the config cases): bit-identical to the single-process loop."""
+    stages = (0, 1, 2, 3) if case == "adafactor" else (1, 2, 3)
+    res = pool2.run("whole_tensor_cases:train_case", case, stages)
+    _assert_exact(res, reference(case))
+    _assert_whole(res)
+    if case == "adafactor":  # memory_report(): the owned fp32 copies, and what step() adds
+        stage0, stage2 = res[0]["engine:0"]["memory"], res[0]["engine:2"]["memory"]
+        assert stage0["whole_tensor_params"] == 0  # stage 0: the optimizer steps views of the whole masters
+        assert stage2["whole_tensor_params"] == 4 * res[0]["engine:2"]["owned_numel"]
+        assert stage2["whole_tensor_step_buffers"] > stage2["whole_tensor_params"]
+
+
+def test_hybrid_shard2_replicate2(pool4):
+    """4 ranks as 2 replicas of shard groups of 2: tensors are dealt within a shard group; still exact."""
+    res = pool4.run("whole_tensor_cases:train_case", "lamb_like", (2, 3), ("functional",), shard_size=2)
+    _assert_exact(res, reference("lamb_like", world=4))
+
+
+def test_client_factories_pick_by_the_class_they_build(pool2):
+    """initialize(optimizer=lambda groups: ...): an Adafactor factory steps whole tensors (exactly), an
+    AdamW factory flat shards."""
+    whole = pool2.run("whole_tensor_cases:train_case", "adafactor_factory", (2,), ("engine",))
+    _assert_exact(whole, reference("adafactor"))
+    _assert_whole(whole)
+    flat = pool2.run("whole_tensor_cases:train_case", "adamw_factory", (2,), ("engine",))
+    assert all(len(s) == 1 for s in flat[0]["engine:2"]["shapes"])
+    assert flat[0]["engine:2"]["memory"]["whole_tensor_params"] == 0
+
+
+def test_checkpoint_of_whole_tensor_state_is_refused_by_name(pool2, tmp_path):
+    msg = pool2.run("whole_tensor_cases:checkpoint_refused", str(tmp_path / "ckpt"))[0]
+    assert "Adafactor optimizer steps whole tensors" in msg and "load_optimizer_states=False" in msg
+
+
+def test_declared_elementwise_optimizer_stays_flat(pool2):
+    """A user's optimizer with ``shardwise_elementwise = True`` steps the flat 1-D shards, still exactly."""
+    res = pool2.run("whole_tensor_cases:train_case", "sign_momentum", (1, 2, 3))
+    _assert_exact(res, reference("sign_momentum"))
+    for run in res[0].values():
+        assert all(len(s) == 1 for s in run["shapes"]) and all(len(s) == 1 for s in run["seen"])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_unknown_optimizer_never_sees_a_flat_slice(pool2, stage):
+    """The old silent-wrong case: an undeclared class was handed 1-D slices spanning several tensors."""
+    res = pool2.run("whole_tensor_cases:train_probe", stage)
+    seen = set(res[0]["seen"]) | set(res[1]["seen"])
+    assert seen == set(map(tuple, res[0]["model_shapes"]))
+
+
+def test_tensor_parallel_slice_is_refused_by_name(pool2):
+    msg = pool2.run("whole_tensor_cases:tp_refusal")[0]
+    assert "Adafactor is not an elementwise optimizer" in msg and "tensor-parallel slice" in msg
+
+
+def test_which_optimizers_are_elementwise():
+    assert all(is_elementwise(getattr(torch.optim, n)) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop",
+                                                                 "Adamax", "NAdam", "RAdam", "Adadelta", "Rprop",
+                                                                 "ASGD"))
+    assert not any(is_elementwise(c) for c in (torch.optim.Adafactor, torch.optim.Muon, torch.optim.LBFGS, Lamb))
+
+    class KeepsStep(torch.optim.AdamW):
+        pass
+
+    class NewStep(torch.optim.AdamW):
+        def step(self, closure=None):
+            return None
+
+    class Declared(torch.optim.Optimizer):
+        shardwise_elementwise = True
+
+    class Mine(torch.optim.Optimizer):
+        pass
+
+    FusedAdam = type("FusedAdam", (torch.optim.Optimizer,), {"__module__": "deepspeed.ops.adam.fused_adam"})
+    assert is_elementwise(FusedAdam)  # DeepSpeed's, known by name
+    KeepsStep([torch.zeros(2)])  # torch wraps step() on first construction: still AdamW's
+    assert is_elementwise(KeepsStep) and not is_elementwise(NewStep) and is_elementwise(Declared)
+    assert not is_elementwise(Mine) and register_elementwise(Mine) is Mine and is_elementwise(Mine)
+    with pytest.raises(TypeError, match="register_elementwise"):
+        register_elementwise(int)
+
+
+def test_deal_is_balanced_and_deterministic():
+    assert deal_whole_tensors([10, 1, 1, 8, 2], 2) == [0, 0, 1, 1, 1]  # largest first: 10 + 1 | 8 + 2 + 1
+    assert deal_whole_tensors([5, 5, 5], 3) == [0, 1, 2]
+
+
+def test_lamb_is_fused_lamb_formula():
+    """One FusedLamb step from empty state, written out: u = m/(sqrt(v)+eps) + wd*w, trust ratio clamped."""
+    torch.manual_seed(0)
+    w, g = torch.randn(4, 5), torch.randn(4, 5)
+    p = w.clone().requires_grad_()
+    p.grad = g.clone()
+    lr, b1, b2, eps, wd, max_coeff = 1e-2, 0.9, 0.999, 1e-8, 0.1, 0.5
+    Lamb([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, max_coeff=max_coeff).step()
+    m, v = (1 - b1) * g, (1 - b2) * g * g
+    u = m / (v.sqrt() + eps) + wd * w
+    coeff = min(max((w.norm() / u.norm()).item(), 0.01), max_coeff)
+    want = w - lr * (1 - b2) ** 0.5 / (1 - b1) * coeff * u
+    torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_gram_newton_schulz_is_the_standard_iteration():
+    """In fp64 the Gram form (DeepSpeed's default "gram") equals the quintic iteration to round-off."""
+    torch.manual_seed(0)
+    for shape in [(64, 96), (96, 64), (64, 64), (32, 200)]:
+        g = torch.randn(*shape, dtype=torch.float64)
+        a, b = newton_schulz(g, dtype=torch.float64), gram_newton_schulz(g, dtype=torch.float64)
+        assert ((a - b).norm() / a.norm()).item() < 1e-12
