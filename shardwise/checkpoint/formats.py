@@ -1,0 +1,50 @@
+"""Which format a checkpoint folder is in, and its metadata and reader in shardwise's terms.
+
+shardwise's own (``metadata.json`` + safetensors rank files), DeepSpeed's (``*_model_states.pt`` +
+``*_optim_states.pt``, ``deepspeed_format.py``) and PyTorch DCP's (``.metadata`` + ``*.distcp``,
+``dcp_format.py``). The foreign ones are read in full, checked, and described as shardwise
+metadata over in-memory tensors (``foreign.py``), so ``load.py`` and ``hf.py`` have one path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardwise.checkpoint.dcp_format import read_dcp
+from shardwise.checkpoint.deepspeed_format import is_deepspeed, read_deepspeed
+from shardwise.checkpoint.fileio import ShardReader, read_json
+from shardwise.checkpoint.validate import parse_metadata
+
+FOREIGN = "foreign"  # meta["format"] of a checkpoint another library wrote
+
+
+def is_dcp(path: Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def is_foreign(path: Path) -> bool:
+    """A DeepSpeed or DCP checkpoint folder (a folder with shardwise's metadata.json is not)."""
+    return not (path / "metadata.json").exists() and (is_dcp(path) or is_deepspeed(path))
+
+
+def open_checkpoint(path: Path, verify: bool = True) -> tuple[dict, ShardReader]:
+    """``(metadata, reader)`` of the checkpoint in ``path``, whatever library wrote it.
+
+    Foreign files are read completely here (every tensor unpickled without executing anything and
+    checked), so an unreadable one fails before the loader starts.
+    """
+    if is_foreign(path):
+        found = read_dcp(path) if is_dcp(path) else read_deepspeed(path)
+        return found.build()
+    meta = parse_metadata(read_json(path / "metadata.json"), path / "metadata.json")
+    return meta, ShardReader(path, meta["files"], verify=verify)
+
+
+def adapt_scheduler(live: dict, saved: dict, meta: dict) -> dict:
+    """A foreign scheduler state in the live scheduler's shape: DeepSpeed's ``{"last_batch_iteration":
+    n}`` becomes the live state with that iteration (shardwise's DeepSpeed schedulers keep both keys)."""
+    if meta.get("format") == FOREIGN and set(saved) == {"last_batch_iteration"} and "last_batch_iteration" in live:
+        out = dict(live)
+        out["last_batch_iteration"] = out["last_epoch"] = saved["last_batch_iteration"]
+        return out
+    return saved

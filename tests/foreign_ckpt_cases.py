@@ -1,0 +1,67 @@
+"""Rank-side runs of test_checkpoint_foreign.py: continue a DeepSpeed / FSDP2 run on shardwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from foreign_ckpt_model import ADAMW, SAVE_AT, STEPS, batch, build, ds_config
+
+import shardwise
+from shardwise.utils.tensor_fragment import safe_get_full_fp32_param
+from shardwise.zero import GatheredParameters
+
+FIXTURES = Path(__file__).parent / "data" / "foreign_ckpt"
+
+
+def engine_for(stage: int, bf16: bool, frozen: bool, scheduler: bool = True):
+    """A shardwise engine on the fixtures' config, from another seed (a load must overwrite it all)."""
+    cfg = ds_config(stage, dist.get_world_size(), bf16)
+    cfg["optimizer"] = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]), "torch_adam": True}}
+    if not scheduler:
+        del cfg["scheduler"]
+    engine, *_ = shardwise.initialize(model=build(seed=123, frozen=frozen), config=cfg)
+    return engine
+
+
+def continue_from(case: str, stage: int, bf16: bool = False, frozen: bool = False, scheduler: bool = True) -> dict:
+    """Load the fixture ``case`` and run steps SAVE_AT..STEPS; losses, state and final fp32 weights."""
+    engine = engine_for(stage, bf16, frozen, scheduler)
+    path, client = engine.load_checkpoint(str(FIXTURES / case))
+    start, lr = engine.global_steps, engine.get_lr()[0]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(start, STEPS):
+        ids = batch(step, rank, world)
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(float(out.loss.detach()))
+    weights = {}  # fp32 masters of the trained parameters (collective at stage 3), frozen ones as they are
+    for n, p in engine.module.named_parameters():
+        if p.requires_grad:
+            weights[n] = safe_get_full_fp32_param(p).detach().clone()
+    with GatheredParameters([p for p in engine.module.parameters() if not p.requires_grad]):
+        weights.update({n: p.detach().float().clone() for n, p in engine.module.named_parameters()
+                        if not p.requires_grad})
+    return {"path": path, "client": client, "start": start, "lr_at_load": lr, "losses": losses,
+            "weights": weights if rank == 0 else None, "end": engine.global_steps}
+
+
+def load_error(case_dir: str, stage: int = 2) -> str:
+    """Every rank fails the same way (and none hangs) on a damaged foreign checkpoint."""
+    engine = engine_for(stage, False, False)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    try:
+        engine.load_checkpoint(case_dir)
+        msg = "no error"
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {e}"
+    with GatheredParameters(engine.module.parameters()):
+        same = all(torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+    return f"{msg} | unchanged={same}"
+
+
+def ref_steps() -> range:
+    return range(SAVE_AT, STEPS)
