@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from foreign_ckpt_model import ADAMW, SAVE_AT, STEPS, batch, build, ds_config
+from foreign_ckpt_model import ADAMW, STEPS, batch, build, ds_config
 
 import shardwise
 from shardwise.utils.tensor_fragment import safe_get_full_fp32_param
@@ -15,20 +15,30 @@ from shardwise.zero import GatheredParameters
 FIXTURES = Path(__file__).parent / "data" / "foreign_ckpt"
 
 
-def engine_for(stage: int, bf16: bool, frozen: bool, scheduler: bool = True):
+def engine_for(stage: int, bf16: bool, frozen: bool, scheduler: bool = True, sgd: bool = False,
+               hf_groups: bool = False):
     """A shardwise engine on the fixtures' config, from another seed (a load must overwrite it all)."""
     cfg = ds_config(stage, dist.get_world_size(), bf16)
     cfg["optimizer"] = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]), "torch_adam": True}}
+    if sgd:
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
     if not scheduler:
         del cfg["scheduler"]
-    engine, *_ = shardwise.initialize(model=build(seed=123, frozen=frozen), config=cfg)
+    model = build(seed=123, frozen=frozen)
+    params = None
+    if hf_groups:  # the HF Trainer's two groups: no weight decay on the norm weights
+        named = list(model.named_parameters())
+        params = [{"params": [p for n, p in named if "norm" not in n]},
+                  {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}]
+    engine, *_ = shardwise.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
 
-def continue_from(case: str, stage: int, bf16: bool = False, frozen: bool = False, scheduler: bool = True) -> dict:
+def continue_from(case: str, stage: int, bf16: bool = False, frozen: bool = False, scheduler: bool = True,
+                  **load_kw) -> dict:
     """Load the fixture ``case`` and run steps SAVE_AT..STEPS; losses, state and final fp32 weights."""
     engine = engine_for(stage, bf16, frozen, scheduler)
-    path, client = engine.load_checkpoint(str(FIXTURES / case))
+    path, client = engine.load_checkpoint(str(FIXTURES / case), **load_kw)
     start, lr = engine.global_steps, engine.get_lr()[0]
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
@@ -49,9 +59,9 @@ def continue_from(case: str, stage: int, bf16: bool = False, frozen: bool = Fals
             "weights": weights if rank == 0 else None, "end": engine.global_steps}
 
 
-def load_error(case_dir: str, stage: int = 2) -> str:
+def load_error(case_dir: str, stage: int = 2, sgd: bool = False) -> str:
     """Every rank fails the same way (and none hangs) on a damaged foreign checkpoint."""
-    engine = engine_for(stage, False, False)
+    engine = engine_for(stage, False, False, sgd=sgd)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     try:
         engine.load_checkpoint(case_dir)
@@ -63,5 +73,9 @@ def load_error(case_dir: str, stage: int = 2) -> str:
     return f"{msg} | unchanged={same}"
 
 
-def ref_steps() -> range:
-    return range(SAVE_AT, STEPS)
+def trainer_checkpoint(stage: int) -> dict:
+    """The HF Trainer's ``checkpoint-2`` loaded (no scheduler: the Trainer ran a constant lr)."""
+    engine = engine_for(stage, False, False, scheduler=False, hf_groups=True)
+    path, _ = engine.load_checkpoint(str(FIXTURES / "hf_trainer_z2" / "checkpoint-2"))
+    masters = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+    return {"path": path, "steps": engine.global_steps, "masters": masters, "lr": engine.get_lr()[0]}

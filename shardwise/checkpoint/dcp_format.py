@@ -148,6 +148,9 @@ def read_dcp(path: Path) -> Foreign:
     found.order = list(model)
     found.param_groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in groups[i].items() if k != "params"}
                           for i in sorted(groups)]
+    members = [groups[i].get("params") for i in sorted(groups)]
+    if all(isinstance(m, list) and all(isinstance(n, str) for n in m) for m in members):
+        found.group_members = members
     steps = {v.get("step") for v in found.scalars.values()}
     found.global_steps = int(max(s for s in steps if s is not None)) if steps - {None} else 0
     return found

@@ -270,5 +270,6 @@ def read_deepspeed(path: Path) -> Foreign:
                    scalars=dict.fromkeys(masters, step) if step else {},
                    extras=_frozen(model, model_files, stage, set(masters), world), order=list(module),
                    param_groups=_param_groups(opt[0][1]["param_groups"], optim_files[0]), lr_scheduler=sched,
+                   group_members=[list(g) for g in shapes] if len(shapes) == len(opt[0][1]["param_groups"]) else [],
                    global_steps=int(model.get("global_steps", 0)), skipped_steps=int(model.get("skipped_steps", 0)),
                    client_state=client)

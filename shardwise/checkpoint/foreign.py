@@ -82,6 +82,7 @@ class Foreign:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     param_groups: list[dict] = field(default_factory=list)
+    group_members: list[list[str]] = field(default_factory=list)  # names per param group, when saved
     lr_scheduler: dict | None = None
     global_steps: int = 0
     skipped_steps: int = 0
@@ -127,7 +128,8 @@ class Foreign:
                 "states": list(self.states), "scalars": scal,
                 "state_dtypes": {k: dtype_name(next(iter(v.values())).dtype) if v else "float32"
                                  for k, v in self.states.items()},
-                "files": {VIRTUAL: {}}, "param_groups": self.param_groups, "lr_scheduler": self.lr_scheduler,
+                "files": {VIRTUAL: {}}, "param_groups": self.param_groups, "group_members": self.group_members,
+                "lr_scheduler": self.lr_scheduler,
                 "loss_scaler": None, "rng": [], "has_model_config": False, "client_state": self.client_state,
                 "counters": {"global_steps": self.global_steps, "micro_steps": 0,
                              "skipped_steps": self.skipped_steps}}

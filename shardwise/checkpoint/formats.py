@@ -9,10 +9,13 @@ metadata over in-memory tensors (``foreign.py``), so ``load.py`` and ``hf.py`` h
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from shardwise.checkpoint.dcp_format import read_dcp
 from shardwise.checkpoint.deepspeed_format import is_deepspeed, read_deepspeed
-from shardwise.checkpoint.fileio import ShardReader, read_json
+from shardwise.checkpoint.fileio import CheckpointError, ShardReader, read_json
 from shardwise.checkpoint.validate import parse_metadata
 
 FOREIGN = "foreign"  # meta["format"] of a checkpoint another library wrote
@@ -48,3 +51,34 @@ def adapt_scheduler(live: dict, saved: dict, meta: dict) -> dict:
         out["last_batch_iteration"] = out["last_epoch"] = saved["last_batch_iteration"]
         return out
     return saved
+
+
+def _expected_states(opt: Any) -> set[str] | None:
+    """The per-element state names a torch optimizer keeps (None: a class not known here)."""
+    inner = getattr(opt, "optimizer", opt)
+    groups = getattr(inner, "param_groups", [])
+    if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        return {"exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if any(g.get("amsgrad") for g in groups) else set())
+    if isinstance(inner, torch.optim.SGD):
+        return {"momentum_buffer"} if any(g.get("momentum", 0) for g in groups) else set()
+    return None
+
+
+def check_foreign_optimizer(engine: Any, meta: dict, source: Path) -> None:
+    """A foreign optimizer state must be the loading optimizer's (SGD momentum into AdamW is refused
+    by name even when the live optimizer has no state yet to compare with), and its param groups
+    must hold the same parameters (hyperparameters such as weight decay are restored by position)."""
+    opt = engine.optimizer
+    members = meta.get("group_members") or []
+    by_master = {id(g.master): g.names for g in engine.groups}
+    live = [sorted(n for p in pg["params"] for n in by_master.get(id(p), [])) for pg in opt.param_groups]
+    if members and len(members) == len(live):
+        for i, (have, saved) in enumerate(zip(live, members, strict=True)):
+            if have != sorted(saved):
+                raise CheckpointError(f"{source}: optimizer param group {i} holds {sorted(set(saved) ^ set(have))[:4]} "
+                                      "in only one of the checkpoint and this engine; build the same param groups")
+    want = _expected_states(opt)
+    if meta.get("format") == FOREIGN and want is not None and set(meta["states"]) != want:
+        raise CheckpointError(f"{source}: the checkpoint's optimizer keeps {sorted(meta['states'])} per element, "
+                              f"this engine's {type(getattr(opt, 'optimizer', opt)).__name__} keeps {sorted(want)}; "
+                              "not loaded (pass load_optimizer_states=False for the weights only)")

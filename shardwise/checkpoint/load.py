@@ -28,7 +28,7 @@ from shardwise.checkpoint.fileio import (
     rng_setter,
     world_comm,
 )
-from shardwise.checkpoint.formats import adapt_scheduler, is_foreign, open_checkpoint
+from shardwise.checkpoint.formats import adapt_scheduler, check_foreign_optimizer, is_foreign, open_checkpoint
 from shardwise.checkpoint.frozen import (
     frozen_groups,
     full_shape,
@@ -290,6 +290,8 @@ def _stage(engine: CheckpointTarget, path: Path, meta: dict, reader: ShardReader
            with_sched: bool, module_only: bool, rank: int, world: int) -> _Staged:
     source = path / "metadata.json" if (path / "metadata.json").exists() else path
     skip_t, skip_m = _match(engine, meta, strict, source)
+    if with_opt and not module_only:
+        check_foreign_optimizer(engine, meta, source)
     loaded = _read_own(engine, meta, reader, meta["states"] if with_opt else [], skip_t)
     st = _Staged(masters=[got["bufs"]["master"] for got in loaded],
                  module=_read_module(engine, meta, reader, skip_m),
