@@ -55,10 +55,13 @@ def is_deepspeed(path: Path) -> bool:
 
 def _files(path: Path) -> list[str]:
     names = sorted(p.name for p in path.iterdir())
+    if (path / "zero").is_dir():
+        raise CheckpointError(f"{path / 'zero'}: a DeepSpeed universal checkpoint (ds_to_universal); not read "
+                              "(load the checkpoint it was converted from)")
     for n in names:
         confined_path(path, n, path)  # a symlink out of the folder is refused before anything is read
-        if n.startswith("layer_") or "expert" in n:
-            what = "pipeline-parallel (layer_*)" if n.startswith("layer_") else "MoE expert"
+        if n.startswith(("layer_", "expp_rank_")) or "_expert_" in n:
+            what = "MoE expert" if n.startswith("expp_rank_") or "_expert_" in n else "pipeline-parallel (layer_*)"
             raise CheckpointError(f"{path / n}: a DeepSpeed {what} checkpoint file; shardwise does not read "
                                   "that layout (nothing was loaded)")
         m = _OPTIM.match(n) or _MODEL3.match(n) or re.match(r"^mp_rank_(\d+)_model_states\.pt$", n)
@@ -109,7 +112,7 @@ def _shapes(groups: Any, source: Path) -> list[dict[str, list[int]]]:
 def _flat(tensors: Any, source: Path, what: str) -> torch.Tensor:
     if not isinstance(tensors, list) or not all(torch.is_tensor(t) and t.dim() == 1 for t in tensors):
         raise CheckpointError(f"{source}: {what} is not a list of 1-D tensors")
-    return torch.cat([t.float() if t.dtype == torch.float32 else t for t in tensors]) if tensors else torch.zeros(0)
+    return torch.cat(tensors) if tensors else torch.zeros(0)
 
 
 def _optimizer(osd: dict, base_key: str, ngroups: int, source: Path) -> tuple[dict[str, list[torch.Tensor]], dict]:
@@ -212,64 +215,71 @@ def _scheduler_and_client(model: dict, source: Path) -> tuple[dict | None, dict]
     return sched, {k: v for k, v in model.items() if k not in DS_KEYS}
 
 
-def read_deepspeed(path: Path) -> Foreign:
-    """The DeepSpeed checkpoint in ``path`` (a ``global_stepN`` folder) as full per-parameter tensors."""
-    names = _files(path)
-    optim_files, prefix = _ranked(path, names, _OPTIM, "*_optim_states.pt")
-    if not optim_files:
+def _open_optims(path: Path, names: list[str]) -> tuple[list[Path], str, list[dict], int]:
+    """The optimizer rank files, their prefix, their ``optimizer_state_dict`` and the ZeRO stage."""
+    files, prefix = _ranked(path, names, _OPTIM, "*_optim_states.pt")
+    if not files:
         raise CheckpointError(f"{path}: no *_optim_states.pt files: a DeepSpeed checkpoint without ZeRO (stage 0) "
                               "is not read; save it at stage 1-3")
-    world = len(optim_files)
-    optims = [_get(safe_load(f, f, mmap=True), "optimizer_state_dict", f, dict) for f in optim_files]
-    stage = int(_get(optims[0], "zero_stage", optim_files[0]))
+    optims = [_get(safe_load(f, f, mmap=True), "optimizer_state_dict", f, dict) for f in files]
+    stage = int(_get(optims[0], "zero_stage", files[0]))
     counts = optims[0].get("partition_count")
     counts = counts if isinstance(counts, list) else [counts]
-    if stage not in (1, 2, 3) or any(c != world for c in counts):
-        raise CheckpointError(f"{optim_files[0]}: zero_stage {stage}, partition_count {counts}: expected stage "
-                              f"1-3 over the {world} rank files found")
-    model_files = [path / "mp_rank_00_model_states.pt"] if stage < 3 else _ranked(path, names, _MODEL3,
-                                                                                   "model_states")[0]
-    if stage == 3 and len(model_files) != world or not model_files[0].is_file():
-        raise CheckpointError(f"{path}: expected {'one' if stage < 3 else world} model_states file(s) for stage "
-                              f"{stage} at world {world}")
-    model = safe_load(model_files[0], model_files[0], mmap=True)
-    shapes = _shapes(_get(model, "param_shapes", model_files[0]), model_files[0])
-    key, base = ("single_partition_of_fp32_groups", "base_optimizer_state") if stage < 3 else \
-                ("fp32_flat_groups", "optimizer_state_dict")
-    for f, osd in zip(optim_files, optims, strict=True):
+    if stage not in (1, 2, 3) or any(c != len(files) for c in counts):
+        raise CheckpointError(f"{files[0]}: zero_stage {stage}, partition_count {counts}: expected stage "
+                              f"1-3 over the {len(files)} rank files found")
+    for f, osd in zip(files, optims, strict=True):
         pads = osd.get("param_alignment_paddings") or []
         if any(x for g in pads for x in (g if isinstance(g, list) else [g])):
             raise CheckpointError(f"{f}: parameters padded inside the flat groups (param_alignment_paddings); "
                                   "not read")
-    ngroups = len(shapes) if stage < 3 else len(_get(optims[0], key, optim_files[0], list))
-    opt = [_optimizer(osd, base, ngroups, f) for f, osd in zip(optim_files, optims, strict=True)]
+    return files, prefix, optims, stage
+
+
+def _model_files(path: Path, names: list[str], stage: int, world: int) -> list[Path]:
+    files = [path / "mp_rank_00_model_states.pt"] if stage < 3 else _ranked(path, names, _MODEL3, "model_states")[0]
+    if (stage == 3 and len(files) != world) or not files[0].is_file():
+        raise CheckpointError(f"{path}: expected {'one' if stage < 3 else world} model_states file(s) for stage "
+                              f"{stage} at world {world}")
+    return files
+
+
+def _cutter(stage: int, shapes: list[dict], world: int, path: Path):
+    """``cut(per_rank)``: name -> full tensor, from each rank's flat pieces (a list per group)."""
     if stage < 3:
-        flats = [_get(osd, key, f, list) for f, osd in zip(optim_files, optims, strict=True)]
+        return lambda per_rank: {n: t for g in _cut_12(shapes, per_rank, world, path) for n, t in g.items()}
+    merged = {n: s for g in shapes for n, s in g.items()}
+    return lambda per_rank: _cut_3(merged, [_flat(p, path, "a flat group") for p in per_rank], world, path)
 
-        def cut(per_rank: list) -> dict:
-            return {n: t for g in _cut_12(shapes, per_rank, world, path) for n, t in g.items()}
-    else:
-        merged = {n: s for g in shapes for n, s in g.items()}
-        flats = [_flat(_get(osd, key, f), f, key) for f, osd in zip(optim_files, optims, strict=True)]
 
-        def cut(per_rank: list) -> dict:
-            return _cut_3(merged, [_flat(p, path, "a state") if isinstance(p, list) else p for p in per_rank],
-                          world, path)
+def read_deepspeed(path: Path) -> Foreign:
+    """The DeepSpeed checkpoint in ``path`` (a ``global_stepN`` folder) as full per-parameter tensors."""
+    names = _files(path)
+    optim_files, prefix, optims, stage = _open_optims(path, names)
+    world = len(optim_files)
+    model_files = _model_files(path, names, stage, world)
+    model = safe_load(model_files[0], model_files[0], mmap=True)
+    shapes = _shapes(_get(model, "param_shapes", model_files[0]), model_files[0])
+    key, base = ("single_partition_of_fp32_groups", "base_optimizer_state") if stage < 3 else \
+                ("fp32_flat_groups", "optimizer_state_dict")
+    flats = [_get(osd, key, f, list) for f, osd in zip(optim_files, optims, strict=True)]
+    ngroups = len(shapes) if stage < 3 else len(flats[0])
+    opt = [_optimizer(osd, base, ngroups, f) for f, osd in zip(optim_files, optims, strict=True)]
+    cut = _cutter(stage, shapes, world, path)
     masters = cut(flats)
     module = _get(model, "module", model_files[0], dict)
-    dtypes = {n: module[n].dtype if torch.is_tensor(module.get(n)) else torch.float32 for n in masters}
-    if prefix == "bf16_":
-        dtypes = dict.fromkeys(masters, torch.bfloat16)
-    states = _merge_states([o[0] for o in opt], cut, path)
+    compute = torch.bfloat16 if prefix == "bf16_" else None
+    dtypes = {n: compute or (module[n].dtype if torch.is_tensor(module.get(n)) else torch.float32) for n in masters}
     if optims[0].get("dynamic_loss_scale"):
         log.warning(f"{path}: the fp16 dynamic loss scale is not carried over (the loading engine keeps its own)")
     sched, client = _scheduler_and_client(model, model_files[0])
-    step = opt[0][1]["scalars"]
+    step, groups = opt[0][1]["scalars"], opt[0][1]["param_groups"]
     return Foreign(source=path, world=world, stage=stage,
-                   trained={n: (t, dtypes[n]) for n, t in masters.items()}, states=states,
+                   trained={n: (t, dtypes[n]) for n, t in masters.items()},
+                   states=_merge_states([o[0] for o in opt], cut, path),
                    scalars=dict.fromkeys(masters, step) if step else {},
                    extras=_frozen(model, model_files, stage, set(masters), world), order=list(module),
-                   param_groups=_param_groups(opt[0][1]["param_groups"], optim_files[0]), lr_scheduler=sched,
-                   group_members=[list(g) for g in shapes] if len(shapes) == len(opt[0][1]["param_groups"]) else [],
+                   param_groups=_param_groups(groups, optim_files[0]), lr_scheduler=sched,
+                   group_members=[list(g) for g in shapes] if len(shapes) == len(groups) else [],
                    global_steps=int(model.get("global_steps", 0)), skipped_steps=int(model.get("skipped_steps", 0)),
                    client_state=client)
