@@ -79,3 +79,20 @@ def trainer_checkpoint(stage: int) -> dict:
     path, _ = engine.load_checkpoint(str(FIXTURES / "hf_trainer_z2" / "checkpoint-2"))
     masters = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
     return {"path": path, "steps": engine.global_steps, "masters": masters, "lr": engine.get_lr()[0]}
+
+
+def fsdp_api_continue(case: str, stage: int) -> list[float]:
+    """The FSDP-style front end (``shard`` + ``ShardedOptimizer`` + ``shardwise.load_checkpoint``)
+    continues the fixture on the whole batch (one rank); the optimizer at a constant lr."""
+    model = shardwise.shard(build(seed=123), stage=stage)
+    opt = shardwise.ShardedOptimizer(model, torch.optim.AdamW, **ADAMW)
+    _, _ = shardwise.load_checkpoint(str(FIXTURES / case), model, opt)
+    losses = []
+    for step in range(opt.global_steps, STEPS):
+        ids = batch(step, 0, 1)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses

@@ -140,6 +140,14 @@ def test_consolidate_cli_and_optimizer_mismatch(tmp_path, capsys):
     assert msg.endswith("unchanged=True")
 
 
+def test_fsdp_style_api_continues_dcp():
+    """``shardwise.load_checkpoint(dir, model, optimizer)`` reads the FSDP2 checkpoint too."""
+    from foreign_ckpt_cases import fsdp_api_continue
+
+    losses = _world1(fsdp_api_continue, "fsdp2_dcp", 2)
+    assert rel(losses, RECORD["reference"]["constant"][SAVE_AT:]) < LOSS_TOL, losses
+
+
 def test_continue_stage2_to_stage3(pool2):
     """A ZeRO-2 DeepSpeed checkpoint continued at stage 3 on 2 ranks: DeepSpeed's run."""
     res = pool2.run("foreign_ckpt_cases:continue_from", "ds_z2_frozen", 3, False, True, True)
