@@ -123,6 +123,16 @@ def test_hf_trainer_checkpoint():
     assert all(torch.equal(res["masters"][n], w) for n, w in want.items())
 
 
+def test_deepspeed_zero_to_fp32_api_reads_deepspeed_files():
+    """``shardwise.utils.zero_to_fp32`` (DeepSpeed's helper names) on DeepSpeed's own checkpoint."""
+    from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ckpt = FIXTURES / "hf_trainer_z2" / "checkpoint-2"
+    got = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    want = load_file(str(ckpt / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[n], w) for n, w in want.items())
+
+
 def test_consolidate_cli_and_optimizer_mismatch(tmp_path, capsys):
     from foreign_ckpt_cases import load_error
 

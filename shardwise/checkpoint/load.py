@@ -24,7 +24,6 @@ from shardwise.checkpoint.fileio import (
     dtype_from_name,
     dtype_name,
     like,
-    read_json,
     rng_setter,
     world_comm,
 )
@@ -47,7 +46,7 @@ from shardwise.checkpoint.tp import (
     saved_index,
     spec_of,
 )
-from shardwise.checkpoint.validate import confined_path, match_like, parse_metadata
+from shardwise.checkpoint.validate import confined_path, match_like
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -95,8 +94,9 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path | None:
 
 
 def read_metadata(path: Path) -> dict:
-    """``path/metadata.json``, validated against the schema (validate.py)."""
-    return parse_metadata(read_json(path / "metadata.json"), path / "metadata.json")
+    """``path/metadata.json``, validated against the schema (validate.py); for a DeepSpeed or DCP
+    folder, the metadata it maps to (formats.py: its files are read and checked to build it)."""
+    return open_checkpoint(path)[0]
 
 
 def _match(engine: CheckpointTarget, meta: dict, strict: bool, source: Path) -> tuple[set[str], set[str]]:
