@@ -25,6 +25,7 @@ import torch
 from shardwise.checkpoint.fileio import CheckpointError, dtype_name
 
 VIRTUAL = "<foreign>"  # the one virtual "file" every segment points at
+FOREIGN = "foreign"  # meta["format"] of a checkpoint another library wrote
 
 
 class MemoryReader:
@@ -121,7 +122,7 @@ class Foreign:
             tensors[f"frozen/{name}"] = t.detach().reshape(-1)
         order = [n for n in self.order if n in meta_t or n in meta_f]
         order += [n for n in [*meta_t, *meta_f] if n not in order]
-        meta = {"format": "foreign", "version": 3, "order": order, "tensors": meta_t, "frozen": meta_f,
+        meta = {"format": FOREIGN, "version": 3, "order": order, "tensors": meta_t, "frozen": meta_f,
                 "module": {}, "excluded_frozen": [], "tied": {},
                 "layout": {"world": self.world, "dp": self.world, "tp": 1, "stage": self.stage,
                            "compute_dtype": None},

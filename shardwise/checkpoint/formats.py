@@ -16,9 +16,8 @@ import torch
 from shardwise.checkpoint.dcp_format import read_dcp
 from shardwise.checkpoint.deepspeed_format import is_deepspeed, read_deepspeed
 from shardwise.checkpoint.fileio import CheckpointError, ShardReader, read_json
+from shardwise.checkpoint.foreign import FOREIGN
 from shardwise.checkpoint.validate import parse_metadata
-
-FOREIGN = "foreign"  # meta["format"] of a checkpoint another library wrote
 
 
 def is_dcp(path: Path) -> bool:
