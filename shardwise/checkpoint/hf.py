@@ -25,8 +25,9 @@ from shardwise.checkpoint.fileio import (
     world_comm,
     write_json,
 )
+from shardwise.checkpoint.formats import FOREIGN, open_checkpoint
 from shardwise.checkpoint.frozen import frozen_groups, full_shape, module_extras, read_whole, saved_extras
-from shardwise.checkpoint.load import read_metadata, read_saved, resolve_tag
+from shardwise.checkpoint.load import read_saved, resolve_tag
 from shardwise.checkpoint.save import _model_config
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.comm import Comm, CommStats
@@ -105,6 +106,8 @@ def _model_config_for(path: Path, meta: dict, config: str | Path | None, weights
         cfg, src = read_json(Path(config)), Path(config)
     elif (path / "config.json").is_file():
         cfg, src = read_json(path / "config.json"), path / "config.json"
+    elif meta["format"] == FOREIGN and (path.parent / "config.json").is_file():  # the HF Trainer's checkpoint-N/
+        cfg, src = read_json(path.parent / "config.json"), path.parent / "config.json"
     elif meta["has_model_config"]:
         raise CheckpointError(f"{path / 'config.json'}: file is missing although metadata.json says the model "
                               "had an HF config; restore it or pass --config PATH")
@@ -124,8 +127,7 @@ def _open_checked(ckpt_dir: str | Path, tag: str | None, verify: bool) -> tuple[
     path = resolve_tag(ckpt_dir, tag)
     if path is None:
         raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass --tag")
-    meta = read_metadata(path)
-    reader = ShardReader(path, meta["files"], verify=verify)
+    meta, reader = open_checkpoint(path, verify)
     for f in meta["files"]:
         reader.check(f)
     return path, meta, reader

@@ -24,10 +24,10 @@ from shardwise.checkpoint.fileio import (
     dtype_from_name,
     dtype_name,
     like,
-    read_json,
     rng_setter,
     world_comm,
 )
+from shardwise.checkpoint.formats import adapt_scheduler, check_foreign_optimizer, is_foreign, open_checkpoint
 from shardwise.checkpoint.frozen import (
     frozen_groups,
     full_shape,
@@ -46,7 +46,7 @@ from shardwise.checkpoint.tp import (
     saved_index,
     spec_of,
 )
-from shardwise.checkpoint.validate import confined_path, match_like, parse_metadata
+from shardwise.checkpoint.validate import confined_path, match_like
 from shardwise.zero.whole_tensor import refuse_checkpoint
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path | None:
     if tag is None:
         latest = root / "latest"
         if not latest.is_file():
-            return None
+            return root if is_foreign(root) else None  # a DCP folder, or a DeepSpeed tag folder itself
         confined_path(root, "latest", latest)
         tag, source = _read_latest(latest), latest
     path = confined_path(root, str(tag), source)
@@ -95,8 +95,9 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path | None:
 
 
 def read_metadata(path: Path) -> dict:
-    """``path/metadata.json``, validated against the schema (validate.py)."""
-    return parse_metadata(read_json(path / "metadata.json"), path / "metadata.json")
+    """``path/metadata.json``, validated against the schema (validate.py); for a DeepSpeed or DCP
+    folder, the metadata it maps to (formats.py: its files are read and checked to build it)."""
+    return open_checkpoint(path)[0]
 
 
 def _match(engine: CheckpointTarget, meta: dict, strict: bool, source: Path) -> tuple[set[str], set[str]]:
@@ -286,11 +287,12 @@ class _Staged:
     rng: Callable[[], None] | None = None
 
 
-def _stage(engine: CheckpointTarget, path: Path, meta: dict, verify: bool, strict: bool, with_opt: bool,
+def _stage(engine: CheckpointTarget, path: Path, meta: dict, reader: ShardReader, strict: bool, with_opt: bool,
            with_sched: bool, module_only: bool, rank: int, world: int) -> _Staged:
-    source = path / "metadata.json"
+    source = path / "metadata.json" if (path / "metadata.json").exists() else path
     skip_t, skip_m = _match(engine, meta, strict, source)
-    reader = ShardReader(path, meta["files"], verify=verify)
+    if with_opt and not module_only:
+        check_foreign_optimizer(engine, meta, source)
     loaded = _read_own(engine, meta, reader, meta["states"] if with_opt else [], skip_t)
     st = _Staged(masters=[got["bufs"]["master"] for got in loaded],
                  module=_read_module(engine, meta, reader, skip_m),
@@ -301,13 +303,14 @@ def _stage(engine: CheckpointTarget, path: Path, meta: dict, verify: bool, stric
     if with_opt:
         st.optimizer = _stage_optimizer(engine, meta, loaded, source)
     if with_sched and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        match_like(engine.lr_scheduler.state_dict(), meta["lr_scheduler"], "lr_scheduler", source)
-        st.scheduler = meta["lr_scheduler"]
+        live = engine.lr_scheduler.state_dict()
+        st.scheduler = adapt_scheduler(live, meta["lr_scheduler"], meta)
+        match_like(live, st.scheduler, "lr_scheduler", source)
     if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
         match_like(engine.loss_scaler.state_dict(), meta["loss_scaler"], "loss_scaler", source)
         st.scaler = meta["loss_scaler"]
     lay = meta["layout"]  # per-rank streams only mean something in the same layout
-    if lay["world"] == world and lay["tp"] == engine.tp.size:
+    if lay["world"] == world and lay["tp"] == engine.tp.size and meta["rng"]:  # foreign formats save none
         st.rng = rng_setter(meta["rng"][rank], source)
     return st
 
@@ -334,8 +337,8 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | N
     try:
         path = resolve_tag(load_dir, tag)
         if path is not None:
-            meta = read_metadata(path)
-            st = _stage(engine, path, meta, verify, load_module_strict, with_opt, load_lr_scheduler_states,
+            meta, reader = open_checkpoint(path, verify)
+            st = _stage(engine, path, meta, reader, load_module_strict, with_opt, load_lr_scheduler_states,
                         load_module_only, comm.rank, comm.size)
     except CheckpointError as e:
         err = e

@@ -112,7 +112,7 @@ def _resume(job: Job) -> int:
     if job.args.resume != "auto" or not (job.ckpt_dir / "latest").is_file():
         return 0
     _, client = job.engine.load_checkpoint(job.ckpt_dir)
-    start = int(client["step"])
+    start = int(client.get("step", job.engine.global_steps))  # a DeepSpeed/DCP checkpoint: its own step count
     saved = (client.get("global_batch"), client.get("seq"))
     if saved != (job.state["global_batch"], job.state["seq"]):
         _log(f"warning: the checkpoint was written with {saved[0]} sequences of {saved[1]} per step, now "
