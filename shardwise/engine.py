@@ -26,6 +26,7 @@ from shardwise.engine_api import EngineAccessors, UsageError
 from shardwise.engine_checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.fsdp import shard_module
 from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_optimizer
+from shardwise.plain_backward import plain_backward_rule, scale_loss
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.builder import ShardOptions
 
@@ -105,6 +106,9 @@ class Engine(EngineAccessors, nn.Module):
         self.fp16 = config.precision == "fp16"
         self.loss_scaler = DynamicLossScaler.from_fp16_config(config.fp16) if self.fp16 else None
         self._grads_reduced = False
+        self.manual_scale_pending = False  # engine.scale(loss) was called; its backward is next
+        this = weakref.ref(self)
+        sh.plain_backward = lambda: plain_backward_rule(this())  # a loss.backward() the engine did not start
         for g in self.groups + [g for gs in self.unit_groups for g in gs]:
             g.engine_ref = weakref.ref(self)  # shardwise.utils.safe_get_* find the engine from a param
 
@@ -197,6 +201,10 @@ class Engine(EngineAccessors, nn.Module):
         self._grads_reduced = reduce_now
         self._last_loss = loss.detach()
         return loss / self.gas if scale_wrt_gas else loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's ``engine.scale(loss)``: the fp16-scaled loss, for ``engine.scale(loss).backward()``."""
+        return scale_loss(self, loss)
 
     # -- step -----------------------------------------------------------------------
     def step(self) -> None:

@@ -98,6 +98,10 @@ class Sharding:
         self.step_grads: list[torch.Tensor] | None = None  # master grads of this step, once attached
         self.param_groups: list[dict] = []  # optimizer options per entry of groups_by_pg (set by shard_module)
         self.tp_report: Any = None
+        # The engine's rule for a backward it did not start (a plain ``loss.backward()``): returns
+        # (reduce now?, factor on every parameter gradient); see ``shardwise/plain_backward.py``.
+        self.plain_backward: Callable[[], tuple[bool, float]] | None = None
+        self._grad_scale = 1.0
         self._armed = False
         self._queued = False
         self._handles: list[Any] = []
@@ -153,8 +157,9 @@ class Sharding:
                 register_multi_grad_hook(tensors, lambda _grads: self.on_backward(), mode="any")
         return output
 
-    def _on_param_grad(self, grad: torch.Tensor) -> None:  # noqa: ARG002
+    def _on_param_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
         self.on_backward()
+        return grad * self._grad_scale if self._grad_scale != 1.0 else None
 
     # -- backward -------------------------------------------------------------------------
     def arm(self, sync: bool) -> None:
@@ -168,7 +173,10 @@ class Sharding:
     def on_backward(self) -> None:
         """Called from hooks inside a backward: arm (unless the engine did) and queue the finish."""
         if not self._armed:
-            self.arm(self.requires_sync)
+            sync = self.requires_sync
+            if self.plain_backward is not None:
+                sync, self._grad_scale = self.plain_backward()
+            self.arm(sync)
         if not self._queued:
             self._queued = True
             Variable._execution_engine.queue_callback(self.finish_backward)
@@ -178,6 +186,7 @@ class Sharding:
 
         Runs once per backward (a no-op when nothing armed the groups)."""
         self._queued = False
+        self._grad_scale = 1.0
         if not self._armed:
             return
         self._armed = False

@@ -1,0 +1,52 @@
+"""Rank-side runs of training loops as users write them (issue 20): plain ``loss.backward()`` on the
+engine, ``torch.compile`` of sharded models, and the ZeRO stages against each other bit for bit."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tiny_models import batches, build
+from zero_cases import make_config
+
+import shardwise
+from shardwise.engine_api import UsageError
+from shardwise.zero import GatheredParameters
+
+
+def _full_weights(model) -> dict[str, torch.Tensor]:
+    with GatheredParameters(model.parameters()):  # a no-op below stage 3
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _engine_run(stage: int, precision: str, how: str, steps: int = 2, gas: int = 2, micro: int = 2) -> dict:
+    """``how``: 'engine' (engine.backward(loss)) or 'plain' (loss.backward(), engine.scale(loss) in fp16)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(stage, precision=precision,
+                                                                               gas=gas, dp=world))
+    data = batches(steps, gas, micro * world, 16)
+    losses = []
+    for s in range(steps):
+        for m in range(gas):
+            ids = data[s, m, rank * micro:(rank + 1) * micro]
+            loss = engine(input_ids=ids, labels=ids).loss
+            if how == "engine":
+                engine.backward(loss)
+            else:
+                (engine.scale(loss) if precision == "fp16" else loss).backward()
+            engine.step()
+            losses.append(float(loss.detach()))
+    return {"losses": losses, "weights": _full_weights(engine.module), "steps": engine.global_steps}
+
+
+def plain_backward_against_engine_backward(stage: int, precision: str) -> dict:
+    """Both loops on the same batches; and fp16's plain backward without engine.scale, refused."""
+    out = {how: _engine_run(stage, precision, how) for how in ("engine", "plain")}
+    if precision == "fp16":
+        engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(stage, precision="fp16", gas=2))
+        ids = batches(1, 1, 2, 16)[0, 0]
+        try:
+            engine(input_ids=ids, labels=ids).loss.backward()
+            out["unscaled"] = "no error"
+        except UsageError as e:
+            out["unscaled"] = str(e)
+    return out

@@ -1,0 +1,30 @@
+"""Training loops as users write them (issue 20), on gloo ranks: plain ``loss.backward()`` on the
+engine against ``engine.backward``, ``torch.compile`` of sharded models against eager, and the ZeRO
+stages against each other bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ in any bit."""
+    assert a.keys() == b.keys()
+    return [n for n in a if not torch.equal(a[n], b[n])]
+
+
+@pytest.mark.parametrize(("stage", "precision"), [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"),
+                                                  (2, "fp16"), (0, "bf16")])
+def test_plain_backward_equals_engine_backward(pool2, stage, precision):
+    """gradient_accumulation_steps 2: loss.backward() (engine.scale(loss).backward() in fp16), then
+    engine.step(), gives engine.backward(loss)'s result bit for bit: 1/2 is a power of two, so scaling
+    each parameter's gradient instead of the loss rounds nothing in fp32 / bf16, and engine.scale
+    multiplies the loss by engine.backward's own factor."""
+    res = pool2.run("loop_cases:plain_backward_against_engine_backward", stage, precision)
+    for r in res:
+        assert r["plain"]["steps"] == r["engine"]["steps"] == 2
+        assert r["plain"]["losses"] == r["engine"]["losses"]
+        assert _bit_equal(r["plain"]["weights"], r["engine"]["weights"]) == []
+    if precision == "fp16":
+        assert "engine.scale(loss).backward()" in res[0]["unscaled"]
