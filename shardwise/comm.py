@@ -303,7 +303,7 @@ class Comm:
             copy_out()
             return Work(None, self, "reduce_scatter") if async_op else None
         if self._emulate:
-            return self._ring(full, reduce=True, async_op=async_op, finish=copy_out)
+            return self._rank_order_reduce(full, async_op=async_op, finish=copy_out)
         aliased = out.data_ptr() == mine.data_ptr()
         target = torch.empty_like(out) if (aliased or accumulate) else out
         h = self._guard("reduce_scatter", _reduce_scatter_single, target, full, group=self.group,
@@ -320,7 +320,71 @@ class Comm:
             return None
         return Work(h, self, "reduce_scatter", finish)
 
-    # -- gloo: rings of point-to-point exchanges ------------------------------------------
+    def all_reduce_in_rank_order(self, flat: torch.Tensor, async_op: bool = False) -> Work | None:
+        """SUM all-reduce of a 1-D ``flat`` (numel a multiple of the size) whose every element is
+        summed in rank order, as ``reduce_scatter`` sums it: on gloo that reduce-scatter, then the
+        ring all-gather (stage 0's gradients then carry the bits of stages 1-3's). Counted as an
+        all-reduce (2S). NCCL: its native all-reduce (its order is its own)."""
+        if self.size == 1 or not self._emulate:
+            return self.all_reduce(flat, async_op=async_op)
+        self.stats.add("all_reduce" + self.scope, 2 * flat.numel() * flat.element_size())
+        rs = self._rank_order_reduce(flat, async_op=True, finish=None)
+
+        def gather() -> None:
+            rs.wait()
+            ring = self._ring(flat, reduce=False, async_op=True, finish=None)
+            if ring is not None:
+                ring.wait()
+
+        if not async_op:
+            gather()
+            return None
+        return Work(None, self, "all_reduce", gather)
+
+    # -- gloo: point-to-point exchanges ----------------------------------------------------
+    def _rank_order_reduce(self, full: torch.Tensor, async_op: bool, finish) -> Work | None:
+        """Reduce-scatter of the N chunks of ``full``: chunk ``rank`` becomes the sum over ranks.
+
+        Every rank sends chunk j to rank j and receives its own chunk from every other rank (the
+        bytes of a ring: (N-1)/N of ``full`` each way), then adds the N pieces in rank order,
+        ((g0 + g1) + g2) + ... . So an element's sum has the same bits whichever chunk it lands in
+        (a ring starts each chunk's sum at another rank), whatever the bucket boundaries and
+        whether the result is then all-gathered (stage 0) or kept (stages 1-3). The price: N-1
+        receive chunks instead of the ring's one (the same at 2 ranks). The exchange runs in the
+        background; the additions happen in ``wait()``.
+        """
+        n, r = self.size, self.rank
+        size = full.numel() // n
+        mine = full.narrow(0, r * size, size)
+        others = [j for j in range(n) if j != r]
+        buf = self._take_buffer((n - 1) * size, full.dtype, full.device)
+        recv = {j: buf.narrow(0, i * size, size) for i, j in enumerate(others)}
+        handles = []
+        for j in others:  # every isend / irecv is posted at once: no ordering to deadlock on
+            handles.append(self._guard("reduce_scatter", dist.isend, full.narrow(0, j * size, size),
+                                       self._global(j), group=self.group))
+            handles.append(self._guard("reduce_scatter", dist.irecv, recv[j], self._global(j), group=self.group))
+
+        def add_in_rank_order() -> None:
+            if r < 2:  # g1 + g0 is g0 + g1 bit for bit: ranks 0 and 1 add straight into their chunk
+                for j in others:
+                    mine.add_(recv[j])
+            else:
+                acc = recv[0]
+                for j in range(1, n):
+                    acc.add_(mine if j == r else recv[j])
+                mine.copy_(acc)
+            self._give_buffer(buf)
+            if finish is not None:
+                finish()
+
+        work = Work(handles, self, "reduce_scatter", add_in_rank_order)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # -- gloo: the ring all-gather ---------------------------------------------------------
     def _ring(self, full: torch.Tensor, reduce: bool, async_op: bool, finish) -> Work | None:
         """All-gather (or reduce-scatter, ``reduce``) of the N chunks of ``full``, in place.
 

@@ -50,3 +50,25 @@ def plain_backward_against_engine_backward(stage: int, precision: str) -> dict:
         except UsageError as e:
             out["unscaled"] = str(e)
     return out
+
+
+def weights_at_every_stage(precisions: list[str], steps: int = 1, micro: int = 2) -> dict:
+    """The same engine run at stages 0-3 for each precision; rank 0 returns the full weights and
+    losses by (precision, stage), every rank the losses it saw."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    data = batches(steps, 1, micro * world, 16)
+    out = {}
+    for precision in precisions:
+        for stage in range(4):
+            engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(stage, precision=precision,
+                                                                                       dp=world))
+            losses = []
+            for s in range(steps):
+                ids = data[s, 0, rank * micro:(rank + 1) * micro]
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss.detach()))
+            weights = _full_weights(engine.module)
+            out[f"{precision}/{stage}"] = {"losses": losses, "weights": weights if rank == 0 else {}}
+    return out

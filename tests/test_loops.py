@@ -28,3 +28,17 @@ def test_plain_backward_equals_engine_backward(pool2, stage, precision):
         assert _bit_equal(r["plain"]["weights"], r["engine"]["weights"]) == []
     if precision == "fp16":
         assert "engine.scale(loss).backward()" in res[0]["unscaled"]
+
+
+def test_zero_stages_agree_bit_for_bit_at_4_ranks(pool4):
+    """Stages 0-3 at 4 ranks in fp32, bf16 and fp16: every weight bit-identical after a step.
+    Stage 0's all-reduce and stages 1-3's reduce-scatter add the ranks' gradients in one order
+    (rank 0 first), whatever chunk of whatever bucket (stage 3: per layer) an element lands in."""
+    res = pool4.run("loop_cases:weights_at_every_stage", ["fp32", "bf16", "fp16"])
+    for precision in ("fp32", "bf16", "fp16"):
+        base = res[0][f"{precision}/0"]
+        for stage in (1, 2, 3):
+            got = res[0][f"{precision}/{stage}"]
+            assert _bit_equal(got["weights"], base["weights"]) == [], (precision, stage)
+            for r in range(4):
+                assert res[r][f"{precision}/{stage}"]["losses"] == res[r][f"{precision}/0"]["losses"]

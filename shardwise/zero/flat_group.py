@@ -308,7 +308,8 @@ class ShardedGroup(StageThreeGather):
         self._ready = len(self.params)
         assert self.flat_grad is not None
         if not self.policy.shard_optimizer:
-            w = self.comm.all_reduce(self.flat_grad, async_op=self.overlap_comm)
+            # summed in rank order like stages 1-3's reduce-scatter: the stage never changes a bit
+            w = self.comm.all_reduce_in_rank_order(self.flat_grad, async_op=self.overlap_comm)
             self._holds_reduced = True
         elif not self.policy.shard_grads:
             owned = self.flat_grad.narrow(0, self.own_start, self.own_numel)
