@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shardwise import comm, utils, zero
 from shardwise.comm import RanksDivergedError, init_distributed
+from shardwise.compiled import compile  # noqa: A004
 from shardwise.config_schema import ConfigError as DeepSpeedConfigError
 from shardwise.fsdp import ShardedModule, shard
 from shardwise.fsdp_optim import ShardedOptimizer, clip_grad_norm_
@@ -22,7 +23,7 @@ from shardwise.zero import GatheredParameters
 __all__ = ["initialize", "add_config_arguments", "init_inference", "init_distributed", "RanksDivergedError",
            "zero", "comm", "utils", "shard", "ShardedModule", "ShardedOptimizer", "clip_grad_norm_",
            "GatheredParameters", "full_state_dict", "load_full_state_dict", "sharded_state_dict",
-           "load_sharded_state_dict", "save_checkpoint", "load_checkpoint", "DeepSpeedConfigError"]
+           "load_sharded_state_dict", "save_checkpoint", "load_checkpoint", "DeepSpeedConfigError", "compile"]
 __version__ = "0.1.0"
 # DeepSpeed exposes these; scripts print or compare them (no git metadata is baked into a source tree).
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("."))

@@ -72,3 +72,46 @@ def weights_at_every_stage(precisions: list[str], steps: int = 1, micro: int = 2
             weights = _full_weights(engine.module)
             out[f"{precision}/{stage}"] = {"losses": losses, "weights": weights if rank == 0 else {}}
     return out
+
+
+def _train(api: str, stage: int, backend: str | None, steps: int, micro: int = 2) -> dict:
+    """``steps`` steps of the FSDP-style loop ('shard') or the engine ('engine'), compiled with
+    ``backend`` (None: eager); the losses, full weights and dynamo's graph-break count."""
+    from torch._dynamo.utils import counters
+    from zero_cases import BETAS, EPS, LR, WD
+
+    torch._dynamo.reset()
+    counters.clear()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if api == "shard":
+        model = shardwise.shard(build("llama"), stage=stage, bucket_size=20_000)
+        opt = shardwise.ShardedOptimizer(model, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        if backend is not None:
+            shardwise.compile(model, backend=backend)
+    else:
+        model, *_ = shardwise.initialize(model=build("llama"), config=make_config(stage, dp=world))
+        if backend is not None:
+            model.compile(backend=backend, compile_kwargs={})
+    data = batches(steps, 1, micro * world, 16)
+    losses = []
+    for s in range(steps):
+        ids = data[s, 0, rank * micro:(rank + 1) * micro]
+        loss = model(input_ids=ids, labels=ids).loss
+        if api == "shard":
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            model.backward(loss)
+            model.step()
+        losses.append(float(loss.detach()))
+    module = model if api == "shard" else model.module
+    return {"losses": losses, "weights": _full_weights(module),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+def compiled_against_eager(cases: list[tuple[str, int]], backend: str, steps: int = 2) -> dict:
+    """Each (api, stage) eager and compiled, on the same batches."""
+    return {f"{api}/{stage}": {"eager": _train(api, stage, None, steps), "compiled": _train(api, stage, backend, steps)}
+            for api, stage in cases}

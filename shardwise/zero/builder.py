@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardwise.comm import Comm
 from shardwise.grad_norm import global_grad_norm
+from shardwise.zero.eager_hooks import eager_hook
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy, owner_of
 from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.gathered import guard_state_dict
@@ -135,7 +136,7 @@ class Sharding:
         """Hooks that notice a backward has started: the root's outputs (the outermost graph task,
         also under reentrant checkpointing), every trainable parameter's gradient (a loss that
         reaches a parameter outside the forward), and stage 3's pre-backward gathers."""
-        self._handles.append(self.module.register_forward_hook(self._root_post_forward))
+        self._handles.append(self.module.register_forward_hook(eager_hook(self._root_post_forward)))
         for g in self.groups:
             self._handles += [p.register_hook(self._on_param_grad) for p in g.params if p.requires_grad]
         if self.fetcher is not None:
