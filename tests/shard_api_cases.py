@@ -25,8 +25,12 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 def train_plain_loop(kind: str, stage: int, gas: int = 1, clip: float = 0.0, precision: str | None = None,
                      offload: str | None = None, shard_size: int | None = None, tp: int = 1, steps: int = 3,
-                     micro: int = 2, seq: int = 16, unused: bool = False, **shard_kw) -> dict:
+                     micro: int = 2, seq: int = 16, unused: bool = False, toggle: bool = True,
+                     **shard_kw) -> dict:
     """The README loop on this rank's slice of the global batches the reference sees.
+
+    ``toggle``: accumulate with ``set_requires_gradient_sync`` (False: never call it, so every
+    backward reduces, the loop DDP and FSDP2 users write first).
 
     ``unused``: a layer gets a parameter the forward never uses, in the bucket of used ones: only the
     end-of-backward callback reduces (and at stage 3 releases) that bucket, since its last gradient
@@ -52,7 +56,8 @@ def train_plain_loop(kind: str, stage: int, gas: int = 1, clip: float = 0.0, pre
         for m in range(gas):
             ids = data[s, m, dp_rank * micro:(dp_rank + 1) * micro]
             last = m == gas - 1
-            model.set_requires_gradient_sync(last)
+            if toggle:
+                model.set_requires_gradient_sync(last)
             before = sum(stats.as_dict().values())
             loss = model(input_ids=ids, labels=ids).loss
             (loss / gas).backward()

@@ -37,6 +37,14 @@ def test_stage0_accumulation_without_sync(pool2):
     assert res[0]["comm_in_no_sync"] == [0, 0, 0]
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_without_the_sync_toggle(pool2, stage):
+    """(loss / 2).backward() twice, then step, never touching set_requires_gradient_sync: every
+    backward reduces, and a reduced sum is never reduced again (stages 0-1 set it aside)."""
+    res = pool2.run("shard_api_cases:train_plain_loop", "llama", stage, gas=2, toggle=False)
+    _check_equivalent(res, _ref(stage, gas=2))
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_unused_parameter_is_finished_by_the_backward_callback(pool2, stage):
     """A bucket whose last gradient never arrives is reduced (and released) only at the end of backward."""

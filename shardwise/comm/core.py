@@ -15,7 +15,9 @@ gloo both are a ring of point-to-point exchanges of shard-sized chunks (N-1
 steps). Measured here by ``benchmarks/bench_collectives.py`` (2 ranks, 64 MiB
 fp32, quiet machine): gloo all_reduce 58 ms, all_gather 97 ms, reduce_scatter
 99 ms; ring all-gather 20 ms, ring reduce-scatter 54 ms. NCCL uses the native
-collectives.
+collectives. The gloo reduce-scatter is now a direct exchange that adds the ranks' chunks in rank
+order (``_rank_order_reduce``: the same bytes as the ring; one order for every element, so the
+ZeRO stages agree to the bit).
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ class Comm:
             return Work(None, self, "all_gather") if async_op else None
         self.stats.add("all_gather" + self.scope, full.numel() * full.element_size())
         if self._emulate:
-            return self._ring(full, reduce=False, async_op=async_op, finish=None)
+            return self._ring(full, async_op=async_op)
         shard = full.numel() // self.size
         mine = full.narrow(0, self.rank * shard, shard)
         h = self._guard("all_gather", _all_gather_single, full, mine, group=self.group, async_op=async_op)
@@ -303,7 +305,7 @@ class Comm:
             copy_out()
             return Work(None, self, "reduce_scatter") if async_op else None
         if self._emulate:
-            return self._ring(full, reduce=True, async_op=async_op, finish=copy_out)
+            return self._rank_order_reduce(full, async_op=async_op, finish=copy_out)
         aliased = out.data_ptr() == mine.data_ptr()
         target = torch.empty_like(out) if (aliased or accumulate) else out
         h = self._guard("reduce_scatter", _reduce_scatter_single, target, full, group=self.group,
@@ -320,44 +322,93 @@ class Comm:
             return None
         return Work(h, self, "reduce_scatter", finish)
 
-    # -- gloo: rings of point-to-point exchanges ------------------------------------------
-    def _ring(self, full: torch.Tensor, reduce: bool, async_op: bool, finish) -> Work | None:
-        """All-gather (or reduce-scatter, ``reduce``) of the N chunks of ``full``, in place.
+    def all_reduce_in_rank_order(self, flat: torch.Tensor, async_op: bool = False) -> Work | None:
+        """SUM all-reduce of a 1-D ``flat`` (numel a multiple of the size) whose every element is
+        summed in rank order, as ``reduce_scatter`` sums it: on gloo that reduce-scatter, then the
+        ring all-gather (stage 0's gradients then carry the bits of stages 1-3's). Counted as an
+        all-reduce (2S). NCCL: its native all-reduce (its order is its own)."""
+        if self.size == 1 or not self._emulate:
+            return self.all_reduce(flat, async_op=async_op)
+        self.stats.add("all_reduce" + self.scope, 2 * flat.numel() * flat.element_size())
+        rs = self._rank_order_reduce(flat, async_op=True, finish=None)
 
-        Step k sends one chunk to the next rank and receives one from the previous. For an
-        all-gather the received chunk is stored; for a reduce-scatter it is added to the local
-        one, so after N-1 steps chunk ``rank`` holds the sum. All steps but the last run here;
-        the last is returned pending when ``async_op`` (with 2 ranks: the whole exchange).
+        def gather() -> None:
+            rs.wait()
+            ring = self._ring(flat, async_op=True)
+            if ring is not None:
+                ring.wait()
+
+        if not async_op:
+            gather()
+            return None
+        return Work(None, self, "all_reduce", gather)
+
+    # -- gloo: point-to-point exchanges ----------------------------------------------------
+    def _rank_order_reduce(self, full: torch.Tensor, async_op: bool, finish) -> Work | None:
+        """Reduce-scatter of the N chunks of ``full``: chunk ``rank`` becomes the sum over ranks.
+
+        Every rank sends chunk j to rank j and receives its own chunk from every other rank (the
+        bytes of a ring: (N-1)/N of ``full`` each way), then adds the N pieces in rank order,
+        ((g0 + g1) + g2) + ... . So an element's sum has the same bits whichever chunk it lands in
+        (a ring starts each chunk's sum at another rank), whatever the bucket boundaries and
+        whether the result is then all-gathered (stage 0) or kept (stages 1-3). The price: N-1
+        receive chunks instead of the ring's one (the same at 2 ranks). The exchange runs in the
+        background; the additions happen in ``wait()``.
+        """
+        n, r = self.size, self.rank
+        size = full.numel() // n
+        mine = full.narrow(0, r * size, size)
+        others = [j for j in range(n) if j != r]
+        buf = self._take_buffer((n - 1) * size, full.dtype, full.device)
+        recv = {j: buf.narrow(0, i * size, size) for i, j in enumerate(others)}
+        handles = []
+        for j in others:  # every isend / irecv is posted at once: no ordering to deadlock on
+            handles.append(self._guard("reduce_scatter", dist.isend, full.narrow(0, j * size, size),
+                                       self._global(j), group=self.group))
+            handles.append(self._guard("reduce_scatter", dist.irecv, recv[j], self._global(j), group=self.group))
+
+        def add_in_rank_order() -> None:
+            if r < 2:  # g1 + g0 is g0 + g1 bit for bit: ranks 0 and 1 add straight into their chunk
+                for j in others:
+                    mine.add_(recv[j])
+            else:
+                acc = recv[0]
+                for j in range(1, n):
+                    acc.add_(mine if j == r else recv[j])
+                mine.copy_(acc)
+            self._give_buffer(buf)
+            if finish is not None:
+                finish()
+
+        work = Work(handles, self, "reduce_scatter", add_in_rank_order)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # -- gloo: the ring all-gather ---------------------------------------------------------
+    def _ring(self, full: torch.Tensor, async_op: bool) -> Work | None:
+        """All-gather of the N chunks of ``full``, in place (the reduce-scatter is ``_rank_order_reduce``).
+
+        Step k sends one chunk to the next rank and receives one from the previous, stored in
+        place. All steps but the last run here; the last is returned pending when ``async_op``
+        (with 2 ranks: the whole exchange).
         """
         n, r = self.size, self.rank
         size = full.numel() // n
         chunk = lambda i: full.narrow(0, (i % n) * size, size)  # noqa: E731
         nxt, prv = self._global((r + 1) % n), self._global((r - 1) % n)
-        buf = self._take_buffer(size, full.dtype, full.device) if reduce else None
-        tmp = buf[:size] if reduce else None
-        kind = "reduce_scatter" if reduce else "all_gather"
         for k in range(n - 1):
-            send_i, recv_i = (r - k - 1, r - k - 2) if reduce else (r - k, r - k - 1)
-            handles = [self._guard(kind, dist.isend, chunk(send_i), nxt, group=self.group),
-                       self._guard(kind, dist.irecv, tmp if reduce else chunk(recv_i), prv, group=self.group)]
-            last, received = k == n - 2, chunk(recv_i)
-
-            def done(target: torch.Tensor = received, last: bool = last) -> None:
-                if reduce:
-                    target.add_(tmp)
-                    if last:
-                        self._give_buffer(buf)
-                if last and finish is not None:
-                    finish()
-
-            work = Work(handles, self, kind, done)
-            if last and async_op:
+            handles = [self._guard("all_gather", dist.isend, chunk(r - k), nxt, group=self.group),
+                       self._guard("all_gather", dist.irecv, chunk(r - k - 1), prv, group=self.group)]
+            work = Work(handles, self, "all_gather")
+            if k == n - 2 and async_op:
                 return work
             work.wait()
         return None
 
     def _take_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A receive chunk for a ring reduce-scatter, reused from finished rings when one fits.
+        """Receive chunks for a reduce-scatter, reused from finished ones when one fits.
 
         A fresh chunk per call is a fresh mmap of tens of MiB whose page faults cost more than
         the additions (see docs/estimate.md, "Planner against measurement"). Pending rings

@@ -239,18 +239,6 @@ class EngineAccessors:
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
-    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule: Any = None) -> None:
-        """DeepSpeed's ``engine.compile``: ``torch.compile`` the wrapped module's forward in place."""
-        if schedule is not None:
-            raise NotImplementedError("engine.compile(schedule=...): DeepSpeed's compile passes are not "
-                                      "implemented by shardwise; drop schedule")
-        self.module.compile(backend=backend or "inductor", **(compile_kwargs or {}))
-        self._compiled = True
-
-    @property
-    def is_compiled(self) -> bool:
-        return getattr(self, "_compiled", False)
-
     # -- aliases --------------------------------------------------------------------
     def save_fp16_model(self, save_dir: str, save_filename: str | None = None) -> None:
         """DeepSpeed's older name of ``save_16bit_model``."""

@@ -22,10 +22,12 @@ from torch import nn
 
 from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from shardwise.comm import Comm
+from shardwise.compiled import compile_sharded
 from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.fsdp.module import shard_module
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
+from shardwise.plain_backward import plain_backward_rule, scale_loss
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.builder import ShardOptions
 from shardwise.zero.whole_tensor import build_on_sharding, whole_tensor_of
@@ -108,6 +110,10 @@ class Engine(EngineAccessors, nn.Module):
         self.fp16 = config.precision == "fp16"
         self.loss_scaler = DynamicLossScaler.from_fp16_config(config.fp16) if self.fp16 else None
         self._grads_reduced = False
+        self.is_compiled = False  # engine.compile() was called
+        self.manual_scale_pending = False  # engine.scale(loss) was called; its backward is next
+        this = weakref.ref(self)
+        sh.plain_backward = lambda: plain_backward_rule(this())  # a loss.backward() the engine did not start
         for g in self.groups + [g for gs in self.unit_groups for g in gs]:
             g.engine_ref = weakref.ref(self)  # shardwise.utils.safe_get_* find the engine from a param
 
@@ -204,6 +210,20 @@ class Engine(EngineAccessors, nn.Module):
         self._grads_reduced = reduce_now
         self._last_loss = loss.detach()
         return loss / self.gas if scale_wrt_gas else loss
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile()`` (as the HF Trainer calls it): ``torch.compile`` of the model
+        for its stage (``shardwise/compiled.py``). DeepCompile's ``schedule`` / compiled autograd are refused."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise UsageError("engine.compile(schedule=..., compiled_autograd_enabled=True): DeepCompile passes "
+                             "are not supported; call engine.compile(backend=..., compile_kwargs=...)")
+        compile_sharded(self.module, self.sharding, backend, compile_kwargs)
+        self.is_compiled = True
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's ``engine.scale(loss)``: the fp16-scaled loss, for ``engine.scale(loss).backward()``."""
+        return scale_loss(self, loss)
 
     # -- step -----------------------------------------------------------------------
     def step(self) -> None:

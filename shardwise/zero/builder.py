@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardwise.comm import Comm
 from shardwise.grad_norm import global_grad_norm
+from shardwise.zero.eager_hooks import eager_hook
 from shardwise.zero.flat_group import ShardedGroup, ShardPolicy, owner_of
 from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.gathered import guard_state_dict
@@ -98,6 +99,10 @@ class Sharding:
         self.step_grads: list[torch.Tensor] | None = None  # master grads of this step, once attached
         self.param_groups: list[dict] = []  # optimizer options per entry of groups_by_pg (set by shard_module)
         self.tp_report: Any = None
+        # The engine's rule for a backward it did not start (a plain ``loss.backward()``): returns
+        # (reduce now?, factor on every parameter gradient); see ``shardwise/plain_backward.py``.
+        self.plain_backward: Callable[[], tuple[bool, float]] | None = None
+        self._grad_scale = 1.0
         self._armed = False
         self._queued = False
         self._handles: list[Any] = []
@@ -131,7 +136,7 @@ class Sharding:
         """Hooks that notice a backward has started: the root's outputs (the outermost graph task,
         also under reentrant checkpointing), every trainable parameter's gradient (a loss that
         reaches a parameter outside the forward), and stage 3's pre-backward gathers."""
-        self._handles.append(self.module.register_forward_hook(self._root_post_forward))
+        self._handles.append(self.module.register_forward_hook(eager_hook(self._root_post_forward)))
         for g in self.groups:
             self._handles += [p.register_hook(self._on_param_grad) for p in g.params if p.requires_grad]
         if self.fetcher is not None:
@@ -153,8 +158,9 @@ class Sharding:
                 register_multi_grad_hook(tensors, lambda _grads: self.on_backward(), mode="any")
         return output
 
-    def _on_param_grad(self, grad: torch.Tensor) -> None:  # noqa: ARG002
+    def _on_param_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
         self.on_backward()
+        return grad * self._grad_scale if self._grad_scale != 1.0 else None
 
     # -- backward -------------------------------------------------------------------------
     def arm(self, sync: bool) -> None:
@@ -168,7 +174,10 @@ class Sharding:
     def on_backward(self) -> None:
         """Called from hooks inside a backward: arm (unless the engine did) and queue the finish."""
         if not self._armed:
-            self.arm(self.requires_sync)
+            sync = self.requires_sync
+            if self.plain_backward is not None:
+                sync, self._grad_scale = self.plain_backward()
+            self.arm(sync)
         if not self._queued:
             self._queued = True
             Variable._execution_engine.queue_callback(self.finish_backward)
@@ -178,6 +187,7 @@ class Sharding:
 
         Runs once per backward (a no-op when nothing armed the groups)."""
         self._queued = False
+        self._grad_scale = 1.0
         if not self._armed:
             return
         self._armed = False

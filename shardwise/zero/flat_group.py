@@ -181,6 +181,10 @@ class ShardedGroup(StageThreeGather):
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._ready = 0
         self._reduce_now = False
+        # Stages 0-1 with a reduction per backward (no sync toggle): a reduced sum set aside while
+        # the next backward accumulates local gradients (see begin_backward).
+        self._holds_reduced = False
+        self._reduced_carry: torch.Tensor | None = None
         self._pending: list[Work] = []
         self._bucket_in_flight: torch.Tensor | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -250,6 +254,26 @@ class ShardedGroup(StageThreeGather):
         """Arm the group for one backward; ``reduce_now`` at an accumulation boundary."""
         self._ready = 0
         self._reduce_now = reduce_now or self.policy.shard_grads
+        if self._holds_reduced and not self.policy.shard_grads:
+            self._set_aside_reduced()
+
+    def _set_aside_reduced(self) -> None:
+        """A second backward before the step, the first one already reduced (stages 0-1, no sync
+        toggle). Autograd would add this rank's new gradients onto the sum over ranks, and the next
+        reduction would count that sum once per rank. So the reduced (owned) range moves aside, the
+        buffer restarts from zero, and ``wait`` adds the two sums once the new one is reduced:
+        ``carry + new``, the order in which stages 2-3 accumulate their shard."""
+        self.wait()
+        # (wait() has folded any earlier carry into the owned range: a third backward carries both)
+        self._reduced_carry = self.flat_grad.narrow(0, self.own_start, self.own_numel).clone()
+        self.flat_grad.zero_()
+        self._holds_reduced = False
+
+    def _fold_carry(self) -> None:
+        """After this backward's reduction finished: owned range = carry + new sum."""
+        if self._reduced_carry is not None and self._holds_reduced and not self._pending:
+            self.flat_grad.narrow(0, self.own_start, self.own_numel).add_(self._reduced_carry)
+            self._reduced_carry = None
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self.flat_grad is None:  # stage >= 2: the bucket lives only during its backward
@@ -284,10 +308,13 @@ class ShardedGroup(StageThreeGather):
         self._ready = len(self.params)
         assert self.flat_grad is not None
         if not self.policy.shard_optimizer:
-            w = self.comm.all_reduce(self.flat_grad, async_op=self.overlap_comm)
+            # summed in rank order like stages 1-3's reduce-scatter: the stage never changes a bit
+            w = self.comm.all_reduce_in_rank_order(self.flat_grad, async_op=self.overlap_comm)
+            self._holds_reduced = True
         elif not self.policy.shard_grads:
             owned = self.flat_grad.narrow(0, self.own_start, self.own_numel)
             w = self._reduce_scatter(self.flat_grad, owned)
+            self._holds_reduced = True
         else:
             if self.shard_grad is None:
                 self.shard_grad = torch.zeros(self.shard_numel, dtype=self.grad_dtype, device=self.device)
@@ -322,6 +349,7 @@ class ShardedGroup(StageThreeGather):
             w.wait()
         self._pending.clear()
         self._bucket_in_flight = None
+        self._fold_carry()
 
     # -- step -------------------------------------------------------------------------
     def owned_grad(self) -> torch.Tensor:
@@ -330,6 +358,11 @@ class ShardedGroup(StageThreeGather):
             if self.shard_grad is None:  # no backward reached this group yet
                 self.shard_grad = torch.zeros(self.shard_numel, dtype=self.grad_dtype, device=self.device)
             return self.shard_grad
+        if self._reduced_carry is not None:
+            raise RuntimeError(
+                f"{self.names[0]!r}: the last backward before this step did not reduce its gradients "
+                "(set_requires_gradient_sync(False) or no_sync()), but an earlier one of the same step "
+                "did; reduce on the last micro-batch of every step (set_requires_gradient_sync(True))")
         return self.flat_grad.narrow(0, self.own_start, self.own_numel)
 
     def attach_master_grad(self, scale: float) -> torch.Tensor:
@@ -366,6 +399,7 @@ class ShardedGroup(StageThreeGather):
         return None
 
     def zero_grad(self) -> None:
+        self._holds_reduced, self._reduced_carry = False, None
         if self.master is not None:
             self.master.grad = None
         if self.flat_grad is not None and not self.policy.shard_grads:

@@ -34,6 +34,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
+from shardwise.zero.eager_hooks import eager_hook
 from shardwise.zero.external import ReleasedUseCheck, track_access
 from shardwise.zero.flat_group import ShardedGroup
 from shardwise.zero.leaf import z3_leaf_module
@@ -118,8 +119,8 @@ class ParamFetcher:
             for g in gs:
                 g.fetcher = self
         for ui, unit in enumerate(units):
-            self._handles.append(unit.register_forward_pre_hook(self._make_pre_forward(ui)))
-            self._handles.append(unit.register_forward_hook(self._make_post_forward(ui),
+            self._handles.append(unit.register_forward_pre_hook(eager_hook(self._make_pre_forward(ui))))
+            self._handles.append(unit.register_forward_hook(eager_hook(self._make_post_forward(ui)),
                                                             always_call=ui == self.root))
         track_access(units[-1])
 

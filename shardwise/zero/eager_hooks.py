@@ -1,0 +1,24 @@
+"""Sharding hooks stay eager under ``torch.compile``.
+
+The hooks that gather, release and wait for parameters change ``param.data`` (stage 3 swaps
+NaN placeholders for views of the gathered buffer), start collectives and touch Python state.
+Traced by dynamo, they gave wrong tensor metadata inside the graph (the HF forward then failed
+with ``arange() ... got device=torch.Size``). So each is wrapped in ``torch._dynamo.disable``: dynamo
+breaks the graph around the hook, runs it eagerly, and compiles the module's forward on its own
+(with the parameters whole), as FSDP2's hooks are kept out of the graph. The cost is the graph
+breaks the hooks cause; ``docs/architecture.md`` ("torch.compile") counts them per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+def eager_hook(fn: F) -> F:
+    """``fn`` run outside any compiled graph (a graph break where dynamo meets it)."""
+    return torch._dynamo.disable(fn, reason="shardwise sharding hook: gathers / releases parameters")
