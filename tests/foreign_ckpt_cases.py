@@ -30,7 +30,7 @@ def engine_for(stage: int, bf16: bool, frozen: bool, scheduler: bool = True, sgd
         named = list(model.named_parameters())
         params = [{"params": [p for n, p in named if "norm" not in n]},
                   {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}]
-    engine, *_ = shardwise.engine.initialize(model=model, model_parameters=params, config=cfg)
+    engine, *_ = shardwise.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
 

@@ -21,7 +21,7 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 def _engine_run(stage: int, precision: str, how: str, steps: int = 2, gas: int = 2, micro: int = 2) -> dict:
     """``how``: 'engine' (engine.backward(loss)) or 'plain' (loss.backward(), engine.scale(loss) in fp16)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    engine, *_ = shardwise.engine.initialize(model=build("llama"), config=make_config(stage, precision=precision,
+    engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(stage, precision=precision,
                                                                                gas=gas, dp=world))
     data = batches(steps, gas, micro * world, 16)
     losses = []
@@ -42,7 +42,7 @@ def plain_backward_against_engine_backward(stage: int, precision: str) -> dict:
     """Both loops on the same batches; and fp16's plain backward without engine.scale, refused."""
     out = {how: _engine_run(stage, precision, how) for how in ("engine", "plain")}
     if precision == "fp16":
-        engine, *_ = shardwise.engine.initialize(model=build("llama"), config=make_config(stage, precision="fp16", gas=2))
+        engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(stage, precision="fp16", gas=2))
         ids = batches(1, 1, 2, 16)[0, 0]
         try:
             engine(input_ids=ids, labels=ids).loss.backward()
@@ -60,7 +60,7 @@ def weights_at_every_stage(precisions: list[str], steps: int = 1, micro: int = 2
     out = {}
     for precision in precisions:
         for stage in range(4):
-            engine, *_ = shardwise.engine.initialize(model=build("llama"), config=make_config(stage, precision=precision,
+            engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(stage, precision=precision,
                                                                                        dp=world))
             losses = []
             for s in range(steps):
@@ -89,7 +89,7 @@ def _train(api: str, stage: int, backend: str | None, steps: int, micro: int = 2
         if backend is not None:
             shardwise.compile(model, backend=backend)
     else:
-        model, *_ = shardwise.engine.initialize(model=build("llama"), config=make_config(stage, dp=world))
+        model, *_ = shardwise.initialize(model=build("llama"), config=make_config(stage, dp=world))
         if backend is not None:
             model.compile(backend=backend, compile_kwargs={})
     data = batches(steps, 1, micro * world, 16)
