@@ -27,6 +27,7 @@ from shardwise.engine_checks import check_all_used, check_save_args, guard_direc
 from shardwise.fsdp import shard_module
 from shardwise.optim import build_optimizer, build_scheduler, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
+from shardwise.zero.bucket_step import step_and_publish
 from shardwise.zero.builder import ShardOptions
 
 log = logging.getLogger("shardwise")
@@ -229,13 +230,12 @@ class Engine(EngineAccessors, nn.Module):
                 if coef < 1.0:
                     torch._foreach_mul_(grads, coef)
             self._engine_stepping = True
-            try:
-                self.optimizer.step()
+            try:  # stages 1-2: each bucket's all-gather overlaps the next one's step; done before step() returns
+                step_and_publish(self.optimizer, self.sharding)
             finally:
                 self._engine_stepping = False
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            self.sharding.publish()  # stages 1-2: all-gathered before step() returns
         else:
             self.skipped_steps += 1
         self._step_applied = not skip
