@@ -190,7 +190,13 @@ def worker(args) -> None:
     dataset = ByteTextDataset(REPO_DATA, args.seq)
     gc.collect()
     baseline = _live_storages()
-    model = build_model("llama-20m", args.seq, args.seed)
+    if args.model.endswith(".json"):  # a size of bench_scaling.py: a Llama config, byte-level vocabulary
+        from shardwise.train.model import ModelSource
+        from shardwise.train.model import build_model as build_from_source
+
+        model = build_from_source(ModelSource("config", args.model, Path(args.model)), 256, args.seq, args.seed, 0)
+    else:
+        model = build_model(args.model, args.seq, args.seed)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     if framework == "ddp":
@@ -328,7 +334,7 @@ def run_mode(mode: str, args, out_dir: Path, profile_dir: str | None = None) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", mode, "--out", str(out), "--seq", str(args.seq),
            "--micro", str(args.micro), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), "--model", args.model]
     if profile_dir:
         cmd += ["--profile-dir", profile_dir]
     load0, t0 = _loadavg(), time.perf_counter()
@@ -358,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--micro", type=int, default=4, help="micro batch per rank")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--model", default="llama-20m", help="preset or config.json (shardwise train --model; "
+                   "benchmarks/bench_scaling.py passes its sizes this way)")
+    p.add_argument("--results-json", type=Path, default=None, help="write the raw results here instead of "
+                   "benchmarks/results/latest.json")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode, round-robin (median taken)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
@@ -487,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         "interpretation": report.interpret(results),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps({"meta": meta, "results": results, "runs": runs},
-                                                    indent=1))
+    (args.results_json or RESULTS / "latest.json").write_text(json.dumps({"meta": meta, "results": results,
+                                                                          "runs": runs}, indent=1))
     if not args.no_doc:
         report.write_doc(results, meta, tbl, checks)
         print(f"\nwrote {DOC.relative_to(REPO)} and {(RESULTS / 'latest.json').relative_to(REPO)}")
