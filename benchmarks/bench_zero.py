@@ -126,12 +126,20 @@ def _plain_loop(model, opt, **kw) -> Runner:
     return Runner(lambda b: model(**b).loss, lambda loss: loss.backward(), step, **kw)
 
 
+def _offload() -> bool:
+    """``--offload-optimizer`` (passed to the ranks as BENCH_OFFLOAD_OPTIMIZER=1)."""
+    return os.environ.get("BENCH_OFFLOAD_OPTIMIZER") == "1"
+
+
 def _ds_config(stage: int, precision: str, micro: int) -> dict:
     """The config keys shardwise's engine and DeepSpeed share."""
+    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
+    if _offload() and stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0, "steps_per_print": 10**9, "bf16": {"enabled": precision == "bf16"},
-            "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                                  "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}}
+            "zero_optimization": zero}
 
 
 def _build_shardwise(model, stage, precision, micro):
@@ -153,8 +161,12 @@ def _build_deepspeed(model, stage, precision, micro):
 
     cfg = {**_ds_config(stage, precision, micro), "wall_clock_breakdown": False,
            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
-    opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    if _offload():  # DeepSpeed's own offload path: its config AdamW becomes DeepSpeedCPUAdam
+        cfg["optimizer"] = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 
     def fwd(b):
         return engine(**b).loss
@@ -190,7 +202,13 @@ def worker(args) -> None:
     dataset = ByteTextDataset(REPO_DATA, args.seq)
     gc.collect()
     baseline = _live_storages()
-    model = build_model("llama-20m", args.seq, args.seed)
+    if args.model.endswith(".json"):  # a size of bench_scaling.py: a Llama config, byte-level vocabulary
+        from shardwise.train.model import ModelSource
+        from shardwise.train.model import build_model as build_from_source
+
+        model = build_from_source(ModelSource("config", args.model, Path(args.model)), 256, args.seq, args.seed, 0)
+    else:
+        model = build_model(args.model, args.seq, args.seed)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     if framework == "ddp":
@@ -328,7 +346,7 @@ def run_mode(mode: str, args, out_dir: Path, profile_dir: str | None = None) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", mode, "--out", str(out), "--seq", str(args.seq),
            "--micro", str(args.micro), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), "--model", args.model]
     if profile_dir:
         cmd += ["--profile-dir", profile_dir]
     load0, t0 = _loadavg(), time.perf_counter()
@@ -358,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--micro", type=int, default=4, help="micro batch per rank")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--model", default="llama-20m", help="preset or config.json (shardwise train --model; "
+                   "benchmarks/bench_scaling.py passes its sizes this way)")
+    p.add_argument("--offload-optimizer", action="store_true", help="offload_optimizer to the CPU in every "
+                   "shardwise and DeepSpeed mode (DeepSpeed then steps with its DeepSpeedCPUAdam)")
+    p.add_argument("--results-json", type=Path, default=None, help="write the raw results here instead of "
+                   "benchmarks/results/latest.json")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode, round-robin (median taken)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
@@ -388,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     SRC[0] = args.src.resolve()
+    if args.offload_optimizer:
+        os.environ["BENCH_OFFLOAD_OPTIMIZER"] = "1"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -487,8 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         "interpretation": report.interpret(results),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps({"meta": meta, "results": results, "runs": runs},
-                                                    indent=1))
+    (args.results_json or RESULTS / "latest.json").write_text(json.dumps({"meta": meta, "results": results,
+                                                                          "runs": runs}, indent=1))
     if not args.no_doc:
         report.write_doc(results, meta, tbl, checks)
         print(f"\nwrote {DOC.relative_to(REPO)} and {(RESULTS / 'latest.json').relative_to(REPO)}")

@@ -93,11 +93,14 @@ class SafetensorsFile:
     model larger than RAM forces, so every read really goes to the disk.
     """
 
+    STAGE_BYTES = 4 << 20  # converted reads go through this much staging per thread (reused)
+
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self.bytes_read = 0
         self.cold = os.environ.get("SHARDWISE_COLD_READS") == "1"
         self._lock = threading.Lock()  # the inference reader thread and a synchronous gather
+        self._staging = threading.local()  # per reading thread: the buffer of _read_converted
         self.fd = os.open(self.path, os.O_RDONLY)
         try:
             self.size = os.fstat(self.fd).st_size
@@ -163,11 +166,30 @@ class SafetensorsFile:
         if out is not None and out.numel() != end - start:
             raise ValueError(f"{self.path}: {end - start} elements of {key!r} into a tensor of {out.numel()}")
         direct = out is not None and out.dtype == t.dtype and out.device.type == "cpu" and out.is_contiguous()
+        if out is not None and not direct and out.is_contiguous():
+            self._read_converted(key, start, end, out.view(-1))
+            return out
         dst = out if direct else torch.empty(end - start, dtype=t.dtype)
         self.read_raw(key, start * t.dtype.itemsize, dst)
         if out is not None and not direct:
             out.copy_(dst.view(out.shape))
         return dst if out is None else out
+
+    def _read_converted(self, key: str, start: int, end: int, flat_out: torch.Tensor) -> None:
+        """A read into another dtype or device (streaming a fp32 file in bf16, into a GPU buffer)
+        through one reused staging buffer per thread, ``STAGE_BYTES`` at a time: no parameter-sized
+        temporary per gather, whose malloc/free churn leaves RSS to the allocator's heuristics (see
+        ``zero/gather_pool.py``)."""
+        dtype = self.tensors[key].dtype
+        step = max(1, self.STAGE_BYTES // dtype.itemsize)
+        stage = getattr(self._staging, "buf", None)
+        if stage is None or stage.numel() < self.STAGE_BYTES:
+            stage = self._staging.buf = torch.empty(self.STAGE_BYTES, dtype=torch.uint8)
+        for lo in range(start, end, step):
+            hi = min(end, lo + step)
+            buf = stage[:(hi - lo) * dtype.itemsize].view(dtype)
+            self.read_raw(key, lo * dtype.itemsize, buf)
+            flat_out[lo - start:hi - start].copy_(buf)
 
     def read_tensor(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` with its stored dtype and shape."""

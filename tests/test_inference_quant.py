@@ -3,8 +3,10 @@ per token, and perplexity on a briefly trained model within 1% (int8) / 5% (int4
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -14,29 +16,34 @@ import torch
 from inference_cases import GEN, perplexity, prompt, save_tiny, stream, train_sonnets
 
 from shardwise.inference.quantize import (
+    DESCRIPTION,
     QuantizedStore,
     dequantize_tensor,
     quantizable,
     quantize_folder,
     quantize_tensor,
     rows64_names,
+    scale_dtype,
+    stored_form,
 )
-from shardwise.inference.quantized_linear import Int4Linear, install, kernel_available, to_rows64
+from shardwise.inference.quantized_linear import Int4Linear, install, kernel_available, scale_pairs
 from shardwise.inference.stream import init_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUP = 32
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantize_tensor_rounds_to_nearest_level(bits):
+@pytest.mark.parametrize(("bits", "sdtype"), [(8, torch.float16), (4, torch.float16), (4, torch.bfloat16)])
+def test_quantize_tensor_rounds_to_nearest_level(bits, sdtype):
     w = torch.randn(37, 50) * torch.rand(37, 1)  # rows of different scales; 1850 = not whole groups
-    packed, scale = quantize_tensor(w, bits, GROUP)
+    packed, scale = quantize_tensor(w, bits, GROUP, sdtype)
+    assert scale.dtype == sdtype
     back = dequantize_tensor(packed, scale, bits, GROUP, tuple(w.shape), torch.float32)
     s = scale.float().repeat_interleave(GROUP)[:w.numel()].view_as(w)
-    # nearest level: half a step, plus the fp16 rounding of the scale at the clamped end (qmax * 2^-11 steps)
-    qmax = (1 << (bits - 1)) - 1
-    assert ((w - back).abs() <= s * (0.5 + qmax * 2**-11) + 1e-7).all()
+    # nearest level: half a step, plus the rounding of the scale at the clamped end (qmax * half an ulp
+    # of the scale's dtype in steps: 2^-11 for fp16, 2^-8 for bf16)
+    qmax, half_ulp = (1 << (bits - 1)) - 1, 2.0**-11 if sdtype == torch.float16 else 2.0**-8
+    assert ((w - back).abs() <= s * (0.5 + qmax * half_ulp) + 1e-7).all()
     assert packed.numel() == math.ceil(w.numel() / GROUP) * GROUP * bits // 8
 
 
@@ -60,19 +67,21 @@ def _dequantized_reference(folder: str, bits: int, kernel: bool = True) -> list:
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     names = quantizable(model)
+    rows64 = rows64_names(model, names, bits, GROUP)  # their scales are chosen in bf16 (format 2)
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
     if kernel:
-        install(model, SimpleNamespace(rows64=rows64_names(model, names, bits, GROUP), group=GROUP),
-                torch.float32, torch.device("cpu"))
+        install(model, SimpleNamespace(rows64=rows64, group=GROUP), torch.float32, torch.device("cpu"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in names:
-                p.copy_(dequantize_tensor(*quantize_tensor(p, bits, GROUP), bits, GROUP, tuple(p.shape), p.dtype))
+                q = quantize_tensor(p, bits, GROUP, scale_dtype(name in rows64))
+                p.copy_(dequantize_tensor(*q, bits, GROUP, tuple(p.shape), p.dtype))
         for name, mod in model.named_modules():
             if isinstance(mod, Int4Linear):
-                packed, scale = quantize_tensor(weights[f"{name}.weight"], bits, GROUP)
-                mod.weight_packed.copy_(to_rows64(packed, mod.out_features, mod.in_features).view(torch.float32))
-                mod.weight_scale.copy_(scale.float())
+                w = weights[f"{name}.weight"]
+                packed, scale = stored_form(w, tuple(w.shape), bits, GROUP, rows64=True)
+                mod.weight_packed.copy_(packed.view(torch.float32))
+                mod.weight_scale.copy_(scale_pairs(scale, torch.float32))
         return model.generate(prompt(), **GEN).tolist()
 
 
@@ -91,11 +100,20 @@ def test_store_reads_any_element_range(folders, bits):
         n = math.prod(store.qshapes[key])
         whole = store.read(key, 0, n)
         w = plain[key]
-        assert torch.equal(whole.view(w.shape), dequantize_tensor(*quantize_tensor(w, bits, GROUP), bits, GROUP,
-                                                                  tuple(w.shape), w.dtype))
+        q = quantize_tensor(w, bits, GROUP, scale_dtype(key in store.rows64))
+        assert torch.equal(whole.view(w.shape), dequantize_tensor(*q, bits, GROUP, tuple(w.shape), w.dtype))
         for a, b in [(0, 1), (5, 77), (GROUP, 3 * GROUP), (n - 40, n), (1, n - 1)]:
             assert torch.equal(store.read(key, a, b), whole[a:b])
     assert store.qdtype == torch.float32
+    if bits == 4:  # an Int4Linear's parameters, as the store serves them: the kernel's (scale, 0) pairs
+        key = min(store.rows64)
+        store.packed_in_use = {key}
+        w = plain[key]
+        want = scale_pairs(stored_form(w, tuple(w.shape), 4, GROUP, rows64=True)[1], torch.float32)
+        got = store.read(f"{key}_scale", 0, want.numel(), torch.empty(want.numel()))
+        assert torch.equal(got, want)
+        for a, b in [(1, 2), (3, 70), (want.numel() - 5, want.numel())]:
+            assert torch.equal(store.read(f"{key}_scale", a, b, torch.empty(b - a)), want[a:b])
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -132,6 +150,27 @@ def test_quantized_folder_mismatches_are_refused(folders):
         init_inference(folders[4], tensor_parallel_size=2)  # refused before any process group is needed
     with pytest.raises(ValueError, match="already quantized"):
         quantize_folder(folders[4], folders[4] + "_again", 4, GROUP)
+
+
+def test_format_versions_refused_unless_read_alike(folders, tmp_path):
+    """Format 2 keeps the int4 kernel weights' scales in BF16 in the kernel's order; a format-1 file
+    (row-major F16 there) is refused, never misread. An int8 format-1 file holds the same bytes."""
+    store = QuantizedStore.open(folders[4], resident=False)
+    for key in store.qshapes:
+        assert store.tensors[f"{key}.scale"].dtype == (torch.bfloat16 if key in store.rows64 else torch.float16)
+    for bits, version, refused in [(4, None, "format 1"), (4, 3, "format_version 3"), (8, None, None)]:
+        folder = tmp_path / f"int{bits}_v{version}"
+        shutil.copytree(folders[bits], folder)
+        desc = json.loads((folder / DESCRIPTION).read_text())
+        assert desc.pop("format_version") == 2
+        if version is not None:
+            desc["format_version"] = version
+        (folder / DESCRIPTION).write_text(json.dumps(desc))
+        if refused is None:
+            assert QuantizedStore.open(str(folder), resident=False).bits == bits
+            continue
+        with pytest.raises(ValueError, match=refused):
+            QuantizedStore.open(str(folder), resident=False)
 
 
 def test_two_rank_quantized_streaming(pool2, folders):

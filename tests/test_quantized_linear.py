@@ -14,6 +14,8 @@ from shardwise.inference.quantized_linear import (
     install,
     kernel_available,
     kernel_eligible,
+    kernel_scales,
+    scale_pairs,
     to_rows64,
 )
 
@@ -27,7 +29,7 @@ def _packed_linear(n: int, k: int, group: int, bias: bool, dtype: torch.dtype):
     lin = nn.Linear(k, n, bias=bias)
     m = Int4Linear(lin, group, dtype)
     m.weight_packed.data = to_rows64(packed, n, k).view(dtype)
-    m.weight_scale.data = scale.to(dtype)
+    m.weight_scale.data = scale_pairs(kernel_scales(scale, n, k, group), dtype)
     return m, packed, scale
 
 
@@ -95,3 +97,31 @@ def test_install_swaps_only_listed_eligible_linears():
     assert type(model.b) is nn.Linear and type(model.c) is nn.Linear
     assert store.packed_in_use == {"a.weight"}
     assert install(model, store, torch.float32, torch.device("meta")) == 0  # not on CPU: no kernel
+
+
+has_kernel_ops = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+                                    or not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"),
+                                    reason="this torch has no CPU int4 kernel")
+
+
+@has_kernel_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_forward_hands_the_stored_scale_layout_to_the_kernel(dtype):
+    """The scales as a format-2 file stores them (kernel_scales) and the store serves them
+    (scale_pairs) are what the kernel takes, with no per-call reordering. The packed bytes here come
+    from this torch's own packing, so this runs on any CPU with the kernel (ROWS64 or not); bound as
+    in test_kernel_equals_dequantize_then_matmul (2^-8 |y| + k 2^-24 sum |x||w|)."""
+    torch.manual_seed(0)
+    n, k, group = 128, 256, 64
+    levels = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scale = (torch.rand(n * k // group) * 0.1 + 0.01).half()
+    m = Int4Linear(nn.Linear(k, n, bias=False), group, dtype)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1).reshape(-1)
+    m.weight_packed.data = packed.view(torch.uint8).view(dtype)
+    m.weight_scale.data = scale_pairs(kernel_scales(scale, n, k, group), dtype)
+    x = torch.randn(2, 3, k).to(dtype)
+    y = m(x)
+    w = (levels.double() - 8) * scale.bfloat16().double().view(n, k // group).repeat_interleave(group, 1)
+    xb = x.bfloat16().double()
+    ref, absdot = xb @ w.t(), xb.abs() @ w.abs().t()
+    assert ((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + k * 2.0**-24 * absdot).all()

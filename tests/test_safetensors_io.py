@@ -174,3 +174,31 @@ def test_zero_init_source_refuses_other_shape(tmp_path):
     assert src.bytes_read == 16 * 4
     with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'w' is stored with shape \[6, 5\].*\[5, 6\]"):
         src.read("w", torch.Size([5, 6]), 0, 30, aliases=[])
+
+
+def test_converted_reads_go_through_bounded_staging(tmp_path, monkeypatch):
+    """A read into another dtype is staged a few bytes at a time (here 24: 6 fp32 elements) through
+    one reused buffer per thread, and equals the whole-range conversion, also from two threads."""
+    import threading
+
+    path = tmp_path / "m.safetensors"
+    w = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    save_file({"w": w}, str(path))
+    monkeypatch.setattr(SafetensorsFile, "STAGE_BYTES", 24)
+    with SafetensorsFile(path) as f:
+        for lo, hi in [(0, 1000), (5, 6), (7, 20), (995, 1000)]:
+            out = torch.empty(hi - lo, dtype=torch.bfloat16)
+            assert f.read("w", lo, hi, out) is out and torch.equal(out, w[lo:hi].bfloat16())
+        got: dict[int, torch.Tensor] = {}
+
+        def reader(i: int) -> None:
+            got[i] = torch.empty(1000, dtype=torch.float64)
+            for _ in range(20):
+                f.read("w", 0, 1000, got[i])
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(torch.equal(g, w.double()) for g in got.values())

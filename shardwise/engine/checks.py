@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise.engine.compat import UsageError
+from shardwise.zero.bucket_step import mark_repeat_safe
 
 if TYPE_CHECKING:
     from shardwise.engine.engine import Engine
@@ -109,4 +110,4 @@ def guard_direct_step(engine: Engine, optimizer: torch.optim.Optimizer | None) -
                              "waits for the gradient reduction, unscales, clips, steps this optimizer and the "
                              "lr scheduler, and shares the updated parameters")
 
-    optimizer.register_step_pre_hook(pre_step)
+    optimizer.register_step_pre_hook(mark_repeat_safe(pre_step))  # a check: may run once per bucket

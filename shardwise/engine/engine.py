@@ -29,6 +29,7 @@ from shardwise.fsdp.module import shard_module
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
 from shardwise.plain_backward import plain_backward_rule, scale_loss
 from shardwise.precision import DynamicLossScaler
+from shardwise.zero.bucket_step import step_and_publish
 from shardwise.zero.builder import ShardOptions
 from shardwise.zero.whole_tensor import build_on_sharding, whole_tensor_of
 
@@ -256,13 +257,12 @@ class Engine(EngineAccessors, nn.Module):
                 if coef < 1.0:
                     torch._foreach_mul_(grads, coef)
             self._engine_stepping = True
-            try:
-                self.optimizer.step()
+            try:  # stages 1-2: each bucket's all-gather overlaps the next one's step; done before step() returns
+                step_and_publish(self.optimizer, self.sharding)
             finally:
                 self._engine_stepping = False
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            self.sharding.publish()  # stages 1-2: all-gathered before step() returns
         else:
             self.skipped_steps += 1
         self._step_applied = not skip

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from shardwise.fsdp.module import sharding_of
+from shardwise.zero.bucket_step import step_and_publish
 from shardwise.zero.builder import Sharding
 from shardwise.zero.elementwise import is_elementwise
 from shardwise.zero.whole_tensor import WholeTensorStepper
@@ -107,9 +108,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                       "forward and backward; call them before step()")
         sh = self.sharding
         _prepared(sh)
-        self.optimizer.step()
+        step_and_publish(self.optimizer, sh)  # stages 1-2: all-gathered bucket by bucket, done on return
         sh.step_grads = None
-        sh.publish()
         self.global_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - the buckets are zeroed either way

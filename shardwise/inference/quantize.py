@@ -9,8 +9,12 @@ quality.
 
 A quantized folder (``quantize_folder``) is an ordinary safetensors file where a quantized weight
 ``W`` is stored as ``W`` (I8, or U8 packed) and ``W.scale`` (F16), padded to whole groups, plus
-``shardwise_quantization.json`` (bits, group size, original shapes and dtype, and which int4
-weights are stored in the ROWS64 byte order of ``shardwise.inference.quantized_linear``). To the streaming
+``shardwise_quantization.json`` (format version, bits, group size, original shapes and dtype, and
+which int4 weights are stored in the ROWS64 byte order of ``shardwise.inference.quantized_linear``). Format 2:
+the scales of those ROWS64 weights are BF16 in the kernel's order, ``[in / group, out]``
+(``kernel_scales``), chosen in bf16 when quantizing, so the kernel and the dequantized path use the
+same values; format 1 (no version in the description) stored them row-major in F16 and is refused
+when it lists ROWS64 weights (an int8 or a ROWS64-free int4 file is the same in both). To the streaming
 machinery it is just another shard store: :class:`QuantizedStore` fills the gathered buffer with
 dequantized values, a chunk at a time, so no layer-sized temporary is ever allocated; or, for a
 Linear swapped for ``Int4Linear`` (int4, CPU), with the packed bytes and scales as stored.
@@ -29,12 +33,21 @@ import threading
 import torch
 from torch import nn
 
-from shardwise.inference.quantized_linear import PACKED, ROWS, SCALE, from_rows64, kernel_eligible, to_rows64
+from shardwise.inference.quantized_linear import (
+    PACKED,
+    ROWS,
+    SCALE,
+    from_rows64,
+    kernel_eligible,
+    kernel_scales,
+    to_rows64,
+)
 from shardwise.inference.stream import SafetensorsReader, _load_meta
 from shardwise.safetensors_io import ST_DTYPES, ST_NAMES
 from shardwise.zero.stage3 import assign_params, find_units
 
 DESCRIPTION = "shardwise_quantization.json"
+FORMAT_VERSION = 2  # 2: ROWS64 weights' scales in the kernel's order and dtype (see the module doc)
 BITS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP = 64
 _CHUNK = 1 << 18  # elements dequantized at a time (bounded staging, reused)
@@ -42,13 +55,15 @@ _CHUNK = 1 << 18  # elements dequantized at a time (bounded staging, reused)
 _INT4_LEVELS = torch.tensor([[(b & 15) - 8, (b >> 4) - 8] for b in range(256)], dtype=torch.float32)
 
 
-def quantize_tensor(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed uint8 values, fp16 scales)`` of ``w`` flattened and padded to whole groups."""
+def quantize_tensor(w: torch.Tensor, bits: int, group: int,
+                    scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed uint8 values, scales)`` of ``w`` flattened and padded to whole groups; the scales in
+    ``scale_dtype`` (fp16, or bf16 for the int4 kernel), the levels chosen for those rounded scales."""
     flat = w.detach().reshape(-1).float()
     groups = -(-flat.numel() // group)
     flat = torch.nn.functional.pad(flat, (0, groups * group - flat.numel())).view(groups, group)
     qmax = (1 << (bits - 1)) - 1
-    scale = (flat.abs().amax(1) / qmax).half()
+    scale = (flat.abs().amax(1) / qmax).to(scale_dtype)
     s = scale.float()
     q = torch.round(flat / torch.where(s > 0, s, 1.0)[:, None]).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)
     if bits == 8:
@@ -66,6 +81,31 @@ def dequantize_tensor(packed: torch.Tensor, scale: torch.Tensor, bits: int, grou
         q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1).to(torch.int8) - 8
     w = q.view(-1, group).float() * scale.float()[:, None]
     return w.reshape(-1)[:math.prod(shape)].view(shape).to(dtype)
+
+
+def scale_dtype(rows64: bool) -> torch.dtype:
+    """The stored scales' dtype: bf16 (the kernel's) for ROWS64 weights, else fp16."""
+    return torch.bfloat16 if rows64 else torch.float16
+
+
+def stored_form(w: torch.Tensor, shape: tuple[int, ...], bits: int, group: int,
+                rows64: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed values, scales)`` of ``w`` as a format-2 file holds them (ROWS64: both in the kernel's order)."""
+    packed, scale = quantize_tensor(w, bits, group, scale_dtype(rows64))
+    if rows64:
+        return to_rows64(packed, *shape), kernel_scales(scale, *shape, group)
+    return packed, scale
+
+
+def _check_version(path: str, version: int, rows64: set[str]) -> None:
+    """Refuse a description this version would misread (see the module doc)."""
+    if version > FORMAT_VERSION or version < 1:
+        raise ValueError(f"{path}: format_version {version} is not one this shardwise reads (1-{FORMAT_VERSION}); "
+                         "use the shardwise that wrote it, or quantize the original folder again")
+    if version < 2 and rows64:
+        raise ValueError(f"{path}: format 1 (an older shardwise) stores the scales of its int4 kernel weights "
+                         "row-major in F16; format 2 keeps them in the kernel's order in BF16. Quantize the "
+                         "original folder again: shardwise quantize SRC DST --bits 4")
 
 
 def quantizable(model: nn.Module) -> set[str]:
@@ -116,10 +156,8 @@ class QuantizedStore(SafetensorsReader):
         self.blobs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for key, shape in shapes.items():
             if from_plain:
-                packed, scale = quantize_tensor(super().read(key, 0, math.prod(shape)), bits, group)
-                if key in self.rows64:
-                    packed = to_rows64(packed, *shape)
-                self.blobs[key] = packed, scale
+                self.blobs[key] = stored_form(super().read(key, 0, math.prod(shape)), shape, bits, group,
+                                              key in self.rows64)
             else:
                 self._check_stored(key, shape)
                 if resident:
@@ -134,18 +172,20 @@ class QuantizedStore(SafetensorsReader):
         try:
             with open(path) as f:
                 desc = json.load(f)
+            version = int(desc.get("format_version", 1))
             bits, group = int(desc["bits"]), int(desc["group_size"])
             shapes = {k: tuple(int(d) for d in v) for k, v in desc["tensors"].items()}
             dtype = ST_DTYPES[desc["dtype"]]
             rows64 = {str(k) for k in desc.get("rows64", [])}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a valid quantization description ({type(e).__name__}: {e})") from None
+        _check_version(path, version, rows64)
         return cls(folder, bits, group, shapes, dtype, resident, rows64=rows64)
 
     def _check_stored(self, key: str, shape: tuple[int, ...]) -> None:
         groups = -(-math.prod(shape) // self.group)
         want = {key: (torch.uint8 if self.bits == 4 else torch.int8, groups * self.group * self.bits // 8),
-                f"{key}.scale": (torch.float16, groups)}
+                f"{key}.scale": (scale_dtype(key in self.rows64), groups)}
         for name, (dtype, numel) in want.items():
             got = self.tensors.get(name)
             if got is None or got.dtype != dtype or got.numel != numel:
@@ -203,19 +243,22 @@ class QuantizedStore(SafetensorsReader):
 
     def _read_raw(self, key: str, scale: bool, start: int, end: int, out: torch.Tensor | None) -> torch.Tensor:
         """Elements [start, end) of an Int4Linear parameter: the packed bytes (any dtype's view of
-        them) or the scales (converted to ``out``'s dtype), as stored."""
+        them) as stored, or its kernel-layout (scale, 0) pairs made from the stored scales (element
+        ``2 i`` is stored scale ``i``, ``2 i + 1`` a zero), in ``out``'s dtype."""
         if out is None:
-            out = torch.empty(end - start, dtype=torch.float16 if scale else torch.uint8)
+            out = torch.empty(end - start, dtype=torch.bfloat16 if scale else torch.uint8)
         if not scale:
             size = out.element_size()
             self._raw(key, False, start * size, out.view(torch.uint8))
-        elif out.dtype == torch.float16:
-            self._raw(key, True, start, out)
-        else:
-            with self._qlock:
-                staged = self._buf("raw_scales", end - start, torch.float16)
-                self._raw(key, True, start, staged)
-                out.copy_(staged)
+            return out
+        lo, hi = start // 2, -(-end // 2)
+        with self._qlock:
+            staged = self._buf("raw_scales", hi - lo, torch.bfloat16)
+            self._raw(key, True, lo, staged)
+            pairs = self._buf(f"scale_pairs_{out.dtype}", 2 * (hi - lo), out.dtype).view(-1, 2)
+            pairs[:, 0].copy_(staged)
+            pairs[:, 1].zero_()
+            out.copy_(pairs.view(-1)[start - 2 * lo:end - 2 * lo])
         return out
 
     def _buf(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -243,23 +286,21 @@ class QuantizedStore(SafetensorsReader):
             chunk, first, stop = -(-chunk // block) * block, first // block * block, -(-stop // block) * block
         packed = self._buf("packed", chunk * g // per_byte, torch.uint8)
         index = self._buf("index", chunk * g // per_byte, torch.int32)
-        scales, scales32 = self._buf("scales", chunk, torch.float16), self._buf("scales32", chunk, torch.float32)
+        scales32 = self._buf("scales32", chunk, torch.float32)
         vals = self._buf("vals", chunk * g, torch.float32)
         if key in self.blobs:
-            all_q, all_s = self.blobs[key][0][first * g // per_byte:], self.blobs[key][1][first:]
+            all_q = self.blobs[key][0][first * g // per_byte:]
         else:  # bounded by the largest quantized tensor's packed bytes, kept for reuse
             all_q = self._buf("range_packed", (stop - first) * g // per_byte, torch.uint8)
-            all_s = self._buf("range_scales", stop - first, torch.float16)
             self._raw(key, False, first * g // per_byte, all_q)
-            self._raw(key, True, first, all_s)
+        all_s = self._row_major_scales(key, first, stop)
         for ga in range(first, stop, chunk):
             n = min(chunk, stop - ga)
-            q, s = packed[:n * g // per_byte], scales[:n]
+            q = packed[:n * g // per_byte]
             q.copy_(all_q[(ga - first) * g // per_byte:(ga - first + n) * g // per_byte])
             if key in self.rows64:
                 q.copy_(from_rows64(q, self.qshapes[key][1]))
-            s.copy_(all_s[ga - first:ga - first + n])
-            scales32[:n].copy_(s)
+            scales32[:n].copy_(all_s[ga - first:ga - first + n])
             if self.bits == 8:
                 torch.mul(q.view(torch.int8).view(n, g), scales32[:n, None], out=vals[:n * g].view(n, g))
             else:  # each byte to its two levels through a 256-entry table: one gather, no strided writes
@@ -268,6 +309,26 @@ class QuantizedStore(SafetensorsReader):
                 vals[:n * g].view(n, g).mul_(scales32[:n, None])
             lo, hi = max(start, ga * g), min(end, (ga + n) * g)
             out[lo - start:hi - start].copy_(vals[lo - ga * g:hi - ga * g])
+
+
+    def _row_major_scales(self, key: str, first: int, stop: int) -> torch.Tensor:
+        """Scales of groups [first, stop) in row-major order. ROWS64 weights store theirs in the kernel's
+        ``[in / group, out]`` order, and the range is whole rows: those columns, transposed."""
+        if key not in self.rows64:
+            if key in self.blobs:
+                return self.blobs[key][1][first:stop]
+            out = self._buf("range_scales", stop - first, torch.float16)
+            self._raw(key, True, first, out)
+            return out
+        n, kg = self.qshapes[key][0], self.qshapes[key][1] // self.group
+        if key in self.blobs:
+            kernel_order = self.blobs[key][1]
+        else:  # every column is one read; bounded by the largest tensor's scales
+            kernel_order = self._buf("kernel_scales", n * kg, torch.bfloat16)
+            self._raw(key, True, 0, kernel_order)
+        out = self._buf("range_scales_rows64", stop - first, torch.bfloat16)
+        out.view(-1, kg).copy_(kernel_order.view(kg, n)[:, first // kg:stop // kg].t())
+        return out
 
 
 def open_store(path: str, model: nn.Module, offload: str | None, quantize: str | None,
@@ -315,7 +376,7 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
             shapes[key], dtype = list(shape), dtype or st
             groups = -(-math.prod(shape) // group)
             parts = [(key, "I8" if bits == 8 else "U8", groups * group * bits // 8, 1),
-                     (f"{key}.scale", "F16", groups, 2)]
+                     (f"{key}.scale", ST_NAMES[scale_dtype(key in rows64)], groups, 2)]
         else:
             parts = [(key, st, math.prod(shape), files.tensors[key].dtype.itemsize)]
         for name, kind, numel, size in parts:
@@ -329,9 +390,7 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
         f.write(len(raw).to_bytes(8, "little") + raw)
         for key in order:
             t = files.read(key, 0, files.tensors[key].numel)
-            pieces = quantize_tensor(t, bits, group) if key in names else (t,)
-            if key in rows64:
-                pieces = (to_rows64(pieces[0], *files.tensors[key].shape), pieces[1])
+            pieces = stored_form(t, files.tensors[key].shape, bits, group, key in rows64) if key in names else (t,)
             for piece in pieces:
                 f.write(piece.reshape(-1).view(torch.uint8).numpy().tobytes())
     files.close()
@@ -339,7 +398,8 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
         full = os.path.join(src, name)
         if os.path.isfile(full) and not name.endswith(".safetensors") and name != "model.safetensors.index.json":
             shutil.copy2(full, os.path.join(dst, name))
-    desc = {"format": "shardwise-groupwise-symmetric", "bits": bits, "group_size": group, "scale_dtype": "F16",
+    desc = {"format": "shardwise-groupwise-symmetric", "format_version": FORMAT_VERSION, "bits": bits,
+            "group_size": group, "scale_dtype": "F16", "rows64_scales": "BF16 [in / group, out]",
             "dtype": dtype or "F32", "tensors": shapes, "rows64": sorted(rows64)}
     with open(os.path.join(dst, DESCRIPTION), "w") as f:
         json.dump(desc, f, indent=1)

@@ -12,10 +12,17 @@ layer is used as read: no conversion, no dequantization. The order is defined he
 (so any machine can dequantize it) and checked against the running torch's packing once; where
 they differ, or on GPU, those weights are dequantized per layer as before.
 
+The kernel also wants its scales in its own layout, ``[in / group, out, 2]`` bf16 (scale, zero)
+pairs; rebuilding them from row-major fp16 scales (a transpose and a stack with zeros) on every
+call cost about 5% of a streamed int4 token. So the file stores the scales of ROWS64 weights
+already transposed, ``[in / group, out]`` in bf16 (:func:`kernel_scales`; format 2 of
+``shardwise quantize``), the store adds the zeros while it fills the gathered buffer (they are not
+stored: 2 more bytes per group to read), and the kernel takes the parameter as it is.
+
 The quantized shard store stays one store: a packed weight is streamed as two parameters of the
 swapped-in :class:`Int4Linear` (the packed bytes, viewed as the model's dtype so the gather and
-release machinery treats them as any float parameter, and the scales), which the store serves as
-raw bytes under ``<weight key>_packed`` / ``<weight key>_scale``.
+release machinery treats them as any float parameter, and the (scale, zero) pairs), which the
+store serves under ``<weight key>_packed`` / ``<weight key>_scale``.
 """
 
 from __future__ import annotations
@@ -49,6 +56,19 @@ def from_rows64(blocked: torch.Tensor, k: int) -> torch.Tensor:
     return (rows[..., 0] | (rows[..., 1] << 4)).reshape(-1)
 
 
+def kernel_scales(scale: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
+    """Row-major scales of an ``[n, k]`` weight (row ``r``'s groups together) to the kernel's order,
+    ``[k / group, n]`` flattened, in bf16 (what the kernel computes with)."""
+    return scale.view(n, k // group).t().to(torch.bfloat16).contiguous().view(-1)
+
+
+def scale_pairs(kernel_order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`kernel_scales` output to the kernel's ``[k / group, n, 2]`` (scale, 0) pairs, flattened."""
+    pairs = torch.zeros(kernel_order.numel(), 2, dtype=dtype)
+    pairs[:, 0] = kernel_order
+    return pairs.view(-1)
+
+
 @functools.cache
 def kernel_available() -> bool:
     """Whether this torch has the CPU int4 kernel and packs in the ROWS64 order (checked on a probe)."""
@@ -71,7 +91,8 @@ class Int4Linear(nn.Module):
     CPU kernel in bf16 (activations rounded to bf16, fp32 accumulation, output in the input's dtype).
 
     ``weight_packed`` holds the ``out * in / 2`` packed bytes viewed as ``dtype``; ``weight_scale``
-    the ``out * in / group`` scales (row-major: row ``r``'s groups together) in ``dtype``.
+    the kernel's ``[in / group, out, 2]`` (scale, 0) pairs in ``dtype`` (:func:`scale_pairs`), used
+    as they are when ``dtype`` is bf16 (else converted: exact, the values are bf16).
     """
 
     def __init__(self, linear: nn.Linear, group: int, dtype: torch.dtype):
@@ -83,14 +104,13 @@ class Int4Linear(nn.Module):
         nbytes, size = self.out_features * self.in_features // 2, torch.empty((), dtype=dtype).element_size()
         dev = linear.weight.device
         self.weight_packed = nn.Parameter(torch.empty(nbytes // size, dtype=dtype, device=dev), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(self.out_features * self.in_features // group, dtype=dtype,
-                                                     device=dev), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(2 * self.out_features * self.in_features // group,
+                                                     dtype=dtype, device=dev), requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        scale = self.weight_scale.view(n, k // self.group).t().to(torch.bfloat16)
-        scales_and_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1)  # [k / group, n, 2]
+        scales_and_zeros = self.weight_scale.view(k // self.group, n, 2).to(torch.bfloat16)  # bf16: no copy
         packed = self.weight_packed.view(torch.uint8).view(n, k // 2)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, k).to(torch.bfloat16), packed, self.group,
                                                        scales_and_zeros)
