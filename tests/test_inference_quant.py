@@ -13,6 +13,7 @@ import pytest
 import torch
 from inference_cases import GEN, perplexity, prompt, save_tiny, stream, train_sonnets
 
+from shardwise.inference.load import init_inference
 from shardwise.inference.quantize import (
     QuantizedStore,
     dequantize_tensor,
@@ -22,7 +23,6 @@ from shardwise.inference.quantize import (
     rows64_names,
 )
 from shardwise.inference.quantized_linear import Int4Linear, install, kernel_available, to_rows64
-from shardwise.inference.stream import init_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUP = 32

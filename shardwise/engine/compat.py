@@ -15,11 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import compute_device
-
-
-class UsageError(RuntimeError, AssertionError):
-    """A call DeepSpeed refuses with an ``assert``: an AssertionError for scripts and tests written
-    for DeepSpeed, a RuntimeError for everyone else."""
+from shardwise.engine.checks import UsageError, used_params_of  # noqa: F401 (UsageError re-exported)
 
 
 class EngineAccessors:
@@ -217,8 +213,9 @@ class EngineAccessors:
         stay released placeholders (gather them with ``GatheredParameters`` first if needed).
         """
         self.sharding.remove()
-        for h in getattr(self, "_used_hooks", []):
-            h.remove()
+        tracking = used_params_of(self)
+        if tracking is not None:
+            tracking.remove()
 
     # -- aliases --------------------------------------------------------------------
     def save_fp16_model(self, save_dir: str, save_filename: str | None = None) -> None:
