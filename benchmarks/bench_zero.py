@@ -7,7 +7,7 @@ gradient clipping) and reports:
 
 * step time: forward + backward + optimizer step per iteration, the slowest rank's time per step,
   median over the measured steps (after warmup); forward/backward/step split as well;
-* model-state memory per rank: tensor bytes (not RSS, see DESIGN.md §5) of every live tensor
+* model-state memory per rank: tensor bytes (not RSS: glibc keeps freed memory) of every live tensor
   storage the job created (params, grads, fp32 masters, optimizer state, framework buffers),
   taken right after a backward (grads present) and deduplicated by storage;
 * the loss of the last step (fp32 modes see identical data and weights, so it must agree).

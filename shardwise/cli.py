@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from shardwise.cli_errors import OneLineParser, UserError, bounded_int, positive_float, run_command
+from shardwise.comm.core import free_port
 
 SUBCOMMANDS = {
     "train": ("shardwise.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),
@@ -42,14 +43,6 @@ def _split_target(argv: list[str]) -> tuple[list[str], list[str]]:
         if not word.startswith("-") and (word in SUBCOMMANDS or word.endswith(".py") or os.path.isfile(word)):
             return argv[:i], argv[i:]
     return argv, []
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _nproc(text: str) -> str:
@@ -89,7 +82,7 @@ def _torchrun_command(args: argparse.Namespace, passthrough: list[str]) -> list[
     single = args.nnodes in ("1", "1:1")
     if args.rdzv_backend is not None:  # dynamic rendezvous the user chose
         cmd.append(f"--rdzv_backend={args.rdzv_backend}")
-        endpoint = args.rdzv_endpoint or (f"127.0.0.1:{_free_port()}" if single else None)
+        endpoint = args.rdzv_endpoint or (f"127.0.0.1:{free_port()}" if single else None)
         if endpoint is None:
             raise UserError("--rdzv-backend on several nodes needs --rdzv-endpoint HOST:PORT (the same on "
                             "every node)")

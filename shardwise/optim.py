@@ -16,8 +16,8 @@ import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from shardwise.config.schema import _OPTIMIZERS
-from shardwise.config.schema import _SCHEDULERS as _SCHEDULER_PARAMS
+from shardwise.config.schema import OPTIMIZERS as CONFIG_OPTIMIZERS
+from shardwise.config.schema import SCHEDULERS as CONFIG_SCHEDULERS
 from shardwise.ds_optimizers import MUON_CONFIG_KEYS, Lamb, MuonWithAuxAdam, muon_param_groups
 
 __all__ = [
@@ -31,8 +31,8 @@ __all__ = [
 ]
 
 # The names come from the config schema (the one list of what the config accepts).
-_SUPPORTED_OPTIMIZERS = tuple(name for name, _ in _OPTIMIZERS.values())
-_SUPPORTED_SCHEDULERS = tuple(_SCHEDULER_PARAMS)
+_SUPPORTED_OPTIMIZERS = tuple(name for name, _ in CONFIG_OPTIMIZERS.values())
+_SUPPORTED_SCHEDULERS = tuple(CONFIG_SCHEDULERS)
 
 
 def _accepted_kwargs(cls: type) -> set[str]:

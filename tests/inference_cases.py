@@ -53,7 +53,7 @@ def reference(folder: str, gen: dict | None = None) -> list:
 
 def stream(folder: str, offload: str | None, prefetch: int = 1) -> dict:
     """On every rank: greedy tokens through init_inference, and what the fetcher saw."""
-    from shardwise.inference.stream import init_inference
+    from shardwise.inference.load import init_inference
 
     model = init_inference(folder, offload=offload, prefetch=prefetch)
     out = model.generate(prompt(), **GEN)
@@ -70,7 +70,7 @@ def tensor_parallel(folder: str, offload: str | None = None, quantize: str | Non
     """On every rank: greedy tokens of init_inference with tensor_parallel_size = world."""
     import torch.distributed as dist
 
-    from shardwise.inference.stream import init_inference
+    from shardwise.inference.load import init_inference
 
     model = init_inference(folder, tensor_parallel_size=dist.get_world_size(), offload=offload, quantize=quantize)
     return model.generate(prompt(), **GEN).tolist()
@@ -106,7 +106,7 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama  # noqa: F401 (imported before the baseline)
 
-    from shardwise.inference.stream import init_inference
+    from shardwise.inference.load import init_inference
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     ids = prompt(vocab=512, batch=batch, seq=8)

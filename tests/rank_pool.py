@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import sys
 import traceback
 from typing import Any
 
+from shardwise.comm.core import free_port
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue, outbox: mp.Queue) -> None:
@@ -69,7 +64,7 @@ class RankPool:
     def __init__(self, world: int, timeout_s: float = 120.0):
         ctx = mp.get_context("spawn")
         self.world = world
-        port = _free_port()
+        port = free_port()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, daemon=True,

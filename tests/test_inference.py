@@ -11,7 +11,7 @@ import pytest
 import torch
 from inference_cases import GEN, prompt, reference, save_large, save_tiny, stream
 
-from shardwise.inference.stream import init_inference
+from shardwise.inference.load import init_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")

@@ -10,7 +10,7 @@ import shutil
 import pytest
 from inference_cases import save_tiny
 
-from shardwise.inference.stream import init_inference
+from shardwise.inference.load import init_inference
 
 
 def _rewrite_header(path: str, edit) -> None:

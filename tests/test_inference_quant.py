@@ -15,6 +15,7 @@ import pytest
 import torch
 from inference_cases import GEN, perplexity, prompt, save_tiny, stream, train_sonnets
 
+from shardwise.inference.load import init_inference
 from shardwise.inference.quantize import (
     DESCRIPTION,
     QuantizedStore,
@@ -27,7 +28,6 @@ from shardwise.inference.quantize import (
     stored_form,
 )
 from shardwise.inference.quantized_linear import Int4Linear, install, kernel_available, scale_pairs
-from shardwise.inference.stream import init_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUP = 32

@@ -146,8 +146,7 @@ def test_no_descriptor_left_open(tmp_path):
 def test_tp_slices_read_by_ranges_equal_take(tmp_path, dim, full, size, parts):
     """Every rank's TP slice read by element ranges equals ``ShardSpec.take`` of the whole tensor
     (fused parts, vocabulary padding, any dim)."""
-    from shardwise.tensor_parallel.inference import read_tp_slice
-    from shardwise.tensor_parallel.layers import ShardSpec
+    from shardwise.tensor_parallel.layers import ShardSpec, read_tp_slice
 
     shape = [3, 4, 5]
     shape[dim] = full

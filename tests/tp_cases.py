@@ -19,6 +19,7 @@ from shardwise.tensor_parallel import (
     gather_state_dict,
     init_inference,
     tp_grad_norm,
+    tp_state_of,
     vocab_parallel_cross_entropy,
 )
 
@@ -184,7 +185,7 @@ def inference_from_dir(path: str, tp_size: int = 2) -> dict:
     from safetensors import safe_open
 
     model = init_inference(path, tensor_parallel_size=tp_size)
-    report = model._tp_report
+    report = tp_state_of(model).report
     with safe_open(f"{path}/model.safetensors", "pt") as f:
         sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
 
@@ -196,7 +197,7 @@ def inference_from_dir(path: str, tp_size: int = 2) -> dict:
                         if n in report.sharded)
     with torch.no_grad():
         tok = model.generate(_prompt(), **GEN)
-    return {"tokens": tok.tolist(), "loaded": model._tp_bytes_loaded,
+    return {"tokens": tok.tolist(), "loaded": tp_state_of(model).bytes_loaded,
             "file_bytes": sum(map(nbytes, sizes.values())), "sharded_full": sharded_full,
             "sharded_local": sharded_local, "source": report.plan_source}
 

@@ -22,18 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json  # noqa: F401 (re-exported)
 from shardwise.comm import Comm, CommStats
 from shardwise.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
 
 __all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name"]
-
-FORMAT = "shardwise-checkpoint"
-VERSION = 3  # 2: TP-sharded parameters saved per TP rank as NAME@tp{r}of{t}; 3: the "frozen" section
-
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, truncated, or does not fit the engine it is loaded into."""
 
 
 class SafetensorsWriter:
@@ -215,20 +208,6 @@ def like(current: Any, saved: Any) -> Any:
     if isinstance(current, tuple):
         return tuple(saved)
     return saved
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def read_json(path: Path) -> Any:
-    """Strict JSON (no NaN/Infinity, UTF-8), or a CheckpointError naming ``path``."""
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path}: file is missing") from e
-    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-        raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt): {e}"[:500]) from e
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -28,7 +28,7 @@ from shardwise.checkpoint.fileio import (
 from shardwise.checkpoint.formats import FOREIGN, open_checkpoint
 from shardwise.checkpoint.frozen import frozen_groups, full_shape, module_extras, read_whole, saved_extras
 from shardwise.checkpoint.load import read_saved, resolve_tag
-from shardwise.checkpoint.save import _model_config
+from shardwise.checkpoint.save import model_config
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.comm import Comm, CommStats
 from shardwise.estimate.memory import parse_bytes
@@ -290,7 +290,7 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
             for n, t in extras.items():
                 w.write(n, t)
             w.close()
-            _write_config(_model_config(engine.module), Path(save_dir), dtype)
+            _write_config(model_config(engine.module), Path(save_dir), dtype)
     except Exception as e:  # noqa: BLE001
         err = e
     agree(comm, err, "save_16bit_model")

@@ -100,32 +100,41 @@ def _write_rank(engine: CheckpointTarget, folder: Path, rank: int, exclude_froze
     frozen, frozen_segs, frozen_pieces, excluded = describe_frozen(engine, first_replica, whole_writes, tp_rank,
                                                                    exclude_frozen)
     pieces += frozen_pieces
-    module: dict[str, dict] = {}
-    if whole_writes:  # persistent buffers
-        for name, t in module_extras(engine, params=False).items():
-            spec = spec_of(t)
-            if spec is None and tp_rank != 0:
-                continue
-            key = saved_name(name, spec)
-            module[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                           "tp": tp_meta(name, spec, list(t.shape))}
-            pieces.append((f"module/{key}", t.detach()))
+    module = _buffer_entries(engine, tp_rank, pieces) if whole_writes else {}
     manifest: dict[str, Any] = {"rank": rank, "file": None, "tensors": tensors, "segments": segments,
                                 "scalars": scalars, "state_dtypes": state_dtypes, "module": module,
                                 "frozen": frozen, "frozen_segments": frozen_segs, "excluded_frozen": excluded,
                                 "rng": rng_state()}
     if pieces:
-        fname = _rank_file(rank)
-        w = SafetensorsWriter(folder / fname, [(k, t.dtype, tuple(t.shape)) for k, t in pieces])
-        for k, t in pieces:
-            w.write(k, t)
-        sha, size = w.close()
-        manifest.update(file=fname, sha256=sha, bytes=size)
-        _after_file_written(folder / fname)
+        manifest.update(_write_pieces(folder, _rank_file(rank), pieces))
     return manifest
 
 
-def _model_config(module: torch.nn.Module) -> dict | None:
+def _buffer_entries(engine: CheckpointTarget, tp_rank: int, pieces: list[tuple[str, torch.Tensor]]) -> dict:
+    """The persistent buffers' metadata, their tensors appended to ``pieces`` (TP slices per TP rank,
+    replicated ones by TP rank 0)."""
+    module: dict[str, dict] = {}
+    for name, t in module_extras(engine, params=False).items():
+        spec = spec_of(t)
+        if spec is None and tp_rank != 0:
+            continue
+        key = saved_name(name, spec)
+        module[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "tp": tp_meta(name, spec, list(t.shape))}
+        pieces.append((f"module/{key}", t.detach()))
+    return module
+
+
+def _write_pieces(folder: Path, fname: str, pieces: list[tuple[str, torch.Tensor]]) -> dict:
+    """One safetensors file of ``pieces``; its manifest fields (file, sha256, bytes)."""
+    w = SafetensorsWriter(folder / fname, [(k, t.dtype, tuple(t.shape)) for k, t in pieces])
+    for k, t in pieces:
+        w.write(k, t)
+    sha, size = w.close()
+    _after_file_written(folder / fname)
+    return {"file": fname, "sha256": sha, "bytes": size}
+
+
+def model_config(module: torch.nn.Module) -> dict | None:
     """The HF config as JSON, with ``architectures`` filled so from_pretrained picks the class."""
     cfg = getattr(module, "config", None)
     if cfg is None or not hasattr(cfg, "to_json_string"):
@@ -195,7 +204,7 @@ def _metadata(engine: CheckpointTarget, manifests: list[dict], world: int, clien
                      "skipped_steps": engine.skipped_steps},
         "rng": [m["rng"] for m in manifests],
         "client_state": client_state,
-        "has_model_config": _model_config(engine.module) is not None,
+        "has_model_config": model_config(engine.module) is not None,
         "tied": _tied_names(engine.module, saved),
     }
 
@@ -219,7 +228,7 @@ def _finalize(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, world: 
 
     manifests = [read_json(tmp / f"rank{r:05d}.json") for r in range(world)]
     write_json(tmp / "metadata.json", _metadata(engine, manifests, world, client_state))
-    cfg = _model_config(engine.module)
+    cfg = model_config(engine.module)
     if cfg is not None:
         write_json(tmp / "config.json", cfg)
     for r in range(world):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardwise.checkpoint.fileio import CheckpointError
+from shardwise.checkpoint.format import CheckpointError
 from shardwise.tensor_parallel.layers import ShardSpec
 
 SpecLike = ShardSpec | None

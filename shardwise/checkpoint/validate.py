@@ -32,7 +32,8 @@ from pydantic import (
     model_validator,
 )
 
-from shardwise.checkpoint.fileio import FORMAT, VERSION, CheckpointError, dtype_from_name
+from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json
+from shardwise.safetensors_io import dtype_from_name
 
 MAX_NUMEL = 2**40  # elements in one tensor: larger is a damaged header, not a model
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # optimizer state / trained tensors
@@ -68,8 +69,6 @@ def confined_path(folder: str | Path, name: object, source: str | Path) -> Path:
 
 def read_weight_map(folder: Path, index: Path) -> dict[str, Path]:
     """``model.safetensors.index.json``'s ``weight_map`` with every file confined to ``folder``."""
-    from shardwise.checkpoint.fileio import read_json
-
     data = read_json(index)
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):

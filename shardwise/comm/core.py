@@ -57,7 +57,7 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
         timeout = datetime.timedelta(seconds=float(os.environ.get("SHARDWISE_TIMEOUT", 600)))
     if "RANK" not in os.environ:  # a plain `python script.py`: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "nccl":
@@ -176,7 +176,8 @@ def _register_teardown() -> None:
         atexit.register(_teardown)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it), for a single-node rendezvous."""
     import socket
 
     with socket.socket() as s:

@@ -8,7 +8,7 @@ Flow: read -> normalize (aliases, deprecations, "auto") -> validate (pydantic) -
 import os
 import sys
 import warnings
-from typing import Any, get_args, get_origin
+from typing import Any, TypeVar, get_args, get_origin
 
 import torch
 from pydantic import BaseModel, ValidationError
@@ -16,12 +16,11 @@ from pydantic import BaseModel, ValidationError
 from shardwise.config.keys import children
 from shardwise.config.read import read_config, timeout_of  # noqa: F401 (re-exported)
 from shardwise.config.schema import (  # noqa: F401 (re-exported)
-    _DS_ONLY_OPTIMIZERS,
-    _M,
-    _OPTIMIZERS,
-    _SCHEDULERS,
-    _ZERO_ALIASES,
     AUTO,
+    DS_ONLY_OPTIMIZERS,
+    OPTIMIZERS,
+    SCHEDULERS,
+    ZERO_ALIASES,
     BF16Config,
     ConfigError,
     FP16Config,
@@ -39,6 +38,8 @@ from shardwise.config.schema import (  # noqa: F401 (re-exported)
 from shardwise.config.triage import announce, raise_problems, triage
 from shardwise.config.triage import suggest as _suggest
 
+SectionModel = TypeVar("SectionModel", bound=BaseModel)  # the section a _validate call returns
+
 
 # -- error formatting -----------------------------------------------------------------------------------
 def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -55,7 +56,7 @@ def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | 
     return model
 
 
-def _validate(model: type[_M], data: Any, prefix: str = "", earlier: list[str] | None = None) -> _M:
+def _validate(model: type[SectionModel], data: Any, prefix: str = "", earlier: list[str] | None = None) -> SectionModel:
     """model.model_validate, with every problem rewritten as 'dotted.path: what is wrong; fix'.
 
     `earlier`: problems found before validation (refused or unknown keys), reported together.
@@ -105,7 +106,7 @@ def _rename(section: dict[str, Any], old: str, new: str, where: str, *, deprecat
 
 def _normalize_zero(zero: dict[str, Any], hidden: int | None) -> None:
     where = "zero_optimization."
-    for old, new in _ZERO_ALIASES.items():
+    for old, new in ZERO_ALIASES.items():
         _rename(zero, old, new, where, deprecated=False)
     _rename(zero, "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
             where, deprecated=True)
@@ -185,15 +186,15 @@ def _resolve_optimizer(cfg: ShardwiseConfig) -> None:
     if opt is None:
         return
     name = opt.type.lower()
-    if name not in _OPTIMIZERS:
+    if name not in OPTIMIZERS:
         torch_names = {n.lower() for n in dir(torch.optim) if n[:1].isupper()}
-        if name in _DS_ONLY_OPTIMIZERS | torch_names:
+        if name in DS_ONLY_OPTIMIZERS | torch_names:
             raise ConfigError(f"optimizer.type: DeepSpeed feature optimizer {opt.type} (optimizer.type = "
                               f"'{opt.type}') is not implemented by shardwise; use Adam, AdamW or SGD, or pass a "
                               "client optimizer to shardwise.initialize(optimizer=...)")
         raise ConfigError(f"optimizer.type: unknown optimizer '{opt.type}'; "
-                          + _suggest(opt.type, [n for n, _ in _OPTIMIZERS.values()]))
-    opt.type, model = _OPTIMIZERS[name]
+                          + _suggest(opt.type, [n for n, _ in OPTIMIZERS.values()]))
+    opt.type, model = OPTIMIZERS[name]
     params = {k: v for k, v in opt.params.items() if v != AUTO}  # "auto" = the default for this type
     opt.params = _validate(model, params, "optimizer.params").model_dump()
 
@@ -202,13 +203,13 @@ def _resolve_scheduler(cfg: ShardwiseConfig) -> None:
     sch = cfg.scheduler
     if sch is None:
         return
-    model = _SCHEDULERS.get(sch.type)
+    model = SCHEDULERS.get(sch.type)
     if model is None:
         if sch.type in ("LRRangeTest", "OneCycle"):
             raise ConfigError(f"scheduler.type: DeepSpeed feature scheduler {sch.type} (scheduler.type = "
                               f"'{sch.type}') is not implemented by shardwise; use one of "
-                              f"{', '.join(_SCHEDULERS)}, or pass lr_scheduler= to shardwise.initialize")
-        hint = _suggest(sch.type, _SCHEDULERS)
+                              f"{', '.join(SCHEDULERS)}, or pass lr_scheduler= to shardwise.initialize")
+        hint = _suggest(sch.type, SCHEDULERS)
         raise ConfigError(f"scheduler.type: unknown scheduler '{sch.type}'; {hint}")
     params = dict(sch.params)
     if "total_num_steps" in model.model_fields and params.get("total_num_steps", AUTO) == AUTO:

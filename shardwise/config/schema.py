@@ -4,14 +4,13 @@
 """
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 
 AUTO = "auto"
 FreeDict = dict[str, Any]
-_M = TypeVar("_M", bound=BaseModel)
 
 
 def _strict_bool(value: Any) -> Any:
@@ -335,13 +334,13 @@ class _WarmupCosineLRParams(_Section):
     last_batch_iteration: int = -1
 
 
-_OPTIMIZERS: dict[str, tuple[str, type[BaseModel]]] = {
+OPTIMIZERS: dict[str, tuple[str, type[BaseModel]]] = {
     "adam": ("Adam", _AdamParams), "adamw": ("AdamW", _AdamWParams), "sgd": ("SGD", _SGDParams),
     "lamb": ("Lamb", _LambParams), "muon": ("Muon", _MuonParams)}
-_DS_ONLY_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
-                       "muadamw", "musgd", "cpuadam", "fusedadam"}
-_SCHEDULERS: dict[str, type[BaseModel]] = {"WarmupLR": _WarmupLRParams, "WarmupDecayLR": _WarmupDecayLRParams,
+DS_ONLY_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
+                      "muadamw", "musgd", "cpuadam", "fusedadam"}
+SCHEDULERS: dict[str, type[BaseModel]] = {"WarmupLR": _WarmupLRParams, "WarmupDecayLR": _WarmupDecayLRParams,
                                             "WarmupCosineLR": _WarmupCosineLRParams}
 # DeepSpeed accepts these short names for the stage3_* keys (populate_by_name); the long name is ours.
-_ZERO_ALIASES = {name.removeprefix("stage3_"): name for name in ZeroConfig.model_fields
+ZERO_ALIASES = {name.removeprefix("stage3_"): name for name in ZeroConfig.model_fields
                  if name.startswith("stage3_")}

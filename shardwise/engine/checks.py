@@ -1,6 +1,6 @@
 """DeepSpeed's checks on how an engine is used: unused parameters, checkpoint tags and folders.
 
-Each raises where DeepSpeed raises (with :class:`~shardwise.engine.compat.UsageError`, an
+Each raises where DeepSpeed raises (with :class:`UsageError`, an
 AssertionError, where DeepSpeed asserts), so scripts and tests written for DeepSpeed see the same
 failure, with a message that names the fix.
 """
@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise.engine.compat import UsageError
 from shardwise.zero.bucket_step import mark_repeat_safe
 
 if TYPE_CHECKING:
@@ -25,29 +24,52 @@ log = logging.getLogger("shardwise")
 TAG_MODES = ("ignore", "warn", "fail")
 
 
+class UsageError(RuntimeError, AssertionError):
+    """A call DeepSpeed refuses with an ``assert``: an AssertionError for scripts and tests written
+    for DeepSpeed, a RuntimeError for everyone else."""
+
+
+class UsedParams:
+    """Which tracked parameters received a gradient in the current accumulation window."""
+
+    def __init__(self, tracked: dict[str, torch.nn.Parameter]):
+        self.tracked, self.used = tracked, set()
+        self.hooks = [p.register_post_accumulate_grad_hook(self._seen) for p in tracked.values()]
+
+    def _seen(self, p: torch.Tensor) -> None:
+        self.used.add(id(p))
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+_USED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> UsedParams
+
+
+def used_params_of(engine: Engine) -> UsedParams | None:
+    """The engine's unused-parameter tracking, None when it does not track (the one accessor)."""
+    return _USED.get(engine)
+
+
 def track_used(engine: Engine) -> None:
     """With ``zero_optimization.ignore_unused_parameters: false`` at stage >= 2, record which
     trainable parameters receive a gradient in the current accumulation window."""
-    if engine.zero_ignore_unused_parameters() or engine.stage < 2 or hasattr(engine, "_used_params"):
+    if engine.zero_ignore_unused_parameters() or engine.stage < 2 or engine in _USED:
         return
-    engine._used_params = set()
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    engine._tracked_params = {names[id(p)]: p for g in engine.groups for p in g.params}
-
-    def seen(p: torch.Tensor) -> None:
-        engine._used_params.add(id(p))
-
-    engine._used_hooks = [p.register_post_accumulate_grad_hook(seen) for p in engine._tracked_params.values()]
+    _USED[engine] = UsedParams({names[id(p)]: p for g in engine.groups for p in g.params})
 
 
 def check_all_used(engine: Engine) -> None:
     """At the step: refuse when a trainable parameter got no gradient in the window (DeepSpeed
     asserts the same at stages 1-2 with ``ignore_unused_parameters: false``)."""
-    used = getattr(engine, "_used_params", None)
-    if used is None:
+    tracking = _USED.get(engine)
+    if tracking is None:
         return
-    missing = [n for n, p in engine._tracked_params.items() if id(p) not in used]
-    used.clear()
+    missing = [n for n, p in tracking.tracked.items() if id(p) not in tracking.used]
+    tracking.used.clear()
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UsageError(f"parameter {missing[0]!r}{more} got no gradient: it was not used in producing the "

@@ -15,12 +15,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import compute_device
+from shardwise.engine.checks import UsageError, used_params_of  # noqa: F401 (UsageError re-exported)
 from shardwise.fsdp.state import full_state_dict
-
-
-class UsageError(RuntimeError, AssertionError):
-    """A call DeepSpeed refuses with an ``assert``: an AssertionError for scripts and tests written
-    for DeepSpeed, a RuntimeError for everyone else."""
 
 
 class EngineAccessors:
@@ -218,8 +214,9 @@ class EngineAccessors:
         stay released placeholders (gather them with ``GatheredParameters`` first if needed).
         """
         self.sharding.remove()
-        for h in getattr(self, "_used_hooks", []):
-            h.remove()
+        tracking = used_params_of(self)
+        if tracking is not None:
+            tracking.remove()
 
     # -- saving and compiling, as transformers' Trainer and accelerate call them ---------------
     def zero_gather_16bit_weights_on_model_save(self) -> bool:

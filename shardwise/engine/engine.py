@@ -62,7 +62,7 @@ def options_from_config(config) -> ShardOptions:
 
 
 class Engine(EngineAccessors, nn.Module):
-    """DeepSpeed-style engine around ``module`` (see DESIGN.md §2 for the contract)."""
+    """DeepSpeed-style engine around ``module`` (the contract: docs/deepspeed_api.md)."""
 
     def __init__(self, model: nn.Module, config, model_parameters=None, optimizer=None,
                  lr_scheduler=None, comm: Comm | None = None, tp: Comm | None = None,

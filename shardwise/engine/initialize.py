@@ -19,12 +19,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardwise.comm import init_distributed
-from shardwise.config import SupportedFeatures, load_config, timeout_of
+from shardwise.config import ShardwiseConfig, SupportedFeatures, load_config, timeout_of
 from shardwise.engine.compat import UsageError
 from shardwise.engine.engine import Engine
 from shardwise.engine.mpu import mesh_from_mpu, mpu_sizes
-from shardwise.fsdp.unshard import is_sharded, unshard_module
-from shardwise.mesh import get_mesh
+from shardwise.fsdp.module import is_sharded
+from shardwise.fsdp.unshard import unshard_module
+from shardwise.mesh import Mesh, get_mesh
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
@@ -121,6 +122,22 @@ def initialize(
     config = _config_from_args(args, config)
     _join(dist_init_required, distributed_port, timeout_of(config))
     _setup_logging()
+    cfg, mesh = _config_and_mesh(config, model, mpu)
+    if is_sharded(model):  # initialize() again on a model an earlier engine wraps, as DeepSpeed allows
+        unshard_module(model)
+    engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate,
+                    model_is_tp=mpu is not None, secondary=mesh.secondary)
+    engine.mpu = mpu
+    atexit.register(_finish_pending, weakref.ref(engine))
+    loader = None if training_data is None else _dataloader(training_data, engine, cfg, collate_fn)
+    engine.training_dataloader = loader
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_and_mesh(config: Any, model: nn.Module, mpu: Any) -> tuple[ShardwiseConfig, Mesh]:
+    """The loaded config (the batch rule over data-parallel ranks) and the mesh: the script's
+    ``mpu`` groups when given, else replicate x shard x tp from the config."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     world = dist.get_world_size()
     if mpu is not None:
@@ -129,24 +146,16 @@ def initialize(
                       supported=SupportedFeatures.everything() if mpu is None else
                       SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True))
     if mpu is not None:
-        mesh = mesh_from_mpu(mpu, model, cfg.tp_size)
-    else:
-        shard = cfg.zero_optimization.mics_shard_size
-        hpz = cfg.zero_optimization.zero_hpz_partition_size
-        mesh = get_mesh(cfg.tp_size, shard if shard > 0 else None, secondary_size=hpz)
-    if is_sharded(model):  # initialize() again on a model an earlier engine wraps, as DeepSpeed allows
-        unshard_module(model)
-    engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate,
-                    model_is_tp=mpu is not None, secondary=mesh.secondary)
-    engine.mpu = mpu
-    atexit.register(_finish_pending, weakref.ref(engine))
-    loader = None
-    if training_data is not None:
-        sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.dp_rank,
-                                     shuffle=True, seed=cfg.seed if getattr(cfg, "seed", None) else 0)
-        loader = DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
-                            sampler=sampler, collate_fn=collate_fn,
-                            drop_last=cfg.dataloader_drop_last)
-    engine.training_dataloader = loader
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+        return cfg, mesh_from_mpu(mpu, model, cfg.tp_size)
+    shard = cfg.zero_optimization.mics_shard_size
+    hpz = cfg.zero_optimization.zero_hpz_partition_size
+    return cfg, get_mesh(cfg.tp_size, shard if shard > 0 else None, secondary_size=hpz)
+
+
+def _dataloader(training_data: Dataset, engine: Engine, cfg: ShardwiseConfig,
+                collate_fn: Callable | None) -> DataLoader:
+    """DeepSpeed's training loader: this data-parallel rank's part, micro-batch sized."""
+    sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.dp_rank,
+                                 shuffle=True, seed=cfg.seed if getattr(cfg, "seed", None) else 0)
+    return DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
+                      collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)

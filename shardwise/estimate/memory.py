@@ -230,7 +230,7 @@ def _formula(rep: int, shard: int) -> str:
     return " + ".join(parts) or "0"
 
 
-def _states(psi: int, n: int, dtype: str, stage: int, offload: str) -> tuple[int, int, str, str]:
+def model_state_bytes(psi: int, n: int, dtype: str, stage: int, offload: str) -> tuple[int, int, str, str]:
     """Device bytes, host bytes and their formulas for one rank; shards are padded (ceil) like chunk."""
     coef = {False: [0, 0], True: [0, 0]}  # on_host -> [replicated, sharded] bytes per parameter
     for _name, k, from_stage, host in _components(dtype, _effective_offload(stage, offload)):
@@ -253,8 +253,8 @@ def _activations(facts: ModelFacts, micro_batch: int, seq: int, tp: int, dtype: 
             "micro_batch": b, "seq": s}
 
 
-def _working(facts: ModelFacts | None, tp: int, dtype: str, micro_batch: int | None, seq: int | None,
-             ckpt: bool, stage: int) -> int:
+def working_bytes(facts: ModelFacts | None, tp: int, dtype: str, micro_batch: int | None, seq: int | None,
+                  ckpt: bool, stage: int) -> int:
     """Bytes beyond the model states: activations, and at stage 3 one gathered layer's params + grads."""
     extra = 0
     if facts and micro_batch and seq:
@@ -277,11 +277,11 @@ def estimate(params: int, devices: int, tp: int = 1, dtype: Dtype = "bf16", offl
     n, psi = devices // tp, -(-params // tp)
     el = 4 if dtype == "fp32" else 2
     comps = [Component(name, f"{k}Ψ", k * psi, s, host) for name, k, s, host in _components(dtype, offload)]
-    base = _states(psi, n, dtype, 0, "none")[0]
+    base = model_state_bytes(psi, n, dtype, 0, "none")[0]
     stages: dict[int, StageEstimate] = {}
     for st in range(4):
         off = _effective_offload(st, offload)
-        dev, host, f_dev, f_host = _states(psi, n, dtype, st, offload)
+        dev, host, f_dev, f_host = model_state_bytes(psi, n, dtype, st, offload)
         elems = (3 if st == 3 else 2) * psi
         # host<->device per step: grad shard down, param shard up (+ fwd and bwd fetch with "params")
         pcie = 0 if off == "none" else (2 + 2 * (off == "params")) * -(-psi // n) * el
@@ -323,8 +323,8 @@ def _recommend(est: Estimate, mb: int | None, seq: int | None, ckpt: bool) -> No
     def check(tp: int) -> list[Candidate]:  # peak need = model states + activations + gathered layer
         out = []
         for st, off in _OPTIONS:
-            dev, host, _, _ = _states(-(-est.params // tp), est.devices // tp, est.dtype, st, off)
-            dev += _working(est.facts, tp, est.dtype, mb, seq, ckpt, st)
+            dev, host, _, _ = model_state_bytes(-(-est.params // tp), est.devices // tp, est.dtype, st, off)
+            dev += working_bytes(est.facts, tp, est.dtype, mb, seq, ckpt, st)
             out.append(Candidate(st, off, tp, dev, host, dev <= budget))
         return out
 
@@ -348,7 +348,7 @@ def _recommend(est: Estimate, mb: int | None, seq: int | None, ckpt: bool) -> No
             return
     facts = est.facts
     if facts:
-        layer_only = _working(facts, est.tp, est.dtype, mb, seq, ckpt, stage=3)
+        layer_only = working_bytes(facts, est.tp, est.dtype, mb, seq, ckpt, stage=3)
         if layer_only > budget:  # no amount of sharding or offload helps: split the layers
             for t in (t for t in range(est.tp + 1, est.devices + 1) if est.devices % t == 0
                       and (not facts.num_heads or facts.num_heads % t == 0)):

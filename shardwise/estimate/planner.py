@@ -32,7 +32,7 @@ import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shardwise.estimate.memory import ModelFacts, _states, _working
+from shardwise.estimate.memory import ModelFacts, model_state_bytes, working_bytes
 
 QUANT_BLOCK = 256  # elements per fp32 scale in quantized collectives
 
@@ -169,10 +169,10 @@ def _device_bytes(params: int, c: Cluster, lay: Layout, dtype: str, facts: Model
     psi = -(-params // lay.tp)
     dp = c.devices // lay.tp
     n = dp if (lay.hybrid == "hpz" or lay.stage == 0) else lay.shard
-    dev = _states(psi, n, dtype, lay.stage, "none")[0]
+    dev = model_state_bytes(psi, n, dtype, lay.stage, "none")[0]
     if lay.hybrid == "hpz" and lay.stage == 3:
         dev += -(-psi // lay.shard) * (4 if dtype == "fp32" else 2)  # the secondary parameter shard
-    return dev + _working(facts, lay.tp, dtype, micro_batch, seq, ckpt, lay.stage)
+    return dev + working_bytes(facts, lay.tp, dtype, micro_batch, seq, ckpt, lay.stage)
 
 
 def evaluate(params: int, c: Cluster, lay: Layout, *, dtype: str = "bf16", facts: ModelFacts | None = None,

@@ -39,18 +39,26 @@ def _table(headers: list[str], rows: list[list[str]], align: str) -> str:
 
 def format_report(est: Estimate) -> str:
     """Human-readable tables: components, stages, communication, activations, fit."""
-    n, out = est.dp, []
     tp_txt = f" x {est.tp} tensor-parallel" if est.tp > 1 else ""
-    out.append(f"shardwise estimate: {est.params:,} params, {est.devices} devices = {n} data-parallel"
-               f"{tp_txt}, {est.dtype} + Adam, offload: {est.offload}")
-    out.append(f"Units: GB = 1e9 bytes, GiB = 2^30 bytes. Ψ = params per TP rank = {est.psi:,}; N = {n}.")
-    out.append("\nModel states, unsharded (one replica)")
+    out = [f"shardwise estimate: {est.params:,} params, {est.devices} devices = {est.dp} data-parallel"
+           f"{tp_txt}, {est.dtype} + Adam, offload: {est.offload}",
+           f"Units: GB = 1e9 bytes, GiB = 2^30 bytes. Ψ = params per TP rank = {est.psi:,}; N = {est.dp}."]
+    for section in (_components_table, _stages_table, _comm_table, _activations_table, _fit_table):
+        out += section(est)
+    if est.notes:
+        out.append("\nNotes:\n" + "\n".join(f"- {x}" for x in est.notes))
+    return "\n".join(out)
+
+
+def _components_table(est: Estimate) -> list[str]:
     rows = [[c.name, c.formula, _gb(c.bytes), _gib(c.bytes)] for c in est.components]
     total = sum(c.bytes for c in est.components)
     rows.append(["total", f"{total // est.psi}Ψ", _gb(total), _gib(total)])
-    out.append(_table(["component", "formula", "GB", "GiB"], rows, "llrr"))
+    return ["\nModel states, unsharded (one replica)", _table(["component", "formula", "GB", "GiB"], rows, "llrr")]
+
+
+def _stages_table(est: Estimate) -> list[str]:
     offl = est.offload != "none"
-    out.append(f"\nZeRO stages, per device (cluster = per device x {est.devices} devices)")
     rows = []
     for s in est.stages.values():
         row = [str(s.stage), s.sharded, s.formula, _gb(s.per_device_bytes), _gib(s.per_device_bytes),
@@ -63,9 +71,14 @@ def format_report(est: Estimate) -> str:
     if offl:
         heads[2:2] = ["offload"]
         heads += ["host formula", "host GB/rank"]
-    out.append(_table(heads, rows, "llllrrrrlr" if offl else "lllrrrr"))
-    out.append(f"\nCommunication per step per rank (data parallel; ring sends (N-1)/N = {(n - 1) / n:.3f}"
-               f" of it; {4 if est.dtype == 'fp32' else 2} bytes/element)")
+    return [f"\nZeRO stages, per device (cluster = per device x {est.devices} devices)",
+            _table(heads, rows, "llllrrrrlr" if offl else "lllrrrr")]
+
+
+def _comm_table(est: Estimate) -> list[str]:
+    n, offl = est.dp, est.offload != "none"
+    out = [f"\nCommunication per step per rank (data parallel; ring sends (N-1)/N = {(n - 1) / n:.3f}"
+           f" of it; {4 if est.dtype == 'fp32' else 2} bytes/element)"]
     rows = [[str(s.stage), s.comm_collectives, "3Ψ" if s.stage == 3 else "2Ψ", f"{s.comm_elements:,}",
              _gb(s.comm_bytes)] + ([_gb(s.pcie_bytes)] if offl else []) for s in est.stages.values()]
     out.append(_table(["stage", "collectives", "volume", "elements", "GB sent"]
@@ -74,33 +87,34 @@ def format_report(est: Estimate) -> str:
         out.append(f"Tensor parallel: 2 all-reduces of b·s·h forward + 2 backward per layer"
                    f"{' (+2 recompute)' if est.activations and est.activations['checkpointing'] else ''}: "
                    f"{_gb(est.tp_comm_bytes)} GB sent per rank per micro batch.")
+    return out
+
+
+def _activations_table(est: Estimate) -> list[str]:
     a = est.activations
-    out.append("\nActivations per device")
-    if a:
-        out.append(_table(["item", "formula", "GB", "GiB"], [
-            ["per layer", "s·b·h·(34 + 5·a·s/h)/t", _gb(a["per_layer_bytes"]), _gib(a["per_layer_bytes"])],
-            ["all layers" + (" (checkpointed)" if a["checkpointing"] else ""),
-             a["layers_formula"], _gb(a["layers_bytes"]), _gib(a["layers_bytes"])],
-            ["output logits", "4·b·s·V/t", _gb(a["logits_bytes"]), _gib(a["logits_bytes"])],
-            ["total", "", _gb(a["total_bytes"]), _gib(a["total_bytes"])]], "llrr"))
-    else:
-        out.append("not estimated (needs --model for shape, --micro-batch and --seq)")
-    out.append("\nFit")
-    if est.device_memory and est.recommendation:
-        usable = est.device_memory * (1 - est.margin)
-        out.append(f"device memory {_gb(est.device_memory)} GB, {est.margin:.0%} kept as margin -> "
-                   f"{_gb(usable)} GB usable; need = states + activations + (stage 3) one gathered layer")
-        out.append(_table(["stage", "offload", "tp", "need GB", "host GB/rank", "fits"], [
-            [str(c.stage), c.offload, str(c.tp), _gb(c.device_need_bytes), _gb(c.host_bytes),
-             "yes" if c.fits else "no"] for c in est.candidates], "llrrrl"))
-        r = est.recommendation
-        verb = "Recommendation" if r["fits"] else "Closest option"
-        out.append(f"{verb}: stage {r['stage']}, offload {r['offload']}, tp {r['tp']}. {r['reason']}")
-    else:
-        out.append("not checked (pass --device-memory, e.g. 80GB)")
-    if est.notes:
-        out.append("\nNotes:\n" + "\n".join(f"- {x}" for x in est.notes))
-    return "\n".join(out)
+    if not a:
+        return ["\nActivations per device", "not estimated (needs --model for shape, --micro-batch and --seq)"]
+    return ["\nActivations per device", _table(["item", "formula", "GB", "GiB"], [
+        ["per layer", "s·b·h·(34 + 5·a·s/h)/t", _gb(a["per_layer_bytes"]), _gib(a["per_layer_bytes"])],
+        ["all layers" + (" (checkpointed)" if a["checkpointing"] else ""),
+         a["layers_formula"], _gb(a["layers_bytes"]), _gib(a["layers_bytes"])],
+        ["output logits", "4·b·s·V/t", _gb(a["logits_bytes"]), _gib(a["logits_bytes"])],
+        ["total", "", _gb(a["total_bytes"]), _gib(a["total_bytes"])]], "llrr")]
+
+
+def _fit_table(est: Estimate) -> list[str]:
+    if not (est.device_memory and est.recommendation):
+        return ["\nFit", "not checked (pass --device-memory, e.g. 80GB)"]
+    usable = est.device_memory * (1 - est.margin)
+    r = est.recommendation
+    verb = "Recommendation" if r["fits"] else "Closest option"
+    return ["\nFit",
+            f"device memory {_gb(est.device_memory)} GB, {est.margin:.0%} kept as margin -> "
+            f"{_gb(usable)} GB usable; need = states + activations + (stage 3) one gathered layer",
+            _table(["stage", "offload", "tp", "need GB", "host GB/rank", "fits"], [
+                [str(c.stage), c.offload, str(c.tp), _gb(c.device_need_bytes), _gb(c.host_bytes),
+                 "yes" if c.fits else "no"] for c in est.candidates], "llrrrl"),
+            f"{verb}: stage {r['stage']}, offload {r['offload']}, tp {r['tp']}. {r['reason']}"]
 
 
 def _arg(parse: Any, kind: str, high: int) -> Any:

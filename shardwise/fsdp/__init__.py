@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from shardwise.fsdp.module import ShardedModule, shard, shard_module, sharding_of
+from shardwise.fsdp.module import ShardedModule, is_sharded, shard, shard_module, sharding_of
 from shardwise.fsdp.optim import ShardedOptimizer, clip_grad_norm_
 from shardwise.fsdp.state import (
     full_state_dict,
@@ -19,7 +19,7 @@ from shardwise.fsdp.state import (
     save_checkpoint,
     sharded_state_dict,
 )
-from shardwise.fsdp.unshard import is_sharded, unshard_module
+from shardwise.fsdp.unshard import unshard_module
 
 __all__ = ["ShardedModule", "shard", "shard_module", "sharding_of", "ShardedOptimizer", "clip_grad_norm_",
            "full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict",

@@ -59,6 +59,17 @@ class _Slot:
         return (type(None), ())
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds a live :class:`Sharding` (a deep copy or an unsharded model does not)."""
+    slot = model.__dict__.get(_SLOT)
+    return slot is not None and slot.sharding is not None
+
+
+def forget_sharding(model: nn.Module) -> None:
+    """Drop the model's sharding slot (after :func:`~shardwise.fsdp.unshard.unshard_module`)."""
+    model.__dict__.pop(_SLOT, None)
+
+
 def sharding_of(model: nn.Module) -> Sharding:
     """The :class:`Sharding` of a model given to :func:`shard` (or wrapped by an engine)."""
     slot = model.__dict__.get(_SLOT)

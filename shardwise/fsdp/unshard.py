@@ -15,14 +15,9 @@ import logging
 import torch
 from torch import nn
 
-from shardwise.fsdp.module import _SLOT, sharding_of
+from shardwise.fsdp.module import forget_sharding, sharding_of
 
 log = logging.getLogger("shardwise")
-
-
-def is_sharded(model: nn.Module) -> bool:
-    slot = model.__dict__.get(_SLOT)
-    return slot is not None and slot.sharding is not None
 
 
 def unshard_module(model: nn.Module) -> None:
@@ -44,6 +39,6 @@ def unshard_module(model: nn.Module) -> None:
                 p.data = p.data.clone()  # its own storage, no longer a view of the group's buffer
                 p.grad = None
                 p.__dict__.pop("_shardwise_group", None)
-    model.__dict__.pop(_SLOT, None)
+    forget_sharding(model)
     log.info(f"{type(model).__name__} was wrapped by an earlier engine: its parameters were gathered back "
              "whole and it is sharded again; do not use the earlier engine any more")

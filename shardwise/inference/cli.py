@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer, TextStreamer
 
-    from shardwise.inference.stream import init_inference
+    from shardwise.inference.load import init_inference
 
     rank = int(os.environ.get("RANK", "0"))
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -56,7 +56,7 @@ def init_inference(model: nn.Module | str | os.PathLike, config: str | os.PathLi
     (``tensor_parallel_size``, ``offload``, ``dtype``, ``prefetch``, ``quantize``, ``group_size``,
     ``progress``) and DeepSpeed's (see the module docstring).
     """
-    from shardwise.inference.stream import init_inference as prepare
+    from shardwise.inference.load import init_inference as prepare
 
     if isinstance(config, int) and not isinstance(config, bool):  # an old positional tensor_parallel_size
         kwargs.setdefault("tensor_parallel_size", config)

@@ -42,7 +42,7 @@ from shardwise.inference.quantized_linear import (
     kernel_scales,
     to_rows64,
 )
-from shardwise.inference.stream import SafetensorsReader, _load_meta
+from shardwise.inference.stream import SafetensorsReader, meta_model
 from shardwise.safetensors_io import ST_DTYPES, ST_NAMES
 from shardwise.zero.stage3 import assign_params, find_units
 
@@ -363,7 +363,7 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
     _check_args(bits, group)
     if is_quantized(src):
         raise ValueError(f"{src} is already quantized; quantize the original folder")
-    model, _ = _load_meta(src, None)
+    model, _ = meta_model(src, None)
     files = SafetensorsReader(src)
     names = quantizable(model)
     rows64 = rows64_names(model, names, bits, group)

@@ -32,11 +32,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm import Comm, compute_device, init_distributed
+from shardwise.comm import Comm, compute_device
 from shardwise.safetensors_io import SafetensorsFile, TensorInfo
+from shardwise.tensor_parallel.layers import read_tp_slice
 from shardwise.zero.builder import build_frozen
 from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
@@ -143,7 +143,7 @@ class SafetensorsReader:
             f.close()
 
 
-def _load_meta(path: str, dtype: torch.dtype | None) -> tuple[nn.Module, torch.dtype]:
+def meta_model(path: str, dtype: torch.dtype | None) -> tuple[nn.Module, torch.dtype]:
     """The model built on meta (no weights read) and the dtype plain ``from_pretrained`` would use."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -156,71 +156,11 @@ def _load_meta(path: str, dtype: torch.dtype | None) -> tuple[nn.Module, torch.d
     return model, dtype
 
 
-def _device() -> torch.device:
+def inference_device() -> torch.device:
     """The local GPU when there is one (also for one process without a process group), else CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return compute_device()
-
-
-def _comm() -> Comm:
-    """World comm under torchrun (WORLD_SIZE > 1), else a world of one without a process group."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized():
-        init_distributed()
-        return Comm()
-    return Comm(solo=True)
-
-
-def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel_size: int = 1,
-                   offload: str | None = None, dtype: torch.dtype | None = None,
-                   prefetch: int = 1, quantize: str | None = None, group_size: int | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> nn.Module:
-    """The HF model, in eval mode, with ``generate()`` and forward, its layers streamed as asked.
-
-    Every rank must call this. ``model_or_path``: a ``save_pretrained`` folder (safetensors) or
-    a model (``offload="disk"`` needs a folder). ``prefetch``: layers read ahead of the one
-    running (0: none). ``quantize="int8"|"int4"``: decoder-layer Linear weights are kept
-    group-wise quantized (``group_size`` elements per scale) and dequantized per layer when it is
-    gathered; from disk this needs a folder written by ``shardwise quantize`` (see
-    ``shardwise.inference.quantize``), which is also picked up when ``quantize`` is None. ``progress(i, n)``
-    is called as the n units are set up. The fetcher is ``model.shardwise_fetcher``
-    (``peak_gathered_bytes``), None when the weights are simply resident (one rank, no offload);
-    ``model.memory_report()`` gives the bytes held, the gather pool included.
-    """
-    from shardwise.inference.quantize import is_quantized, open_store
-
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    path = None if isinstance(model_or_path, nn.Module) else os.fspath(model_or_path)
-    if offload is None and path is not None and is_quantized(path):
-        raise ValueError(f"{path} holds quantized weights (shardwise quantize): load it with offload='disk' or 'cpu'")
-    if tensor_parallel_size > 1:
-        return _tensor_parallel(model_or_path, tensor_parallel_size, offload, dtype, prefetch, quantize, group_size)
-    comm = _comm()
-    if quantize is not None and (offload is None or path is None):
-        raise ValueError(f"quantize={quantize!r} streams quantized layers: give a folder and offload='disk' or 'cpu'")
-    if comm.size == 1 and offload is None:  # resident weights: nothing to stream
-        if path is None:
-            model = model_or_path.to(dtype) if dtype is not None else model_or_path
-        else:
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype else {}))
-        model.shardwise_fetcher = None
-        return model.to(_device()).eval()
-    if path is None:
-        if offload == "disk":
-            raise ValueError("offload='disk' streams from a save_pretrained folder: pass its path")
-        return _stream(model_or_path.to(dtype) if dtype else model_or_path, comm, offload, prefetch, None,
-                       progress=progress)
-    model, want = _load_meta(path, dtype)
-    files = open_store(path, model, offload, quantize, group_size)
-    from shardwise.inference.quantized_linear import install
-
-    install(model, files, want, _device())  # int4 Linear weights stay packed where the CPU kernel runs
-    return _stream(model, comm, offload, prefetch, files, want, progress)
 
 
 def param_reader(model: nn.Module, files: SafetensorsReader) -> Callable[..., torch.Tensor]:
@@ -243,8 +183,6 @@ def param_reader(model: nn.Module, files: SafetensorsReader) -> Callable[..., to
     def reader(p: nn.Parameter, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         spec = getattr(p, "_tp_spec", None)
         if spec is not None:
-            from shardwise.tensor_parallel.inference import read_tp_slice
-
             out = out if out is not None else torch.empty(end - start, dtype=p.dtype)
             return read_tp_slice(files, keys[id(p)], spec, tuple(p.shape), start, end, out)
         return files.read(keys[id(p)], start, end, out)
@@ -253,7 +191,7 @@ def param_reader(model: nn.Module, files: SafetensorsReader) -> Callable[..., to
     return reader
 
 
-def _stream(model: nn.Module, comm: Comm, offload: str | None, prefetch: int,
+def stream_layers(model: nn.Module, comm: Comm, offload: str | None, prefetch: int,
             files: SafetensorsReader | None, dtype: torch.dtype | None = None,
             progress: Callable[[int, int], None] | None = None) -> nn.Module:
     """Cut ``model`` into frozen stage-3 groups per unit and install the fetcher.
@@ -261,7 +199,7 @@ def _stream(model: nn.Module, comm: Comm, offload: str | None, prefetch: int,
     Decoder layers are gathered into a :class:`GatherPool` of ``prefetch + 1`` buffers made
     here once; the root (kept whole when streaming, else gathered for the whole forward) is not.
     """
-    device = _device()
+    device = inference_device()
     model.eval().requires_grad_(False)
     if files is not None:  # meta parameters: placeholders now, values read unit by unit below
         specs = {id(p): getattr(p, "_tp_spec", None) for p in model.parameters()}
@@ -317,19 +255,3 @@ def memory_report(model: nn.Module) -> dict[str, int]:
     rep["peak_gathered_params"] = model.shardwise_fetcher.peak_gathered_bytes
     rep["gather_pool_overflow"] = pool.overflow if pool is not None else 0
     return rep
-
-
-def _tensor_parallel(model_or_path: Any, tp: int, offload: str | None, dtype: torch.dtype | None,
-                     prefetch: int, quantize: str | None, group_size: int | None) -> nn.Module:
-    """Hand over to the tensor-parallel inference (weights sliced per rank; streamed with offload)."""
-    from shardwise.tensor_parallel.inference import init_inference as tp_init
-
-    if offload is None and quantize is None:
-        model = tp_init(model_or_path, tensor_parallel_size=tp, dtype=dtype)
-        model.shardwise_fetcher = None
-        return model
-    if isinstance(model_or_path, nn.Module) or offload is None:
-        raise ValueError(f"offload={offload!r} with tensor_parallel_size={tp} streams each rank's slices "
-                         "from a save_pretrained folder: pass its path and offload='disk' or 'cpu'")
-    return tp_init(model_or_path, tensor_parallel_size=tp, dtype=dtype, offload=offload, prefetch=prefetch,
-                   quantize=quantize, group_size=group_size)

@@ -16,16 +16,19 @@ from shardwise.tensor_parallel.layers import (
 )
 from shardwise.tensor_parallel.plan import (
     TPReport,
+    TPState,
     apply_tensor_parallel,
     gather_param,
     gather_state_dict,
     is_tp_sharded,
     resolve_plan,
     tp_grad_norm,
+    tp_state_of,
 )
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ShardSpec", "TPReport",
+    "TPState", "tp_state_of",
     "apply_tensor_parallel", "resolve_plan", "gather_param", "gather_state_dict", "tp_grad_norm", "is_tp_sharded",
     "vocab_parallel_cross_entropy", "causal_lm_loss", "init_inference",
     "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp",

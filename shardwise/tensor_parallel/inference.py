@@ -9,56 +9,25 @@ built normally on the CPU.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shardwise.comm import compute_device, init_distributed
+from shardwise.comm import Comm, compute_device, init_distributed
 from shardwise.mesh import get_mesh
 from shardwise.safetensors_io import SafetensorsFile
-from shardwise.tensor_parallel.layers import ShardSpec
-from shardwise.tensor_parallel.plan import apply_tensor_parallel
+from shardwise.tensor_parallel.layers import ShardSpec, full_shape, read_tp_slice
+from shardwise.tensor_parallel.plan import apply_tensor_parallel, tp_state_of
 from shardwise.zero.init import params_on_meta, weight_map
-
-
-def _full_shape(spec: ShardSpec | None, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of the stored tensor a local parameter of ``shape`` is cut from."""
-    if spec is None:
-        return shape
-    return (*shape[:spec.dim], spec.full, *shape[spec.dim + 1:])
-
-
-def read_tp_slice(files, key: str, spec: ShardSpec, shape: tuple[int, ...], start: int, end: int,
-                  out: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of stored tensor ``key`` (local ``shape``) into the flat ``out``.
-
-    ``files`` is anything with ``read(key, start, end, out)`` (the one safetensors reader or a
-    folder of them). Each piece is one contiguous element range per index of the dimensions
-    before ``spec.dim`` (a single range for dim 0, one per row for the last dim of a matrix), so
-    a rank reads only its part; positions of vocabulary padding are zero.
-    """
-    numel = math.prod(shape)
-    if (start, end) != (0, numel):
-        raise NotImplementedError(f"{key}: a tensor-parallel slice is streamed whole, not [{start}, {end})")
-    if sum(b - a for a, b, _ in spec.pieces()) < shape[spec.dim]:
-        out.zero_()  # vocabulary padding
-    outer, inner = math.prod(shape[:spec.dim]), math.prod(shape[spec.dim + 1:])
-    view = out.view(outer, shape[spec.dim], inner)
-    for a, b, d in spec.pieces():
-        for o in range(outer):
-            first = (o * spec.full + a) * inner
-            files.read(key, first, first + (b - a) * inner, view[o, d:d + b - a].reshape(-1))
-    return out
 
 
 def _read_local(f: SafetensorsFile, key: str, spec: ShardSpec | None, shape: tuple[int, ...],
                 dtype: torch.dtype) -> torch.Tensor:
     """This rank's part of stored tensor ``key`` in ``dtype``, refused unless the stored shape is
     the one the model's config gives (else slices would be cut from the wrong rows)."""
-    stored, full = f.info(key).shape, _full_shape(spec, shape)
+    stored, full = f.info(key).shape, full_shape(spec, shape)
     if stored != full:
         raise ValueError(f"{f.path}: tensor {key!r} is stored with shape {list(stored)} but the config "
                          f"makes it {list(full)}: config and weights do not match")
@@ -77,7 +46,7 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
 
     ``model_or_path``: a model (sharded in place) or a ``save_pretrained`` directory (only this
     rank's slices are read). Sampling draws from a seed shared within the TP group. The report
-    of what was sharded is ``model._tp_report``; bytes read from disk ``model._tp_bytes_loaded``.
+    of what was sharded and the bytes read from disk are ``tp_state_of(model)``'s.
     With ``offload="disk"|"cpu"`` the decoder layers of this rank's slices are streamed as in
     ``shardwise.inference`` (one ``ShardedGroup`` per layer over this rank alone, gathered from
     the files or CPU, optionally quantized).
@@ -88,9 +57,25 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
         model = model_or_path.to(dtype) if dtype is not None else model_or_path
         apply_tensor_parallel(model, tp)
         return model.eval()
+    path = os.fspath(model_or_path)
+    model, dtype = _tp_meta_model(path, dtype, tp, config_kwargs)
+    if offload is not None:
+        from shardwise.inference.quantize import open_store
+        from shardwise.inference.stream import stream_layers
+
+        store = open_store(path, model, offload, quantize, group_size)
+        return stream_layers(model, Comm(solo=True), offload, prefetch, store, dtype)
+    loaded = _load_local_slices(model, path, dtype)
+    model.to(compute_device())
+    tp_state_of(model).bytes_loaded = loaded
+    return model.eval()
+
+
+def _tp_meta_model(path: str, dtype: torch.dtype | None, tp: Comm,
+                   config_kwargs: dict) -> tuple[nn.Module, torch.dtype]:
+    """The model of ``path``'s config built on meta in its dtype, then TP-sliced (slicing meta is free)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = os.fspath(model_or_path)
     config = AutoConfig.from_pretrained(path, **config_kwargs)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
@@ -103,13 +88,11 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     finally:
         torch.set_default_dtype(previous)
     apply_tensor_parallel(model, tp)
-    if offload is not None:
-        from shardwise.comm import Comm
-        from shardwise.inference.quantize import open_store
-        from shardwise.inference.stream import _stream
+    return model, dtype
 
-        store = open_store(path, model, offload, quantize, group_size)
-        return _stream(model, Comm(solo=True), offload, prefetch, store, dtype)
+
+def _load_local_slices(model: nn.Module, path: str, dtype: torch.dtype) -> int:
+    """Replace every meta parameter by this rank's slice read from ``path``; the bytes read."""
     files = weight_map(path)
     prefix = f"{model.base_model_prefix}."
     replaced: dict[int, nn.Parameter] = {}
@@ -138,6 +121,4 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"parameters not loaded: {left[:5]}")
-    model.to(compute_device())
-    model._tp_bytes_loaded = loaded  # type: ignore[attr-defined]
-    return model.eval()
+    return loaded

@@ -15,6 +15,7 @@ the unsharded model. Each sharded parameter carries a :class:`ShardSpec` as ``p.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -326,3 +327,33 @@ def vocab_head_sharing(emb: VocabParallelEmbedding, head: nn.Module, tp: Comm) -
     if bias is not None:
         raise ValueError("a tied vocabulary head with a bias is not supported")
     return ColumnParallelLinear(emb.weight, None, tp, out_features=emb.num_embeddings, gather_output=True)
+
+
+def full_shape(spec: ShardSpec | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the stored tensor a local parameter of ``shape`` is cut from."""
+    if spec is None:
+        return shape
+    return (*shape[:spec.dim], spec.full, *shape[spec.dim + 1:])
+
+
+def read_tp_slice(files, key: str, spec: ShardSpec, shape: tuple[int, ...], start: int, end: int,
+                  out: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of stored tensor ``key`` (local ``shape``) into the flat ``out``.
+
+    ``files`` is anything with ``read(key, start, end, out)`` (the one safetensors reader or a
+    folder of them). Each piece is one contiguous element range per index of the dimensions
+    before ``spec.dim`` (a single range for dim 0, one per row for the last dim of a matrix), so
+    a rank reads only its part; positions of vocabulary padding are zero.
+    """
+    numel = math.prod(shape)
+    if (start, end) != (0, numel):
+        raise NotImplementedError(f"{key}: a tensor-parallel slice is streamed whole, not [{start}, {end})")
+    if sum(b - a for a, b, _ in spec.pieces()) < shape[spec.dim]:
+        out.zero_()  # vocabulary padding
+    outer, inner = math.prod(shape[:spec.dim]), math.prod(shape[spec.dim + 1:])
+    view = out.view(outer, shape[spec.dim], inner)
+    for a, b, d in spec.pieces():
+        for o in range(outer):
+            first = (o * spec.full + a) * inner
+            files.read(key, first, first + (b - a) * inner, view[o, d:d + b - a].reshape(-1))
+    return out

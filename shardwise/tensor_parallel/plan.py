@@ -66,6 +66,23 @@ class TPReport:
     tied: bool = False
 
 
+_TP_SLOT = "_shardwise_tp"  # where a TP-sliced model keeps its TPState (read through tp_state_of)
+
+
+@dataclass
+class TPState:
+    """What a TP-sliced model carries: the report, the TP group, and the bytes its slices cost to read."""
+
+    report: TPReport
+    comm: Comm
+    bytes_loaded: int = 0  # read from safetensors by tensor_parallel.inference (0: sliced in place)
+
+
+def tp_state_of(model: nn.Module) -> TPState | None:
+    """The model's :class:`TPState`, None when :func:`apply_tensor_parallel` has not sliced it."""
+    return model.__dict__.get(_TP_SLOT)
+
+
 def _config_heads(config) -> tuple[int | None, int | None]:
     n = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     kv = getattr(config, "num_key_value_heads", None) or n
@@ -133,6 +150,17 @@ def _check_heads(model: nn.Module, t: int, styles: set[str]) -> None:
                          f"choose a degree that divides both")
 
 
+@dataclass
+class _Replaced:
+    """What one pass of :func:`apply_tensor_parallel` built, read by the steps after it."""
+
+    vocab_emb: VocabParallelEmbedding | None = None
+    head_name: str | None = None
+    new_head: nn.Module | None = None
+    parents: set[str] = field(default_factory=set)  # modules whose q/k/v were split (heads patched)
+    shared: dict[str, SharedCopy] = field(default_factory=dict)
+
+
 def apply_tensor_parallel(model: nn.Module, tp: Comm, plan: dict[str, str] | None = None,
                           parallel_loss: bool = True, sync_sampling: bool = True) -> TPReport:
     """Shard ``model`` (an HF causal LM) over the TP group ``tp`` in place; see the module docstring.
@@ -141,15 +169,39 @@ def apply_tensor_parallel(model: nn.Module, tp: Comm, plan: dict[str, str] | Non
     the vocab-parallel cross-entropy (``out.logits`` is then this rank's vocabulary slice).
     ``sync_sampling``: ``generate()`` draws from a seed shared by the TP ranks, so sampled tokens agree.
     """
-    if getattr(model, "_tp_report", None) is not None:
+    if tp_state_of(model) is not None:
         raise RuntimeError("apply_tensor_parallel was already applied to this model")
     t = tp.size
     rules, source = resolve_plan(model, plan)
     report = TPReport(plan_source=source, tp_size=t)
-    style_of = _matcher(rules)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and emb is not None and head.weight is emb.weight
     report.tied = tied
+    todo = _styled_modules(model, _matcher(rules), emb)
+    _check_heads(model, t, {s for _, _, s in todo})
+    done = _Replaced()
+    for name, mod, style in todo:
+        report.modules[name] = style
+        _replace(model, name, mod, style, tp, tied and mod is head, report, done)
+    if tied and head is not None:
+        if done.vocab_emb is None:
+            raise RuntimeError("tied head without a vocab-parallel input embedding")
+        done.head_name = done.head_name or next(n for n, m in model.named_modules() if m is head)
+        done.new_head = vocab_head_sharing(done.vocab_emb, head, tp)
+        _set_module(model, done.head_name, done.new_head)
+    for pname in done.parents:
+        _patch_heads(model.get_submodule(pname) if pname else model, t, source)
+    _record_specs(model, report)
+    model.__dict__[_TP_SLOT] = TPState(report, tp)
+    if isinstance(done.new_head, ColumnParallelLinear) and parallel_loss and t > 1:
+        _wrap_forward_with_parallel_loss(model, done.new_head, tp)
+    if sync_sampling and t > 1 and hasattr(model, "generate"):
+        _wrap_generate(model, tp)
+    return report
+
+
+def _styled_modules(model: nn.Module, style_of, emb: nn.Module | None) -> list[tuple[str, nn.Module, str]]:
+    """``(name, module, style)`` for every module the plan names (the input embedding always row-wise)."""
     todo = []
     for name, mod in list(model.named_modules()):
         style = style_of(name) if name else None
@@ -161,48 +213,43 @@ def apply_tensor_parallel(model: nn.Module, tp: Comm, plan: dict[str, str] | Non
             raise NotImplementedError(f"tensor parallel style {style!r} (module {name}) is not supported; "
                                       f"supported: {', '.join(SUPPORTED)}")
         todo.append((name, mod, style))
-    _check_heads(model, t, {s for _, _, s in todo})
-    vocab_emb: VocabParallelEmbedding | None = None
-    head_name, new_head = None, None
-    parents: set[str] = set()
-    shared: dict[str, SharedCopy] = {}
-    for name, mod, style in todo:
-        report.modules[name] = style
-        if style == "embedding_rowwise":
-            if not isinstance(mod, nn.Embedding):
-                raise NotImplementedError(f"{name}: embedding_rowwise on {type(mod).__name__}")
-            vocab_emb = VocabParallelEmbedding.from_module(mod, tp)
-            _set_module(model, name, vocab_emb)
-        elif style == "replicated_with_grad_allreduce":
-            for pn, p in mod.named_parameters():
-                p.register_hook(functools.partial(_all_reduced, tp=tp))
-                report.partial_grad.append(f"{name}.{pn}")
-        elif style == "rowwise":
-            if isinstance(mod, nn.Embedding):  # older plans call vocab-parallel embeddings "rowwise"
-                vocab_emb = VocabParallelEmbedding.from_module(mod, tp)
-                _set_module(model, name, vocab_emb)
-            else:
-                _set_module(model, name, RowParallelLinear.from_module(mod, tp, name=name))
-        elif style == "colwise_gather_output":
-            head_name = name
-            if not (tied and mod is head):
-                new_head = ColumnParallelLinear.from_module(mod, tp, gather_output=True, pad=True, name=name)
-                _set_module(model, name, new_head)
+    return todo
+
+
+def _replace(model: nn.Module, name: str, mod: nn.Module, style: str, tp: Comm, tied_head: bool,
+             report: TPReport, done: _Replaced) -> None:
+    """Swap one module for its parallel layer as ``style`` says (a tied head waits for the embedding)."""
+    if style == "embedding_rowwise":
+        if not isinstance(mod, nn.Embedding):
+            raise NotImplementedError(f"{name}: embedding_rowwise on {type(mod).__name__}")
+        done.vocab_emb = VocabParallelEmbedding.from_module(mod, tp)
+        _set_module(model, name, done.vocab_emb)
+    elif style == "replicated_with_grad_allreduce":
+        for pn, p in mod.named_parameters():
+            p.register_hook(functools.partial(_all_reduced, tp=tp))
+            report.partial_grad.append(f"{name}.{pn}")
+    elif style == "rowwise":
+        if isinstance(mod, nn.Embedding):  # older plans call vocab-parallel embeddings "rowwise"
+            done.vocab_emb = VocabParallelEmbedding.from_module(mod, tp)
+            _set_module(model, name, done.vocab_emb)
         else:
-            layer = ColumnParallelLinear.from_module(mod, tp, parts=_PARTS.get(style, 1), name=name)
-            parent = name.rpartition(".")[0]
-            layer.shared_copy = shared.setdefault(parent, SharedCopy())  # q/k/v share one f
-            layer.shared_copy.members += 1
-            _set_module(model, name, layer)
-            parents.add(parent)
-    if tied and head is not None:
-        if vocab_emb is None:
-            raise RuntimeError("tied head without a vocab-parallel input embedding")
-        head_name = head_name or next(n for n, m in model.named_modules() if m is head)
-        new_head = vocab_head_sharing(vocab_emb, head, tp)
-        _set_module(model, head_name, new_head)
-    for pname in parents:
-        _patch_heads(model.get_submodule(pname) if pname else model, t, source)
+            _set_module(model, name, RowParallelLinear.from_module(mod, tp, name=name))
+    elif style == "colwise_gather_output":
+        done.head_name = name
+        if not tied_head:
+            done.new_head = ColumnParallelLinear.from_module(mod, tp, gather_output=True, pad=True, name=name)
+            _set_module(model, name, done.new_head)
+    else:
+        layer = ColumnParallelLinear.from_module(mod, tp, parts=_PARTS.get(style, 1), name=name)
+        parent = name.rpartition(".")[0]
+        layer.shared_copy = done.shared.setdefault(parent, SharedCopy())  # q/k/v share one f
+        layer.shared_copy.members += 1
+        _set_module(model, name, layer)
+        done.parents.add(parent)
+
+
+def _record_specs(model: nn.Module, report: TPReport) -> None:
+    """Which parameters are TP slices (their ``ShardSpec``) and which are replicated (spec None)."""
     for n, p in model.named_parameters():
         spec = getattr(p, "_tp_spec", None)
         if spec is not None:
@@ -210,13 +257,6 @@ def apply_tensor_parallel(model: nn.Module, tp: Comm, plan: dict[str, str] | Non
         else:
             p._tp_spec = None  # type: ignore[attr-defined]
             report.replicated.append(n)
-    model._tp_report = report  # type: ignore[attr-defined]
-    model._tp_comm = tp  # type: ignore[attr-defined]
-    if isinstance(new_head, ColumnParallelLinear) and parallel_loss and t > 1:
-        _wrap_forward_with_parallel_loss(model, new_head, tp)
-    if sync_sampling and t > 1 and hasattr(model, "generate"):
-        _wrap_generate(model, tp)
-    return report
 
 
 def _all_reduced(g: torch.Tensor, tp: Comm) -> torch.Tensor:
@@ -307,7 +347,7 @@ def gather_param(p: torch.Tensor, tp: Comm) -> torch.Tensor:
 
 def gather_state_dict(model: nn.Module, tp: Comm | None = None) -> dict[str, torch.Tensor]:
     """Full parameters by name (every TP rank gets them); tied parameters appear once."""
-    tp = tp or model._tp_comm
+    tp = tp or tp_state_of(model).comm
     return {n: gather_param(p, tp) for n, p in model.named_parameters()}
 
 

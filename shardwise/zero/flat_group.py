@@ -111,10 +111,8 @@ class ShardedGroup(StageThreeGather):
         self.tp_sharded = False  # a TP slice? set by the builder (zero/partition.py): ZeRO reads no TP specs
         self.device = device if device is not None else params[0].device
         self.layout = FlatLayout(tuple(p.numel() for p in params), comm.size)
-        if policy.shard_optimizer:
-            self.own_start, self.own_numel = self.layout.shard_range(comm.rank)
-        else:
-            self.own_start, self.own_numel = 0, self.layout.padded_numel
+        self.own_start, self.own_numel = (self.layout.shard_range(comm.rank) if policy.shard_optimizer
+                                          else (0, self.layout.padded_numel))  # stage 0: the whole buffer
         self.owned = self.layout.segments(self.own_start, self.own_numel)  # param pieces this rank owns
         self.pool = pool if policy.shard_params and not trainable else None
         self.state = GatherState.GATHERED  # changed only by _to_gathered / _to_released

@@ -91,59 +91,74 @@ def build_groups(
     once unit ``i``'s groups are built (loading progress).
     """
 
-    def _kind(p: nn.Parameter) -> tuple:
-        """What must be equal inside one group: dtype, and whether TP sliced it (for the grad norm)."""
-        return p.dtype, tp_sharded(p)
-
-    names = {id(p): n for n, p in model.named_parameters()}
     order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
-    pg_of = _pg_index(model, param_groups)
+    make = _GroupMaker({id(p): n for n, p in model.named_parameters()}, comm, tp_sharded, store, group_kwargs)
     by_pg: list[list[ShardedGroup]] = [[] for _ in param_groups]
-
-    inflight = InflightLimit()
-
-    def make(ps: list[nn.Parameter], pol: ShardPolicy, trainable: bool = True) -> ShardedGroup:
-        g = ShardedGroup(ps, [names[id(p)] for p in ps], comm, pol, trainable=trainable,
-                         store=store() if store is not None else None, inflight=inflight, **group_kwargs)
-        g.tp_sharded = tp_sharded(ps[0])
-        return g
-
     if units is None:
         for gi in range(len(param_groups)):
             ps = [p for p in param_groups[gi]["params"] if p.requires_grad]
             ps.sort(key=lambda p: -order[id(p)])
-            by_pg[gi] = [make(b, policy) for b in _buckets(ps, bucket_numel, _kind)]
+            by_pg[gi] = [make(b, policy) for b in _buckets(ps, bucket_numel, make.kind)]
         return by_pg, []
-
-    keep_whole = ShardPolicy.for_stage(2)
+    pg_of = _pg_index(model, param_groups)
     persistent: list[list[nn.Parameter]] = [[] for _ in param_groups]
     by_unit: list[list[ShardedGroup]] = []
     for ui, unit_params in enumerate(units):
         if materialize is not None:
             materialize(unit_params)
-        groups: list[ShardedGroup] = []
-        frozen = [p for p in unit_params if not p.requires_grad]
-        frozen.sort(key=lambda p: str(_kind(p)))  # one group per kind
-        for b in _buckets(frozen, 1 << 62, _kind):
-            groups.append(make(b, policy, trainable=False))
-        for gi in range(len(param_groups)):
-            ps = [p for p in unit_params if p.requires_grad and pg_of.get(id(p)) == gi]
-            big = [p for p in ps if p.numel() > persistence_threshold]
-            persistent[gi] += [p for p in ps if p.numel() <= persistence_threshold]
-            big.sort(key=lambda p: str(_kind(p)))
-            for b in _buckets(big, 1 << 62, _kind):
-                g = make(b, policy)
-                groups.append(g)
-                by_pg[gi].append(g)
-        by_unit.append(groups)
+        by_unit.append(_unit_groups(unit_params, len(param_groups), pg_of, policy, persistence_threshold, make,
+                                    by_pg, persistent))
         if on_unit is not None:
             on_unit(ui)
+    keep_whole = ShardPolicy.for_stage(2)
     for gi, ps in enumerate(persistent):
         if materialize is not None:
             materialize(ps)
         ps.sort(key=lambda p: -order[id(p)])
-        by_pg[gi] += [make(b, keep_whole) for b in _buckets(ps, bucket_numel, _kind)]
+        by_pg[gi] += [make(b, keep_whole) for b in _buckets(ps, bucket_numel, make.kind)]
     return by_pg, by_unit
+
+
+class _GroupMaker:
+    """Builds the ShardedGroups of one model: names, comm, store and in-flight limit shared by all."""
+
+    def __init__(self, names: dict[int, str], comm: Comm, tp_sharded: Callable[[nn.Parameter], bool],
+                 store: Callable[[], ShardStore] | None, group_kwargs: dict):
+        self.names, self.comm, self.tp_sharded, self.store = names, comm, tp_sharded, store
+        self.group_kwargs, self.inflight = group_kwargs, InflightLimit()
+
+    def kind(self, p: nn.Parameter) -> tuple:
+        """What must be equal inside one group: dtype, and whether TP sliced it (for the grad norm)."""
+        return p.dtype, self.tp_sharded(p)
+
+    def __call__(self, ps: list[nn.Parameter], pol: ShardPolicy, trainable: bool = True) -> ShardedGroup:
+        g = ShardedGroup(ps, [self.names[id(p)] for p in ps], self.comm, pol, trainable=trainable,
+                         store=self.store() if self.store is not None else None, inflight=self.inflight,
+                         **self.group_kwargs)
+        g.tp_sharded = self.tp_sharded(ps[0])
+        return g
+
+
+def _unit_groups(unit_params: list[nn.Parameter], n_groups: int, pg_of: dict[int, int], policy: ShardPolicy,
+                 persistence_threshold: int, make: _GroupMaker, by_pg: list[list[ShardedGroup]],
+                 persistent: list[list[nn.Parameter]]) -> list[ShardedGroup]:
+    """One stage-3 unit's groups: its frozen parameters (one group per kind), then per optimizer param
+    group and kind its trainable ones; small ones are left in ``persistent`` (kept whole)."""
+    groups: list[ShardedGroup] = []
+    frozen = [p for p in unit_params if not p.requires_grad]
+    frozen.sort(key=lambda p: str(make.kind(p)))  # one group per kind
+    for b in _buckets(frozen, 1 << 62, make.kind):
+        groups.append(make(b, policy, trainable=False))
+    for gi in range(n_groups):
+        ps = [p for p in unit_params if p.requires_grad and pg_of.get(id(p)) == gi]
+        big = [p for p in ps if p.numel() > persistence_threshold]
+        persistent[gi] += [p for p in ps if p.numel() <= persistence_threshold]
+        big.sort(key=lambda p: str(make.kind(p)))
+        for b in _buckets(big, 1 << 62, make.kind):
+            g = make(b, policy)
+            groups.append(g)
+            by_pg[gi].append(g)
+    return groups
 
 
 @torch.no_grad()

@@ -1,0 +1,143 @@
+"""The house rules of the source tree, read from the code (ast, nothing imported): one package per
+concept, no import cycles, no private names across modules, short functions.
+
+A cycle is any loop in the graph of ``shardwise`` imports, a lazy import inside a function
+included (it closes the loop as surely, only later); imports under ``if TYPE_CHECKING:`` are
+left out (they never run). ``from pkg import name`` is an edge to ``pkg.name`` when that is a
+module, else to ``pkg`` (its ``__init__``, the package's public face).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "shardwise"
+MAX_LOOSE_MODULES = 12  # modules at the top of shardwise/ besides __init__
+MAX_FUNCTION_LINES = 60
+
+
+def _module_name(path: Path, src: Path) -> str:
+    parts = path.relative_to(src.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(src: Path = SRC) -> dict[str, ast.Module]:
+    return {_module_name(p, src): ast.parse(p.read_text(), str(p)) for p in sorted(src.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST):
+    """Every import statement that can run (TYPE_CHECKING blocks skipped), at any depth."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                yield from _imports(child)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        yield from _imports(node)
+
+
+def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")[: len(importer.split(".")) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _edges(modules: dict[str, ast.Module], src: Path = SRC) -> dict[str, set[str]]:
+    packages = {m for m in modules if (src.parent / m.replace(".", "/") / "__init__.py").exists()}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, tree in modules.items():
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = _absolute(node, name, name in packages)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One loop per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    cycles = _cycles(_edges(_modules()))
+    assert not cycles, f"import cycles (lazy imports count, TYPE_CHECKING ones do not): {cycles}"
+
+
+def test_no_private_names_imported_across_modules() -> None:
+    offenders = []
+    for name, tree in _modules().items():
+        for node in _imports(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardwise"):
+                offenders += [f"{name}: from {node.module} import {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not offenders, offenders
+
+
+def test_few_modules_loose_at_the_top() -> None:
+    loose = sorted(p.name for p in SRC.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= MAX_LOOSE_MODULES, loose
+
+
+def test_no_function_over_60_lines() -> None:
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                lines = node.end_lineno - first + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
+
+
+def test_cycle_finder_finds_a_lazy_cycle(tmp_path: Path) -> None:
+    """The check can fail: a lazy import closing a loop is found, a TYPE_CHECKING one is not."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import c\n")
+    (pkg / "c.py").write_text("from pkg.a import x\n")
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.e import y\n")
+    (pkg / "e.py").write_text("from pkg.d import z\n")
+    assert _cycles(_edges(_modules(pkg), pkg)) == [["pkg.a", "pkg.b", "pkg.c"]]
