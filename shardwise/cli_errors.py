@@ -66,6 +66,22 @@ def positive_float(text: str) -> float:
     return value
 
 
+def finite_float(low: float, high: float, what: str = "value", low_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in [low, high] (``(low, high]`` with ``low_open``)."""
+
+    def conv(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (low < value <= high if low_open else low <= value <= high):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low}, {high}], got {text!r}")
+        return value
+
+    conv.__name__ = what
+    return conv
+
+
 def run_command(prog: str, entry: Callable[[list[str]], int | None], argv: list[str]) -> int:
     """Run one subcommand; a user error becomes one line on stderr and exit code 2."""
     errors = user_error_types()

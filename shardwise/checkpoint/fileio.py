@@ -23,12 +23,14 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import Comm, CommStats
+from shardwise.safe_files import open_regular, read_regular, write_atomic
 from shardwise.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
 
 __all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name"]
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 3  # 2: TP-sharded parameters saved per TP rank as NAME@tp{r}of{t}; 3: the "frozen" section
+MAX_JSON = 1 << 30  # a larger JSON file in a checkpoint is damage
 
 
 
@@ -60,7 +62,8 @@ class SafetensorsWriter:
             pos += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._f = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        # never written through a symlink at the destination; closed in close()
+        self._f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "wb")
         self._sha = hashlib.sha256()
         self._put(len(raw).to_bytes(8, "little") + raw)
         self._next = 0
@@ -93,7 +96,7 @@ class SafetensorsWriter:
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, CheckpointError), "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
@@ -223,19 +226,16 @@ def _no_constant(name: str) -> None:
 
 def read_json(path: Path) -> Any:
     """Strict JSON (no NaN/Infinity, UTF-8), or a CheckpointError naming ``path``."""
+    raw = read_regular(path, MAX_JSON, CheckpointError)  # a FIFO or folder is refused, never blocks
     try:
-        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path}: file is missing") from e
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt): {e}"[:500]) from e
 
 
 def write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    """Strict JSON (NaN/Infinity refused), written to a temporary name, fsynced and renamed."""
+    write_atomic(path, json.dumps(obj, indent=1, allow_nan=False).encode())
 
 
 # -- RNG states (JSON) --------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from shardwise.checkpoint.tp import (
     spec_of,
 )
 from shardwise.checkpoint.validate import confined_path, match_like, parse_metadata
+from shardwise.safe_files import read_regular
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -56,7 +57,7 @@ log = logging.getLogger("shardwise")
 
 def _read_latest(latest: Path) -> str:
     """The tag named in ``latest``: short UTF-8 text naming a plain folder, else refused."""
-    raw = latest.read_bytes()
+    raw = read_regular(latest, 1 << 20, CheckpointError)
     try:
         tag = raw.decode("utf-8").strip() if len(raw) <= 1024 else None
     except UnicodeDecodeError:
@@ -95,7 +96,8 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path | None:
 
 def read_metadata(path: Path) -> dict:
     """``path/metadata.json``, validated against the schema (validate.py)."""
-    return parse_metadata(read_json(path / "metadata.json"), path / "metadata.json")
+    source = path / "metadata.json"
+    return parse_metadata(read_json(confined_path(path, "metadata.json", source)), source)
 
 
 def _match(engine: CheckpointTarget, meta: dict, strict: bool, source: Path) -> tuple[set[str], set[str]]:

@@ -28,6 +28,7 @@ from shardwise.checkpoint.fileio import (
 )
 from shardwise.checkpoint.frozen import describe_frozen, full_shape, module_extras
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
+from shardwise.safe_files import finite_json, plain_name
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -265,9 +266,10 @@ def save_checkpoint(engine: CheckpointTarget, save_dir: str | Path, tag: str | N
     (a load keeps the model's own values for them).
     """
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    if not tag or "/" in tag or tag.startswith(".") or tag in ("latest", "latest.tmp"):
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name (no '/', not hidden)")
-    client_state = to_json(client_state or {}, "client_state")
+    if not plain_name(tag) or tag in ("latest", "latest.tmp"):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name (printable, no '/' or '\\', "
+                         "no spaces at either end, not hidden)")
+    client_state = finite_json(to_json(client_state or {}, "client_state"), "client_state")
     comm = world_comm()
     root = Path(save_dir)
     tmp = root / f".{tag}.partial"
