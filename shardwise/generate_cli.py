@@ -40,7 +40,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                   "its tokenizer), streaming tokens to stdout.")
     p.add_argument("--model", required=True, help="folder with config, safetensors weights and tokenizer")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=bounded_int(1, 10**6, "--max-new-tokens"), default=64)
+    p.add_argument("--max-new-tokens", type=bounded_int(1, 10**6, "--max-new-tokens"), default=None,
+                   help="tokens to generate (default 64, fewer when the model's positions run out first)")
     p.add_argument("--offload", choices=["disk", "cpu"], default=None,
                    help="stream decoder layers from disk (nothing resident) or from CPU memory")
     p.add_argument("--prefetch", type=bounded_int(0, 1024, "--prefetch"), default=1,
@@ -77,16 +78,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_prompt_room(prompt_tokens: int, new_tokens: int, config) -> None:
-    """Refuse an empty prompt or one that, with the tokens asked for, passes the model's positions
+def check_prompt_room(prompt_tokens: int, new_tokens: int | None, config) -> int:
+    """The tokens to generate: ``new_tokens``, or by default 64 (fewer if the positions run out).
+
+    Refused: an empty prompt, or one that with the tokens asked for passes the model's positions
     (a model with learned positions fails inside its embedding otherwise)."""
     if prompt_tokens == 0:
         raise UserError("--prompt tokenizes to no tokens; give some text to continue")
     room = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if new_tokens is None:
+        new_tokens = 64 if not isinstance(room, int) else max(1, min(64, room - prompt_tokens))
     if isinstance(room, int) and prompt_tokens + new_tokens > room:
         raise UserError(f"--prompt is {prompt_tokens} tokens and --max-new-tokens {new_tokens}, more than the "
                         f"model's {room} positions; shorten the prompt or pass --max-new-tokens "
                         f"{max(room - prompt_tokens, 0)} or less")
+    return new_tokens
 
 
 def _peak_memory() -> str:
@@ -153,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     device = next(model.buffers(), next(model.parameters())).device
     with loading(args.model, "tokenizer"):
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
-    check_prompt_room(ids.shape[-1], args.max_new_tokens, getattr(model, "config", None))
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature is not None)
+    new_tokens = check_prompt_room(ids.shape[-1], args.max_new_tokens, getattr(model, "config", None))
+    gen = dict(max_new_tokens=new_tokens, do_sample=args.temperature is not None)
     if args.temperature is not None:
         gen.update(temperature=args.temperature, top_p=args.top_p if args.top_p is not None else 1.0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
