@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import Comm, CommStats
-from shardwise.safe_files import open_regular, read_regular, write_atomic
+from shardwise.safe_files import finite_json, open_regular, read_regular, write_atomic
 from shardwise.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
 
 __all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name"]
@@ -234,7 +234,9 @@ def read_json(path: Path) -> Any:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Strict JSON (NaN/Infinity refused), written to a temporary name, fsynced and renamed."""
+    """Strict JSON (a NaN/infinity is refused naming its key), written to a temporary name, fsynced
+    and renamed: every shardwise reader refuses non-finite numbers, so they are refused at save."""
+    finite_json(obj, path.name)
     write_atomic(path, json.dumps(obj, indent=1, allow_nan=False).encode())
 
 

@@ -9,7 +9,6 @@ slices it needs from the metadata alone. See docs/checkpoints.md for the format.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ from shardwise.checkpoint.fileio import (
 )
 from shardwise.checkpoint.frozen import describe_frozen, full_shape, module_extras
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
-from shardwise.safe_files import finite_json, plain_name
+from shardwise.safe_files import finite_json, plain_name, write_atomic
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -231,11 +230,7 @@ def _finalize(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, world: 
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
     if save_latest:  # written whole and fsynced, then renamed: `latest` is never partial
-        with open(root / "latest.tmp", "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        (root / "latest.tmp").replace(root / "latest")
+        write_atomic(root / "latest", tag.encode())
 
 
 def remove_stale_partials(root: Path) -> list[str]:
