@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from shardwise import comm, utils, zero
 from shardwise.comm import RanksDivergedError, init_distributed
-from shardwise.compiled import compile  # noqa: A004
 from shardwise.config.schema import ConfigError as DeepSpeedConfigError
 from shardwise.deepspeed import install_as_deepspeed
 from shardwise.engine.initialize import add_config_arguments, initialize
+from shardwise.fsdp.compiled import compile  # noqa: A004
 from shardwise.fsdp.module import ShardedModule, shard
 from shardwise.fsdp.optim import ShardedOptimizer, clip_grad_norm_
 from shardwise.fsdp.state import (

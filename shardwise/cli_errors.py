@@ -15,16 +15,19 @@ from collections.abc import Callable
 EXIT_USAGE = 2  # argparse's code for bad usage; every user error of `shardwise` exits with it
 
 
-class UserError(ValueError):
+class OneLineError(Exception):
+    """The base of every error whose message is for the user: :class:`UserError`, and the
+    project's own ``ConfigError`` and ``CheckpointError`` derive from it, so the CLI knows them
+    without importing the packages that raise them (which would close an import cycle)."""
+
+
+class UserError(ValueError, OneLineError):
     """Bad user input; the message names the flag, key or file and the fix."""
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """The exception types the CLI reports as one line (imported late: they pull in torch)."""
-    from shardwise.checkpoint.fileio import CheckpointError
-    from shardwise.config.schema import ConfigError
-
-    return (UserError, ConfigError, CheckpointError)
+    """The exception types the CLI reports as one line."""
+    return (OneLineError,)
 
 
 def one_line(text: object) -> str:
@@ -64,6 +67,22 @@ def positive_float(text: str) -> float:
     if not 0 < value < 1e9:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (and < 1e9), got {text!r}")
     return value
+
+
+def finite_float(low: float, high: float, what: str = "value", low_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in [low, high] (``(low, high]`` with ``low_open``)."""
+
+    def conv(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (low < value <= high if low_open else low <= value <= high):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low}, {high}], got {text!r}")
+        return value
+
+    conv.__name__ = what
+    return conv
 
 
 def run_command(prog: str, entry: Callable[[list[str]], int | None], argv: list[str]) -> int:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.safe_files import open_regular
+
 # safetensors dtype name <-> torch dtype: the only such table in shardwise
 ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -101,7 +103,7 @@ class SafetensorsFile:
         self.cold = os.environ.get("SHARDWISE_COLD_READS") == "1"
         self._lock = threading.Lock()  # the inference reader thread and a synchronous gather
         self._staging = threading.local()  # per reading thread: the buffer of _read_converted
-        self.fd = os.open(self.path, os.O_RDONLY)
+        self.fd = open_regular(self.path, ValueError)  # a FIFO or device is refused, never blocks
         try:
             self.size = os.fstat(self.fd).st_size
             self.tensors, self.metadata = self._parse()

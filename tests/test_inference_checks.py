@@ -78,7 +78,7 @@ def test_index_entries_outside_the_folder(folder, entry):
     index = {"metadata": {}, "weight_map": {"model.norm.weight": entry, "lm_head.weight": "model.safetensors"}}
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
-    with pytest.raises(ValueError, match="index.json: entry 'model.norm.weight' points at .*outside"):
+    with pytest.raises(ValueError, match="index.json: entry 'model.norm.weight': path .* outside"):
         init_inference(folder, offload="disk")
 
 
@@ -87,5 +87,5 @@ def test_index_entry_symlinked_out_of_the_folder(folder, tmp_path):
     outside.mkdir()
     shutil.move(os.path.join(folder, "model.safetensors"), outside / "model.safetensors")
     os.symlink(outside / "model.safetensors", os.path.join(folder, "model.safetensors"))
-    with pytest.raises(ValueError, match="resolves outside the model folder"):
+    with pytest.raises(ValueError, match="resolves to .*, outside"):
         init_inference(folder, offload="disk")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json  # noqa: F401 (re-exported)
 from shardwise.comm import Comm, CommStats
+from shardwise.safe_files import finite_json, open_regular, write_atomic
 from shardwise.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
 
 __all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name"]
@@ -53,7 +54,8 @@ class SafetensorsWriter:
             pos += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._f = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        # never written through a symlink at the destination; closed in close()
+        self._f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "wb")
         self._sha = hashlib.sha256()
         self._put(len(raw).to_bytes(8, "little") + raw)
         self._next = 0
@@ -86,7 +88,7 @@ class SafetensorsWriter:
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, CheckpointError), "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
@@ -211,10 +213,10 @@ def like(current: Any, saved: Any) -> Any:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    """Strict JSON (a NaN/infinity is refused naming its key), written to a temporary name, fsynced
+    and renamed: every shardwise reader refuses non-finite numbers, so they are refused at save."""
+    finite_json(obj, path.name)
+    write_atomic(path, json.dumps(obj, indent=1, allow_nan=False).encode())
 
 
 # -- RNG states (JSON) --------------------------------------------------------------------------

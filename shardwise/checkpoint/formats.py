@@ -17,7 +17,7 @@ from shardwise.checkpoint.dcp_format import read_dcp
 from shardwise.checkpoint.deepspeed_format import is_deepspeed, read_deepspeed
 from shardwise.checkpoint.fileio import CheckpointError, ShardReader, read_json
 from shardwise.checkpoint.foreign import FOREIGN
-from shardwise.checkpoint.validate import parse_metadata
+from shardwise.checkpoint.validate import confined_path, parse_metadata
 
 
 def is_dcp(path: Path) -> bool:
@@ -38,7 +38,8 @@ def open_checkpoint(path: Path, verify: bool = True) -> tuple[dict, ShardReader]
     if is_foreign(path):
         found = read_dcp(path) if is_dcp(path) else read_deepspeed(path)
         return found.build()
-    meta = parse_metadata(read_json(path / "metadata.json"), path / "metadata.json")
+    source = path / "metadata.json"
+    meta = parse_metadata(read_json(confined_path(path, "metadata.json", source)), source)
     return meta, ShardReader(path, meta["files"], verify=verify)
 
 

@@ -30,8 +30,11 @@ from shardwise.checkpoint.frozen import frozen_groups, full_shape, module_extras
 from shardwise.checkpoint.load import read_saved, resolve_tag
 from shardwise.checkpoint.save import model_config
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
+from shardwise.checkpoint.validate import confined_path
 from shardwise.comm import Comm, CommStats
 from shardwise.estimate.memory import parse_bytes
+from shardwise.model_folder import hf_output_name
+from shardwise.safe_files import OutputFolder, commit_temp, temp_of
 from shardwise.tensor_parallel.plan import gather_full
 
 if TYPE_CHECKING:
@@ -50,11 +53,10 @@ def _nbytes(spec: Spec) -> int:
 class ShardedHFWriter:
     """``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + index, written in spec order."""
 
-    def __init__(self, out_dir: Path, specs: list[Spec], max_shard_size: int):
-        self.out = out_dir
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for old in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:
-            old.unlink(missing_ok=True)  # stale shards of an earlier export would shadow the new ones
+    def __init__(self, out_dir: Path, specs: list[Spec], max_shard_size: int, guard: OutputFolder | None = None):
+        # the API (save_16bit_model) replaces HF weight files like DeepSpeed's; the CLI passes its own guard
+        self.guard = guard or OutputFolder(out_dir, "save_dir", overwrite=True, ours=hf_output_name)
+        self.out = self.guard.prepare()
         shards: list[list[Spec]] = [[]]
         size = 0
         for spec in specs:
@@ -70,12 +72,13 @@ class ShardedHFWriter:
         self._i, self._j, self._w = 0, 0, None
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        if self._w is None:
-            self._w = SafetensorsWriter(self.out / self.names[self._i], self.shards[self._i])
+        if self._w is None:  # written to a hidden temporary name, renamed when complete
+            self._w = SafetensorsWriter(temp_of(self.out / self.names[self._i]), self.shards[self._i])
         self._w.write(name, t)
         self._j += 1
         if self._j == len(self.shards[self._i]):
             self._w.close()
+            commit_temp(self.out / self.names[self._i])
             self._w, self._i, self._j = None, self._i + 1, 0
 
     def close(self) -> list[str]:
@@ -85,15 +88,22 @@ class ShardedHFWriter:
                        {"metadata": {"total_size": self.total}, "weight_map": wm})
         return self.names
 
+    def finish(self, config_written: bool) -> None:
+        """Record the files written as ours; remove our stale ones (old shards would shadow them)."""
+        index = ["model.safetensors.index.json"] if len(self.names) > 1 else []
+        self.guard.finish([*self.names, *index, *(["config.json"] if config_written else [])])
 
-def _write_config(cfg: dict | None, out: Path, dtype: torch.dtype) -> None:
+
+
+def _write_config(cfg: dict | None, out: Path, dtype: torch.dtype) -> bool:
     if cfg is None:
-        return
+        return False
     cfg = dict(cfg)
     keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
     for k in keys:
         cfg[k] = dtype_name(dtype)
     write_json(out / "config.json", cfg)
+    return True
 
 
 def _model_config_for(path: Path, meta: dict, config: str | Path | None, weights_only: bool) -> dict | None:
@@ -104,10 +114,12 @@ def _model_config_for(path: Path, meta: dict, config: str | Path | None, weights
     """
     if config is not None:
         cfg, src = read_json(Path(config)), Path(config)
-    elif (path / "config.json").is_file():
-        cfg, src = read_json(path / "config.json"), path / "config.json"
+    elif (path / "config.json").is_file() or (path / "config.json").is_symlink():
+        src = path / "config.json"
+        cfg = read_json(confined_path(path, "config.json", src))
     elif meta["format"] == FOREIGN and (path.parent / "config.json").is_file():  # the HF Trainer's checkpoint-N/
-        cfg, src = read_json(path.parent / "config.json"), path.parent / "config.json"
+        src = path.parent / "config.json"
+        cfg = read_json(confined_path(path.parent, "config.json", src))
     elif meta["has_model_config"]:
         raise CheckpointError(f"{path / 'config.json'}: file is missing although metadata.json says the model "
                               "had an HF config; restore it or pass --config PATH")
@@ -179,24 +191,30 @@ def iter_consolidated(ckpt_dir: str | Path, tag: str | None = None, verify: bool
 
 def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, dtype: str = "fp32",
                 max_shard_size: str | int = "5GB", verify: bool = True, config: str | Path | None = None,
-                weights_only: bool = False) -> list[str]:
+                weights_only: bool = False, overwrite: bool = False) -> list[str]:
     """Write an HF model folder from a sharded checkpoint; returns the weight file names.
 
-    Single process, no torch.distributed. The metadata, the config and every shard file are
-    checked before anything is written.
+    Single process, no torch.distributed. The output folder (``safe_files.OutputFolder``: not
+    inside the checkpoint, no files shardwise did not write unless ``overwrite``), the metadata,
+    the config and every shard file are checked before anything is written.
     """
+    out_dt = dtype_from_name(dtype)
+    if not out_dt.is_floating_point:  # an integer cast of trained weights keeps nothing (all zeros)
+        raise CheckpointError(f"--dtype {dtype}: weights are written in a floating-point dtype; use fp32, bf16 "
+                              "or fp16 (for int8/int4 weights run `shardwise quantize` on the output)")
+    guard = OutputFolder(out_dir, "OUT", inputs=[ckpt_dir, *([config] if config else [])],
+                         overwrite=overwrite, ours=hf_output_name)
     path, meta, reader = _open_checked(ckpt_dir, tag, verify)
     cfg = _model_config_for(path, meta, config, weights_only)
-    out_dt = dtype_from_name(dtype)
     saved = _saved_specs(meta)
     specs: list[Spec] = [(n, out_dt if dt.is_floating_point else dt, shape) for n, dt, shape in saved]
     out = Path(out_dir)
-    w = ShardedHFWriter(out, specs, parse_bytes(max_shard_size))
+    w = ShardedHFWriter(out, specs, parse_bytes(max_shard_size), guard)
     for (name, dt, _), (_, t) in zip(specs, _full_tensors(meta, reader, saved), strict=True):
         w.write(name, t.to(dt))
         del t
     names = w.close()
-    _write_config(cfg, out, out_dt)
+    w.finish(_write_config(cfg, out, out_dt))
     return names
 
 
@@ -221,13 +239,15 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="HF config.json to write (default: the checkpoint's)")
     p.add_argument("--weights-only", action="store_true",
                    help="allow a checkpoint without config.json: write the weight files alone")
+    p.add_argument("--overwrite", action="store_true",
+                   help="OUT may hold other files: replace only the HF weight files and config.json there")
     a = p.parse_args(argv)
     if not Path(a.ckpt_dir).is_dir():
         p.error(f"{a.ckpt_dir!r} is not a folder; pass the folder given to save_checkpoint")
     try:
         names = consolidate(a.ckpt_dir, a.out_dir, a.tag, a.dtype, a.max_shard_size, not a.no_verify,
-                            config=a.config, weights_only=a.weights_only)
-    except (CheckpointError, ValueError, OSError) as e:
+                            config=a.config, weights_only=a.weights_only, overwrite=a.overwrite)
+    except (CheckpointError, ValueError, OSError) as e:  # UserError is a ValueError
         print(f"shardwise consolidate: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(f"wrote {len(names)} weight file(s) to {a.out_dir}")
@@ -290,7 +310,7 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
             for n, t in extras.items():
                 w.write(n, t)
             w.close()
-            _write_config(model_config(engine.module), Path(save_dir), dtype)
+            w.finish(_write_config(model_config(engine.module), Path(save_dir), dtype))
     except Exception as e:  # noqa: BLE001
         err = e
     agree(comm, err, "save_16bit_model")

@@ -47,6 +47,7 @@ from shardwise.checkpoint.tp import (
     spec_of,
 )
 from shardwise.checkpoint.validate import confined_path, match_like
+from shardwise.safe_files import read_regular
 from shardwise.zero.whole_tensor import refuse_checkpoint
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ log = logging.getLogger("shardwise")
 
 def _read_latest(latest: Path) -> str:
     """The tag named in ``latest``: short UTF-8 text naming a plain folder, else refused."""
-    raw = latest.read_bytes()
+    raw = read_regular(latest, 1 << 20, CheckpointError)
     try:
         tag = raw.decode("utf-8").strip() if len(raw) <= 1024 else None
     except UnicodeDecodeError:

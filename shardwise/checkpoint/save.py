@@ -9,7 +9,6 @@ slices it needs from the metadata alone. See docs/checkpoints.md for the format.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from shardwise.checkpoint.fileio import (
 )
 from shardwise.checkpoint.frozen import describe_frozen, full_shape, module_extras
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
+from shardwise.safe_files import finite_json, plain_name, write_atomic
 from shardwise.zero.whole_tensor import refuse_checkpoint
 
 if TYPE_CHECKING:
@@ -240,11 +240,7 @@ def _finalize(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, world: 
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
     if save_latest:  # written whole and fsynced, then renamed: `latest` is never partial
-        with open(root / "latest.tmp", "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        (root / "latest.tmp").replace(root / "latest")
+        write_atomic(root / "latest", tag.encode())
 
 
 def remove_stale_partials(root: Path) -> list[str]:
@@ -276,9 +272,10 @@ def save_checkpoint(engine: CheckpointTarget, save_dir: str | Path, tag: str | N
     """
     refuse_checkpoint(engine.optimizer, "save_checkpoint")
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    if not tag or "/" in tag or tag.startswith(".") or tag in ("latest", "latest.tmp"):
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name (no '/', not hidden)")
-    client_state = to_json(client_state or {}, "client_state")
+    if not plain_name(tag) or tag in ("latest", "latest.tmp"):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name (printable, no '/' or '\\', "
+                         "no spaces at either end, not hidden)")
+    client_state = finite_json(to_json(client_state or {}, "client_state"), "client_state")
     comm = world_comm()
     root = Path(save_dir)
     tmp = root / f".{tag}.partial"

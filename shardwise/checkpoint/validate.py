@@ -16,7 +16,7 @@ Every refusal is a :class:`CheckpointError` naming the file.
 from __future__ import annotations
 
 import math
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json
+from shardwise.safe_files import confine
 from shardwise.safetensors_io import dtype_from_name
 
 MAX_NUMEL = 2**40  # elements in one tensor: larger is a damaged header, not a model
@@ -48,28 +49,18 @@ AnyDtype = Literal[ANY_DTYPES]  # type: ignore[valid-type]
 
 
 def confined_path(folder: str | Path, name: object, source: str | Path) -> Path:
-    """``folder/name`` resolved, refused unless it stays inside ``folder``.
+    """``folder/name`` resolved, refused unless it stays inside ``folder`` (``safe_files.confine``).
 
     ``name`` was read from ``source`` (named in the error): an absolute path, a ``..`` part, a
     backslash or a symlink leading out of ``folder`` is refused, so a checkpoint can never make
     shardwise open (or hash) a file elsewhere.
     """
-    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
-        raise CheckpointError(f"{source}: {name!r} is not a plain relative file name")
-    pure = PurePosixPath(name)
-    if pure.is_absolute() or PureWindowsPath(name).is_absolute() or ".." in pure.parts:
-        raise CheckpointError(f"{source}: path {name!r} leads outside {folder} (absolute or '..'); refused")
-    root = Path(folder).resolve()
-    full = (root / pure).resolve()
-    if full == root or not full.is_relative_to(root):
-        raise CheckpointError(f"{source}: path {name!r} resolves to {full}, outside {root} (a symlink "
-                              "out of the folder?); refused")
-    return full
+    return confine(folder, name, source, CheckpointError)
 
 
 def read_weight_map(folder: Path, index: Path) -> dict[str, Path]:
     """``model.safetensors.index.json``'s ``weight_map`` with every file confined to ``folder``."""
-    data = read_json(index)
+    data = read_json(confined_path(folder, index.name, folder) if index.parent == folder else index)
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
         raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to file names")

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 
+from shardwise.cli_errors import OneLineError
+
 AUTO = "auto"
 FreeDict = dict[str, Any]
 
@@ -30,7 +32,7 @@ MAX_ELEMENTS = 2**48
 _Batch = Annotated[int, Field(gt=0, le=MAX_BATCH)]
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, OneLineError):
     """A user-facing config problem; the message names the dotted key path and the fix."""
 
 

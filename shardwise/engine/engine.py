@@ -22,12 +22,12 @@ from torch import nn
 
 from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from shardwise.comm import Comm
-from shardwise.compiled import compile_sharded
 from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
+from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
+from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
-from shardwise.plain_backward import plain_backward_rule, scale_loss
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.bucket_step import step_and_publish
 from shardwise.zero.builder import ShardOptions

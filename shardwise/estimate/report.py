@@ -16,6 +16,7 @@ from shardwise.estimate.memory import (
     parse_bytes,
     parse_count,
 )
+from shardwise.safe_files import read_in, read_regular
 
 
 def _gb(b: float, unit: float = 1e9) -> str:
@@ -144,8 +145,9 @@ def check_model_config(src: str) -> None:
     path = Path(src) / "config.json" if Path(src).is_dir() else Path(src)
     if not path.is_file():
         raise UserError(f"{src!r}: no config.json there; pass an HF model folder or its config.json")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+    try:  # a folder's config.json must be a regular file inside it (safe_files)
+        raw = read_in(path.parent, path.name) if Path(src).is_dir() else read_regular(path, 64 << 20)
+        data = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path}: not a readable JSON config ({exc})") from None
     if not isinstance(data, dict):

@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.cli_errors import OneLineParser, bounded_int
+from shardwise.cli_errors import OneLineParser, UserError, bounded_int, finite_float
+from shardwise.model_folder import check_model_folder, loading
 
 EXAMPLES = """examples:
   shardwise generate --model llama_dir --prompt "Once upon a time" --max-new-tokens 32
@@ -39,7 +40,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                   "its tokenizer), streaming tokens to stdout.")
     p.add_argument("--model", required=True, help="folder with config, safetensors weights and tokenizer")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=bounded_int(1, 10**6, "--max-new-tokens"), default=64)
+    p.add_argument("--max-new-tokens", type=bounded_int(1, 10**6, "--max-new-tokens"), default=None,
+                   help="tokens to generate (default 64, fewer when the model's positions run out first)")
     p.add_argument("--offload", choices=["disk", "cpu"], default=None,
                    help="stream decoder layers from disk (nothing resident) or from CPU memory")
     p.add_argument("--prefetch", type=bounded_int(0, 1024, "--prefetch"), default=1,
@@ -54,10 +56,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: the model's)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    mode.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --temperature)")
+    mode.add_argument("--temperature", type=finite_float(0, 100, "--temperature"), default=None,
+                      help="sample at this temperature (0: greedy decoding, the limit of sampling as it goes to 0)")
+    p.add_argument("--top-p", type=finite_float(0, 1, "--top-p", low_open=True), default=None,
+                   help="nucleus sampling in (0, 1] (with --temperature)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank")
     args = p.parse_args(argv)
+    if args.temperature == 0:  # documented: greedy (sampling's limit), not a division by zero
+        args.temperature = None
+        if args.top_p is not None:
+            p.error("--top-p has no effect with --temperature 0 (greedy decoding); drop one of them")
+    if not args.prompt:
+        p.error("--prompt is empty; give at least one character of text to continue")
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model!r}: no config.json there; pass a folder written by save_pretrained "
                 "or `shardwise consolidate` (Hub names are not downloaded)")
@@ -66,6 +76,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.tp > max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))):
         p.error(f"--tp {args.tp} needs at least as many ranks: add --nproc {args.tp}")
     return args
+
+
+def check_prompt_room(prompt_tokens: int, new_tokens: int | None, config) -> int:
+    """The tokens to generate: ``new_tokens``, or by default 64 (fewer if the positions run out).
+
+    Refused: an empty prompt, or one that with the tokens asked for passes the model's positions
+    (a model with learned positions fails inside its embedding otherwise)."""
+    if prompt_tokens == 0:
+        raise UserError("--prompt tokenizes to no tokens; give some text to continue")
+    room = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if new_tokens is None:
+        new_tokens = 64 if not isinstance(room, int) else max(1, min(64, room - prompt_tokens))
+    if isinstance(room, int) and prompt_tokens + new_tokens > room:
+        raise UserError(f"--prompt is {prompt_tokens} tokens and --max-new-tokens {new_tokens}, more than the "
+                        f"model's {room} positions; shorten the prompt or pass --max-new-tokens "
+                        f"{max(room - prompt_tokens, 0)} or less")
+    return new_tokens
 
 
 def _peak_memory() -> str:
@@ -109,12 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         return launch(["--nproc", str(args.nproc), "--", "generate", *rest])
 
     import torch
+    import torch.distributed as dist
     from transformers import AutoTokenizer, TextStreamer
+
+    owned = not dist.is_initialized()  # a caller's process group is left to the caller
 
     from shardwise.inference.load import init_inference
 
     rank = int(os.environ.get("RANK", "0"))
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    check_model_folder(args.model)
+    with loading(args.model, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     if args.quantize and not args.offload:
         print("shardwise generate: --quantize streams quantized layers: add --offload disk or cpu", file=sys.stderr)
@@ -125,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     model = init_inference(args.model, tensor_parallel_size=args.tp, offload=args.offload, dtype=dtype,
                            prefetch=args.prefetch, **kwargs)
     device = next(model.buffers(), next(model.parameters())).device
-    ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature is not None)
+    with loading(args.model, "tokenizer"):
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
+    new_tokens = check_prompt_room(ids.shape[-1], args.max_new_tokens, getattr(model, "config", None))
+    gen = dict(max_new_tokens=new_tokens, do_sample=args.temperature is not None)
     if args.temperature is not None:
         gen.update(temperature=args.temperature, top_p=args.top_p if args.top_p is not None else 1.0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -144,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     new = out.shape[-1] - ids.shape[-1]
     if rank == 0:
         print(f"\n[shardwise generate] {_report(model, new, seconds, ids.shape[0])}", flush=True)
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the rank
+    if owned and dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the rank
         dist.barrier()
         dist.destroy_process_group()
     return 0

@@ -16,6 +16,7 @@ from shardwise.comm import Comm, init_distributed
 from shardwise.inference.quantize import is_quantized, open_store
 from shardwise.inference.quantized_linear import install
 from shardwise.inference.stream import OFFLOADS, inference_device, meta_model, stream_layers
+from shardwise.model_folder import check_model_folder, loading, refuse_missing
 from shardwise.tensor_parallel.inference import init_inference as tp_init
 
 
@@ -61,7 +62,11 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
         else:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype else {}))
+            check_model_folder(path)
+            with loading(path):
+                model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
+                                                                   **({"dtype": dtype} if dtype else {}))
+            refuse_missing(info, path)
         model.shardwise_fetcher = None
         return model.to(inference_device()).eval()
     if path is None:

@@ -26,13 +26,13 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import threading
 
 import torch
 from torch import nn
 
+from shardwise.cli_errors import OneLineParser, bounded_int, one_line
 from shardwise.inference.quantized_linear import (
     PACKED,
     ROWS,
@@ -43,6 +43,8 @@ from shardwise.inference.quantized_linear import (
     to_rows64,
 )
 from shardwise.inference.stream import SafetensorsReader, meta_model
+from shardwise.model_folder import hf_output_name
+from shardwise.safe_files import OutputFolder, commit_temp, hub_roots, open_temp, read_in, write_atomic
 from shardwise.safetensors_io import ST_DTYPES, ST_NAMES
 from shardwise.zero.stage3 import assign_params, find_units
 
@@ -170,8 +172,7 @@ class QuantizedStore(SafetensorsReader):
     def open(cls, folder: str, resident: bool) -> QuantizedStore:
         path = os.path.join(folder, DESCRIPTION)
         try:
-            with open(path) as f:
-                desc = json.load(f)
+            desc = json.loads(read_in(folder, DESCRIPTION))
             version = int(desc.get("format_version", 1))
             bits, group = int(desc["bits"]), int(desc["group_size"])
             shapes = {k: tuple(int(d) for d in v) for k, v in desc["tensors"].items()}
@@ -358,9 +359,29 @@ def open_store(path: str, model: nn.Module, offload: str | None, quantize: str |
     return QuantizedStore(path, BITS[quantize], group, shapes, dtype, True, from_plain=True, rows64=rows64)
 
 
-def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -> dict:
-    """Write a quantized copy of the ``save_pretrained`` folder ``src`` to ``dst``, one tensor at a time."""
+def _copy_side_files(src: str, dst: str) -> list[str]:
+    """Copy config, tokenizer and generation config (every top-level file but the weights and
+    hidden files), each confined to ``src`` and read as a regular file; returns their names."""
+    names = []
+    for name in sorted(os.listdir(src)):
+        if (name.startswith(".") or name.endswith(".safetensors") or name == "model.safetensors.index.json"
+                or name == DESCRIPTION or os.path.isdir(os.path.join(src, name))):
+            continue
+        write_atomic(os.path.join(dst, name), read_in(src, name, also=hub_roots(src)))
+        names.append(name)
+    return names
+
+
+def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, overwrite: bool = False) -> dict:
+    """Write a quantized copy of the ``save_pretrained`` folder ``src`` to ``dst``, one tensor at a time.
+
+    ``dst`` is checked first (``safe_files.OutputFolder``): never ``src`` or inside it (also through
+    a symlink), no files shardwise did not write unless ``overwrite``. Every file is written to a
+    temporary name and renamed.
+    """
     _check_args(bits, group)
+    guard = OutputFolder(dst, "DST", inputs=[src], overwrite=overwrite,
+                         ours=lambda n: hf_output_name(n) or n == DESCRIPTION)
     if is_quantized(src):
         raise ValueError(f"{src} is already quantized; quantize the original folder")
     model, _ = meta_model(src, None)
@@ -383,49 +404,49 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP) -
             header[name] = {"dtype": kind, "shape": list(shape) if name == key and key not in names else [numel],
                             "data_offsets": [offset, offset + numel * size]}
             offset += numel * size
-    os.makedirs(dst, exist_ok=True)
+    out = guard.prepare() / "model.safetensors"
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(os.path.join(dst, "model.safetensors"), "wb") as f:
+    with open_temp(out) as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         for key in order:
             t = files.read(key, 0, files.tensors[key].numel)
             pieces = stored_form(t, files.tensors[key].shape, bits, group, key in rows64) if key in names else (t,)
             for piece in pieces:
                 f.write(piece.reshape(-1).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    commit_temp(out)
     files.close()
-    for name in os.listdir(src):  # config, tokenizer, generation config: everything but the weights
-        full = os.path.join(src, name)
-        if os.path.isfile(full) and not name.endswith(".safetensors") and name != "model.safetensors.index.json":
-            shutil.copy2(full, os.path.join(dst, name))
+    written = ["model.safetensors", DESCRIPTION, *_copy_side_files(src, dst)]
     desc = {"format": "shardwise-groupwise-symmetric", "format_version": FORMAT_VERSION, "bits": bits,
             "group_size": group, "scale_dtype": "F16", "rows64_scales": "BF16 [in / group, out]",
             "dtype": dtype or "F32", "tensors": shapes, "rows64": sorted(rows64)}
-    with open(os.path.join(dst, DESCRIPTION), "w") as f:
-        json.dump(desc, f, indent=1)
+    write_atomic(os.path.join(dst, DESCRIPTION), json.dumps(desc, indent=1).encode())
+    guard.finish(written)
     before = sum(f.size for f in files.files)
     return {"tensors_quantized": len(shapes), "bytes_before": before,
             "bytes_after": os.path.getsize(os.path.join(dst, "model.safetensors"))}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="shardwise quantize", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Write a group-wise int8/int4 copy of a save_pretrained folder for "
-                                            "streamed inference (init_inference / generate --offload).",
-                                epilog="examples:\n  shardwise quantize llama_dir llama_int4 --bits 4\n"
-                                       "  shardwise generate --model llama_int4 --prompt Hi --offload disk")
+    p = OneLineParser(prog="shardwise quantize", formatter_class=argparse.RawDescriptionHelpFormatter,
+                      description="Write a group-wise int8/int4 copy of a save_pretrained folder for "
+                                  "streamed inference (init_inference / generate --offload).",
+                      epilog="examples:\n  shardwise quantize llama_dir llama_int4 --bits 4\n"
+                             "  shardwise generate --model llama_int4 --prompt Hi --offload disk")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--bits", type=int, choices=[8, 4], required=True)
-    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP,
+    p.add_argument("--group-size", type=bounded_int(1, 1 << 20, "--group-size"), default=DEFAULT_GROUP,
                    help=f"elements per scale (default {DEFAULT_GROUP})")
+    p.add_argument("--overwrite", action="store_true",
+                   help="DST may hold other files: replace only the files quantize writes there")
     args = p.parse_args(argv)
-    if os.path.abspath(args.src) == os.path.abspath(args.dst):
-        p.error("DST must differ from SRC")
     try:
-        rep = quantize_folder(args.src, args.dst, args.bits, args.group_size)
+        rep = quantize_folder(args.src, args.dst, args.bits, args.group_size, overwrite=args.overwrite)
     except (ValueError, OSError) as e:
-        print(f"shardwise quantize: {e}", file=sys.stderr)
+        print(f"shardwise quantize: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(f"{args.dst}: {rep['tensors_quantized']} weights to {args.bits} bits (groups of {args.group_size}); "
           f"{rep['bytes_before'] / 2**20:.1f} MiB -> {rep['bytes_after'] / 2**20:.1f} MiB")

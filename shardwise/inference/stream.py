@@ -34,7 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, compute_device
+from shardwise.model_folder import check_model_folder, loading
+from shardwise.safe_files import confine, hub_roots, read_in
 from shardwise.safetensors_io import SafetensorsFile, TensorInfo
 from shardwise.tensor_parallel.layers import read_tp_slice
 from shardwise.zero.builder import build_frozen
@@ -46,35 +49,26 @@ OFFLOADS = (None, "cpu", "disk")
 
 
 def _confined_files(folder: str) -> list[str]:
-    """The safetensors files of ``folder``, each proven to lie inside it.
+    """The safetensors files of ``folder``, each a regular file proven to lie inside it.
 
     An index entry that is absolute, climbs with ``..`` or is a symlink out of the folder would
-    make a downloaded model read any file on the machine: refused, naming the index and entry.
+    make a downloaded model read any file on the machine: refused, naming the index and entry
+    (``safe_files.confine``; a hub snapshot may link into its own ``blobs``).
     """
+    also = hub_roots(folder)
     index = os.path.join(folder, "model.safetensors.index.json")
-    if not os.path.exists(index):
-        single = os.path.join(folder, "model.safetensors")
-        if not os.path.exists(single):
-            raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
-                                    "(shardwise reads weights from safetensors only)")
-        entries = {"*": "model.safetensors"}
-    else:
-        try:
-            with open(index) as f:
-                entries = json.load(f)["weight_map"]
-            entries = dict(entries)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
-    for name, rel in entries.items():
-        if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
-            raise ValueError(f"{index}: entry {name!r} points at {rel!r}, outside the model folder; "
-                             "only file names relative to the folder are allowed")
-    root = os.path.realpath(folder)
-    files = sorted({os.path.join(folder, rel) for rel in entries.values()})
-    for f in files:
-        if os.path.commonpath([root, os.path.realpath(f)]) != root:
-            raise ValueError(f"{f}: resolves outside the model folder {folder} (a symlink?); refused")
-    return files
+    if not os.path.lexists(index):
+        if not os.path.lexists(os.path.join(folder, "model.safetensors")):
+            raise UserError(f"{folder}: no model.safetensors or model.safetensors.index.json "
+                            "(shardwise reads weights from safetensors only)")
+        return [str(confine(folder, "model.safetensors", folder, also=also))]
+    try:
+        entries = dict(json.loads(read_in(folder, "model.safetensors.index.json", also=also))["weight_map"])
+    except (ValueError, KeyError, TypeError) as e:
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    return sorted({str(confine(folder, rel, f"{index}: entry {name!r}", also=also)) for name, rel in entries.items()})
 
 
 class SafetensorsReader:
@@ -95,7 +89,10 @@ class SafetensorsReader:
         self.file_of: dict[str, SafetensorsFile] = {}
         try:
             for name in _confined_files(self.folder):
-                self.files.append(SafetensorsFile(name))
+                try:
+                    self.files.append(SafetensorsFile(name))
+                except (ValueError, OSError) as e:  # damaged or truncated: the user's file, one line
+                    raise UserError(str(e)) from None
                 self.file_of.update(dict.fromkeys(self.files[-1].tensors, self.files[-1]))
         except BaseException:
             self.close()
@@ -115,7 +112,8 @@ class SafetensorsReader:
         for n in names:
             if n in self.tensors:
                 return n
-        raise KeyError(f"none of {names} is in the safetensors files of {self.folder}")
+        raise UserError(f"{self.folder}: the safetensors files have no weight {names[0]!r} (nor "
+                        f"{names[1:]}); refusing to leave it at random init")
 
     def check_shape(self, key: str, shape: tuple[int, ...], floating: bool = True) -> None:
         """Refuse a stored tensor whose shape is not the one the model (its config) expects, or
@@ -147,11 +145,13 @@ def meta_model(path: str, dtype: torch.dtype | None) -> tuple[nn.Module, torch.d
     """The model built on meta (no weights read) and the dtype plain ``from_pretrained`` would use."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
+    check_model_folder(path)
+    with loading(path):
+        config = AutoConfig.from_pretrained(path)
     if dtype is None:
         stored = getattr(config, "dtype", None) or torch.float32
         dtype = getattr(torch, stored) if isinstance(stored, str) else stored
-    with Init():
+    with Init(), loading(path):
         model = AutoModelForCausalLM.from_pretrained(path, config=config)
     return model, dtype
 

@@ -15,14 +15,19 @@ uninterrupted run would have read.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from shardwise.safe_files import commit_temp, confine, hub_roots, open_regular, open_temp, write_atomic
+from shardwise.train.tokenize_stream import READ_BYTES, encode_stream
 
 REPO_DATA = Path(__file__).resolve().parent.parent.parent / "data" / "sonnets.txt"
 
@@ -32,43 +37,81 @@ class DataError(ValueError):
 
 
 def list_sources(data: str | Path) -> list[Path]:
-    """The files --data names, in a fixed order."""
+    """The files --data names, in a fixed order; every one a regular file inside the folder.
+
+    Symlinks are not followed out of the folder and special files (FIFOs, devices) are refused by
+    name (``safe_files``); symlinked sub-folders are not walked.
+    """
     p = Path(data)
     if p.is_file():
+        os.close(open_regular(p, DataError))
         return [p]
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file()
-                       and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        files = []
+        for top, dirs, names in os.walk(p, followlinks=False):
+            rel_top = Path(top).relative_to(p)
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (Path(top) / d).is_symlink())
+            for name in sorted(names):
+                if name.startswith(".") or any(part.startswith(".") for part in rel_top.parts):
+                    continue
+                full = confine(p, str(rel_top / name), f"--data {p}", DataError, hub_roots(p))
+                os.close(open_regular(full, DataError, nofollow=True))
+                files.append(Path(top) / name)
         if not files:
             raise DataError(f"--data {p}: the folder holds no files")
-        return files
+        return sorted(files)
     raise DataError(f"--data {p}: no such file or folder")
 
 
 def read_documents(path: Path, text_key: str = "text") -> Iterator[str]:
-    """The documents of one file: the whole text file, or each JSONL line's ``text_key`` string."""
+    """The documents of one file, each whole: the text file, or each JSONL line's ``text_key`` string."""
+    for pieces in document_pieces(path, text_key):
+        yield "".join(pieces)
+
+
+def document_pieces(path: Path, text_key: str = "text") -> Iterator[Iterator[str]]:
+    """The documents of one file, each as an iterator of text pieces of at most ``READ_BYTES``
+    (a JSONL line is one piece): memory is bounded by a piece, not by the largest document."""
     if path.suffix == ".jsonl":
-        with path.open("rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-                    raise DataError(f"{path}:{lineno}: not a JSON object ({msg}); each line of a .jsonl file "
-                                    f"must be {{\"{text_key}\": \"...\"}}") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
-                    have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                    raise DataError(f"{path}:{lineno}: no string field \"{text_key}\" (found {have}); "
-                                    "fix the line or pass --text-key")
-                yield obj[text_key]
-        return
-    try:
-        yield path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (byte {e.start}); remove the file from --data or convert "
-                        "it") from None
+        yield from ([text] for text in _jsonl_texts(path, text_key))
+    else:
+        yield _text_pieces(path)
+
+
+def _text_pieces(path: Path) -> Iterator[str]:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0
+    with os.fdopen(open_regular(path, DataError), "rb") as f:
+        while True:
+            raw = f.read(READ_BYTES)
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: not UTF-8 text (byte {done + e.start}); remove the file from --data "
+                                "or convert it") from None
+            done += len(raw)
+            if text:
+                yield text
+            if not raw:
+                return
+
+
+def _jsonl_texts(path: Path, text_key: str) -> Iterator[str]:
+    with os.fdopen(open_regular(path, DataError), "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                raise DataError(f"{path}:{lineno}: not a JSON object ({msg}); each line of a .jsonl file "
+                                f"must be {{\"{text_key}\": \"...\"}}") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+                have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise DataError(f"{path}:{lineno}: no string field \"{text_key}\" (found {have}); "
+                                "fix the line or pass --text-key")
+            yield obj[text_key]
 
 
 def _cache_key(sources: list[Path], tokenizer_name: str, text_key: str) -> str:
@@ -92,24 +135,26 @@ def tokenize_to_cache(sources: list[Path], tokenizer, cache_dir: Path, text_key:
     cache_dir.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     bin_path = cache_dir / f"tokens-{key}.bin"
-    tmp = bin_path.with_suffix(".bin.tmp")
     n, docs = 0, 0
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else tokenizer.encode("\n")
-    with tmp.open("wb") as out:
+    sep_ids = np.asarray(sep, dtype=dtype)
+    with open_temp(bin_path) as out:
         for f in sources:
-            for text in read_documents(f, text_key):
-                ids = tokenizer.encode(text)
-                if not text.endswith("\n") or tokenizer.eos_token_id is not None:
-                    ids = ids + sep
-                np.asarray(ids, dtype=dtype).tofile(out)
-                n += len(ids)
+            for pieces in document_pieces(f, text_key):
+                last = ""
+                for ids, tail in encode_stream(tokenizer, pieces, dtype):
+                    ids.tofile(out)
+                    n, last = n + len(ids), tail
+                if not last.endswith("\n") or tokenizer.eos_token_id is not None:
+                    sep_ids.tofile(out)
+                    n += len(sep_ids)
                 docs += 1
-    tmp.replace(bin_path)
+        out.flush()
+        os.fsync(out.fileno())
+    commit_temp(bin_path)
     meta = {"file": bin_path.name, "dtype": np.dtype(dtype).name, "tokens": n, "documents": docs,
             "tokenizer": tokenizer.name, "sources": [str(f) for f in sources]}
-    tmp_meta = meta_path.with_suffix(".json.tmp")
-    tmp_meta.write_text(json.dumps(meta, indent=1))
-    tmp_meta.replace(meta_path)
+    write_atomic(meta_path, json.dumps(meta, indent=1).encode())
     return meta_path
 
 

@@ -7,13 +7,15 @@ so each rank materializes (or reads from the folder's safetensors) only its own 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from shardwise.model_folder import check_model_folder, loading, parse_model_config, refuse_missing
+from shardwise.safe_files import read_regular
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
     # ~0.4M parameters: tests (a run of a few steps takes seconds).
@@ -42,6 +44,7 @@ class ByteTokenizer:
     name = "bytes"
     vocab_size = 256
     eos_token_id: int | None = None
+    splits_anywhere = True  # text may be encoded in chunks cut anywhere (train/tokenize_stream.py)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -56,7 +59,8 @@ class HFTokenizer:
     def __init__(self, folder: Path):
         from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        with loading(folder, "tokenizer"):
+            self.tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         self.name = f"hf:{folder.resolve()}"
         self.vocab_size = len(self.tok)
         self.eos_token_id = self.tok.eos_token_id
@@ -92,6 +96,7 @@ def resolve_model(spec: str) -> ModelSource:
         if not (p / "config.json").is_file():
             raise ModelError(f"--model {spec}: the folder has no config.json; give an HF model folder, a "
                              f"config.json or a preset ({', '.join(MODEL_PRESETS)})")
+        check_model_folder(p)  # every file a regular one inside the folder; config.json sane
         has_weights = any((p / f).is_file() for f in WEIGHT_FILES)
         return ModelSource("pretrained" if has_weights else "config", spec, p)
     if p.is_file() and p.suffix == ".json":
@@ -111,14 +116,10 @@ def load_tokenizer(src: ModelSource) -> ByteTokenizer | HFTokenizer:
 def _config_from_json(path: Path) -> Any:
     from transformers import AutoConfig
 
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelError(f"--model {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if "model_type" not in d:
-        raise ModelError(f"--model {path}: no 'model_type' key (e.g. \"llama\"); an HF config.json names it")
+    d = parse_model_config(read_regular(path, 64 << 20), path)
     d = {k: v for k, v in d.items() if k not in ("architectures", "transformers_version")}
-    return AutoConfig.for_model(d.pop("model_type"), **d)
+    with loading(path, "config"):
+        return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
 def build_model(src: ModelSource, vocab_size: int, seq: int, seed: int, stage: int) -> nn.Module:
@@ -142,10 +143,15 @@ def build_model(src: ModelSource, vocab_size: int, seq: int, seed: int, stage: i
         raise ModelError(f"--seq {seq} exceeds the model's max_position_embeddings {positions}; "
                          f"use --seq <= {positions}")
     with shardwise.zero.Init(enabled=stage == 3):
-        if src.kind == "pretrained":
-            model = AutoModelForCausalLM.from_pretrained(str(src.path), config=cfg, local_files_only=True)
-        else:
-            model = AutoModelForCausalLM.from_config(cfg)
+        with loading(src.path or src.spec):
+            if src.kind == "pretrained":
+                model = AutoModelForCausalLM.from_pretrained(str(src.path), config=cfg, local_files_only=True,
+                                                             output_loading_info=True)
+            else:
+                model = AutoModelForCausalLM.from_config(cfg)
+    if isinstance(model, tuple):  # zero.Init's from_pretrained reads the weights later, by itself
+        model, info = model
+        refuse_missing(info, src.path)
     model.train()
     return model
 

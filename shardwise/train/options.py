@@ -17,11 +17,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli_errors import OneLineParser
+from shardwise.cli_errors import OneLineParser, UserError
 from shardwise.config.read import timeout_of
 from shardwise.config.schema import ConfigError
 from shardwise.train.data import REPO_DATA
 from shardwise.train.model import MODEL_PRESETS
+from shardwise.train.outputs import check_run_folder
 
 EPILOG = """examples:
   shardwise launch --nproc 2 -- train --config examples/zero2_llama.json --out runs/sonnets
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: no sample)")
     a("--prompt", default=None, help="prompt for the sample (default: the start of the held-out text)")
     a("--no-export", action="store_true", help="skip the hf/ export at the end")
+    a("--overwrite", action="store_true", help="--out may hold files that are not a run's (they are left alone)")
     a("--timeout", type=float, default=None,
       help="seconds a collective may wait for the other ranks before failing (default: SHARDWISE_TIMEOUT or 600)")
     return p
@@ -85,9 +87,10 @@ def _file_values(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
 
 
 def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
-    for name in ("steps", "seq"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.steps <= 0:
+        p.error(f"--steps must be > 0, got {args.steps}")
+    if args.seq < 2:  # a sequence of one token has nothing to predict: the loss would be NaN
+        p.error(f"--seq must be >= 2 (each token predicts the next), got {args.seq}")
     for name in ("eval_every", "save_every", "keep", "sample_tokens"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -127,6 +130,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.set_defaults(**_file_values(first.run_config, p))
     args = p.parse_args(argv)
     _validate(args, p)
+    try:  # before any work: --out a file, inside --data, or holding other files
+        check_run_folder(Path(args.out), args.data, args.overwrite)
+    except UserError as e:
+        p.error(str(e))
     args.ds_config = read_ds_config(args.config, args.steps, p)
     if args.timeout is None:  # the flag wins; else the config's shardwise.timeout_s, as initialize() reads it
         try:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+from shardwise.cli_errors import UserError
+from shardwise.safe_files import MANIFEST, OutputFolder, read_in, write_atomic
 
 MEMORY_KEYS = ["params", "grads", "master_params", "optimizer_states", "buffers", "total"]
 
@@ -23,10 +27,9 @@ class MetricsLog:
     def __init__(self, run_dir: Path, resume_step: int):
         """``resume_step``: the step this launch starts at (0: a fresh run, the old file is dropped)."""
         self.path = run_dir / "metrics.jsonl"
-        if self.path.is_file():
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+        if self.path.exists() or self.path.is_symlink():
+            keep = [json.dumps(r) for r in read_metrics(run_dir) if r["step"] <= resume_step]
+            write_atomic(self.path, "".join(ln + "\n" for ln in keep).encode())
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -49,8 +52,48 @@ class MetricsLog:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl``. A last line cut short (no newline: a crash while it was
+    written, the normal state of a killed run) is dropped; a damaged line before it is refused."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    if not path.exists() and not path.is_symlink():
+        return []
+    text = read_in(run_dir, "metrics.jsonl", path).decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for lineno, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        try:
+            row = json.loads(ln)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or "kind" not in row:
+            if lineno == len(lines):  # the partial last line of a crashed run
+                break
+            raise UserError(f"{path}:{lineno}: not a metrics line (a JSON object with 'kind' and 'step'); "
+                            "fix or delete the line")
+        rows.append(row)
+    return rows
+
+
+RUN_NAMES = ("run_config.json", "metrics.jsonl", "checkpoints", "data", "hf", "loss.png", "sample.txt",
+             "tensorboard", MANIFEST)
+
+
+def check_run_folder(run_dir: Path, data: str, overwrite: bool) -> None:
+    """Refuse, before any work, a --out that is a file, lies inside --data (or holds it: the run
+    would tokenize its own files, or cache tokens among the user's), or holds other files than a
+    run's unless ``overwrite`` (which leaves them alone: a run only writes its own names)."""
+    data_path = Path(data).resolve()
+    if data_path.exists() and data_path.is_relative_to(run_dir.resolve()):
+        raise UserError(f"--data {data} lies inside --out {run_dir}; keep the data outside the run folder")
+    OutputFolder(run_dir, "--out", inputs=[data], overwrite=True)  # a file, or inside --data: refused
+    if run_dir.is_dir() and not overwrite:
+        other = sorted(n for n in os.listdir(run_dir) if n not in RUN_NAMES and not n.startswith("."))
+        if other:
+            raise UserError(f"--out {run_dir}: the folder holds files that are not a shardwise run's "
+                            f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}); choose a new folder, "
+                            "or pass --overwrite (those files are left alone)")
 
 
 def plot_loss(run_dir: Path) -> Path | None:

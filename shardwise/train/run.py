@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise.cli_errors import UserError, one_line, user_error_types
 from shardwise.config import ConfigError
 from shardwise.train import loop
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
@@ -52,9 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     shardwise.init_distributed(timeout=args.timeout)
     try:
         return _run(args, shardwise)
-    except (ModelError, DataError, ConfigError) as e:
+    except (ModelError, DataError, *user_error_types()) as e:  # one line, from rank 0 only
         if dist.get_rank() == 0:
-            print(f"shardwise train: error: {e}", file=sys.stderr)
+            print(f"shardwise train: error: {one_line(e)}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():
@@ -112,7 +113,10 @@ def _resume(job: Job) -> int:
     if job.args.resume != "auto" or not (job.ckpt_dir / "latest").is_file():
         return 0
     _, client = job.engine.load_checkpoint(job.ckpt_dir)
-    start = int(client.get("step", job.engine.global_steps))  # a DeepSpeed/DCP checkpoint: its own step count
+    start = client.get("step") if isinstance(client, dict) else None
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise UserError(f"--resume auto: {job.ckpt_dir} holds a checkpoint that is not a shardwise train run's "
+                        "(its client_state has no step count); choose another --out or --resume none")
     saved = (client.get("global_batch"), client.get("seq"))
     if saved != (job.state["global_batch"], job.state["seq"]):
         _log(f"warning: the checkpoint was written with {saved[0]} sequences of {saved[1]} per step, now "
@@ -185,13 +189,13 @@ def _finish(job: Job, step: int) -> int:
     args, engine = job.args, job.engine
     if job.data.n_eval and (job.last_eval is None or job.last_eval[0] != step):
         _eval(job, step)
-    if args.sample_tokens:
-        _sample(job)
-    if not args.no_export:
+    if not args.no_export:  # before the sample: nothing after a finished run may lose the export
         engine.save_16bit_model(job.run_dir / "hf")
         if dist.get_rank() == 0 and hasattr(job.tokenizer, "tok"):
             job.tokenizer.tok.save_pretrained(str(job.run_dir / "hf"))
         _log(f"model exported to {job.run_dir / 'hf'} (transformers from_pretrained loads it)")
+    if args.sample_tokens:
+        _sample(job)
     reports: list = [None] * dist.get_world_size()
     dist.all_gather_object(reports, engine.memory_report())
     if dist.get_rank() == 0:
@@ -214,11 +218,12 @@ def _finish(job: Job, step: int) -> int:
 def _sample(job: Job) -> None:
     """Generate from --prompt (default: the start of the held-out text), within the model's positions."""
     args, data = job.args, job.data
-    if args.prompt is not None:
-        prompt = job.tokenizer.encode(args.prompt)
-    else:
+    prompt = job.tokenizer.encode(args.prompt) if args.prompt else []
+    if not prompt:  # no --prompt, or one with no tokens: the start of the held-out text
         prompt = data.sequence(data.n_train if data.n_eval else 0)[:min(32, args.seq // 2)].tolist()
     room = getattr(job.engine.module.config, "max_position_embeddings", None)
+    if room is not None:  # keep the prompt's end, leaving room for at least one new token
+        prompt = prompt[-(room - 1):]
     new_tokens = args.sample_tokens if room is None else max(1, min(args.sample_tokens, room - len(prompt)))
     text = loop.sample(job.engine, job.tokenizer, prompt, new_tokens, args.seed)
     if dist.get_rank() == 0:
