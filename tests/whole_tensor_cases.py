@@ -193,7 +193,7 @@ def _engine(case: str, stage: int) -> dict:
             return cls(groups, **defaults)
     else:
         client = cls(_groups(case, model), **defaults)
-    engine, opt, _, _ = shardwise.engine.initialize(model=model, config=cfg, optimizer=client)
+    engine, opt, _, _ = shardwise.initialize(model=model, config=cfg, optimizer=client)
 
     def step(loss: torch.Tensor) -> float:
         engine.backward(loss)
