@@ -143,8 +143,8 @@ def parse_section(meta: dict, source: Path) -> dict:
 def check_state_layout(engine: CheckpointTarget, meta: dict, source: Path) -> None:
     """Refuse whole-tensor optimizer state for a flat optimizer and the reverse, naming both."""
     live_whole = whole_tensor_of(engine.optimizer) is not None
-    sec = meta.get(SECTION)
-    saved_whole = sec is not None and any(e.get("states") or e.get("scalars") for e in sec.get("tensors", {}).values())
+    sec = parse_section(meta, source) if meta.get(SECTION) is not None else None
+    saved_whole = sec is not None and any(e["states"] or e["scalars"] for e in sec["tensors"].values())
     saved_flat = bool(meta["states"]) or any(meta["scalars"].values())
     name = type(engine.optimizer).__name__
     if live_whole and saved_flat:
