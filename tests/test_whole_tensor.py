@@ -9,9 +9,11 @@ noise floor of tests/tolerance.py), which is why these tests run on 2.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from whole_tensor_cases import reference
+from whole_tensor_cases import RESUME_STEPS, SAVE_AT, reference
 
 from shardwise.ds_optimizers import Lamb, gram_newton_schulz, newton_schulz
 from shardwise.zero.elementwise import is_elementwise, register_elementwise
@@ -70,9 +72,85 @@ def test_client_factories_pick_by_the_class_they_build(pool2):
     assert flat[0]["engine:2"]["memory"]["whole_tensor_params"] == 0
 
 
-def test_checkpoint_of_whole_tensor_state_is_refused_by_name(pool2, tmp_path):
-    msg = pool2.run("whole_tensor_cases:checkpoint_refused", str(tmp_path / "ckpt"))[0]
-    assert "Adafactor optimizer steps whole tensors" in msg and "load_optimizer_states=False" in msg
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    """Weights and losses bit for bit equal."""
+    assert got["weights"].keys() == want["weights"].keys(), what
+    for n, w in want["weights"].items():
+        g = got["weights"][n]
+        assert torch.equal(g, w), (what, n, (g - w).abs().max().item())
+    assert got["losses"] == want["losses"], what
+
+
+@pytest.mark.parametrize(("case", "api"), [("adafactor", "engine"), ("muon_torch", "functional")])
+def test_whole_tensor_checkpoint_resumes_at_any_layout(pool2, tmp_path, case, api):
+    """Save at 2 ranks stage 2 after 3 steps, then 2 more steps. Resumed from other initial weights:
+    at stage 2 bit-identical to the uninterrupted run; at stage 3 bit-identical to the single-process
+    reference continuing (the argument above: 2 ranks, one fp32 addition); at world 1 (this process)
+    bit-identical too: it accumulates the two micro batches' half losses, ``g0 * 0.5 + g1 * 0.5``, and
+    halving is exact in fp32, so that is the reference's ``(g0 + g1) * 0.5``. Tolerance: none."""
+    ckpt = str(tmp_path / "ckpt")
+    res = pool2.run("whole_tensor_cases:save_and_resume", case, api, ckpt)
+    ref = reference(case, steps=SAVE_AT + RESUME_STEPS)
+    ref_after = {"weights": ref["weights"], "losses": ref["losses"][0][SAVE_AT:]}
+    for r in (0, 1):
+        _assert_same(res[r]["stage2"], res[r]["uninterrupted"], f"rank {r} stage 2")
+        _assert_same(res[r]["stage3"], {**ref_after, "losses": ref["losses"][r][SAVE_AT:]}, f"rank {r} stage 3")
+    one = _in_one_process("resume_world1", case, "functional", ckpt)
+    both = [(a + b) / 2 for a, b in zip(ref["losses"][0][SAVE_AT:], ref["losses"][1][SAVE_AT:], strict=True)]
+    _assert_same(one, {"weights": ref["weights"], "losses": both}, "world 1")
+    if case == "adafactor":
+        _refusals(ckpt, tmp_path)
+        _exports_read_the_weights(ckpt, tmp_path)
+
+
+def _exports_read_the_weights(ckpt: str, tmp_path) -> None:
+    """consolidate and zero_to_fp32 read the masters and skip the whole-tensor section: the weights
+    after 3 steps, bit for bit those of the single-process reference."""
+    from safetensors.torch import load_file
+
+    from shardwise.checkpoint import consolidate
+    from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    want = reference("adafactor", steps=SAVE_AT)["weights"]
+    consolidate(ckpt, tmp_path / "hf", weights_only=True)
+    for got in (load_file(str(tmp_path / "hf" / "model.safetensors")), get_fp32_state_dict_from_zero_checkpoint(ckpt)):
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[n], w) for n, w in want.items())
+
+
+def _in_one_process(fn: str, *args):
+    import whole_tensor_cases
+    from ckpt_cases import world1_group
+
+    world1_group()
+    return getattr(whole_tensor_cases, fn)(*args)
+
+
+def _refusals(ckpt: str, tmp_path) -> None:
+    """Damaged whole-tensor state, and state of the other layout, are refused by name (one process)."""
+    import json
+    import shutil
+
+    folder = Path(ckpt) / "global_step3"
+    meta = json.loads((folder / "metadata.json").read_text())
+    section = meta["whole_tensor_state"]
+    assert section["optimizer"] == "Adafactor"
+    name, entry = next((n, e) for n, e in section["tensors"].items() if "row_var" in e["states"])
+    assert section["tensors"][name]["states"]["row_var"]["shape"][-1] == 1  # Adafactor's row factor, as torch made it
+    flat = _in_one_process("load_error", "adamw_factory", ckpt)  # AdamW: flat shards
+    assert "holds the whole-tensor state of a Adafactor" in flat and "load_optimizer_states=False" in flat
+    missing = tmp_path / "missing"
+    shutil.copytree(ckpt, missing)
+    del meta["whole_tensor_state"]["tensors"][name]
+    (missing / "global_step3" / "metadata.json").write_text(json.dumps(meta))
+    msg = _in_one_process("load_error", "adafactor", str(missing))
+    assert f"has no state for {name!r}" in msg and "metadata.json" in msg
+    cut = tmp_path / "cut"
+    shutil.copytree(ckpt, cut)
+    shard = cut / "global_step3" / entry["file"]
+    shard.write_bytes(shard.read_bytes()[:-64])
+    msg = _in_one_process("load_error", "adafactor", str(cut))
+    assert entry["file"] in msg and "truncated" in msg
 
 
 def test_declared_elementwise_optimizer_stays_flat(pool2):

@@ -126,7 +126,7 @@ def _groups(case: str, model) -> list[dict]:
     return groups(model) if groups is not None else [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
 
-def reference(case: str, world: int = 2) -> dict:
+def reference(case: str, world: int = 2, steps: int = STEPS) -> dict:
     """One process: each rank's micro batch backward on its own, gradients averaged as the ranks do
     (2 ranks, or 4 as 2 replicas of shard groups of 2: ``((g0 + g1) + (g2 + g3)) / 4``, where every
     sum has two terms, so its order cannot matter)."""
@@ -135,9 +135,9 @@ def reference(case: str, world: int = 2) -> dict:
     model = _model(case)
     opt = cls(_groups(case, model), **defaults)
     params = [p for p in model.parameters() if p.requires_grad]
-    data = batches(STEPS, 1, MICRO * world, SEQ)
+    data = batches(steps, 1, MICRO * world, SEQ)
     losses: dict[int, list[float]] = {r: [] for r in range(world)}
-    for s in range(STEPS):
+    for s in range(steps):
         per_rank = []
         for r in range(world):
             model.zero_grad(set_to_none=True)
@@ -249,12 +249,95 @@ def tp_refusal() -> str:
     return ""
 
 
-def checkpoint_refused(ckpt: str) -> str:
-    """Whole-tensor optimizer state has no checkpoint format yet: save_checkpoint says so by name."""
-    model = shardwise.shard(build("llama"), stage=2, bucket_size=20_000)
-    opt = shardwise.ShardedOptimizer(model, torch.optim.Adafactor, lr=1e-2)
+# -- checkpoints of whole-tensor optimizer state (test_whole_tensor.py) -----------------------------
+SAVE_AT, RESUME_STEPS = 3, 2  # save after 3 steps, then 2 more: the uninterrupted run and the resumes
+
+
+def _resumable(case: str, api: str, stage: int, world: int = 2, seed: int = 0):
+    """(step(ids) -> loss, save(dir), load(dir), weights()) of one front end; ``seed`` != 0 starts from other
+    weights, so that a resume that loads nothing cannot pass. At world 1 a step is two half-loss
+    backward passes of the two ranks' micro batches (halving is exact: the same averaged gradient)."""
+    cls, _, defaults, _ = CASES[case]
+    model = _model(case) if seed == 0 else _reseeded(case, seed)
+    if api == "engine":
+        cfg = make_config(stage, optimizer=False, dp=world, stage3_param_persistence_threshold=0)
+        engine, *_ = shardwise.initialize(model=model, config=cfg, optimizer=cls(_groups(case, model),
+                                                                                           **defaults))
+        fwd, back, step = engine, engine.backward, engine.step
+        save, load = engine.save_checkpoint, engine.load_checkpoint
+    else:
+        model = shardwise.shard(model, stage=stage, bucket_size=20_000, persistence_threshold=0)
+        opt = shardwise.ShardedOptimizer(model, cls, param_groups=_groups(case, model), **defaults)
+        fwd, back = model, lambda loss: loss.backward()
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad()
+
+        def save(d: str) -> str:
+            return shardwise.save_checkpoint(d, model, opt)
+
+        def load(d: str):
+            return shardwise.load_checkpoint(d, model, opt)
+
+    def train(ids: torch.Tensor) -> float:
+        parts = [ids] if world == 2 else [ids[:MICRO], ids[MICRO:]]
+        losses = []
+        for part in parts:
+            loss = fwd(input_ids=part, labels=part).loss
+            back(loss if world == 2 else loss * 0.5)
+            losses.append(float(loss.detach()))
+        step()
+        return losses[0] if world == 2 else sum(losses) / 2
+
+    def weights() -> dict:
+        with GatheredParameters(list(model.parameters())):
+            return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+    return train, save, load, weights
+
+
+def _reseeded(case: str, seed: int):
+    model = build("llama", seed=seed)
+    if case == "muon_torch":
+        for p in model.parameters():
+            p.requires_grad_(p.ndim == 2)
+    return model
+
+
+def _steps(train, first: int, world: int) -> list[float]:
+    data = batches(SAVE_AT + RESUME_STEPS, 1, MICRO * 2, SEQ)
+    rank = dist.get_rank() if world == 2 else 0
+    ids = (lambda s: data[s, 0, rank * MICRO:(rank + 1) * MICRO]) if world == 2 else (lambda s: data[s, 0])
+    return [train(ids(s)) for s in range(first, SAVE_AT + RESUME_STEPS if first else SAVE_AT)]
+
+
+def save_and_resume(case: str, api: str, ckpt: str) -> dict:
+    """2 ranks: train 3 steps at stage 2 and save, then 2 more (uninterrupted); resume from the
+    checkpoint at stage 2 (same layout) and at stage 3, each from other initial weights."""
+    train, save, _, weights = _resumable(case, api, 2)
+    _steps(train, 0, 2)
+    save(ckpt)
+    out = {"uninterrupted": {"losses": _steps(train, SAVE_AT, 2), "weights": weights()}}
+    for stage in (2, 3):
+        train, _, load, weights = _resumable(case, api, stage, seed=7)
+        load(ckpt)
+        out[f"stage{stage}"] = {"losses": _steps(train, SAVE_AT, 2), "weights": weights()}
+    return out
+
+
+def resume_world1(case: str, api: str, ckpt: str) -> dict:
+    """One process (a 1-rank group): load the 2-rank checkpoint and continue for 2 steps."""
+    train, _, load, weights = _resumable(case, api, 2, world=1, seed=7)
+    load(ckpt)
+    return {"losses": _steps(train, SAVE_AT, 1), "weights": weights()}
+
+
+def load_error(case: str, ckpt: str, api: str = "functional") -> str:
+    """The CheckpointError a load raises (one process), or '' when it loaded."""
+    _, _, load, _ = _resumable(case, api, 2, world=1, seed=7)
     try:
-        shardwise.save_checkpoint(ckpt, model, opt)
-    except NotImplementedError as e:
+        load(ckpt)
+    except shardwise.checkpoint.CheckpointError as e:
         return str(e)
     return ""

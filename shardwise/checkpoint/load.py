@@ -47,8 +47,8 @@ from shardwise.checkpoint.tp import (
     spec_of,
 )
 from shardwise.checkpoint.validate import confined_path, match_like
+from shardwise.checkpoint.whole_tensor_state import check_state_layout, stage_whole_state
 from shardwise.safe_files import read_regular
-from shardwise.zero.whole_tensor import refuse_checkpoint
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -294,6 +294,8 @@ def _stage(engine: CheckpointTarget, path: Path, meta: dict, reader: ShardReader
     skip_t, skip_m = _match(engine, meta, strict, source)
     if with_opt and not module_only:
         check_foreign_optimizer(engine, meta, source)
+    if with_opt:
+        check_state_layout(engine, meta, source)  # flat vs whole-tensor state: refused by name
     loaded = _read_own(engine, meta, reader, meta["states"] if with_opt else [], skip_t)
     st = _Staged(masters=[got["bufs"]["master"] for got in loaded],
                  module=_read_module(engine, meta, reader, skip_m),
@@ -303,6 +305,7 @@ def _stage(engine: CheckpointTarget, path: Path, meta: dict, reader: ShardReader
         return st
     if with_opt:
         st.optimizer = _stage_optimizer(engine, meta, loaded, source)
+        stage_whole_state(engine, meta, reader, st.optimizer, source, skip_t)
     if with_sched and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         live = engine.lr_scheduler.state_dict()
         st.scheduler = adapt_scheduler(live, meta["lr_scheduler"], meta)
@@ -331,8 +334,6 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | N
     comm = world_comm()
     engine.wait_for_params()  # the last step's asynchronous all-gathers still write the parameters
     with_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    if with_opt:
-        refuse_checkpoint(engine.optimizer, "load_checkpoint")
     err: BaseException | None = None
     path, meta, st = None, {}, _Staged()
     try:

@@ -27,8 +27,8 @@ from shardwise.checkpoint.fileio import (
 )
 from shardwise.checkpoint.frozen import describe_frozen, full_shape, module_extras
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
+from shardwise.checkpoint.whole_tensor_state import SECTION, merge_whole_state, whole_state_pieces
 from shardwise.safe_files import finite_json, plain_name, write_atomic
-from shardwise.zero.whole_tensor import refuse_checkpoint
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -100,11 +100,13 @@ def _write_rank(engine: CheckpointTarget, folder: Path, rank: int, exclude_froze
     frozen, frozen_segs, frozen_pieces, excluded = describe_frozen(engine, first_replica, whole_writes, tp_rank,
                                                                    exclude_frozen)
     pieces += frozen_pieces
+    whole_pieces, whole_state = whole_state_pieces(engine, writes)  # non-elementwise optimizers
+    pieces += whole_pieces
     module = _buffer_entries(engine, tp_rank, pieces) if whole_writes else {}
     manifest: dict[str, Any] = {"rank": rank, "file": None, "tensors": tensors, "segments": segments,
                                 "scalars": scalars, "state_dtypes": state_dtypes, "module": module,
                                 "frozen": frozen, "frozen_segments": frozen_segs, "excluded_frozen": excluded,
-                                "rng": rng_state()}
+                                "rng": rng_state(), SECTION: whole_state}
     if pieces:
         manifest.update(_write_pieces(folder, _rank_file(rank), pieces))
     return manifest
@@ -206,6 +208,7 @@ def _metadata(engine: CheckpointTarget, manifests: list[dict], world: int, clien
         "client_state": client_state,
         "has_model_config": model_config(engine.module) is not None,
         "tied": _tied_names(engine.module, saved),
+        SECTION: merge_whole_state(engine, manifests),
     }
 
 
@@ -270,7 +273,6 @@ def save_checkpoint(engine: CheckpointTarget, save_dir: str | Path, tag: str | N
     ``exclude_frozen_parameters``: frozen parameters are not written, only listed as excluded
     (a load keeps the model's own values for them).
     """
-    refuse_checkpoint(engine.optimizer, "save_checkpoint")
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not plain_name(tag) or tag in ("latest", "latest.tmp"):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name (printable, no '/' or '\\', "

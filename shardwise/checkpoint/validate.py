@@ -215,6 +215,7 @@ class Metadata(BaseModel):
     client_state: Any = None
     has_model_config: StrictBool = False
     tied: dict[Name, Name] = {}  # alias -> saved name of a shared parameter (absent before v0.1 checkpoints)
+    whole_tensor_state: dict[Name, Any] | None = None  # whole-tensor optimizers: checkpoint/whole_tensor_state.py
 
     @model_validator(mode="after")
     def _cross(self) -> Metadata:

@@ -233,11 +233,3 @@ def build_on_sharding(sharding: Sharding, master_groups: list[dict],
     stepper.attach(opt)
     return opt
 
-
-def refuse_checkpoint(optimizer: torch.optim.Optimizer | None, what: str) -> None:
-    """Checkpoint files hold optimizer state per flat-shard element; whole-tensor state is not written yet."""
-    if whole_tensor_of(optimizer) is not None:
-        raise NotImplementedError(
-            f"{what}: the {type(optimizer).__name__} optimizer steps whole tensors (it is not elementwise, see "
-            "docs/optimizers.md) and its state has no checkpoint format yet; save the weights with "
-            "save_16bit_model / full_state_dict, or load with load_optimizer_states=False")
