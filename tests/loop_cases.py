@@ -88,6 +88,13 @@ def _train(api: str, stage: int, backend: str | None, steps: int, micro: int = 2
         opt = shardwise.ShardedOptimizer(model, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         if backend is not None:
             shardwise.compile(model, backend=backend)
+    elif api in ("torch.compile", "model.compile"):  # plain torch, as users write it
+        model = shardwise.shard(build("llama"), stage=stage, bucket_size=20_000)
+        opt = shardwise.ShardedOptimizer(model, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        if backend is not None and api == "torch.compile":
+            model = torch.compile(model, backend=backend)
+        elif backend is not None:
+            model.compile(backend=backend)
     else:
         model, *_ = shardwise.initialize(model=build("llama"), config=make_config(stage, dp=world))
         if backend is not None:
@@ -97,7 +104,7 @@ def _train(api: str, stage: int, backend: str | None, steps: int, micro: int = 2
     for s in range(steps):
         ids = data[s, 0, rank * micro:(rank + 1) * micro]
         loss = model(input_ids=ids, labels=ids).loss
-        if api == "shard":
+        if api != "engine":
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -105,7 +112,7 @@ def _train(api: str, stage: int, backend: str | None, steps: int, micro: int = 2
             model.backward(loss)
             model.step()
         losses.append(float(loss.detach()))
-    module = model if api == "shard" else model.module
+    module = getattr(model, "_orig_mod", model) if api != "engine" else model.module
     return {"losses": losses, "weights": _full_weights(module),
             "graph_breaks": sum(counters["graph_break"].values()),
             "graphs": counters["stats"]["unique_graphs"]}

@@ -6,8 +6,8 @@ only sharding hook dynamo meets is the root's post-forward hook, kept eager
 decoder layer: regional compilation) and leaves the root's code eager: the units' gather / release
 hooks run in ``nn.Module.__call__`` around the compiled forward, so no graph ever sees a released
 (NaN placeholder) parameter or a ``param.data`` swap, and the layers' graphs have no breaks. Tracing
-a whole stage-3 model (``torch.compile(model)``) instead breaks the graph at every unit's hooks and,
-in torch 2.13, fails inside the HF forward after such a nested break; use this function there.
+a whole stage-3 model (``torch.compile(model)``, ``model.compile()``) also works, equal to eager,
+but breaks the graph at every unit's hooks (``zero/eager_hooks.py``); this function avoids them.
 """
 
 from __future__ import annotations

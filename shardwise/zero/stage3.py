@@ -34,7 +34,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from shardwise.zero.eager_hooks import eager_hook
+from shardwise.zero.eager_hooks import eager_hook, forward_is_compiled
 from shardwise.zero.external import ReleasedUseCheck, track_access
 from shardwise.zero.flat_group import ShardedGroup
 from shardwise.zero.leaf import z3_leaf_module
@@ -131,7 +131,7 @@ class ParamFetcher:
                 return
             if ui == self.root:
                 self._trace, self.stack = [], []
-                if self.check_next and self._check is None:
+                if self.check_next and self._check is None and not forward_is_compiled(module):
                     self._check = ReleasedUseCheck(self)
                     self._check.__enter__()
             self._trace.append(ui)
