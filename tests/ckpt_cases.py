@@ -181,8 +181,11 @@ KIND_SMALL = "llama"
 def snapshot(engine) -> dict:
     """Every piece of engine state a load may touch, copied (tensors cloned)."""
     engine.wait_for_params()  # stage 1-2: the last step's parameter all-gather may still be running
+    # keyed by the parameter's place in param_groups (as state_dict() does), not by the order the
+    # optimizer happened to create its state in (per-bucket stepping creates it bucket by bucket)
+    params = [p for pg in engine.optimizer.param_groups for p in pg["params"]]
     opt = {f"{i}/{k}": v.detach().clone() if torch.is_tensor(v) else v
-           for i, st in enumerate(engine.optimizer.state.values()) for k, v in st.items()}
+           for i, p in enumerate(params) for k, v in engine.optimizer.state.get(p, {}).items()}
     return {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
             "masters": [g.master.detach().clone() for g in engine.groups],
             "opt_state": opt,
