@@ -39,9 +39,10 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     group-wise quantized (``group_size`` elements per scale) and dequantized per layer when it is
     gathered; from disk this needs a folder written by ``shardwise quantize`` (see
     ``shardwise.inference.quantize``), which is also picked up when ``quantize`` is None. ``progress(i, n)``
-    is called as the n units are set up. The fetcher is ``model.shardwise_fetcher``
-    (``peak_gathered_bytes``), None when the weights are simply resident (one rank, no offload);
-    ``model.memory_report()`` gives the bytes held, the gather pool included.
+    is called as the n units are set up. What streams the layers is
+    ``shardwise.inference.stream_state_of(model)`` (its ``fetcher.peak_gathered_bytes``), None when
+    the weights are simply resident (one rank, no offload); ``model.memory_report()`` gives the
+    bytes a streamed model holds, the gather pool included.
     """
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
@@ -62,7 +63,6 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype else {}))
-        model.shardwise_fetcher = None
         return model.to(inference_device()).eval()
     if path is None:
         if offload == "disk":
@@ -79,9 +79,7 @@ def _tensor_parallel(model_or_path: Any, tp: int, offload: str | None, dtype: to
                      prefetch: int, quantize: str | None, group_size: int | None) -> nn.Module:
     """Hand over to the tensor-parallel inference (weights sliced per rank; streamed with offload)."""
     if offload is None and quantize is None:
-        model = tp_init(model_or_path, tensor_parallel_size=tp, dtype=dtype)
-        model.shardwise_fetcher = None
-        return model
+        return tp_init(model_or_path, tensor_parallel_size=tp, dtype=dtype)
     if isinstance(model_or_path, nn.Module) or offload is None:
         raise ValueError(f"offload={offload!r} with tensor_parallel_size={tp} streams each rank's slices "
                          "from a save_pretrained folder: pass its path and offload='disk' or 'cpu'")
