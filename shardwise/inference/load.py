@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm import Comm, init_distributed
+from shardwise.comm import Comm, init_distributed, make_comm
 from shardwise.inference.quantize import is_quantized, open_store
 from shardwise.inference.quantized_linear import install
 from shardwise.inference.stream import OFFLOADS, inference_device, meta_model, stream_layers
@@ -23,8 +23,8 @@ def _comm() -> Comm:
     """World comm under torchrun (WORLD_SIZE > 1), else a world of one without a process group."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized():
         init_distributed()
-        return Comm()
-    return Comm(solo=True)
+        return make_comm("world")
+    return make_comm("solo")
 
 
 def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel_size: int = 1,
