@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from shardwise.comm import Comm, CommStats
+from shardwise.comm import Comm, CommStats, make_comm
 
 # (tp, k) -> (shard group, tp group, replica group, full data-parallel group); made once each
 _GROUPS: dict[tuple, tuple] = {}
@@ -91,18 +91,14 @@ def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: in
                         shard_g if shard == dp else _make(world, rank, dp, tp_size))
     shard_g, tp_g, rep_g, dp_g = _GROUPS[key]
     stats = CommStats()
-    mesh = Mesh(dp=_comm(shard_g, stats), tp=_comm(tp_g, stats),
-                replicate=_comm(rep_g, stats, scope="_across_groups"), dp_full=_comm(dp_g, stats), stats=stats)
+    mesh = Mesh(dp=make_comm(shard_g, stats), tp=make_comm(tp_g, stats),
+                replicate=make_comm(rep_g, stats, scope="_across_groups"), dp_full=make_comm(dp_g, stats),
+                stats=stats)
     if secondary_size > 1:
         _check(world, tp_size, secondary_size, "zero_optimization.zero_hpz_partition_size")
         skey = (tp_size, secondary_size, "secondary")
         if skey not in _GROUPS:
             _GROUPS[skey] = (_make(world, rank, secondary_size, tp_size),)
-        mesh.secondary = _comm(_GROUPS[skey][0], stats, scope="_secondary")
+        mesh.secondary = make_comm(_GROUPS[skey][0], stats, scope="_secondary")
     return mesh
 
-
-def _comm(group, stats: CommStats, scope: str = "") -> Comm:
-    if group == "solo":
-        return Comm(None, stats, solo=True)
-    return Comm(None if group == "world" else group, stats, scope=scope)

@@ -54,14 +54,16 @@ def reference(folder: str, gen: dict | None = None) -> list:
 def stream(folder: str, offload: str | None, prefetch: int = 1) -> dict:
     """On every rank: greedy tokens through init_inference, and what the fetcher saw."""
     from shardwise.inference.load import init_inference
+    from shardwise.inference.stream import stream_state_of
 
     model = init_inference(folder, offload=offload, prefetch=prefetch)
     out = model.generate(prompt(), **GEN)
-    fetcher, files = model.shardwise_fetcher, getattr(model, "shardwise_files", None)
-    layer = sum(g.padded_numel * g.flat_param.element_size() for g in model.shardwise_groups[0])
+    state = stream_state_of(model)
+    fetcher, files = state.fetcher, state.files
+    layer = sum(g.padded_numel * g.flat_param.element_size() for g in state.groups[0])
     return {"tokens": out.tolist(), "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None,
             "layer_bytes": layer, "bytes_read": files.bytes_read if files else None,
-            "root_bytes": sum(g.memory()["params"] for g in model.shardwise_groups[-1]),
+            "root_bytes": sum(g.memory()["params"] for g in state.groups[-1]),
             "file_bytes": sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
                               if f.endswith(".safetensors"))}
 
@@ -107,6 +109,7 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
     from transformers.models.llama import modeling_llama  # noqa: F401 (imported before the baseline)
 
     from shardwise.inference.load import init_inference
+    from shardwise.inference.stream import stream_state_of
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     ids = prompt(vocab=512, batch=batch, seq=8)
@@ -123,7 +126,8 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
                                                      offload_folder=os.path.join(folder, "accelerate_offload")).eval()
     else:
         model = init_inference(folder, offload=None if mode == "resident" else mode, prefetch=prefetch)
-    files = getattr(model, "shardwise_files", None)
+    state = stream_state_of(model)
+    files = state.files if state is not None else None
     read0 = files.bytes_read if files is not None else 0
     t1 = time.perf_counter()
     if split is not None:  # the generation's time only, not the load's
@@ -133,7 +137,7 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
                              pad_token_id=0)
     t2 = time.perf_counter()
     read = (files.bytes_read - read0) / new_tokens if files is not None else 0
-    fetcher = getattr(model, "shardwise_fetcher", None)
+    fetcher = state.fetcher if state is not None else None
     report = model.memory_report() if fetcher else {}
     return {"mode": mode, "prefetch": prefetch, "baseline": baseline, "peak_growth": _rss("VmHWM") - baseline,
             "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t1),

@@ -28,6 +28,7 @@ from shardwise.inference.quantize import (
     stored_form,
 )
 from shardwise.inference.quantized_linear import Int4Linear, install, kernel_available, scale_pairs
+from shardwise.inference.stream import stream_state_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUP = 32
@@ -128,8 +129,9 @@ def test_quantized_streaming_equals_dequantized_model(folders, bits):
     kernels = sum(isinstance(m, Int4Linear) for m in cpu.modules())
     assert kernels == (6 if bits == 4 and kernel_available() else 0)  # q, o, down of 2 layers (gate/up: 96 rows)
     # offload="cpu" keeps the root and the packed weights, no dequantized copy (norms: from the file)
-    root = sum(g.memory()["params"] for g in cpu.shardwise_groups[-1])
-    sizes = [math.prod(shape) for shape in cpu.shardwise_files.qshapes.values()]
+    state = stream_state_of(cpu)
+    root = sum(g.memory()["params"] for g in state.groups[-1])
+    sizes = [math.prod(shape) for shape in state.files.qshapes.values()]
     packed = sum(math.ceil(n / GROUP) * (GROUP * bits // 8 + 2) for n in sizes)
     assert cpu.memory_report()["params"] == root + packed
     plain = stream(folders["plain"], "disk")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json  # noqa: F401 (re-exported)
-from shardwise.comm import Comm, CommStats
+from shardwise.comm import Comm, CommStats, make_comm
 from shardwise.safe_files import finite_json, open_regular, write_atomic
 from shardwise.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
 
@@ -273,8 +273,9 @@ def rng_setter(s: dict, source: Path) -> Callable[[], None]:
 
 # -- cross-rank agreement -----------------------------------------------------------------------
 def world_comm() -> Comm:
-    """All ranks (dp x tp), with its own byte counter so checkpoint traffic stays out of comm_stats."""
-    return Comm(None, CommStats())
+    """All ranks (dp x tp), with its own byte counter so checkpoint traffic stays out of comm_stats
+    (the checkpoint code's name for ``make_comm("world")``)."""
+    return make_comm("world", CommStats())
 
 
 def agree(comm: Comm, err: BaseException | None, what: str) -> None:

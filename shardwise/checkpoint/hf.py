@@ -296,7 +296,7 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
                                           "its files are already the model's weights")
             full = torch.zeros(g.padded_numel, dtype=own.dtype, device=own.device)
             full.narrow(0, g.own_start, g.own_numel).copy_(own)
-            if engine.stage >= 1:
+            if engine.policy.shard_optimizer:
                 dp.all_gather(full)
             cached = g
         t = gather_full(full.narrow(0, off, n).view(full_shape(p)), spec_of(p), tp)

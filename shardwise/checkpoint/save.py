@@ -70,7 +70,7 @@ def _write_rank(engine: CheckpointTarget, folder: Path, rank: int, exclude_froze
     """
     # stage 0: replicated, dp rank 0 writes; hybrid sharding: the first replica writes its shards
     first_replica = engine.replica.rank == 0
-    writes = first_replica and (engine.stage >= 1 or engine.comm.rank == 0)
+    writes = first_replica and (engine.policy.shard_optimizer or engine.comm.rank == 0)
     tp_rank = engine.tp.rank if engine.tp.size > 1 else 0
     pieces: list[tuple[str, torch.Tensor]] = []
     tensors: dict[str, dict] = {}

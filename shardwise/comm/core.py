@@ -28,6 +28,7 @@ import os
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -453,3 +454,17 @@ class Comm:
         if self.size > 1:
             self._guard("barrier", dist.barrier, group=self.group)
 
+
+
+def make_comm(group: Any = "world", stats: CommStats | None = None, *, size: int | None = None,
+              scope: str = "") -> Comm:
+    """The one way the library makes a :class:`Comm` for a group it was handed or built.
+
+    ``group``: a process group, ``"world"`` (every rank) or ``"solo"`` (this rank alone: every
+    collective a no-op, counted as nothing); ``size`` 1 is solo too (a group of one, as a Megatron
+    ``mpu`` reports it, needs no process group). ``stats``: the counter this comm adds to (None: a
+    fresh one, so e.g. checkpoint traffic stays out of the engine's ``comm_stats()``).
+    """
+    if size == 1 or (isinstance(group, str) and group == "solo"):
+        return Comm(None, stats, solo=True)
+    return Comm(None if isinstance(group, str) and group == "world" else group, stats, scope=scope)

@@ -28,7 +28,7 @@ def mark_stage3_params(engine: Engine) -> None:
     ``stage3_param_persistence_threshold``); empty when the piece lies on other ranks, None when
     the shard lives in files.
     """
-    if engine.stage < 3:
+    if not engine.policy.shard_params:
         return
     next_id = 0
     for group in engine.sharding.all_groups:

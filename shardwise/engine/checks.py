@@ -56,7 +56,7 @@ def used_params_of(engine: Engine) -> UsedParams | None:
 def track_used(engine: Engine) -> None:
     """With ``zero_optimization.ignore_unused_parameters: false`` at stage >= 2, record which
     trainable parameters receive a gradient in the current accumulation window."""
-    if engine.zero_ignore_unused_parameters() or engine.stage < 2 or engine in _USED:
+    if engine.zero_ignore_unused_parameters() or not engine.policy.shard_grads or engine in _USED:
         return
     names = {id(p): n for n, p in engine.module.named_parameters()}
     _USED[engine] = UsedParams({names[id(p)]: p for g in engine.groups for p in g.params})

@@ -57,18 +57,23 @@ class EngineAccessors:
         return float(self.loss_scaler.scale) if self.loss_scaler is not None else 1.0
 
     # -- ZeRO -----------------------------------------------------------------------
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage number, derived from ``policy`` (the sharding's, the one record of it)."""
+        return self.policy.stage
+
     def zero_optimization(self) -> bool:
         """True when a ZeRO stage (>= 1) is on, as DeepSpeed's ``zero_optimization()``."""
-        return self.stage > 0
+        return self.policy.shard_optimizer
 
     def zero_optimization_stage(self) -> int:
-        return self.stage
+        return self.policy.stage
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return self.stage >= 2
+        return self.policy.shard_grads
 
     def zero_optimization_partition_weights(self) -> bool:
-        return self.stage >= 3
+        return self.policy.shard_params
 
     def zero_offload_optimizer(self) -> bool:
         return self.offload_optimizer

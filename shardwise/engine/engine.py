@@ -78,7 +78,6 @@ class Engine(EngineAccessors, nn.Module):
         self.comm = comm if comm is not None else Comm()
         self.tp = tp if tp is not None else Comm(None, self.comm.stats, solo=True)
         self.replica = replicate if replicate is not None else Comm(None, self.comm.stats, solo=True)
-        self.stage = config.zero_stage
         self.gas = config.gradient_accumulation_steps
         self.micro_steps = 0
         self.global_steps = 0

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm import Comm, CommStats
+from shardwise.comm import Comm, CommStats, make_comm
 from shardwise.mesh import Mesh
 from shardwise.tensor_parallel.layers import ShardSpec
 
@@ -41,10 +41,6 @@ def mpu_sizes(mpu: Any) -> tuple[int, int]:
     return mp, dp
 
 
-def _comm(group: Any, size: int, stats: CommStats) -> Comm:
-    return Comm(None, stats, solo=True) if size == 1 else Comm(group, stats)
-
-
 def mark_tp_params(model: nn.Module, tp: Comm) -> int:
     """Give every Megatron-marked parameter the engine's TP description; returns how many."""
     n = 0
@@ -68,9 +64,9 @@ def mesh_from_mpu(mpu: Any, model: nn.Module, autotp_size: int) -> Mesh:
         raise ValueError("mpu= and tensor_parallel.autotp_size > 1 both ask for tensor parallelism: the mpu's "
                          "model is already split; remove tensor_parallel.autotp_size")
     stats = CommStats()
-    data = _comm(mpu.get_data_parallel_group(), dp, stats)
-    mesh = Mesh(dp=data, tp=_comm(mpu.get_model_parallel_group(), mp, stats),
-                replicate=Comm(None, stats, solo=True), dp_full=data, stats=stats)
+    data = make_comm(mpu.get_data_parallel_group(), stats, size=dp)
+    mesh = Mesh(dp=data, tp=make_comm(mpu.get_model_parallel_group(), stats, size=mp),
+                replicate=make_comm("solo", stats), dp_full=data, stats=stats)
     if mp > 1 and mark_tp_params(model, mesh.tp) == 0:
         raise ValueError(f"mpu: model-parallel size {mp} but no parameter is marked tensor_model_parallel; "
                          "mark the split parameters (p.tensor_model_parallel = True, p.partition_dim = d)")

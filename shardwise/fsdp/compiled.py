@@ -24,7 +24,7 @@ def compile_sharded(model: nn.Module, sharding: Sharding, backend: Any = "induct
                     compile_kwargs: dict | None = None) -> nn.Module:
     """Compile ``model`` (sharded by ``sharding``) in place for its stage; returns it."""
     kwargs = dict(compile_kwargs or {})
-    if sharding.stage < 3:
+    if not sharding.policy.shard_params:
         model.compile(backend=backend, **kwargs)
         return model
     for unit in sharding.units[:-1]:  # the root (last) keeps its code eager

@@ -111,12 +111,17 @@ class TrainState:
         sh = sharding_of(model)
         self.sharding, self.sharded_optimizer = sh, optimizer
         self.module, self.groups = model, sh.groups
-        self.comm, self.tp, self.replica, self.stage, self.dp_world = sh.comm, sh.tp, sh.replica, sh.stage, sh.dp_world
+        self.comm, self.tp, self.replica, self.dp_world = sh.comm, sh.tp, sh.replica, sh.dp_world
+        self.policy = sh.policy  # what is sharded; ``stage`` is derived from it
         self.optimizer = optimizer.optimizer if optimizer is not None else None
         self.lr_scheduler, self.loss_scaler = lr_scheduler, None
         self.gas = 1
         self.global_steps = self.micro_steps = optimizer.global_steps if optimizer is not None else 0
         self.skipped_steps = 0
+
+    @property
+    def stage(self) -> int:
+        return self.policy.stage
 
     def wait_for_params(self) -> None:
         self.sharding.wait_for_params()

@@ -114,8 +114,10 @@ def _progress(rank: int):
 
 def _report(model, new: int, seconds: float, batch: int) -> str:
     """tokens/s, bytes read per generated token (streamed from disk), peak memory, whole layers."""
-    fetcher = getattr(model, "shardwise_fetcher", None)
-    files = getattr(model, "shardwise_files", None)
+    from shardwise.inference.stream import stream_state_of  # torch loads only once a rank runs
+
+    state = stream_state_of(model)
+    fetcher, files = (state.fetcher, state.files) if state is not None else (None, None)
     line = f"{new} tokens in {seconds:.2f} s: {batch * new / seconds:.2f} tokens/s"
     if files is not None and new and files.bytes_read:  # offload="cpu" reads memory, not files
         line += f"; {files.bytes_read / new / 2**20:.1f} MiB read per token"
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     owned = not dist.is_initialized()  # a caller's process group is left to the caller
 
     from shardwise.inference.load import init_inference
+    from shardwise.inference.stream import stream_state_of
 
     rank = int(os.environ.get("RANK", "0"))
     check_model_folder(args.model)
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         gen["pad_token_id"] = pad
     torch.manual_seed(args.seed)  # every rank draws the same tokens
     streamer = TextStreamer(tokenizer) if rank == 0 else None
-    files = getattr(model, "shardwise_files", None)
+    state = stream_state_of(model)
+    files = state.files if state is not None else None
     if files is not None:
         files.bytes_read = 0  # count what generation reads, not the load
     start = time.perf_counter()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm import Comm, init_distributed
+from shardwise.comm import Comm, init_distributed, make_comm
 from shardwise.inference.quantize import is_quantized, open_store
 from shardwise.inference.quantized_linear import install
 from shardwise.inference.stream import OFFLOADS, inference_device, meta_model, stream_layers
@@ -24,8 +24,8 @@ def _comm() -> Comm:
     """World comm under torchrun (WORLD_SIZE > 1), else a world of one without a process group."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized():
         init_distributed()
-        return Comm()
-    return Comm(solo=True)
+        return make_comm("world")
+    return make_comm("solo")
 
 
 def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel_size: int = 1,
@@ -40,9 +40,10 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     group-wise quantized (``group_size`` elements per scale) and dequantized per layer when it is
     gathered; from disk this needs a folder written by ``shardwise quantize`` (see
     ``shardwise.inference.quantize``), which is also picked up when ``quantize`` is None. ``progress(i, n)``
-    is called as the n units are set up. The fetcher is ``model.shardwise_fetcher``
-    (``peak_gathered_bytes``), None when the weights are simply resident (one rank, no offload);
-    ``model.memory_report()`` gives the bytes held, the gather pool included.
+    is called as the n units are set up. What streams the layers is
+    ``shardwise.inference.stream_state_of(model)`` (its ``fetcher.peak_gathered_bytes``), None when
+    the weights are simply resident (one rank, no offload); ``model.memory_report()`` gives the
+    bytes a streamed model holds, the gather pool included.
     """
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
@@ -67,7 +68,6 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
                 model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
                                                                    **({"dtype": dtype} if dtype else {}))
             refuse_missing(info, path)
-        model.shardwise_fetcher = None
         return model.to(inference_device()).eval()
     if path is None:
         if offload == "disk":
@@ -84,9 +84,7 @@ def _tensor_parallel(model_or_path: Any, tp: int, offload: str | None, dtype: to
                      prefetch: int, quantize: str | None, group_size: int | None) -> nn.Module:
     """Hand over to the tensor-parallel inference (weights sliced per rank; streamed with offload)."""
     if offload is None and quantize is None:
-        model = tp_init(model_or_path, tensor_parallel_size=tp, dtype=dtype)
-        model.shardwise_fetcher = None
-        return model
+        return tp_init(model_or_path, tensor_parallel_size=tp, dtype=dtype)
     if isinstance(model_or_path, nn.Module) or offload is None:
         raise ValueError(f"offload={offload!r} with tensor_parallel_size={tp} streams each rank's slices "
                          "from a save_pretrained folder: pass its path and offload='disk' or 'cpu'")

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +43,8 @@ from shardwise.safe_files import confine, hub_roots, read_in
 from shardwise.safetensors_io import SafetensorsFile, TensorInfo
 from shardwise.tensor_parallel.layers import read_tp_slice
 from shardwise.zero.builder import build_frozen
+from shardwise.zero.flat_group import ShardedGroup
+from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
 from shardwise.zero.stage3 import ParamFetcher
@@ -221,12 +225,9 @@ def stream_layers(model: nn.Module, comm: Comm, offload: str | None, prefetch: i
         progress=progress)
     layer_numel = max((sum(g.padded_numel for g in gs) for gs in groups[:-1]), default=0)
     # at most the running layer plus `prefetch` read-ahead ones are ever whole
-    model.shardwise_fetcher = ParamFetcher(units, groups, prefetch * layer_numel,
-                                           max_live_numel=(prefetch + 1) * layer_numel)
-    model.shardwise_groups = groups
-    model.shardwise_files = files
-    model.shardwise_pool = pool
-    model.memory_report = lambda: memory_report(model)
+    fetcher = ParamFetcher(units, groups, prefetch * layer_numel, max_live_numel=(prefetch + 1) * layer_numel)
+    model.__dict__[_STREAM_SLOT] = StreamState(fetcher, groups, files, pool)
+    model.memory_report = types.MethodType(memory_report, model)  # the public method (docs/inference.md)
     guard_state_dict(model)
     if comm.size > 1:  # ranks must make the same number of forward calls, even when done early
         plain = model.generate
@@ -239,19 +240,42 @@ def stream_layers(model: nn.Module, comm: Comm, offload: str | None, prefetch: i
     return model
 
 
+_STREAM_SLOT = "_shardwise_stream"  # where a streamed model keeps its StreamState (read through stream_state_of)
+
+
+@dataclass
+class StreamState:
+    """What a streamed model carries: the fetcher that gathers its units (``peak_gathered_bytes``),
+    its frozen groups per unit (the root's last), the shard store read from (None: the weights
+    were given as a module) and the gather pool (None: nothing pooled)."""
+
+    fetcher: ParamFetcher
+    groups: list[list[ShardedGroup]]
+    files: Any
+    pool: GatherPool | None
+
+
+def stream_state_of(model: nn.Module) -> StreamState | None:
+    """The model's :class:`StreamState`; None when its weights are simply resident (not streamed)."""
+    return model.__dict__.get(_STREAM_SLOT)
+
+
 def memory_report(model: nn.Module) -> dict[str, int]:
     """Bytes this rank holds for a streamed model, by kind (tensor bytes, not RSS).
 
     ``params``: resident parameters (root, CPU-offloaded or quantized shards); ``gather_pool``:
     the fixed buffers layers are gathered into; ``buffers``: module buffers (rotary tables).
     """
-    groups = [g for gs in model.shardwise_groups for g in gs]
-    store = getattr(model.shardwise_files, "resident_bytes", 0)
-    pool = model.shardwise_pool
+    state = stream_state_of(model)
+    if state is None:
+        raise ValueError("memory_report: this model is not streamed (init_inference kept its weights resident)")
+    groups = [g for gs in state.groups for g in gs]
+    store = getattr(state.files, "resident_bytes", 0)
+    pool = state.pool
     rep = {"params": sum(g.memory()["params"] for g in groups) + store,
            "gather_pool": pool.nbytes if pool is not None else 0,
            "buffers": sum(b.numel() * b.element_size() for b in model.buffers())}
     rep["total"] = sum(rep.values())
-    rep["peak_gathered_params"] = model.shardwise_fetcher.peak_gathered_bytes
+    rep["peak_gathered_params"] = state.fetcher.peak_gathered_bytes
     rep["gather_pool_overflow"] = pool.overflow if pool is not None else 0
     return rep

@@ -5,7 +5,7 @@ from shardwise.zero.external import (
     register_external_parameter,
     unregister_external_parameter,
 )
-from shardwise.zero.flat_group import ShardedGroup, ShardPolicy
+from shardwise.zero.flat_group import ShardedGroup
 from shardwise.zero.gathered import GatheredParameters
 from shardwise.zero.init import Init
 from shardwise.zero.leaf import (
@@ -16,6 +16,7 @@ from shardwise.zero.leaf import (
     unset_z3_leaf_modules,
     z3_leaf_module,
 )
+from shardwise.zero.policy import ShardPolicy
 from shardwise.zero.unwrap import unwrap_model_for_generation
 
 __all__ = ["GatheredParameters", "Init", "MiCS_Init", "ReleasedParameterError", "ShardedGroup", "ShardPolicy",

@@ -28,11 +28,12 @@ from torch.utils._pytree import tree_leaves
 from shardwise.comm import Comm
 from shardwise.grad_norm import global_grad_norm
 from shardwise.zero.eager_hooks import eager_hook
-from shardwise.zero.flat_group import ShardedGroup, ShardPolicy, owner_of
+from shardwise.zero.flat_group import ShardedGroup, owner_of
 from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.layout import FlatLayout
-from shardwise.zero.partition import broadcast_model, build_groups
+from shardwise.zero.partition import BuildHooks, Cutting, broadcast_model, build_groups
+from shardwise.zero.policy import CommPolicy, GroupOptions, OffloadPolicy, PrecisionPolicy, ShardPolicy
 from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
 from shardwise.zero.store import Reader, store_factory
 
@@ -89,12 +90,12 @@ class Sharding:
 
     def __init__(self, module: nn.Module, groups_by_pg: list[list[ShardedGroup]],
                  unit_groups: list[list[ShardedGroup]], units: list[nn.Module], fetcher: ParamFetcher | None,
-                 comm: Comm, replica: Comm, tp: Comm, stage: int, options: ShardOptions):
+                 comm: Comm, replica: Comm, tp: Comm, policy: ShardPolicy, options: ShardOptions):
         self.module, self.groups_by_pg, self.unit_groups = module, groups_by_pg, unit_groups
         self.groups: list[ShardedGroup] = [g for gs in groups_by_pg for g in gs]
         self.units, self.fetcher, self.options = units, fetcher, options
-        self.comm, self.replica, self.tp, self.stage = comm, replica, tp, stage
-        self.policy = ShardPolicy.for_stage(stage)
+        self.comm, self.replica, self.tp = comm, replica, tp
+        self.policy = policy  # the one record of the ZeRO stage (``stage`` is derived)
         self.requires_sync = True  # False: accumulate without reducing (stages 0-1; see arm)
         self.step_grads: list[torch.Tensor] | None = None  # master grads of this step, once attached
         self.param_groups: list[dict] = []  # optimizer options per entry of groups_by_pg (set by shard_module)
@@ -108,6 +109,10 @@ class Sharding:
         self._handles: list[Any] = []
         self._install_param_waits()
         self._install_backward_hooks()
+
+    @property
+    def stage(self) -> int:
+        return self.policy.stage
 
     @property
     def dp_world(self) -> int:
@@ -260,17 +265,13 @@ def build_sharding(model: nn.Module, param_groups: list[dict], options: ShardOpt
         units = choose_units(model, options.units)
         owned = assign_params(model, units)
         unit_params = [owned[i] for i in range(len(units))]
-    cpu = torch.device("cpu")
-    by_pg, by_unit = build_groups(
-        model, param_groups, comm, policy, options.bucket_numel, units=unit_params,
-        materialize=materialize, device=device, persistence_threshold=options.persistence_threshold,
-        store=store_factory("cpu" if options.offload_param else "device", shard_reader, options.pin_memory),
-        offload_device=cpu if options.offload_optimizer else None,
-        pin_memory=options.pin_memory, overlap_comm=options.overlap_comm,
-        replicate=replica, secondary=secondary, weight_bits=options.weight_bits, grad_bits=options.grad_bits,
-        grad_dtype=options.grad_accum_dtype,
-        **({"tp_sharded": tp_sharded} if tp_sharded is not None else {}),
-    )
+    hooks = BuildHooks(materialize=materialize,
+                       store=store_factory("cpu" if options.offload_param else "device", shard_reader,
+                                           options.pin_memory),
+                       **({"tp_sharded": tp_sharded} if tp_sharded is not None else {}))
+    by_pg, by_unit = build_groups(model, param_groups, comm, policy,
+                                  Cutting(options.bucket_numel, unit_params, options.persistence_threshold),
+                                  group_options(options, device, replica, secondary), hooks)
     every = [g for gs in by_pg for g in gs] + [g for gs in by_unit for g in gs]
     for c in (comm, replica):  # shard group 0 takes rank 0's weights, then every replica
         broadcast_model(model, every, c)
@@ -278,8 +279,16 @@ def build_sharding(model: nn.Module, param_groups: list[dict], options: ShardOpt
     if stage == 3:
         fetcher = ParamFetcher(units, by_unit, options.prefetch_numel, options.max_live_numel)
         guard_state_dict(model)
-    return Sharding(model, by_pg, by_unit, units, fetcher, comm, replica, tp, stage, options)
+    return Sharding(model, by_pg, by_unit, units, fetcher, comm, replica, tp, policy, options)
 
+
+def group_options(options: ShardOptions, device: torch.device | None, replica: Comm | None,
+                  secondary: Comm | None) -> GroupOptions:
+    """The policies every group of one model shares, read once from the flat ``ShardOptions``."""
+    offload = OffloadPolicy(torch.device("cpu") if options.offload_optimizer else None, options.pin_memory)
+    return GroupOptions(device=device, offload=offload, precision=PrecisionPolicy(grad_dtype=options.grad_accum_dtype),
+                        comm=CommPolicy(options.overlap_comm, options.weight_bits, options.grad_bits, replica,
+                                        secondary))
 
 
 def build_frozen(model: nn.Module, comm: Comm, mode: str, reader: Reader | None, *, whole_root: bool,
@@ -304,14 +313,15 @@ def build_frozen(model: nn.Module, comm: Comm, mode: str, reader: Reader | None,
     layers, root = [owned[i] for i in range(len(units) - 1)], owned[len(units) - 1]
     pool = _layer_pool(layers, comm.size, layers_held, device)
     stage3, frozen = ShardPolicy.for_stage(3), [{"params": []}]
-    _, by_unit = build_groups(model, frozen, comm, stage3, 1 << 62, units=layers, device=device, pool=pool,
-                              store=store_factory(mode, reader, pin_memory=mode == "cpu"), on_unit=on_unit)
+    _, by_unit = build_groups(model, frozen, comm, stage3, Cutting(1 << 62, layers),
+                              GroupOptions(device=device, pool=pool),
+                              BuildHooks(store=store_factory(mode, reader, pin_memory=mode == "cpu"), on_unit=on_unit))
     if whole_root:
         root_comm, policy, store = Comm(solo=True), ShardPolicy.for_stage(0), store_factory("device", reader)
     else:
         root_comm, policy, store = comm, stage3, store_factory(mode, reader, pin_memory=mode == "cpu")
-    _, (root_groups,) = build_groups(model, frozen, root_comm, policy, 1 << 62, units=[root], device=device,
-                                     store=store)
+    _, (root_groups,) = build_groups(model, frozen, root_comm, policy, Cutting(1 << 62, [root]),
+                                     GroupOptions(device=device), BuildHooks(store=store))
     on_unit(len(units) - 1)
     return units, by_unit + [root_groups], pool
 

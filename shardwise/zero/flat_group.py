@@ -19,17 +19,15 @@ all-reduce instead of a reduce-scatter, no all-gather): DDP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from shardwise.comm import Comm, Work
-from shardwise.zero.gather_pool import GatherPool
 from shardwise.zero.gather_state import GatherState, StageThreeGather
 from shardwise.zero.grad_accum import accumulation_dtype
 from shardwise.zero.layout import FlatLayout
 from shardwise.zero.pending import InflightLimit, ReadWork
+from shardwise.zero.policy import DEFAULT_GROUP_OPTIONS, GroupOptions, OffloadPolicy, ShardPolicy
 from shardwise.zero.quantized_comm import quantized_reduce_scatter
 from shardwise.zero.store import ResidentStore, ShardStore
 
@@ -37,19 +35,6 @@ from shardwise.zero.store import ResidentStore, ShardStore
 def owner_of(p: torch.Tensor) -> ShardedGroup | None:
     """The group holding parameter ``p`` (None if it is not sharded by shardwise)."""
     return getattr(p, "_shardwise_group", None)
-
-
-@dataclass(frozen=True)
-class ShardPolicy:
-    """What a ZeRO stage shards."""
-
-    shard_optimizer: bool
-    shard_grads: bool
-    shard_params: bool
-
-    @classmethod
-    def for_stage(cls, stage: int) -> ShardPolicy:
-        return cls(shard_optimizer=stage >= 1, shard_grads=stage >= 2, shard_params=stage >= 3)
 
 
 class ShardedGroup(StageThreeGather):
@@ -61,33 +46,13 @@ class ShardedGroup(StageThreeGather):
     master), otherwise a separate fp32 tensor, on the CPU with optimizer offload.
     """
 
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        names: list[str],
-        comm: Comm,
-        policy: ShardPolicy,
-        *,
-        store: ShardStore | None = None,
-        trainable: bool = True,
-        device: torch.device | None = None,
-        pool: GatherPool | None = None,
-        master_dtype: torch.dtype = torch.float32,
-        offload_device: torch.device | None = None,
-        pin_memory: bool = False,
-        overlap_comm: bool = False,
-        inflight: InflightLimit | None = None,
-        replicate: Comm | None = None,
-        secondary: Comm | None = None,
-        weight_bits: int = 0,
-        grad_bits: int = 0,
-        grad_dtype: torch.dtype | None = None,
-    ):
-        """``store``: where the stage-3 shard persists and the initial values' source (default: on
-        ``device``, from the parameters). ``pool``: buffers a frozen stage-3 group is gathered into.
-        ``offload_device`` / ``pin_memory``: the fp32 master's place (optimizer offload).
-        ``grad_dtype``: what gradients accumulate and are reduced in (default: the parameters' dtype;
-        see ``zero/grad_accum.py``)."""
+    def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm, policy: ShardPolicy,
+                 options: GroupOptions = DEFAULT_GROUP_OPTIONS, *, store: ShardStore | None = None,
+                 trainable: bool = True, inflight: InflightLimit | None = None):
+        """``options``: device, gather pool and the offload / precision / comm policies
+        (``zero/policy.py``). ``store``: where the stage-3 shard persists and the initial values'
+        source (default: on the device, from the parameters). ``inflight``: the model-wide limit on
+        pending reductions."""
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
         self.params, self.names, self.comm, self.policy = params, names, comm, policy
@@ -96,29 +61,30 @@ class ShardedGroup(StageThreeGather):
             raise ValueError(f"{names[0]!r}: a file-backed store needs a frozen stage-3 group")
         # Hybrid sharding: ranks holding the same shard in other shard groups; their gradient
         # shards are summed once per step (see attach_master_grad).
+        cp, replicate, secondary = options.comm, options.comm.replicate, options.comm.secondary
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         # ZeRO++ hpZ (stage 3): after a training forward this rank keeps its 1/k of the full parameters,
         # so the backward gathers inside the k ranks of ``secondary`` (a node) instead of over every rank.
         self.secondary = secondary if secondary is not None and secondary.size > 1 and policy.shard_params else None
         self.secondary_shard: torch.Tensor | None = None  # valid until the parameters change
-        self.overlap_comm, self.inflight, self.trainable = overlap_comm, inflight, trainable
+        self.overlap_comm, self.inflight, self.trainable = cp.overlap_comm, inflight, trainable
         # ZeRO++ (zero/quantized_comm.py): bits of the stage-3 parameter all-gather (qwZ) and of the
         # gradient reduce-scatter (qgZ); 0 = exact. Nothing is quantized on a group of one rank.
-        self.weight_bits = weight_bits if comm.size > 1 and policy.shard_params and not self.store.rereads else 0
-        self.grad_bits = grad_bits if comm.size > 1 and policy.shard_optimizer else 0
+        self.weight_bits = cp.weight_bits if comm.size > 1 and policy.shard_params and not self.store.rereads else 0
+        self.grad_bits = cp.grad_bits if comm.size > 1 and policy.shard_optimizer else 0
         self.dtype = params[0].dtype
-        self.grad_dtype = accumulation_dtype(self.dtype, grad_dtype, names[0])
+        self.grad_dtype = accumulation_dtype(self.dtype, options.precision.grad_dtype, names[0])
         self.tp_sharded = False  # a TP slice? set by the builder (zero/partition.py): ZeRO reads no TP specs
-        self.device = device if device is not None else params[0].device
+        self.device = options.device if options.device is not None else params[0].device
         self.layout = FlatLayout(tuple(p.numel() for p in params), comm.size)
         self.own_start, self.own_numel = (self.layout.shard_range(comm.rank) if policy.shard_optimizer
                                           else (0, self.layout.padded_numel))  # stage 0: the whole buffer
         self.owned = self.layout.segments(self.own_start, self.own_numel)  # param pieces this rank owns
-        self.pool = pool if policy.shard_params and not trainable else None
+        self.pool = options.pool if policy.shard_params and not trainable else None
         self.state = GatherState.GATHERED  # changed only by _to_gathered / _to_released
         self._gather_work: Work | ReadWork | None = None
         owned = self._init_params()
-        self._init_master(owned, master_dtype, offload_device, pin_memory)
+        self._init_master(owned, options.precision.master_dtype, options.offload)
         self._init_grads()
 
     def _init_params(self) -> torch.Tensor | None:
@@ -153,19 +119,18 @@ class ShardedGroup(StageThreeGather):
         self.release()
         return self.store.shard
 
-    def _init_master(self, owned: torch.Tensor | None, master_dtype: torch.dtype,
-                     offload_device: torch.device | None, pin_memory: bool) -> None:
+    def _init_master(self, owned: torch.Tensor | None, master_dtype: torch.dtype, offload: OffloadPolicy) -> None:
         """What the optimizer steps on: a view of the shard when dtype and device allow (no copy)."""
         # (with parameter offload the view is of the CPU shard: the optimizer steps there)
-        self.master_is_view = master_dtype == self.dtype and offload_device is None
+        self.master_is_view = master_dtype == self.dtype and offload.device is None
         if not self.trainable:
             self.master = None
         elif self.master_is_view:
             self.master = owned
         else:
-            dev = offload_device if offload_device is not None else self.device
+            dev = offload.device if offload.device is not None else self.device
             self.master = torch.empty(self.own_numel, dtype=master_dtype, device=dev,
-                                      pin_memory=pin_memory and torch.cuda.is_available())
+                                      pin_memory=offload.pin_memory and torch.cuda.is_available())
             self.master.copy_(owned)
 
     def _init_grads(self) -> None:

@@ -9,12 +9,14 @@ learning rate) nor dtypes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from shardwise.comm import Comm
-from shardwise.zero.flat_group import InflightLimit, ShardedGroup, ShardPolicy
+from shardwise.zero.flat_group import InflightLimit, ShardedGroup
+from shardwise.zero.policy import DEFAULT_GROUP_OPTIONS, GroupOptions, ShardPolicy
 from shardwise.zero.store import ShardStore
 
 
@@ -64,41 +66,47 @@ def _buckets(params: list[nn.Parameter], bucket_numel: int, kind: Callable) -> l
     return out
 
 
-def build_groups(
-    model: nn.Module,
-    param_groups: list[dict],
-    comm: Comm,
-    policy: ShardPolicy,
-    bucket_numel: int,
-    units: list[list[nn.Parameter]] | None = None,
-    persistence_threshold: int = 0,
-    materialize: Callable[[list[nn.Parameter]], None] | None = None,
-    tp_sharded: Callable[[nn.Parameter], bool] = _never,
-    store: Callable[[], ShardStore] | None = None,
-    on_unit: Callable[[int], None] | None = None,
-    **group_kwargs,
-) -> tuple[list[list[ShardedGroup]], list[list[ShardedGroup]]]:
-    """Cut the model into groups; returns (trainable groups per optimizer param group, groups per unit).
+@dataclass(frozen=True)
+class Cutting:
+    """How parameters are cut into groups. Stages 0-2 (``units`` None): size-bounded buckets of at
+    most ``bucket_numel`` elements in backward order. Stage 3: one group per (unit, optimizer param
+    group, kind), parameters of at most ``persistence_threshold`` elements kept whole in buckets."""
 
-    Stages 0-2 (``units`` None): size-bounded buckets in backward order. Stage 3: one group per
-    (unit, param group, dtype), frozen parameters in groups of their own (sharded, no optimizer
-    state), and parameters of at most ``persistence_threshold`` elements kept whole in buckets.
-    ``materialize`` (zero.Init) gives a unit's meta parameters real values just before its groups
-    are built, so only one unit is ever whole. ``tp_sharded`` tells a tensor-parallel slice from a
-    replicated parameter (the builder passes it in: ZeRO reads no TP specs); a group holds one kind,
-    so the global gradient norm can count replicated gradients once. ``store`` makes each group's
-    shard store (zero/store.py; default: resident on the group's device). ``on_unit(i)`` is called
-    once unit ``i``'s groups are built (loading progress).
-    """
+    bucket_numel: int
+    units: list[list[nn.Parameter]] | None = None
+    persistence_threshold: int = 0
 
+
+@dataclass(frozen=True)
+class BuildHooks:
+    """What the caller plugs into the cut. ``materialize`` (zero.Init) gives a unit's meta
+    parameters real values just before its groups are built, so only one unit is ever whole.
+    ``tp_sharded`` tells a tensor-parallel slice from a replicated parameter (ZeRO reads no TP
+    specs); a group holds one kind, so the global gradient norm can count replicated gradients
+    once. ``store`` makes each group's shard store (zero/store.py; default: resident on the
+    group's device). ``on_unit(i)`` is called once unit ``i``'s groups are built (progress)."""
+
+    materialize: Callable[[list[nn.Parameter]], None] | None = None
+    tp_sharded: Callable[[nn.Parameter], bool] = _never
+    store: Callable[[], ShardStore] | None = None
+    on_unit: Callable[[int], None] | None = None
+
+
+def build_groups(model: nn.Module, param_groups: list[dict], comm: Comm, policy: ShardPolicy, cut: Cutting,
+                 options: GroupOptions = DEFAULT_GROUP_OPTIONS, hooks: BuildHooks = BuildHooks(),
+                 ) -> tuple[list[list[ShardedGroup]], list[list[ShardedGroup]]]:
+    """Cut the model into groups (see :class:`Cutting`); returns (trainable groups per optimizer
+    param group, groups per unit). Stage 3 puts frozen parameters in groups of their own (sharded,
+    no optimizer state). Every group is built with ``options``."""
     order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
-    make = _GroupMaker({id(p): n for n, p in model.named_parameters()}, comm, tp_sharded, store, group_kwargs)
+    make = _GroupMaker({id(p): n for n, p in model.named_parameters()}, comm, hooks, options)
+    units, materialize = cut.units, hooks.materialize
     by_pg: list[list[ShardedGroup]] = [[] for _ in param_groups]
     if units is None:
         for gi in range(len(param_groups)):
             ps = [p for p in param_groups[gi]["params"] if p.requires_grad]
             ps.sort(key=lambda p: -order[id(p)])
-            by_pg[gi] = [make(b, policy) for b in _buckets(ps, bucket_numel, make.kind)]
+            by_pg[gi] = [make(b, policy) for b in _buckets(ps, cut.bucket_numel, make.kind)]
         return by_pg, []
     pg_of = _pg_index(model, param_groups)
     persistent: list[list[nn.Parameter]] = [[] for _ in param_groups]
@@ -106,35 +114,33 @@ def build_groups(
     for ui, unit_params in enumerate(units):
         if materialize is not None:
             materialize(unit_params)
-        by_unit.append(_unit_groups(unit_params, len(param_groups), pg_of, policy, persistence_threshold, make,
+        by_unit.append(_unit_groups(unit_params, len(param_groups), pg_of, policy, cut.persistence_threshold, make,
                                     by_pg, persistent))
-        if on_unit is not None:
-            on_unit(ui)
+        if hooks.on_unit is not None:
+            hooks.on_unit(ui)
     keep_whole = ShardPolicy.for_stage(2)
     for gi, ps in enumerate(persistent):
         if materialize is not None:
             materialize(ps)
         ps.sort(key=lambda p: -order[id(p)])
-        by_pg[gi] += [make(b, keep_whole) for b in _buckets(ps, bucket_numel, make.kind)]
+        by_pg[gi] += [make(b, keep_whole) for b in _buckets(ps, cut.bucket_numel, make.kind)]
     return by_pg, by_unit
 
 
 class _GroupMaker:
     """Builds the ShardedGroups of one model: names, comm, store and in-flight limit shared by all."""
 
-    def __init__(self, names: dict[int, str], comm: Comm, tp_sharded: Callable[[nn.Parameter], bool],
-                 store: Callable[[], ShardStore] | None, group_kwargs: dict):
-        self.names, self.comm, self.tp_sharded, self.store = names, comm, tp_sharded, store
-        self.group_kwargs, self.inflight = group_kwargs, InflightLimit()
+    def __init__(self, names: dict[int, str], comm: Comm, hooks: BuildHooks, options: GroupOptions):
+        self.names, self.comm, self.tp_sharded, self.store = names, comm, hooks.tp_sharded, hooks.store
+        self.options, self.inflight = options, InflightLimit()
 
     def kind(self, p: nn.Parameter) -> tuple:
         """What must be equal inside one group: dtype, and whether TP sliced it (for the grad norm)."""
         return p.dtype, self.tp_sharded(p)
 
     def __call__(self, ps: list[nn.Parameter], pol: ShardPolicy, trainable: bool = True) -> ShardedGroup:
-        g = ShardedGroup(ps, [self.names[id(p)] for p in ps], self.comm, pol, trainable=trainable,
-                         store=self.store() if self.store is not None else None, inflight=self.inflight,
-                         **self.group_kwargs)
+        g = ShardedGroup(ps, [self.names[id(p)] for p in ps], self.comm, pol, self.options, trainable=trainable,
+                         store=self.store() if self.store is not None else None, inflight=self.inflight)
         g.tp_sharded = self.tp_sharded(ps[0])
         return g
 
