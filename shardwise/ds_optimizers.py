@@ -28,6 +28,14 @@ import torch
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz coefficients DeepSpeed and torch use
 
 
+def closure_loss(closure: Any) -> Any:
+    """The loss of ``closure`` re-evaluated with grad on (torch's step contract), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Lamb(torch.optim.Optimizer):
     """DeepSpeed's FusedLamb update, per tensor (see the module docstring for the formula)."""
 
@@ -41,10 +49,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -142,10 +147,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

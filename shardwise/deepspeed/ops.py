@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from shardwise.ds_optimizers import closure_loss
+
 
 def _refuse(cls: str, option: str, why: str) -> None:
     raise NotImplementedError(f"deepspeed.ops {cls}({option}): {why}; shardwise's facade runs torch's algorithm")
@@ -64,10 +66,7 @@ class DeepSpeedCPULion(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
