@@ -1,7 +1,9 @@
 """Every user error of the `shardwise` CLI: one line on stderr, exit code 2, no traceback.
 
-Each case runs the real command in a subprocess. All of them fail before any process group
-starts (argument, file and config checks come first), so the file stays fast.
+Each case runs the real command line (``shardwise.cli.main``, what ``python -m shardwise.cli``
+calls) with its stderr captured at the file descriptor. All of them fail before any process group
+starts (argument, file and config checks come first), so they run one after another in a single
+subprocess (``cli_error_runner.py``): the 23 cases pay Python's and torch's start-up once.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import os
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+RUNNER = str(Path(__file__).resolve().parent / "cli_error_runner.py")
 EXAMPLE = str(ROOT / "examples" / "zero2_llama.json")
 
 
@@ -26,12 +29,6 @@ def _model_config(tmp_path: Path, name: str, **changes) -> str:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return str(path)
-
-
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
 
 
 def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
@@ -75,12 +72,16 @@ CASE_NAMES = list(_cases(Path(tempfile.mkdtemp(prefix="cli_cases_"))))
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
-    """Run every case once, 4 at a time (each is mostly Python start-up and imports)."""
-    cases = _cases(tmp_path_factory.mktemp("cli"))
-    with ThreadPoolExecutor(4) as pool:
-        done = {name: pool.submit(_run, *argv) for name, (argv, _) in cases.items()}
-    return {name: f.result() for name, f in done.items()}
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]:
+    """Run every case once, in one subprocess (each case alone is mostly Python start-up and imports)."""
+    tmp = tmp_path_factory.mktemp("cli")
+    cases, out = tmp / "cases.json", tmp / "results.json"
+    cases.write_text(json.dumps({name: argv for name, (argv, _) in _cases(tmp).items()}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, RUNNER, str(cases), str(out)], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: SimpleNamespace(**r) for name, r in json.loads(out.read_text()).items()}
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

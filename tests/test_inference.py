@@ -106,8 +106,9 @@ def _fresh_runs(jobs: list[tuple[str, str]], runs: int) -> dict[tuple[str, str],
 
 
 def test_streamed_memory_bound_on_every_run(tmp_path):
-    """Ten fresh processes per case (imports, baseline, init_inference, generate): the peak RSS
-    growth beyond what the mode keeps resident is at most 20% of the model on EVERY run.
+    """Six fresh processes per case (imports, baseline, init_inference, generate): the peak RSS
+    growth beyond what the mode keeps resident is at most 20% of the model on EVERY run (the
+    worst of the runs is what is checked; on AMD EPYC and Intel alike, docs/inference.md).
 
     64 layers of 12.6 MB (fp32) / 6.3 MB (bf16): about 65 MB of the growth is fixed (at 48 layers a
     fresh venv measured 21.6% in bf16). Layers are gathered into a fixed pool of two layer buffers
@@ -121,7 +122,7 @@ def test_streamed_memory_bound_on_every_run(tmp_path):
         folder = str(tmp_path / name)
         sizes[folder] = save_large(folder, layers=64, hidden=512, inter=1376, dtype=dtype)
         cases += [(folder, "disk"), (folder, "cpu")]
-    results = _fresh_runs(cases, runs=10)
+    results = _fresh_runs(cases, runs=6)
     for (folder, mode), runs in results.items():
         model = sizes[folder]["model_bytes"]
         excess = [r["peak_growth"] - r["resident"] for r in runs]

@@ -18,7 +18,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "exit_worker.py")
-RUNS = int(os.environ.get("SHARDWISE_EXIT_RUNS", "5"))
+# Three clean runs per test (the abort came in 5 of 18 runs before the fix, so three runs of the
+# old code all exit 0 with probability (13/18)**3 = 0.38 per test, 0.14 for both tests together);
+# SHARDWISE_EXIT_RUNS=30 repeats the thorough check.
+RUNS = int(os.environ.get("SHARDWISE_EXIT_RUNS", "3"))
 
 
 def _torchrun(mode: str) -> subprocess.CompletedProcess:
@@ -47,10 +50,9 @@ def test_runs_exit_0_under_load_and_errors_never_abort() -> None:
             r = _torchrun("tp" if i % 2 == 0 else "zero")
             assert r.returncode == 0, f"run {i}: exit {r.returncode}\n{r.stderr[-3000:]}"
             assert "terminate called" not in r.stderr
-        for _ in range(2):  # a clean error in rank 1: the job fails, but no rank dies of SIGABRT
-            r = _torchrun("error")
-            assert r.returncode == 1 and "a clean error in rank 1" in r.stderr, r.stderr[-3000:]
-            assert "exitcode: -6" not in r.stderr and "terminate called" not in r.stderr, r.stderr[-3000:]
+        r = _torchrun("error")  # a clean error in rank 1: the job fails, but no rank dies of SIGABRT
+        assert r.returncode == 1 and "a clean error in rank 1" in r.stderr, r.stderr[-3000:]
+        assert "exitcode: -6" not in r.stderr and "terminate called" not in r.stderr, r.stderr[-3000:]
     finally:
         burner.kill()
         burner.wait()
