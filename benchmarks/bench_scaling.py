@@ -127,7 +127,7 @@ def plot(rows: list[dict], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in rows:
-        if r.get("x_ddp") and r["mode"] != "ddp":
+        if r.get("x_ddp") and r["mode"] != "ddp" and r.get("time_meaningful", True):  # ranks > cores: no time
             lines.setdefault((r["mode"], r["nproc"]), []).append((r["params"], r["x_ddp"]))
     for (mode, nproc), pts in sorted(lines.items()):
         pts.sort()
@@ -142,6 +142,15 @@ def plot(rows: list[dict], path: Path) -> str:
     return f"plot: {path}"
 
 
+def merged_meta(metas: list[dict]) -> dict:
+    """One header for cells measured by several commands: every date, command and round count."""
+    if len(metas) == 1:
+        return metas[0]
+    return {"date": ", ".join(dict.fromkeys(m["date"] for m in metas)), "cpu": metas[0]["cpu"],
+            "cores": metas[0]["cores"], "repeats": "/".join(str(m["repeats"]) for m in metas),
+            "command": "`; `".join(m["command"] for m in metas)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="21m,90m,300m", help=f"comma list of {', '.join(SIZES)}")
@@ -151,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--offload-optimizer", action="store_true", help="passed to bench_zero.py")
-    p.add_argument("--from-json", type=Path, help="re-render the doc and plot from a saved scaling.json")
+    p.add_argument("--from-json", type=Path, nargs="+", help="re-render the doc and plot from saved results "
+                   "(several: their rows in one table, e.g. cells measured in separate commands)")
     p.add_argument("--name", default="scaling", help="stem of the outputs (results/NAME.json, docs/benchmarks_NAME.md)")
     args = p.parse_args(argv)
     if args.from_json:
-        saved = json.loads(args.from_json.read_text())
-        rows, meta = saved["rows"], saved["meta"]
+        saved = [json.loads(f.read_text()) for f in args.from_json]
+        rows, meta = [r for s in saved for r in s["rows"]], merged_meta([s["meta"] for s in saved])
     else:
         work = REPO / ".cache" / "bench_scaling"
         work.mkdir(parents=True, exist_ok=True)

@@ -24,10 +24,12 @@ The total stays within ``--budget-s``: each section gets at most its own limit a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -76,21 +78,25 @@ def run_section(name: str, smoke: bool, limit_s: float, workdir: str) -> dict:
     result = os.path.join(workdir, f"section_{name}.json")
     if os.path.exists(result):
         os.remove(result)
+    # --deadline: the child's own clock starts after Python and torch are up, this one now
     cmd = [sys.executable, os.path.join(HERE, "gpu_check_sections.py"), name, "--result", result,
-           "--workdir", workdir, "--limit-s", str(int(limit_s))] + (["--smoke"] if smoke else [])
+           "--workdir", workdir, "--deadline", str(time.time() + limit_s)] + (["--smoke"] if smoke else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     t0 = time.monotonic()
+    # its own process group: at the limit the runs it started (step_vs_fsdp2's) go too, not only
+    # the section, so no orphan keeps the GPU busy under the next section
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=env)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-1500:]
-        return {"status": "timeout", "limit_s": limit_s,
-                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail,
-                "partial": _read(result)}
+        _, stderr = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):  # it may have just ended on its own
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        return {"status": "timeout", "limit_s": limit_s, "stderr_tail": stderr[-1500:], "partial": _read(result)}
     out = _read(result)
     if proc.returncode != 0 or out is None:
-        return {"status": "error", "returncode": proc.returncode, "stderr_tail": proc.stderr[-1500:],
-                "partial": out}
+        return {"status": "error", "returncode": proc.returncode, "stderr_tail": stderr[-1500:], "partial": out}
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
 
@@ -169,20 +175,28 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     report = {"smoke": args.smoke, "command": " ".join(["python", "benchmarks/gpu_check.py", *sys.argv[1:]]),
               "environment": environment(), "sections": {}}
+    stem = os.path.join(args.out, "gpu_check_smoke" if args.smoke else "gpu_check")
     for name, limit in SECTIONS:
         if name not in chosen:
             continue
         left = args.budget_s - (time.monotonic() - start)
         run = run_in_process if args.smoke and not args.isolate else run_section
-        report["sections"][name] = run(name, args.smoke, min(limit if not args.smoke else 240, left), workdir)
+        try:
+            report["sections"][name] = run(name, args.smoke, min(limit if not args.smoke else 240, left), workdir)
+        except Exception:  # noqa: BLE001 - e.g. no process could be started: the report still gets written
+            report["sections"][name] = {"status": "error", "stderr_tail": traceback.format_exc()[-1500:]}
         print(f"{name}: {report['sections'][name]['status']}", flush=True)
-    stem = "gpu_check_smoke" if args.smoke else "gpu_check"
-    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
-        f.write(markdown(report) + "\n")
-    print(f"wrote {os.path.join(args.out, stem)}.json and .md ({time.monotonic() - start:.0f} s)")
+        write_report(report, stem)  # after each section: a run killed from outside keeps what it finished
+    print(f"wrote {stem}.json and .md ({time.monotonic() - start:.0f} s)")
     return 0
+
+
+def write_report(report: dict, stem: str) -> None:
+    """The JSON and the markdown, rewritten whole each time (what any reader finds is a complete report)."""
+    with open(f"{stem}.json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(f"{stem}.md", "w") as f:
+        f.write(markdown(report) + "\n")
 
 
 if __name__ == "__main__":

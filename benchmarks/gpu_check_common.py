@@ -33,8 +33,8 @@ def llama(shape: dict, device: torch.device | str = "cpu", seed: int = 0) -> tor
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=False, **shape)
-    cfg.attn_implementation = "sdpa"
+    # a keyword of the constructor: set as an attribute afterwards it is a plain field transformers never reads
+    cfg = LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=False, attn_implementation="sdpa", **shape)
     with torch.device(device):
         return LlamaForCausalLM(cfg)
 
@@ -60,8 +60,30 @@ def engine_config(stage: int, precision: str, offload: str | None = None, micro:
     return cfg
 
 
+_RESULT: list[str] = []  # this section process's result file; empty when sections run in one process (--smoke)
+
+
+def keep_result_at(path: str) -> None:
+    _RESULT[:] = [path]
+
+
+def save_partial(rows: list[dict], **extra: object) -> None:
+    """The rows so far into the result file, so a section killed at its time limit still leaves them
+    (written aside and renamed: a kill mid-write never leaves half a JSON)."""
+    if not _RESULT:
+        return
+    tmp = _RESULT[0] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"status": "partial", "rows": rows, **extra}, f, indent=1)
+    os.replace(tmp, _RESULT[0])
+
+
 def run_child(args: list[str], result: str, timeout_s: float) -> dict:
     """This script again, in a fresh process (a clean peak memory per run); its result or the error."""
+    if timeout_s < 15:  # not even the imports and the NCCL setup would finish
+        return {"error": f"not run: {max(timeout_s, 0):.0f} s left in the section's limit"}
+    if os.path.exists(result):  # the workdir is kept between runs: never report an earlier run's numbers
+        os.remove(result)
     cmd = [sys.executable, SECTIONS_SCRIPT, *args, "--result", result]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout_s, 1))

@@ -1,6 +1,6 @@
 """The sections of ``benchmarks/gpu_check.py``, each run in its own process:
 
-    python benchmarks/gpu_check_sections.py NAME --result FILE [--smoke] [--workdir DIR] [--limit-s S]
+    python benchmarks/gpu_check_sections.py NAME --result FILE [--smoke] [--workdir DIR] [--limit-s S | --deadline T]
 
 Each writes one JSON object to FILE: ``status`` (ok / partial / skipped), ``rows`` (the table),
 ``notes``. A failure inside a section is caught per row where it can be, so one broken case still
@@ -30,7 +30,9 @@ from gpu_check_common import (
     cuda,
     engine_config,
     join_world_of_one,
+    keep_result_at,
     llama,
+    save_partial,
     skip,
 )
 from gpu_check_perf import step_vs_fsdp2, step_worker, zero_inference
@@ -64,6 +66,8 @@ def _stage_case(stage: int, precision: str, offload: str | None, shape: dict, st
         ref_loss.backward()
         opt.step()
         opt.zero_grad()
+    if device.type == "cuda":  # the kernels are queued, not done: the clock waits for them
+        torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
     got, want = _weights(model), {n: p.detach().float().cpu() for n, p in ref.named_parameters()}
     rel = max(float((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-12)) for n, w in want.items())
@@ -97,6 +101,7 @@ def stages(smoke: bool, workdir: str, limit_s: float) -> dict:  # noqa: ARG001
     for case in cases:
         label = {"stage": case[0], "precision": case[1], "offload": case[2] or ""}
         rows.append(_guarded(_stage_case, (*case, TINY if smoke else STAGE_MODEL, 3), label))
+        save_partial(rows)
     ok = all(r.get("matches") for r in rows)
     return {"status": "ok" if ok else "partial", "rows": rows,
             "notes": ["after 3 AdamW steps against plain torch fp32: fp32 matches when max_rel_weight_diff "
@@ -137,6 +142,7 @@ def offload_bandwidth(smoke: bool, workdir: str, limit_s: float) -> dict:  # noq
         _copy_gbps(dev, host, 1)  # warm up
         rows.append({"host memory": kind, "MiB": nbytes >> 20, "host_to_device_GBps": _copy_gbps(dev, host, 5),
                      "device_to_host_GBps": _copy_gbps(host, dev, 5)})
+        save_partial(rows)
     return {"status": "ok", "rows": rows, "notes": ["median of 5 copies; offload_optimizer/offload_param move "
                                                     "their shards through pinned buffers when pin_memory is true"]}
 
@@ -153,12 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--workdir", default="/tmp/shardwise_gpu_check")
     p.add_argument("--limit-s", type=float, default=300.0)
+    p.add_argument("--deadline", type=float, default=None,
+                   help="time.time() by which the caller kills this process; overrides --limit-s, so the "
+                   "seconds spent starting Python and importing torch count against the section's limit")
     p.add_argument("--impl", default=None, help="step_worker: shardwise or fsdp2")
     args = p.parse_args(argv)
+    keep_result_at(args.result)
     if args.name == "step_worker":
         res = step_worker(args.impl, args.smoke)
     else:
-        res = SECTIONS[args.name](args.smoke, args.workdir, args.limit_s)
+        limit_s = args.limit_s if args.deadline is None else args.deadline - time.time()
+        res = SECTIONS[args.name](args.smoke, args.workdir, limit_s)
     with open(args.result, "w") as f:
         json.dump(res, f, indent=1)
     return 0
