@@ -149,7 +149,8 @@ class ShardedGroup(StageThreeGather):
         self._holds_reduced = False
         self._reduced_carry: torch.Tensor | None = None
         self._pending: list[Work] = []
-        self._bucket_in_flight: torch.Tensor | None = None
+        self._bucket_in_flight: torch.Tensor | None = None  # stage >= 2: reducing, returned at wait()
+        self._bucket_base: torch.Tensor | None = None  # stage >= 2: the buffer flat_grad narrows
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.params] if self.trainable else []
 
@@ -240,7 +241,7 @@ class ShardedGroup(StageThreeGather):
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self.flat_grad is None:  # stage >= 2: the bucket lives only during its backward
-            self.flat_grad = torch.empty(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+            self._take_bucket()
             self._filled = [False] * len(self.params)
         i = self._index[id(p)]
         view = self._view(self.flat_grad, self.offsets[i], p)
@@ -284,8 +285,10 @@ class ShardedGroup(StageThreeGather):
             self._zero_unfilled()
             w = self._reduce_scatter(self.flat_grad, self.shard_grad, accumulate=True)
 
-            self._bucket_in_flight = self.flat_grad if w is not None else None
-            self.flat_grad = None  # the bucket lives only until its reduce-scatter is done
+            self._bucket_in_flight = self._bucket_base
+            self.flat_grad = self._bucket_base = None  # the bucket lives only until its reduce-scatter is done
+            if w is None:
+                self._give_bucket()
             self.release()  # stage 3: backward of this group is over
             self.drop_secondary()
         if w is not None:
@@ -311,8 +314,22 @@ class ShardedGroup(StageThreeGather):
         for w in self._pending:
             w.wait()
         self._pending.clear()
-        self._bucket_in_flight = None
+        self._give_bucket()
         self._fold_carry()
+
+    def _take_bucket(self) -> None:
+        """Stage >= 2: this backward's bucket, a reused buffer when one is free (see InflightLimit)."""
+        if self.inflight is None:
+            self._bucket_base = torch.empty(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        else:
+            self._bucket_base = self.inflight.take_bucket(self.padded_numel, self.grad_dtype, self.device)
+        self.flat_grad = self._bucket_base.narrow(0, 0, self.padded_numel)
+
+    def _give_bucket(self) -> None:
+        """The reduce-scatter of the bucket in flight is done: hand its buffer on."""
+        if self._bucket_in_flight is not None and self.inflight is not None:
+            self.inflight.give_bucket(self._bucket_in_flight)
+        self._bucket_in_flight = None
 
     # -- step -------------------------------------------------------------------------
     def owned_grad(self) -> torch.Tensor:
