@@ -86,7 +86,7 @@ def rows_of(size: str, nproc: int, cell: dict) -> list[dict]:
         rounds = [x["step_ms_median"] for x in runs[mode] if "error" not in x]
         states = max(r["model_state_bytes"])
         comm = r.get("comm_stats") or {}  # shardwise modes only: bytes per kind since start
-        per_step = cell["meta"]["steps"] + cell["meta"]["warmup"]
+        per_step = cell["meta"]["steps"] + cell["meta"]["warmup"] + 1  # bench_zero_worker's extra untimed step
         moved = sum(v for k, v in comm.items() if k != "broadcast") / per_step if comm else None
         out.append({"size": size, "params": r["params"], "nproc": nproc, "mode": mode,
                     "step_ms": r["step_ms_median"], "rounds_ms": [round(x, 1) for x in rounds],
@@ -98,19 +98,48 @@ def rows_of(size: str, nproc: int, cell: dict) -> list[dict]:
     return out
 
 
+PEERS = {"fp32": ("fsdp2", "ds3"), "bf16": ("fsdp2-bf16", "ds3-bf16")}
+
+
+def best_peer_ratio(row: dict, rows: list[dict]) -> float | None:
+    """Stage-3 modes: the faster of FSDP2 and DeepSpeed ZeRO-3 (same cell, same precision) / this time."""
+    if row["mode"] not in ("sw3", "sw3-bf16") or not row.get("step_ms"):
+        return None
+    peers = PEERS["bf16" if row["mode"].endswith("bf16") else "fp32"]
+    times = [r["step_ms"] for r in rows if r.get("step_ms") and r["mode"] in peers
+             and (r["size"], r["nproc"]) == (row["size"], row["nproc"])]
+    return min(times) / row["step_ms"] if times else None
+
+
+def _cell(col: str, v: object) -> str:
+    if v is None or v == "":
+        return "–"
+    if col == "spread":
+        return f"{v:.0%}"
+    if col in ("step_ms",):
+        return f"{v:.0f}"
+    if col == "rounds_ms":
+        return ", ".join(f"{x:.0f}" for x in v)
+    if col == "params":
+        return f"{v / 1e6:.1f}M"
+    if isinstance(v, float):
+        return f"{v:.2f}" if col.startswith("x_") else f"{v:.1f}"
+    return str(v)
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
-    cols = ["size", "params", "nproc", "mode", "step_ms", "x_ddp", "spread", "rounds_ms", "states_MiB",
+    cols = ["size", "params", "nproc", "mode", "step_ms", "x_ddp", "x_best_peer", "spread", "rounds_ms", "states_MiB",
             "formula_MiB", "MiB_moved_per_step", "time_meaningful"]
     lines = [f"# Scaling table ({meta['date']})", "", f"Machine: {meta['cpu']} ({meta['cores']} cores). "
              f"Command: `{meta['command']}`. {meta['repeats']} round-robin rounds per cell; step_ms is the median "
              "of the rounds' medians, spread = slowest / fastest round - 1, x_ddp = DDP's time / this mode's "
-             "(above 1: faster). time_meaningful is false where ranks outnumber cores: read the bytes there.",
+             "(above 1: faster), x_best_peer (stage 3) = the faster of FSDP2 and DeepSpeed ZeRO-3 / this mode's. "
+             "MiB_moved_per_step: shardwise's own count of the bytes it sent per step (`comm_stats`; the peers do "
+             "not count theirs). time_meaningful is false where ranks outnumber cores: read the bytes there.",
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = []
-        for c in cols:
-            v = r.get(c, r.get("error", "") if c == "mode" else "")
-            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        r = {**r, "x_best_peer": best_peer_ratio(r, rows)}
+        cells = [_cell(c, r.get(c, r.get("error", "") if c == "mode" else "")) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

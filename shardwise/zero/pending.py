@@ -41,8 +41,12 @@ class InflightLimit:
     it fresh each backward costs more than the copies into it: a bucket of tens of MiB is a fresh
     ``mmap`` whose every page faults on first touch (about 0.4 ms per MiB here, ~40 ms a step for
     three 25 MiB buckets). The bound means at most ``limit + 1`` buckets exist at once (one filling,
-    ``limit`` reducing), so keeping that many finished ones for the next bucket adds nothing to the
-    peak: :meth:`take_bucket` reuses the smallest free one that fits, :meth:`give_bucket` returns one.
+    ``limit`` reducing), so keeping that many finished ones for the next bucket adds nothing to
+    backward's peak: :meth:`take_bucket` reuses the smallest free one that fits, :meth:`give_bucket`
+    returns one. They stay between steps (at most ``limit + 1`` buckets, through the next forward):
+    on the CPU only, where a freed block goes back to the OS. On CUDA the caching allocator already
+    reuses freed blocks without a fault, and a pooled bucket would only keep the forward's
+    activations from that memory, so buckets there are allocated and freed as before.
     """
 
     def __init__(self, limit: int = 2):
@@ -68,8 +72,10 @@ class InflightLimit:
 
     def give_bucket(self, bucket: torch.Tensor) -> None:
         """Keep a finished bucket (its reduction has completed) for the next one: at most ``limit + 1``
-        buckets exist, free or not (the smallest free ones go first)."""
+        buckets exist, free or not (the smallest free ones go first); CPU buckets only."""
         self._in_use = max(self._in_use - 1, 0)
+        if bucket.device.type != "cpu":
+            return
         self._free.append(bucket)
         while self._free and len(self._free) + self._in_use > self.limit + 1:
             self._free.remove(min(self._free, key=torch.Tensor.numel))
