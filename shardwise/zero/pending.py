@@ -67,7 +67,7 @@ class InflightLimit:
         if not fits:
             return torch.empty(numel, dtype=dtype, device=device)
         best = min(fits, key=torch.Tensor.numel)
-        self._free.remove(best)
+        self._drop(best)
         return best
 
     def give_bucket(self, bucket: torch.Tensor) -> None:
@@ -78,4 +78,8 @@ class InflightLimit:
             return
         self._free.append(bucket)
         while self._free and len(self._free) + self._in_use > self.limit + 1:
-            self._free.remove(min(self._free, key=torch.Tensor.numel))
+            self._drop(min(self._free, key=torch.Tensor.numel))
+
+    def _drop(self, bucket: torch.Tensor) -> None:
+        """Take ``bucket`` out of the free list, by identity (``list.remove`` would compare values)."""
+        self._free = [b for b in self._free if b is not bucket]
