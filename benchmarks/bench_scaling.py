@@ -139,6 +139,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         r = {**r, "x_best_peer": best_peer_ratio(r, rows)}
+        if len(r.get("rounds_ms") or []) < 2:  # one round: no spread to speak of
+            r["spread"] = None
         cells = [_cell(c, r.get(c, r.get("error", "") if c == "mode" else "")) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
