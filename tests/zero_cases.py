@@ -67,7 +67,9 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
     result = {"bytes_read": files.bytes_read if files is not None else None,
               "losses": losses, "memory": engine.memory_report(), "comm": engine.comm_stats(),
               "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
-              "numel": sum(p.numel() for p in model.parameters())}
+              "numel": sum(p.numel() for p in model.parameters()),
+              "largest_group_bytes": max((g.padded_numel * g.flat_param.element_size() for g in engine.groups),
+                                         default=0)}
     if engine.groups:
         g = engine.groups[0]
         result["master_device"] = str(g.master.device)

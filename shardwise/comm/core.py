@@ -306,8 +306,10 @@ class Comm:
         if self.size == 1:
             copy_out()
             return Work(None, self, "reduce_scatter") if async_op else None
-        if self._emulate:
-            return self._rank_order_reduce(full, async_op=async_op, finish=copy_out)
+        if self._emulate:  # the sum is written straight into ``out`` unless it is added onto it
+            if accumulate:
+                return self._rank_order_reduce(full, async_op=async_op, finish=copy_out)
+            return self._rank_order_reduce(full, async_op=async_op, finish=None, out=out)
         aliased = out.data_ptr() == mine.data_ptr()
         target = torch.empty_like(out) if (aliased or accumulate) else out
         h = self._guard("reduce_scatter", _reduce_scatter_single, target, full, group=self.group,
@@ -346,8 +348,9 @@ class Comm:
         return Work(None, self, "all_reduce", gather)
 
     # -- gloo: point-to-point exchanges ----------------------------------------------------
-    def _rank_order_reduce(self, full: torch.Tensor, async_op: bool, finish) -> Work | None:
-        """Reduce-scatter of the N chunks of ``full``: chunk ``rank`` becomes the sum over ranks.
+    def _rank_order_reduce(self, full: torch.Tensor, async_op: bool, finish,
+                           out: torch.Tensor | None = None) -> Work | None:
+        """Reduce-scatter of the N chunks of ``full``: chunk ``rank`` (or ``out``) becomes the sum over ranks.
 
         Every rank sends chunk j to rank j and receives its own chunk from every other rank (the
         bytes of a ring: (N-1)/N of ``full`` each way), then adds the N pieces in rank order,
@@ -355,7 +358,8 @@ class Comm:
         (a ring starts each chunk's sum at another rank), whatever the bucket boundaries and
         whether the result is then all-gathered (stage 0) or kept (stages 1-3). The price: N-1
         receive chunks instead of the ring's one (the same at 2 ranks). The exchange runs in the
-        background; the additions happen in ``wait()``.
+        background; the additions happen in ``wait()``, the first one written into ``out`` when
+        given (a stage >= 2 shard: no pass through the chunk and a copy after).
         """
         n, r = self.size, self.rank
         size = full.numel() // n
@@ -370,14 +374,8 @@ class Comm:
             handles.append(self._guard("reduce_scatter", dist.irecv, recv[j], self._global(j), group=self.group))
 
         def add_in_rank_order() -> None:
-            if r < 2:  # g1 + g0 is g0 + g1 bit for bit: ranks 0 and 1 add straight into their chunk
-                for j in others:
-                    mine.add_(recv[j])
-            else:
-                acc = recv[0]
-                for j in range(1, n):
-                    acc.add_(mine if j == r else recv[j])
-                mine.copy_(acc)
+            _sum_in_rank_order([mine if j == r else recv[j] for j in range(n)], mine,
+                               out if out is not None else mine)
             self._give_buffer(buf)
             if finish is not None:
                 finish()
@@ -408,6 +406,11 @@ class Comm:
                 return work
             work.wait()
         return None
+
+    @property
+    def free_buffer_nbytes(self) -> int:
+        """Bytes of receive chunks kept for the next reduce-scatter (gloo; ``memory_report()["comm_buffers"]``)."""
+        return sum(b.numel() * b.element_size() for bufs in self._free_buffers.values() for b in bufs)
 
     def _take_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Receive chunks for a reduce-scatter, reused from finished ones when one fits.
@@ -454,6 +457,22 @@ class Comm:
         if self.size > 1:
             self._guard("barrier", dist.barrier, group=self.group)
 
+
+
+def _sum_in_rank_order(terms: list[torch.Tensor], mine: torch.Tensor, dest: torch.Tensor) -> None:
+    """``dest = ((terms[0] + terms[1]) + terms[2]) + ...``; ``mine`` (one of the terms) may be ``dest``.
+
+    (a + b is b + a bit for bit, so writing the first sum into ``mine`` is safe when ``mine`` is
+    one of the first two terms; a later term must not be overwritten before it is read.)"""
+    if dest.data_ptr() == mine.data_ptr() and all(t is not mine for t in terms[:2]):
+        acc = terms[0]  # a receive chunk, free after this
+        for t in terms[1:]:
+            acc.add_(t)
+        dest.copy_(acc)
+        return
+    torch.add(terms[0], terms[1], out=dest)
+    for t in terms[2:]:
+        dest.add_(t)
 
 
 def make_comm(group: Any = "world", stats: CommStats | None = None, *, size: int | None = None,

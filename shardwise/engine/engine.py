@@ -338,6 +338,7 @@ class Engine(EngineAccessors, nn.Module):
                 if not g.trainable:
                     rep["params"] += g.memory()["params"]
         rep["buffers"] = sum(_nbytes(b) for b in self.module.buffers())
+        rep["comm_buffers"] = self._comm_buffer_bytes()
         whole = whole_tensor_of(self.optimizer)  # non-elementwise optimizers: zero/whole_tensor.py
         extra = whole.memory() if whole is not None else {"whole_tensor_params": 0, "whole_tensor_step_buffers": 0}
         rep["whole_tensor_params"] = extra["whole_tensor_params"]
@@ -345,6 +346,15 @@ class Engine(EngineAccessors, nn.Module):
         rep["whole_tensor_step_buffers"] = extra["whole_tensor_step_buffers"]  # transient, during step()
         rep["peak_gathered_params"] = self.fetcher.peak_gathered_bytes if self.fetcher else 0
         return rep
+
+    def _comm_buffer_bytes(self) -> int:
+        """Buffers kept between steps for reuse: finished stage >= 2 gradient buckets (CPU) and gloo
+        receive chunks. Bounded by the bucket size, not the model (see ``zero/pending.py``)."""
+        groups = list(self.groups) + [g for gs in self.unit_groups for g in gs]
+        limits = {id(g.inflight): g.inflight for g in groups if g.inflight is not None}
+        comms = {id(c): c for c in [self.comm, self.replica, self.tp] + [g.comm for g in groups]}
+        return (sum(lim.free_nbytes for lim in limits.values())
+                + sum(c.free_buffer_nbytes for c in comms.values()))
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank moved per collective kind since start (see shardwise.comm)."""

@@ -138,6 +138,10 @@ class ShardedGroup(StageThreeGather):
         of it (gradients accumulate in place); stage >= 2 makes a bucket per backward."""
         self.flat_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None  # stage >= 2: reduced shard, accumulated
+        # stage >= 2: shard_grad holds no gradient since zero_grad (its bytes are stale, read as zeros):
+        # the step's first reduce-scatter writes it instead of adding onto a zeroed one (two passes
+        # over the shard fewer, the cost that kept stage 2 behind stage 1)
+        self._shard_grad_empty = True
         if self.trainable and not self.policy.shard_grads:
             self._alloc_flat_grad()
         self._filled: list[bool] = []
@@ -281,9 +285,10 @@ class ShardedGroup(StageThreeGather):
             self._holds_reduced = True
         else:
             if self.shard_grad is None:
-                self.shard_grad = torch.zeros(self.shard_numel, dtype=self.grad_dtype, device=self.device)
+                self.shard_grad = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
             self._zero_unfilled()
-            w = self._reduce_scatter(self.flat_grad, self.shard_grad, accumulate=True)
+            accumulate, self._shard_grad_empty = not self._shard_grad_empty, False
+            w = self._reduce_scatter(self.flat_grad, self.shard_grad, accumulate=accumulate)
 
             self._bucket_in_flight = self._bucket_base
             self.flat_grad = self._bucket_base = None  # the bucket lives only until its reduce-scatter is done
@@ -336,7 +341,10 @@ class ShardedGroup(StageThreeGather):
         """This rank's reduced (unscaled) gradient for ``master``, in ``grad_dtype``."""
         if self.policy.shard_grads:
             if self.shard_grad is None:  # no backward reached this group yet
-                self.shard_grad = torch.zeros(self.shard_numel, dtype=self.grad_dtype, device=self.device)
+                self.shard_grad = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
+            if self._shard_grad_empty:
+                self.shard_grad.zero_()
+                self._shard_grad_empty = False
             return self.shard_grad
         if self._reduced_carry is not None:
             raise RuntimeError(
@@ -384,8 +392,7 @@ class ShardedGroup(StageThreeGather):
             self.master.grad = None
         if self.flat_grad is not None and not self.policy.shard_grads:
             self.flat_grad.zero_()
-        if self.shard_grad is not None:
-            self.shard_grad.zero_()
+        self._shard_grad_empty = True  # (not zeroed: the next reduce-scatter overwrites it)
 
     # -- reports ----------------------------------------------------------------------
     def memory(self) -> dict[str, int]:

@@ -55,6 +55,11 @@ class InflightLimit:
         self._free: list[torch.Tensor] = []  # finished stage >= 2 buckets, whole (not narrowed)
         self._in_use = 0  # buckets taken and not given back (filling or reducing)
 
+    @property
+    def free_nbytes(self) -> int:
+        """Bytes of finished buckets kept for the next backward (``memory_report()["comm_buffers"]``)."""
+        return sum(b.numel() * b.element_size() for b in self._free)
+
     def admit(self, group: Any) -> None:
         self._queue.append(group)
         while len(self._queue) > self.limit:
