@@ -7,7 +7,8 @@ Builds a Llama from a config (826 MB fp32 by default), saves it, then runs each 
 process (peak RSS only grows) via ``tests/inference_cases.py measure`` and prints a table.
 ``--quantized``: the model saved in fp32 and bf16 and quantized (``shardwise quantize``) to int8
 and int4 from the bf16 copy (so those compute in bf16, as the bf16 row does; int4 Linear layers
-through torch's CPU int4 kernel), each streamed from disk at batch 1 and 32, against plain
+through torch's CPU int4 kernel; ``int4-r64`` / ``int4-r32``: an int4 file in the kernel order of
+the other kind of CPU, which this machine dequantizes per layer), each streamed from disk at batch 1 and 32, against plain
 transformers with the weights resident and, with ``--accelerate PATH`` (a folder holding the
 accelerate package, put on PYTHONPATH for those runs only), Accelerate's ``device_map="auto"``
 disk offload. ``--split``: also the seconds per token spent reading, dequantizing and in the int4
@@ -46,11 +47,17 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
     if not os.path.exists(folders["fp32"]):
         print(save_large(folders["fp32"], args.layers, args.hidden, args.inter))
         save_large(folders["bf16"], args.layers, args.hidden, args.inter, dtype=torch.bfloat16)
-    for bits in (8, 4):
-        folders[f"int{bits}"] = os.path.join(base, f"int{bits}")
-        if not os.path.exists(folders[f"int{bits}"]):
-            quantize_folder(folders["bf16"], folders[f"int{bits}"], bits, args.group_size)
-    rows = [("plain", "fp32"), ("plain", "bf16")] + [("disk", k) for k in ("fp32", "bf16", "int8", "int4")]
+    from shardwise.inference.quantized_linear import write_block_rows
+
+    native = write_block_rows()
+    other = 32 if native == 64 else 64  # the order the other kind of CPU writes: read dequantized here
+    for kind, bits, rows in (("int8", 8, None), ("int4", 4, native), (f"int4-r{other}", 4, other)):
+        folders[kind] = os.path.join(base, kind)
+        if not os.path.exists(folders[kind]):
+            quantize_folder(folders["bf16"], folders[kind], bits, args.group_size, block_rows=rows)
+    print(f"int4: this torch packs in blocks of {native} rows; int4-r{other} is a file in the other order")
+    kinds = ("fp32", "bf16", "int8", "int4", f"int4-r{other}")
+    rows = [("plain", "fp32"), ("plain", "bf16")] + [("disk", k) for k in kinds]
     if args.accelerate:
         rows += [("accelerate", "fp32"), ("accelerate", "bf16")]
     if args.split:

@@ -19,15 +19,21 @@ from shardwise.inference.load import init_inference
 from shardwise.inference.quantize import (
     DESCRIPTION,
     QuantizedStore,
+    blocked_names,
     dequantize_tensor,
     quantizable,
     quantize_folder,
     quantize_tensor,
-    rows64_names,
     scale_dtype,
     stored_form,
 )
-from shardwise.inference.quantized_linear import Int4Linear, install, kernel_available, scale_pairs
+from shardwise.inference.quantized_linear import (
+    Int4Linear,
+    install,
+    kernel_available,
+    scale_pairs,
+    write_block_rows,
+)
 from shardwise.inference.stream import stream_state_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,61 +62,71 @@ def folders(tmp_path_factory) -> dict:
     out = {"plain": plain}
     for bits in (8, 4):
         out[bits] = str(base / f"int{bits}")
-        quantize_folder(plain, out[bits], bits, GROUP)
+        # int4 in 64-row blocks (AVX-512's order): the tiny model then has weights of both kinds
+        quantize_folder(plain, out[bits], bits, GROUP, block_rows=64)
+    out["int4_rows32"] = str(base / "int4_rows32")  # AVX2's order: every weight of the tiny model blocked
+    quantize_folder(plain, out["int4_rows32"], 4, GROUP, block_rows=32)
     return out
 
 
-def _dequantized_reference(folder: str, bits: int, kernel: bool = True) -> list:
+def _dequantized_reference(folder: str, bits: int, kernel: bool = True, rows: int = 64) -> list:
     """Plain transformers, resident, with every quantizable weight replaced by its dequantized
     value; with ``kernel`` (what streaming does on CPU), the int4 Linear weights the kernel takes
-    are instead kept packed in an Int4Linear, as the streamed model computes them."""
+    are instead kept packed in an Int4Linear, as the streamed model computes them (when the
+    running torch packs in blocks of ``rows``: else they are dequantized there too)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     names = quantizable(model)
-    rows64 = rows64_names(model, names, bits, GROUP)  # their scales are chosen in bf16 (format 2)
+    blocked = blocked_names(model, names, bits, GROUP, rows)  # their scales are chosen in bf16
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
     if kernel:
-        install(model, SimpleNamespace(rows64=rows64, group=GROUP), torch.float32, torch.device("cpu"))
+        install(model, SimpleNamespace(blocked=blocked, group=GROUP, block_rows=rows), torch.float32,
+                torch.device("cpu"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in names:
-                q = quantize_tensor(p, bits, GROUP, scale_dtype(name in rows64))
+                q = quantize_tensor(p, bits, GROUP, scale_dtype(name in blocked))
                 p.copy_(dequantize_tensor(*q, bits, GROUP, tuple(p.shape), p.dtype))
         for name, mod in model.named_modules():
             if isinstance(mod, Int4Linear):
                 w = weights[f"{name}.weight"]
-                packed, scale = stored_form(w, tuple(w.shape), bits, GROUP, rows64=True)
+                packed, scale = stored_form(w, tuple(w.shape), bits, GROUP, rows=rows)
                 mod.weight_packed.copy_(packed.view(torch.float32))
                 mod.weight_scale.copy_(scale_pairs(scale, torch.float32))
         return model.generate(prompt(), **GEN).tolist()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, "int4_rows32"])
 def test_store_reads_any_element_range(folders, bits):
-    """Dequantized reads of any range, in the flat order and (int4) in the kernel's ROWS64 order."""
+    """Dequantized reads of any range, in the flat order and (int4) in the kernel's blocked orders."""
     from safetensors.torch import load_file
 
     plain = load_file(os.path.join(folders["plain"], "model.safetensors"))
     store = QuantizedStore.open(folders[bits], resident=False)
+    assert store.block_rows == (32 if bits == "int4_rows32" else 64)
     keys = sorted(store.qshapes)
     if bits == 4:
-        assert store.rows64 and set(keys) - store.rows64  # the tiny model has both kinds
-        keys = [min(store.rows64), min(set(keys) - store.rows64)]
+        assert store.blocked and set(keys) - store.blocked  # the tiny model has both kinds
+        keys = [min(store.blocked), min(set(keys) - store.blocked)]
+    if bits == "int4_rows32":
+        assert store.blocked == set(keys)  # 32-row blocks: k/v (32 rows) and gate/up (96) too
+        keys = [k for k in keys if store.qshapes[k][0] == 96][:1] + [k for k in keys if store.qshapes[k][0] == 32][:1]
+    bits = 4 if bits == "int4_rows32" else bits
     for key in keys[:2]:
         n = math.prod(store.qshapes[key])
         whole = store.read(key, 0, n)
         w = plain[key]
-        q = quantize_tensor(w, bits, GROUP, scale_dtype(key in store.rows64))
+        q = quantize_tensor(w, bits, GROUP, scale_dtype(key in store.blocked))
         assert torch.equal(whole.view(w.shape), dequantize_tensor(*q, bits, GROUP, tuple(w.shape), w.dtype))
         for a, b in [(0, 1), (5, 77), (GROUP, 3 * GROUP), (n - 40, n), (1, n - 1)]:
             assert torch.equal(store.read(key, a, b), whole[a:b])
     assert store.qdtype == torch.float32
     if bits == 4:  # an Int4Linear's parameters, as the store serves them: the kernel's (scale, 0) pairs
-        key = min(store.rows64)
+        key = min(store.blocked)
         store.packed_in_use = {key}
         w = plain[key]
-        want = scale_pairs(stored_form(w, tuple(w.shape), 4, GROUP, rows64=True)[1], torch.float32)
+        want = scale_pairs(stored_form(w, tuple(w.shape), 4, GROUP, rows=store.block_rows)[1], torch.float32)
         got = store.read(f"{key}_scale", 0, want.numel(), torch.empty(want.numel()))
         assert torch.equal(got, want)
         for a, b in [(1, 2), (3, 70), (want.numel() - 5, want.numel())]:
@@ -124,10 +140,14 @@ def test_quantized_streaming_equals_dequantized_model(folders, bits):
     want = _dequantized_reference(folders["plain"], bits)
     disk = stream(folders[bits], "disk")
     assert disk["tokens"] == want
+    # quantized at load: int4 in this torch's order (64-row blocks where it has no kernel)
+    rows = write_block_rows()
     cpu = init_inference(folders["plain"], offload="cpu", quantize=f"int{bits}", group_size=GROUP)
-    assert cpu.generate(prompt(), **GEN).tolist() == want
+    assert cpu.generate(prompt(), **GEN).tolist() == (
+        want if bits == 8 or rows == 64 else _dequantized_reference(folders["plain"], bits, rows=rows))
     kernels = sum(isinstance(m, Int4Linear) for m in cpu.modules())
-    assert kernels == (6 if bits == 4 and kernel_available() else 0)  # q, o, down of 2 layers (gate/up: 96 rows)
+    # blocks of 64: q, o, down of 2 layers (k/v: 32 rows, gate/up: 96); blocks of 32: all 7 of each layer
+    assert kernels == ({64: 6, 32: 14}[rows] if bits == 4 and kernel_available() else 0)
     # offload="cpu" keeps the root and the packed weights, no dequantized copy (norms: from the file)
     state = stream_state_of(cpu)
     root = sum(g.memory()["params"] for g in state.groups[-1])
@@ -139,6 +159,17 @@ def test_quantized_streaming_equals_dequantized_model(folders, bits):
     # the root (embeddings, head) is read once at load and stays resident in both
     layers_q, layers_plain = (r["bytes_read"] - r["root_bytes"] for r in (disk, plain))
     assert layers_q <= layers_plain * ((bits / 8 + 2 / GROUP) / 4 + 0.01)
+
+
+def test_streaming_a_file_in_either_kernel_order(folders):
+    """An int4 file in 32-row blocks (what an AVX2 machine writes) and one in 64-row blocks (AVX-512):
+    on a CPU whose torch packs in that order the kernel takes the weights as read, on any other they
+    are dequantized per layer; either way the tokens are those of the same computation done resident."""
+    for key, rows, blocked in [("int4_rows32", 32, 14), (4, 64, 6)]:
+        want = _dequantized_reference(folders["plain"], 4, rows=rows)
+        model = init_inference(folders[key], offload="disk")
+        assert model.generate(prompt(), **GEN).tolist() == want, rows
+        assert sum(isinstance(m, Int4Linear) for m in model.modules()) == (blocked if kernel_available(rows) else 0)
 
 
 def test_quantized_folder_mismatches_are_refused(folders):
@@ -156,20 +187,30 @@ def test_quantized_folder_mismatches_are_refused(folders):
 
 def test_format_versions_refused_unless_read_alike(folders, tmp_path):
     """Format 2 keeps the int4 kernel weights' scales in BF16 in the kernel's order; a format-1 file
-    (row-major F16 there) is refused, never misread. An int8 format-1 file holds the same bytes."""
+    (row-major F16 there) is refused, never misread. An int8 format-1 file holds the same bytes.
+    Format 3 records the block rows; a format-2 file (``rows64``, no block rows) reads as 64-row
+    blocks, and block rows other than 64 and 32 are refused."""
     store = QuantizedStore.open(folders[4], resident=False)
     for key in store.qshapes:
-        assert store.tensors[f"{key}.scale"].dtype == (torch.bfloat16 if key in store.rows64 else torch.float16)
-    for bits, version, refused in [(4, None, "format 1"), (4, 3, "format_version 3"), (8, None, None)]:
-        folder = tmp_path / f"int{bits}_v{version}"
+        assert store.tensors[f"{key}.scale"].dtype == (torch.bfloat16 if key in store.blocked else torch.float16)
+    cases = [(4, None, "format 1", None), (4, 4, "format_version 4", None), (8, None, None, None),
+             (4, 2, None, None), (4, 3, "block_rows 48", 48)]
+    for bits, version, refused, rows in cases:
+        folder = tmp_path / f"int{bits}_v{version}_{rows}"
         shutil.copytree(folders[bits], folder)
         desc = json.loads((folder / DESCRIPTION).read_text())
-        assert desc.pop("format_version") == 2
+        assert desc.pop("format_version") == 3 and desc["block_rows"] == 64
         if version is not None:
             desc["format_version"] = version
+        if version is None or version == 2:  # as formats 1-2 wrote it
+            desc["rows64"], _ = desc.pop("blocked"), desc.pop("block_rows")
+        if rows is not None:
+            desc["block_rows"] = rows
         (folder / DESCRIPTION).write_text(json.dumps(desc))
         if refused is None:
-            assert QuantizedStore.open(str(folder), resident=False).bits == bits
+            opened = QuantizedStore.open(str(folder), resident=False)
+            assert opened.bits == bits and opened.block_rows == 64
+            assert opened.blocked == (store.blocked if bits == 4 else set())
             continue
         with pytest.raises(ValueError, match=refused):
             QuantizedStore.open(str(folder), resident=False)
@@ -183,7 +224,7 @@ def test_two_rank_quantized_streaming(pool2, folders):
 
 
 def test_tensor_parallel_quantized_streaming(pool2, folders):
-    """Tensor-parallel slices are dequantized per layer (no kernel form), ROWS64 order included."""
+    """Tensor-parallel slices are dequantized per layer (no kernel form), the blocked order included."""
     want = _dequantized_reference(folders["plain"], 4, kernel=False)
     assert pool2.run("inference_cases:tensor_parallel", folders[4], "disk") == [want, want]
 

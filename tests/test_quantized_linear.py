@@ -1,5 +1,6 @@
 """Int4Linear (torch's CPU int4 kernel on weights kept packed) against dequantize-then-matmul, the
-ROWS64 byte order against torch's own packing, and the fallback for shapes the kernel cannot take."""
+blocked byte orders (64 rows on AVX-512 builds, 32 on AVX2 ones) against torch's own packing, and
+the fallback for shapes the kernel cannot take."""
 
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ from torch import nn
 
 from shardwise.inference.quantize import dequantize_tensor, quantize_tensor
 from shardwise.inference.quantized_linear import (
+    BLOCK_ROWS,
     Int4Linear,
-    from_rows64,
+    from_blocked,
     install,
     kernel_available,
     kernel_eligible,
     kernel_scales,
+    native_block_rows,
     scale_pairs,
-    to_rows64,
+    to_blocked,
 )
 
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no CPU int4 kernel packing in ROWS64 order here")
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no CPU int4 kernel in an order defined here")
 
 
 def _packed_linear(n: int, k: int, group: int, bias: bool, dtype: torch.dtype):
@@ -28,22 +31,37 @@ def _packed_linear(n: int, k: int, group: int, bias: bool, dtype: torch.dtype):
     packed, scale = quantize_tensor(w, 4, group)
     lin = nn.Linear(k, n, bias=bias)
     m = Int4Linear(lin, group, dtype)
-    m.weight_packed.data = to_rows64(packed, n, k).view(dtype)
+    m.weight_packed.data = to_blocked(packed, n, k, native_block_rows()).view(dtype)
     m.weight_scale.data = scale_pairs(kernel_scales(scale, n, k, group), dtype)
     return m, packed, scale
 
 
-def test_rows64_round_trip():
+@pytest.mark.parametrize("rows", BLOCK_ROWS)
+def test_blocked_round_trip(rows):
     flat = torch.randint(0, 256, (192 * 96 // 2,), dtype=torch.uint8)
-    assert torch.equal(from_rows64(to_rows64(flat, 192, 96), 96), flat)
+    assert torch.equal(from_blocked(to_blocked(flat, 192, 96, rows), 96, rows), flat)
+
+
+def test_block_orders_differ_and_place_rows_as_documented():
+    """Byte r of input column j in a block of R rows holds row r (low nibble) and row r + R/2 (high)."""
+    n, k = 128, 4
+    level = lambda row: (row // 4) % 16  # noqa: E731  (distinct within a block of either size)
+    flat = level(torch.arange(n))[:, None].expand(n, k).to(torch.uint8).reshape(-1, 2)
+    flat = flat[:, 0] | (flat[:, 1] << 4)
+    for r in BLOCK_ROWS:
+        b = to_blocked(flat, n, k, r).view(n // r, k, r // 2)
+        for block in range(n // r):
+            first = block * r + torch.arange(r // 2)
+            assert torch.equal(b[block, 1] & 15, level(first)) and torch.equal(b[block, 1] >> 4, level(first + r // 2))
+    assert not torch.equal(to_blocked(flat, n, k, 64), to_blocked(flat, n, k, 32))
 
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(64, 64), (192, 96), (1024, 2816)])
-def test_rows64_is_torch_packing(n, k):
+def test_native_order_is_torch_packing(n, k):
     levels = torch.randint(0, 16, (n, k), dtype=torch.int32)
     pairs = levels.to(torch.uint8).view(-1, 2)
-    ours = to_rows64(pairs[:, 0] | (pairs[:, 1] << 4), n, k)
+    ours = to_blocked(pairs[:, 0] | (pairs[:, 1] << 4), n, k, native_block_rows())
     assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1).reshape(-1), ours)
 
 
@@ -73,22 +91,28 @@ def test_kernel_equals_dequantize_then_matmul(n, k, group, batch, bias, dtype):
 
 
 def test_ineligible_shapes_are_refused_not_computed():
-    for n, k, group in [(96, 64, 32), (64, 96, 64), (64, 64, 16)]:
+    for n, k, group, rows in [(96, 64, 32, 64), (48, 64, 32, 32), (64, 96, 64, 64), (64, 64, 16, 32)]:
         lin = nn.Linear(k, n)
-        assert not kernel_eligible(lin, group)
+        assert not kernel_eligible(lin, group, rows)
         with pytest.raises(ValueError, match="out_features"):
-            Int4Linear(lin, group, torch.float32)
+            Int4Linear(lin, group, torch.float32, rows)
+    assert kernel_eligible(nn.Linear(64, 96), 32, 32)  # 96 rows: whole blocks of 32, not of 64
 
 
 def test_install_swaps_only_listed_eligible_linears():
     class Store:
-        group, rows64 = 32, {"a.weight", "b.weight"}
+        group, blocked, block_rows = 32, {"a.weight", "b.weight"}, native_block_rows() or 64
 
     model = nn.Sequential()
     model.add_module("a", nn.Linear(64, 64))
-    model.add_module("b", nn.Linear(64, 96))  # listed but 96 rows: stays a Linear (dequantized path)
+    model.add_module("b", nn.Linear(64, 80))  # listed but 80 rows, no whole block: stays a Linear
     model.add_module("c", nn.Linear(64, 64))  # not listed
     store = Store()
+    other = Store()
+    other.block_rows = 32 if Store.block_rows == 64 else 64  # a file written on the other kind of CPU
+    spare = nn.Sequential()
+    spare.add_module("a", nn.Linear(64, 64))
+    assert install(spare, other, torch.float32, torch.device("cpu")) == 0 and type(spare.a) is nn.Linear
     swapped = install(model, store, torch.float32, torch.device("cpu"))
     if not kernel_available():
         assert swapped == 0 and isinstance(model.a, nn.Linear)
@@ -109,7 +133,7 @@ has_kernel_ops = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pac
 def test_forward_hands_the_stored_scale_layout_to_the_kernel(dtype):
     """The scales as a format-2 file stores them (kernel_scales) and the store serves them
     (scale_pairs) are what the kernel takes, with no per-call reordering. The packed bytes here come
-    from this torch's own packing, so this runs on any CPU with the kernel (ROWS64 or not); bound as
+    from this torch's own packing, so this runs on any CPU with the kernel (in any order); bound as
     in test_kernel_equals_dequantize_then_matmul (2^-8 |y| + k 2^-24 sum |x||w|)."""
     torch.manual_seed(0)
     n, k, group = 128, 256, 64

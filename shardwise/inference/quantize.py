@@ -10,11 +10,14 @@ quality.
 A quantized folder (``quantize_folder``) is an ordinary safetensors file where a quantized weight
 ``W`` is stored as ``W`` (I8, or U8 packed) and ``W.scale`` (F16), padded to whole groups, plus
 ``shardwise_quantization.json`` (format version, bits, group size, original shapes and dtype, and
-which int4 weights are stored in the ROWS64 byte order of ``shardwise.inference.quantized_linear``). Format 2:
-the scales of those ROWS64 weights are BF16 in the kernel's order, ``[in / group, out]``
+which int4 weights are stored in the kernel's blocked byte order of ``shardwise.inference.quantized_linear``,
+``blocked``, in blocks of ``block_rows`` rows). Format 3 records ``block_rows``, the order of the
+torch that wrote the file (64 on AVX-512 CPUs, 32 on AVX2 ones); format 2 wrote 64-row blocks
+(``rows64``) everywhere, so on AVX2 machines the kernel never ran. Since format 2 the scales of
+the blocked weights are BF16 in the kernel's order, ``[in / group, out]``
 (``kernel_scales``), chosen in bf16 when quantizing, so the kernel and the dequantized path use the
 same values; format 1 (no version in the description) stored them row-major in F16 and is refused
-when it lists ROWS64 weights (an int8 or a ROWS64-free int4 file is the same in both). To the streaming
+when it lists blocked weights (an int8 or a blocked-free int4 file is the same in all). To the streaming
 machinery it is just another shard store: :class:`QuantizedStore` fills the gathered buffer with
 dequantized values, a chunk at a time, so no layer-sized temporary is ever allocated; or, for a
 Linear swapped for ``Int4Linear`` (int4, CPU), with the packed bytes and scales as stored.
@@ -34,13 +37,15 @@ from torch import nn
 
 from shardwise.cli_errors import OneLineParser, bounded_int, one_line
 from shardwise.inference.quantized_linear import (
+    BLOCK_ROWS,
+    DEFAULT_BLOCK_ROWS,
     PACKED,
-    ROWS,
     SCALE,
-    from_rows64,
+    from_blocked,
     kernel_eligible,
     kernel_scales,
-    to_rows64,
+    to_blocked,
+    write_block_rows,
 )
 from shardwise.inference.stream import SafetensorsReader, meta_model
 from shardwise.model_folder import hf_output_name
@@ -49,7 +54,7 @@ from shardwise.safetensors_io import ST_DTYPES, ST_NAMES
 from shardwise.zero.stage3 import assign_params, find_units
 
 DESCRIPTION = "shardwise_quantization.json"
-FORMAT_VERSION = 2  # 2: ROWS64 weights' scales in the kernel's order and dtype (see the module doc)
+FORMAT_VERSION = 3  # 2: blocked weights' scales in the kernel's order and dtype; 3: block_rows (module doc)
 BITS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP = 64
 _CHUNK = 1 << 18  # elements dequantized at a time (bounded staging, reused)
@@ -85,26 +90,29 @@ def dequantize_tensor(packed: torch.Tensor, scale: torch.Tensor, bits: int, grou
     return w.reshape(-1)[:math.prod(shape)].view(shape).to(dtype)
 
 
-def scale_dtype(rows64: bool) -> torch.dtype:
-    """The stored scales' dtype: bf16 (the kernel's) for ROWS64 weights, else fp16."""
-    return torch.bfloat16 if rows64 else torch.float16
+def scale_dtype(blocked: bool) -> torch.dtype:
+    """The stored scales' dtype: bf16 (the kernel's) for blocked weights, else fp16."""
+    return torch.bfloat16 if blocked else torch.float16
 
 
 def stored_form(w: torch.Tensor, shape: tuple[int, ...], bits: int, group: int,
-                rows64: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed values, scales)`` of ``w`` as a format-2 file holds them (ROWS64: both in the kernel's order)."""
-    packed, scale = quantize_tensor(w, bits, group, scale_dtype(rows64))
-    if rows64:
-        return to_rows64(packed, *shape), kernel_scales(scale, *shape, group)
+                rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed values, scales)`` of ``w`` as a file holds them; ``rows``: blocked in the kernel's order
+    in blocks of that many rows (the scales too), None: flat."""
+    packed, scale = quantize_tensor(w, bits, group, scale_dtype(rows is not None))
+    if rows is not None:
+        return to_blocked(packed, *shape, rows), kernel_scales(scale, *shape, group)
     return packed, scale
 
 
-def _check_version(path: str, version: int, rows64: set[str]) -> None:
+def _check_version(path: str, version: int, blocked: set[str], rows: int) -> None:
     """Refuse a description this version would misread (see the module doc)."""
     if version > FORMAT_VERSION or version < 1:
         raise ValueError(f"{path}: format_version {version} is not one this shardwise reads (1-{FORMAT_VERSION}); "
                          "use the shardwise that wrote it, or quantize the original folder again")
-    if version < 2 and rows64:
+    if rows not in BLOCK_ROWS:
+        raise ValueError(f"{path}: block_rows {rows} is not one of {list(BLOCK_ROWS)}")
+    if version < 2 and blocked:
         raise ValueError(f"{path}: format 1 (an older shardwise) stores the scales of its int4 kernel weights "
                          "row-major in F16; format 2 keeps them in the kernel's order in BF16. Quantize the "
                          "original folder again: shardwise quantize SRC DST --bits 4")
@@ -118,11 +126,13 @@ def quantizable(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
-def rows64_names(model: nn.Module, names: set[str], bits: int, group: int) -> set[str]:
-    """The int4 weights among ``names`` stored in the kernel's ROWS64 order (Linear, shapes it takes)."""
+def blocked_names(model: nn.Module, names: set[str], bits: int, group: int, rows: int) -> set[str]:
+    """The int4 weights among ``names`` stored in the kernel's order in blocks of ``rows`` (Linear,
+    shapes it takes)."""
     if bits != 4:
         return set()
-    return {n for n in names if n.endswith(".weight") and kernel_eligible(model.get_submodule(n[:-7]), group)}
+    return {n for n in names
+            if n.endswith(".weight") and kernel_eligible(model.get_submodule(n[:-7]), group, rows)}
 
 
 def is_quantized(folder: str | os.PathLike) -> bool:
@@ -145,21 +155,23 @@ class QuantizedStore(SafetensorsReader):
     """
 
     def __init__(self, folder: str, bits: int, group: int, shapes: dict[str, tuple[int, ...]],
-                 dtype: torch.dtype, resident: bool, from_plain: bool = False, rows64: set[str] = frozenset()):
+                 dtype: torch.dtype, resident: bool, from_plain: bool = False, blocked: set[str] = frozenset(),
+                 block_rows: int = DEFAULT_BLOCK_ROWS):
         super().__init__(folder)
         _check_args(bits, group)
         self.bits, self.group, self.qshapes, self.qdtype = bits, group, shapes, dtype
-        self.rows64, self.packed_in_use = set(rows64), set()  # the latter: set by quantized_linear.install
-        for key in self.rows64:
+        self.blocked, self.packed_in_use = set(blocked), set()  # the latter: set by quantized_linear.install
+        self.block_rows = block_rows
+        for key in self.blocked:
             shape = shapes.get(key, ())
-            if bits != 4 or len(shape) != 2 or shape[0] % ROWS or shape[1] % group:
-                raise ValueError(f"{folder}/{DESCRIPTION}: {key!r} ({list(shape)}) is listed as rows64 but only "
-                                 f"int4 [out, in] weights with out % {ROWS} == 0 and in % {group} == 0 can be")
+            if bits != 4 or len(shape) != 2 or shape[0] % block_rows or shape[1] % group:
+                raise ValueError(f"{folder}/{DESCRIPTION}: {key!r} ({list(shape)}) is listed as blocked but only "
+                                 f"int4 [out, in] weights with out % {block_rows} == 0 and in % {group} == 0 can be")
         self.blobs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for key, shape in shapes.items():
             if from_plain:
                 self.blobs[key] = stored_form(super().read(key, 0, math.prod(shape)), shape, bits, group,
-                                              key in self.rows64)
+                                              block_rows if key in self.blocked else None)
             else:
                 self._check_stored(key, shape)
                 if resident:
@@ -177,16 +189,17 @@ class QuantizedStore(SafetensorsReader):
             bits, group = int(desc["bits"]), int(desc["group_size"])
             shapes = {k: tuple(int(d) for d in v) for k, v in desc["tensors"].items()}
             dtype = ST_DTYPES[desc["dtype"]]
-            rows64 = {str(k) for k in desc.get("rows64", [])}
+            blocked = {str(k) for k in desc.get("blocked", desc.get("rows64", []))}
+            rows = int(desc.get("block_rows", DEFAULT_BLOCK_ROWS)) if version >= 3 else DEFAULT_BLOCK_ROWS
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a valid quantization description ({type(e).__name__}: {e})") from None
-        _check_version(path, version, rows64)
-        return cls(folder, bits, group, shapes, dtype, resident, rows64=rows64)
+        _check_version(path, version, blocked, rows)
+        return cls(folder, bits, group, shapes, dtype, resident, blocked=blocked, block_rows=rows)
 
     def _check_stored(self, key: str, shape: tuple[int, ...]) -> None:
         groups = -(-math.prod(shape) // self.group)
         want = {key: (torch.uint8 if self.bits == 4 else torch.int8, groups * self.group * self.bits // 8),
-                f"{key}.scale": (scale_dtype(key in self.rows64), groups)}
+                f"{key}.scale": (scale_dtype(key in self.blocked), groups)}
         for name, (dtype, numel) in want.items():
             got = self.tensors.get(name)
             if got is None or got.dtype != dtype or got.numel != numel:
@@ -282,8 +295,8 @@ class QuantizedStore(SafetensorsReader):
         so real) I/Os per token, 5x slower than the dequantization itself (int8, issue 12)."""
         g, per_byte = self.group, 8 // self.bits
         chunk, first, stop = max(1, _CHUNK // g), start // g, -(-end // g)
-        if key in self.rows64:  # whole blocks of 64 rows: the same bytes in both orders, reordered here
-            block = ROWS * self.qshapes[key][1] // g
+        if key in self.blocked:  # whole row blocks: the same bytes in both orders, reordered here
+            block = self.block_rows * self.qshapes[key][1] // g
             chunk, first, stop = -(-chunk // block) * block, first // block * block, -(-stop // block) * block
         packed = self._buf("packed", chunk * g // per_byte, torch.uint8)
         index = self._buf("index", chunk * g // per_byte, torch.int32)
@@ -299,8 +312,8 @@ class QuantizedStore(SafetensorsReader):
             n = min(chunk, stop - ga)
             q = packed[:n * g // per_byte]
             q.copy_(all_q[(ga - first) * g // per_byte:(ga - first + n) * g // per_byte])
-            if key in self.rows64:
-                q.copy_(from_rows64(q, self.qshapes[key][1]))
+            if key in self.blocked:
+                q.copy_(from_blocked(q, self.qshapes[key][1], self.block_rows))
             scales32[:n].copy_(all_s[ga - first:ga - first + n])
             if self.bits == 8:
                 torch.mul(q.view(torch.int8).view(n, g), scales32[:n, None], out=vals[:n * g].view(n, g))
@@ -313,9 +326,9 @@ class QuantizedStore(SafetensorsReader):
 
 
     def _row_major_scales(self, key: str, first: int, stop: int) -> torch.Tensor:
-        """Scales of groups [first, stop) in row-major order. ROWS64 weights store theirs in the kernel's
+        """Scales of groups [first, stop) in row-major order. Blocked weights store theirs in the kernel's
         ``[in / group, out]`` order, and the range is whole rows: those columns, transposed."""
-        if key not in self.rows64:
+        if key not in self.blocked:
             if key in self.blobs:
                 return self.blobs[key][1][first:stop]
             out = self._buf("range_scales", stop - first, torch.float16)
@@ -327,7 +340,7 @@ class QuantizedStore(SafetensorsReader):
         else:  # every column is one read; bounded by the largest tensor's scales
             kernel_order = self._buf("kernel_scales", n * kg, torch.bfloat16)
             self._raw(key, True, 0, kernel_order)
-        out = self._buf("range_scales_rows64", stop - first, torch.bfloat16)
+        out = self._buf("range_scales_blocked", stop - first, torch.bfloat16)
         out.view(-1, kg).copy_(kernel_order.view(kg, n)[:, first // kg:stop // kg].t())
         return out
 
@@ -355,8 +368,10 @@ def open_store(path: str, model: nn.Module, offload: str | None, quantize: str |
     dtype = next((plain.tensors[k].dtype for k in shapes), torch.float32)
     plain.close()
     group = group_size or DEFAULT_GROUP
-    rows64 = {plain.find([n]) for n in rows64_names(model, names, BITS[quantize], group)}
-    return QuantizedStore(path, BITS[quantize], group, shapes, dtype, True, from_plain=True, rows64=rows64)
+    rows = write_block_rows()
+    blocked = {plain.find([n]) for n in blocked_names(model, names, BITS[quantize], group, rows)}
+    return QuantizedStore(path, BITS[quantize], group, shapes, dtype, True, from_plain=True, blocked=blocked,
+                          block_rows=rows)
 
 
 def _copy_side_files(src: str, dst: str) -> list[str]:
@@ -372,23 +387,10 @@ def _copy_side_files(src: str, dst: str) -> list[str]:
     return names
 
 
-def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, overwrite: bool = False) -> dict:
-    """Write a quantized copy of the ``save_pretrained`` folder ``src`` to ``dst``, one tensor at a time.
-
-    ``dst`` is checked first (``safe_files.OutputFolder``): never ``src`` or inside it (also through
-    a symlink), no files shardwise did not write unless ``overwrite``. Every file is written to a
-    temporary name and renamed.
-    """
-    _check_args(bits, group)
-    guard = OutputFolder(dst, "DST", inputs=[src], overwrite=overwrite,
-                         ours=lambda n: hf_output_name(n) or n == DESCRIPTION)
-    if is_quantized(src):
-        raise ValueError(f"{src} is already quantized; quantize the original folder")
-    model, _ = meta_model(src, None)
-    files = SafetensorsReader(src)
-    names = quantizable(model)
-    rows64 = rows64_names(model, names, bits, group)
-    order = sorted(files.tensors, key=lambda k: (files.file_of[k].path, files.tensors[k].offset))
+def _quantized_header(files: SafetensorsReader, order: list[str], names: set[str], blocked: set[str], bits: int,
+                      group: int) -> tuple[dict, dict[str, list[int]], str | None]:
+    """The output's safetensors header (tensors in ``order``; each quantized one as its packed values
+    and scales), the quantized tensors' original shapes, and their dtype's name."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt", "quantized_by": "shardwise"}}
     offset, shapes, dtype = 0, {}, None
     for key in order:
@@ -397,13 +399,41 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, o
             shapes[key], dtype = list(shape), dtype or st
             groups = -(-math.prod(shape) // group)
             parts = [(key, "I8" if bits == 8 else "U8", groups * group * bits // 8, 1),
-                     (f"{key}.scale", ST_NAMES[scale_dtype(key in rows64)], groups, 2)]
+                     (f"{key}.scale", ST_NAMES[scale_dtype(key in blocked)], groups, 2)]
         else:
             parts = [(key, st, math.prod(shape), files.tensors[key].dtype.itemsize)]
         for name, kind, numel, size in parts:
             header[name] = {"dtype": kind, "shape": list(shape) if name == key and key not in names else [numel],
                             "data_offsets": [offset, offset + numel * size]}
             offset += numel * size
+    return header, shapes, dtype
+
+
+def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, overwrite: bool = False,
+                    block_rows: int | None = None) -> dict:
+    """Write a quantized copy of the ``save_pretrained`` folder ``src`` to ``dst``, one tensor at a time.
+
+    ``block_rows``: the int4 kernel order to write (64: AVX-512 CPUs, 32: AVX2 ones); default the
+    running torch's, so the machine that quantizes runs the kernel on the file.
+
+    ``dst`` is checked first (``safe_files.OutputFolder``): never ``src`` or inside it (also through
+    a symlink), no files shardwise did not write unless ``overwrite``. Every file is written to a
+    temporary name and renamed.
+    """
+    _check_args(bits, group)
+    rows = block_rows or write_block_rows()  # the running torch's kernel order (module doc)
+    if rows not in BLOCK_ROWS:
+        raise ValueError(f"block_rows must be one of {list(BLOCK_ROWS)}, got {rows}")
+    guard = OutputFolder(dst, "DST", inputs=[src], overwrite=overwrite,
+                         ours=lambda n: hf_output_name(n) or n == DESCRIPTION)
+    if is_quantized(src):
+        raise ValueError(f"{src} is already quantized; quantize the original folder")
+    model, _ = meta_model(src, None)
+    files = SafetensorsReader(src)
+    names = quantizable(model)
+    blocked = blocked_names(model, names, bits, group, rows)
+    order = sorted(files.tensors, key=lambda k: (files.file_of[k].path, files.tensors[k].offset))
+    header, shapes, dtype = _quantized_header(files, order, names, blocked, bits, group)
     out = guard.prepare() / "model.safetensors"
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
@@ -411,7 +441,8 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, o
         f.write(len(raw).to_bytes(8, "little") + raw)
         for key in order:
             t = files.read(key, 0, files.tensors[key].numel)
-            pieces = stored_form(t, files.tensors[key].shape, bits, group, key in rows64) if key in names else (t,)
+            pieces = (stored_form(t, files.tensors[key].shape, bits, group, rows if key in blocked else None)
+                      if key in names else (t,))
             for piece in pieces:
                 f.write(piece.reshape(-1).view(torch.uint8).numpy().tobytes())
         f.flush()
@@ -420,8 +451,8 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, o
     files.close()
     written = ["model.safetensors", DESCRIPTION, *_copy_side_files(src, dst)]
     desc = {"format": "shardwise-groupwise-symmetric", "format_version": FORMAT_VERSION, "bits": bits,
-            "group_size": group, "scale_dtype": "F16", "rows64_scales": "BF16 [in / group, out]",
-            "dtype": dtype or "F32", "tensors": shapes, "rows64": sorted(rows64)}
+            "group_size": group, "scale_dtype": "F16", "blocked_scales": "BF16 [in / group, out]",
+            "dtype": dtype or "F32", "tensors": shapes, "blocked": sorted(blocked), "block_rows": rows}
     write_atomic(os.path.join(dst, DESCRIPTION), json.dumps(desc, indent=1).encode())
     guard.finish(written)
     before = sum(f.size for f in files.files)
@@ -440,11 +471,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, choices=[8, 4], required=True)
     p.add_argument("--group-size", type=bounded_int(1, 1 << 20, "--group-size"), default=DEFAULT_GROUP,
                    help=f"elements per scale (default {DEFAULT_GROUP})")
+    p.add_argument("--kernel-order", type=int, choices=list(BLOCK_ROWS), default=None,
+                   help="int4: rows per block of the CPU kernel's byte order to write (64: AVX-512 machines, "
+                        f"32: AVX2 ones; default this machine's, {write_block_rows()})")
     p.add_argument("--overwrite", action="store_true",
                    help="DST may hold other files: replace only the files quantize writes there")
     args = p.parse_args(argv)
     try:
-        rep = quantize_folder(args.src, args.dst, args.bits, args.group_size, overwrite=args.overwrite)
+        rep = quantize_folder(args.src, args.dst, args.bits, args.group_size, overwrite=args.overwrite,
+                              block_rows=args.kernel_order)
     except (ValueError, OSError) as e:
         print(f"shardwise quantize: error: {one_line(e)}", file=sys.stderr)
         return 2

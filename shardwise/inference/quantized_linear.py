@@ -5,16 +5,19 @@ reading the bf16 layer would (issue 12: 0.41x bf16 tokens/s). ``aten._weight_int
 multiplies bf16 activations by weights kept as 4-bit levels with one (scale, zero) per group along
 the input dimension, which is exactly the group-wise symmetric format of ``shardwise.inference.quantize``
 (``w = (level - 8) * scale``, zero 0) when the groups lie along a row (``in_features`` a multiple
-of the group size). The kernel wants its own byte order, ``ROWS64``: per block of 64 output rows,
-for each input index ``j`` 32 bytes, byte ``r`` holding row ``r`` (low nibble) and row ``r + 32``
-(high nibble) at ``j``. ``shardwise quantize`` writes eligible weights in that order, so a gathered
-layer is used as read: no conversion, no dequantization. The order is defined here in plain torch
-(so any machine can dequantize it) and checked against the running torch's packing once; where
-they differ, or on GPU, those weights are dequantized per layer as before.
+of the group size). The kernel wants its own byte order, which depends on the CPU torch was
+built for: per block of ``R`` output rows, for each input index ``j`` ``R / 2`` bytes, byte ``r``
+holding row ``r`` (low nibble) and row ``r + R / 2`` (high nibble) at ``j``; ``R`` = 64 with
+AVX-512 kernels ("ROWS64"), 32 with AVX2 ones ("ROWS32"). ``shardwise quantize`` writes eligible
+weights in the running torch's order and records ``R`` in the description, so a gathered layer is
+used as read: no conversion, no dequantization. Both orders are defined here in plain torch (so
+any machine can dequantize either) and the running torch's is found once, on a probe; where the
+file's order is not it (a file written on another kind of CPU), or on GPU, those weights are
+dequantized per layer as before.
 
 The kernel also wants its scales in its own layout, ``[in / group, out, 2]`` bf16 (scale, zero)
 pairs; rebuilding them from row-major fp16 scales (a transpose and a stack with zeros) on every
-call cost about 5% of a streamed int4 token. So the file stores the scales of ROWS64 weights
+call cost about 5% of a streamed int4 token. So the file stores the scales of kernel-order weights
 already transposed, ``[in / group, out]`` in bf16 (:func:`kernel_scales`; format 2 of
 ``shardwise quantize``), the store adds the zeros while it fills the gathered buffer (they are not
 stored: 2 more bytes per group to read), and the kernel takes the parameter as it is.
@@ -33,27 +36,29 @@ import torch
 from torch import nn
 
 KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the CPU kernel accepts
-ROWS = 64  # output rows per block of the ROWS64 order
+BLOCK_ROWS = (64, 32)  # output rows per block of the kernel's order: AVX-512 builds, AVX2 builds
+DEFAULT_BLOCK_ROWS = 64  # format-2 files (which record none), and a torch without the kernel
 PACKED, SCALE = "_packed", "_scale"  # suffixes of the raw store keys of an Int4Linear's parameters
 
 
-def kernel_eligible(module: nn.Module, group: int) -> bool:
-    """A Linear whose int4 weight the kernel can take as stored (else: dequantized per layer)."""
-    return (isinstance(module, nn.Linear) and group in KERNEL_GROUPS and module.out_features % ROWS == 0
+def kernel_eligible(module: nn.Module, group: int, rows: int) -> bool:
+    """A Linear whose int4 weight the kernel can take as stored in blocks of ``rows`` (else: dequantized)."""
+    return (isinstance(module, nn.Linear) and group in KERNEL_GROUPS and module.out_features % rows == 0
             and module.in_features % group == 0)
 
 
-def to_rows64(flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Packed int4 in flat order (two consecutive elements per byte, low nibble first) to ROWS64."""
-    levels = torch.stack([flat & 15, flat >> 4], dim=1).view(n // ROWS, 2, ROWS // 2, k)
+def to_blocked(flat: torch.Tensor, n: int, k: int, rows: int) -> torch.Tensor:
+    """Packed int4 in flat order (two consecutive elements per byte, low nibble first) to the
+    kernel's order in blocks of ``rows`` output rows."""
+    levels = torch.stack([flat & 15, flat >> 4], dim=1).view(n // rows, 2, rows // 2, k)
     return (levels[:, 0] | (levels[:, 1] << 4)).transpose(1, 2).contiguous().view(-1)
 
 
-def from_rows64(blocked: torch.Tensor, k: int) -> torch.Tensor:
-    """Inverse of :func:`to_rows64` for whole row blocks (``blocked.numel()`` a multiple of 32 k)."""
-    b = blocked.view(-1, k, ROWS // 2)
-    rows = torch.stack([b & 15, b >> 4], dim=1).transpose(2, 3).reshape(-1, k // 2, 2)
-    return (rows[..., 0] | (rows[..., 1] << 4)).reshape(-1)
+def from_blocked(blocked: torch.Tensor, k: int, rows: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked` for whole row blocks (``blocked.numel()`` a multiple of ``rows k / 2``)."""
+    b = blocked.view(-1, k, rows // 2)
+    out = torch.stack([b & 15, b >> 4], dim=1).transpose(2, 3).reshape(-1, k // 2, 2)
+    return (out[..., 0] | (out[..., 1] << 4)).reshape(-1)
 
 
 def kernel_scales(scale: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
@@ -70,24 +75,37 @@ def scale_pairs(kernel_order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @functools.cache
-def kernel_available() -> bool:
-    """Whether this torch has the CPU int4 kernel and packs in the ROWS64 order (checked on a probe)."""
+def native_block_rows() -> int | None:
+    """The block rows of the running torch's int4 packing (64 or 32), found on a probe; None when
+    this torch has no CPU int4 kernel or packs in an order not defined here."""
     convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
     if convert is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return False
-    n, k = 2 * ROWS, 96
+        return None
+    n, k = 2 * max(BLOCK_ROWS), 96
     i, j = torch.arange(n)[:, None], torch.arange(k)[None, :]
     levels = ((i * 7 + j * 3 + i * j) % 16).to(torch.int32)
     flat = levels.to(torch.uint8).view(-1, 2)
-    ours = to_rows64(flat[:, 0] | (flat[:, 1] << 4), n, k)
     try:
-        return torch.equal(convert(levels, 1).reshape(-1), ours)
+        theirs = convert(levels, 1).reshape(-1)
     except RuntimeError:
-        return False
+        return None
+    return next((r for r in BLOCK_ROWS if torch.equal(theirs, to_blocked(flat[:, 0] | (flat[:, 1] << 4), n, k, r))),
+                None)
+
+
+def kernel_available(rows: int | None = None) -> bool:
+    """Whether the CPU int4 kernel runs here (on weights in blocks of ``rows``; None: in any order)."""
+    native = native_block_rows()
+    return native is not None and (rows is None or rows == native)
+
+
+def write_block_rows() -> int:
+    """The block rows ``shardwise quantize`` writes: the running torch's, else the AVX-512 order."""
+    return native_block_rows() or DEFAULT_BLOCK_ROWS
 
 
 class Int4Linear(nn.Module):
-    """``nn.Linear`` whose weight is int4 in ROWS64 order with group-wise scales, multiplied by the
+    """``nn.Linear`` whose weight is int4 in the kernel's order with group-wise scales, multiplied by the
     CPU kernel in bf16 (activations rounded to bf16, fp32 accumulation, output in the input's dtype).
 
     ``weight_packed`` holds the ``out * in / 2`` packed bytes viewed as ``dtype``; ``weight_scale``
@@ -95,10 +113,11 @@ class Int4Linear(nn.Module):
     as they are when ``dtype`` is bf16 (else converted: exact, the values are bf16).
     """
 
-    def __init__(self, linear: nn.Linear, group: int, dtype: torch.dtype):
+    def __init__(self, linear: nn.Linear, group: int, dtype: torch.dtype, rows: int | None = None):
         super().__init__()
-        if not kernel_eligible(linear, group):
-            raise ValueError(f"Int4Linear needs out_features % {ROWS} == 0, in_features % group == 0 and group in "
+        rows = rows or native_block_rows() or DEFAULT_BLOCK_ROWS
+        if not kernel_eligible(linear, group, rows):
+            raise ValueError(f"Int4Linear needs out_features % {rows} == 0, in_features % group == 0 and group in "
                              f"{KERNEL_GROUPS}; got {linear.out_features}x{linear.in_features}, group {group}")
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
         nbytes, size = self.out_features * self.in_features // 2, torch.empty((), dtype=dtype).element_size()
@@ -122,17 +141,17 @@ class Int4Linear(nn.Module):
 
 
 def install(model: nn.Module, store: object, dtype: torch.dtype, device: torch.device) -> int:
-    """Swap the Linear layers whose weights ``store`` holds in ROWS64 order for :class:`Int4Linear`
-    when the kernel runs here (CPU, matching packing); returns how many were swapped (0: every
-    quantized weight is dequantized per layer instead)."""
-    rows64 = getattr(store, "rows64", set())
-    if not rows64 or device.type != "cpu" or not kernel_available():
+    """Swap the Linear layers whose weights ``store`` holds in the kernel's order for :class:`Int4Linear`
+    when the kernel runs here (CPU, the file's block rows this torch's); returns how many were
+    swapped (0: every quantized weight is dequantized per layer instead)."""
+    blocked, rows = getattr(store, "blocked", set()), getattr(store, "block_rows", DEFAULT_BLOCK_ROWS)
+    if not blocked or device.type != "cpu" or not kernel_available(rows):
         return 0
     swapped = []
     for name, mod in model.named_modules():
         key = f"{name}.weight"
-        if key in rows64 and kernel_eligible(mod, store.group):
-            swapped.append((name, Int4Linear(mod, store.group, dtype)))
+        if key in blocked and kernel_eligible(mod, store.group, rows):
+            swapped.append((name, Int4Linear(mod, store.group, dtype, rows)))
     for name, new in swapped:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
