@@ -3,7 +3,7 @@
 Each case runs the real command line (``shardwise.cli.main``, what ``python -m shardwise.cli``
 calls) with its stderr captured at the file descriptor. All of them fail before any process group
 starts (argument, file and config checks come first), so they run one after another in a single
-subprocess (``cli_error_runner.py``): the 23 cases pay Python's and torch's start-up once.
+subprocess (``cli_error_runner.py``): the 25 cases pay Python's and torch's start-up once.
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "train missing config": (["train", "--config", str(tmp / "none.json")], "--config"),
         "train bad config key": (["train", "--config", str(bad_cfg), "--steps", "1"], "stag"),
         "consolidate missing folder": (["consolidate", str(tmp / "nockpt"), str(tmp / "out")], "nockpt"),
+        "quantize group size 3": (["quantize", str(tmp / "src"), str(tmp / "q"), "--bits", "4", "--group-size", "3"],
+                                  "group_size"),
+        "quantize kernel order 48": (["quantize", str(tmp / "src"), str(tmp / "q"), "--bits", "4",
+                                      "--kernel-order", "48"], "--kernel-order"),
         "launch nproc 0": (["launch", "--nproc", "0", "--", "train", "--config", EXAMPLE], "--nproc"),
         "launch nproc string": (["launch", "--nproc", "two", "--", "train", "--config", EXAMPLE], "--nproc"),
         "launch no target": (["launch", "--nproc", "2"], "subcommand"),
