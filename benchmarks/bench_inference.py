@@ -8,8 +8,8 @@ process (peak RSS only grows) via ``tests/inference_cases.py measure`` and print
 ``--quantized``: the model saved in fp32 and bf16 and quantized (``shardwise quantize``) to int8
 and int4 from the bf16 copy (so those compute in bf16, as the bf16 row does; int4 Linear layers
 through torch's CPU int4 kernel; ``int4-r64`` / ``int4-r32``: an int4 file in the kernel order of
-the other kind of CPU, which this machine dequantizes per layer), each streamed from disk at batch 1 and 32, against plain
-transformers with the weights resident and, with ``--accelerate PATH`` (a folder holding the
+the other kind of CPU, which this machine dequantizes per layer), each streamed from disk at batch
+1 and 32, against plain transformers with the weights resident and, with ``--accelerate PATH`` (a folder holding the
 accelerate package, put on PYTHONPATH for those runs only), Accelerate's ``device_map="auto"``
 disk offload. ``--split``: also the seconds per token spent reading, dequantizing and in the int4
 kernel (``SHARDWISE_BENCH_SPLIT=1``; wrapping costs a little).

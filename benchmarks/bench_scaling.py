@@ -170,7 +170,7 @@ def plot(rows: list[dict], path: Path) -> str:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    return f"plot: {path}"
+    return f"plot: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}"
 
 
 def merged_meta(metas: list[dict]) -> dict:

@@ -16,17 +16,16 @@ import torch
 from inference_cases import GEN, perplexity, prompt, save_tiny, stream, train_sonnets
 
 from shardwise.inference.load import init_inference
-from shardwise.inference.quantize import (
+from shardwise.inference.quant_format import (
     DESCRIPTION,
-    QuantizedStore,
     blocked_names,
     dequantize_tensor,
     quantizable,
-    quantize_folder,
     quantize_tensor,
     scale_dtype,
     stored_form,
 )
+from shardwise.inference.quantize import quantize_folder
 from shardwise.inference.quantized_linear import (
     Int4Linear,
     install,
@@ -34,6 +33,7 @@ from shardwise.inference.quantized_linear import (
     scale_pairs,
     write_block_rows,
 )
+from shardwise.inference.quantized_store import QuantizedStore
 from shardwise.inference.stream import stream_state_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

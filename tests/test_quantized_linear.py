@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.inference.quantize import dequantize_tensor, quantize_tensor
+from shardwise.inference.quant_format import dequantize_tensor, quantize_tensor
 from shardwise.inference.quantized_linear import (
     BLOCK_ROWS,
     Int4Linear,

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, init_distributed, make_comm
-from shardwise.inference.quantize import is_quantized, open_store
+from shardwise.inference.quant_format import is_quantized
 from shardwise.inference.quantized_linear import install
+from shardwise.inference.quantized_store import open_store
 from shardwise.inference.stream import OFFLOADS, inference_device, meta_model, stream_layers
 from shardwise.model_folder import check_model_folder, loading, refuse_missing
 from shardwise.tensor_parallel.inference import init_inference as tp_init
@@ -39,7 +40,7 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     running (0: none). ``quantize="int8"|"int4"``: decoder-layer Linear weights are kept
     group-wise quantized (``group_size`` elements per scale) and dequantized per layer when it is
     gathered; from disk this needs a folder written by ``shardwise quantize`` (see
-    ``shardwise.inference.quantize``), which is also picked up when ``quantize`` is None. ``progress(i, n)``
+    ``shardwise.inference.quant_format``), which is also picked up when ``quantize`` is None. ``progress(i, n)``
     is called as the n units are set up. What streams the layers is
     ``shardwise.inference.stream_state_of(model)`` (its ``fetcher.peak_gathered_bytes``), None when
     the weights are simply resident (one rank, no offload); ``model.memory_report()`` gives the

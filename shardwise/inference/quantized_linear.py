@@ -3,7 +3,7 @@
 Dequantizing a streamed int4 layer into a float buffer before every use costs more CPU time than
 reading the bf16 layer would (issue 12: 0.41x bf16 tokens/s). ``aten._weight_int4pack_mm_for_cpu``
 multiplies bf16 activations by weights kept as 4-bit levels with one (scale, zero) per group along
-the input dimension, which is exactly the group-wise symmetric format of ``shardwise.inference.quantize``
+the input dimension, which is exactly the group-wise symmetric format of ``shardwise.inference.quant_format``
 (``w = (level - 8) * scale``, zero 0) when the groups lie along a row (``in_features`` a multiple
 of the group size). The kernel wants its own byte order, which depends on the CPU torch was
 built for: per block of ``R`` output rows, for each input index ``j`` ``R / 2`` bytes, byte ``r``

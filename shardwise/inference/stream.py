@@ -20,7 +20,7 @@ The root's own parameters (embeddings, final norm, head) are needed by every for
 streamed modes they stay resident, as ``stage3_param_persistence_threshold`` keeps small ones.
 Decoder layers are gathered into a fixed :class:`~shardwise.zero.gather_pool.GatherPool` of
 ``prefetch + 1`` layer buffers made once, so the memory held does not depend on the allocator.
-``quantize=`` streams group-wise int8/int4 weights from a :class:`~shardwise.inference.quantize.QuantizedStore`
+``quantize=`` streams group-wise int8/int4 weights from a :class:`~shardwise.inference.quantized_store.QuantizedStore`
 (another shard store), dequantized into the gathered buffer.
 """
 

@@ -60,7 +60,7 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
     path = os.fspath(model_or_path)
     model, dtype = _tp_meta_model(path, dtype, tp, config_kwargs)
     if offload is not None:
-        from shardwise.inference.quantize import open_store
+        from shardwise.inference.quantized_store import open_store
         from shardwise.inference.stream import stream_layers
 
         store = open_store(path, model, offload, quantize, group_size)
