@@ -118,6 +118,8 @@ def _ds_config(stage: int, precision: str, micro: int) -> dict:
             "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
     if _offload() and stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if stage > 0 and os.environ.get("BENCH_ZERO_EXTRA"):  # an experiment's extra keys, e.g. no prefetch
+        zero.update(json.loads(os.environ["BENCH_ZERO_EXTRA"]))
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0, "steps_per_print": 10**9, "bf16": {"enabled": precision == "bf16"},
             "zero_optimization": zero}
