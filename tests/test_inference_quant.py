@@ -194,7 +194,7 @@ def test_format_versions_refused_unless_read_alike(folders, tmp_path):
     for key in store.qshapes:
         assert store.tensors[f"{key}.scale"].dtype == (torch.bfloat16 if key in store.blocked else torch.float16)
     cases = [(4, None, "format 1", None), (4, 4, "format_version 4", None), (8, None, None, None),
-             (4, 2, None, None), (4, 3, "block_rows 48", 48)]
+             (4, 2, None, None), (4, 3, "block_rows 48", 48), (4, 3, "block_rows '32'", "32")]
     for bits, version, refused, rows in cases:
         folder = tmp_path / f"int{bits}_v{version}_{rows}"
         shutil.copytree(folders[bits], folder)

@@ -58,6 +58,15 @@ def test_overlap_comm_small_buckets_stage2(pool2):
     _check_equivalent(res, reference("llama", cfg))
 
 
+def test_overlap_comm_one_bucket_accumulated_stage2(pool2):
+    """One bucket for the whole model, two micro-batches, overlap: the second backward reduces the
+    same group while the first reduction may still be pending; both buckets go back to the pool."""
+    cfg = make_config(2, overlap=True, bucket=10_000_000, gas=2)
+    res = pool2.run("zero_cases:train_ranks", "llama", cfg)
+    _check_equivalent(res, reference("llama", cfg))
+    assert res[0]["buckets_in_use"] == 0
+
+
 def test_stage0_overlap_comm(pool2):
     cfg = make_config(0, overlap=True, bucket=5_000, gas=2)
     res = pool2.run("zero_cases:train_ranks", "llama", cfg)

@@ -68,6 +68,7 @@ def train_ranks(kind: str, config: dict, steps: int = 3, seq: int = 16, client_o
               "losses": losses, "memory": engine.memory_report(), "comm": engine.comm_stats(),
               "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
               "numel": sum(p.numel() for p in model.parameters()),
+              "buckets_in_use": engine.groups[0].inflight.in_use if engine.groups else None,
               "largest_group_bytes": max((g.padded_numel * g.flat_param.element_size() for g in engine.groups),
                                          default=0)}
     if engine.groups:

@@ -88,8 +88,8 @@ def check_version(path: str, version: int, blocked: set[str], rows: int) -> None
     if version > FORMAT_VERSION or version < 1:
         raise ValueError(f"{path}: format_version {version} is not one this shardwise reads (1-{FORMAT_VERSION}); "
                          "use the shardwise that wrote it, or quantize the original folder again")
-    if rows not in BLOCK_ROWS:
-        raise ValueError(f"{path}: block_rows {rows} is not one of {list(BLOCK_ROWS)}")
+    if type(rows) is not int or rows not in BLOCK_ROWS:  # (not 64.0, "32" or true)
+        raise ValueError(f"{path}: block_rows {rows!r} is not one of {list(BLOCK_ROWS)}")
     if version < 2 and blocked:
         raise ValueError(f"{path}: format 1 (an older shardwise) stores the scales of its int4 kernel weights "
                          "row-major in F16; format 2 keeps them in the kernel's order in BF16. Quantize the "

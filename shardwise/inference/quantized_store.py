@@ -76,7 +76,7 @@ class QuantizedStore(SafetensorsReader):
             shapes = {k: tuple(int(d) for d in v) for k, v in desc["tensors"].items()}
             dtype = ST_DTYPES[desc["dtype"]]
             blocked = {str(k) for k in desc.get("blocked", desc.get("rows64", []))}
-            rows = int(desc.get("block_rows", DEFAULT_BLOCK_ROWS)) if version >= 3 else DEFAULT_BLOCK_ROWS
+            rows = desc.get("block_rows", DEFAULT_BLOCK_ROWS) if version >= 3 else DEFAULT_BLOCK_ROWS
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a valid quantization description ({type(e).__name__}: {e})") from None
         check_version(path, version, blocked, rows)

@@ -18,7 +18,7 @@ from typing import Any
 from shardwise.cli_errors import UserError
 from shardwise.safe_files import MANIFEST, OutputFolder, read_in, write_atomic
 
-MEMORY_KEYS = ["params", "grads", "master_params", "optimizer_states", "buffers", "total"]
+MEMORY_KEYS = ["params", "grads", "master_params", "optimizer_states", "buffers", "comm_buffers", "total"]
 
 
 class MetricsLog:

@@ -153,7 +153,7 @@ class ShardedGroup(StageThreeGather):
         self._holds_reduced = False
         self._reduced_carry: torch.Tensor | None = None
         self._pending: list[Work] = []
-        self._bucket_in_flight: torch.Tensor | None = None  # stage >= 2: reducing, returned at wait()
+        self._buckets_in_flight: list[torch.Tensor] = []  # stage >= 2: reducing, returned at wait()
         self._bucket_base: torch.Tensor | None = None  # stage >= 2: the buffer flat_grad narrows
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.params] if self.trainable else []
@@ -290,7 +290,8 @@ class ShardedGroup(StageThreeGather):
             accumulate, self._shard_grad_empty = not self._shard_grad_empty, False
             w = self._reduce_scatter(self.flat_grad, self.shard_grad, accumulate=accumulate)
 
-            self._bucket_in_flight = self._bucket_base
+            # (a list: with accumulation and overlap a second backward reduces before the first is waited)
+            self._buckets_in_flight.append(self._bucket_base)
             self.flat_grad = self._bucket_base = None  # the bucket lives only until its reduce-scatter is done
             if w is None:
                 self._give_bucket()
@@ -331,10 +332,11 @@ class ShardedGroup(StageThreeGather):
         self.flat_grad = self._bucket_base.narrow(0, 0, self.padded_numel)
 
     def _give_bucket(self) -> None:
-        """The reduce-scatter of the bucket in flight is done: hand its buffer on."""
-        if self._bucket_in_flight is not None and self.inflight is not None:
-            self.inflight.give_bucket(self._bucket_in_flight)
-        self._bucket_in_flight = None
+        """The reduce-scatters of the buckets in flight are done: hand their buffers on."""
+        if self.inflight is not None:
+            for bucket in self._buckets_in_flight:
+                self.inflight.give_bucket(bucket)
+        self._buckets_in_flight.clear()
 
     # -- step -------------------------------------------------------------------------
     def owned_grad(self) -> torch.Tensor:

@@ -56,6 +56,11 @@ class InflightLimit:
         self._in_use = 0  # buckets taken and not given back (filling or reducing)
 
     @property
+    def in_use(self) -> int:
+        """Buckets taken and not given back (0 once a step's reductions are all waited for)."""
+        return self._in_use
+
+    @property
     def free_nbytes(self) -> int:
         """Bytes of finished buckets kept for the next backward (``memory_report()["comm_buffers"]``)."""
         return sum(b.numel() * b.element_size() for b in self._free)
