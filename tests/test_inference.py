@@ -35,6 +35,36 @@ def test_streamed_greedy_equals_transformers(tiny, offload, prefetch):
         assert res["bytes_read"] > 2 * res["file_bytes"]
 
 
+def test_disk_reads_of_a_layer_go_in_file_order(tiny, monkeypatch):
+    """safetensors sorts tensors by name, the model uses them in another order: each layer's reads
+    are issued by file offset, so the kernel's readahead serves them (2.5-3x faster cold)."""
+    import re
+
+    from shardwise.safetensors_io import SafetensorsFile
+
+    _, folder, ref = tiny
+    reads, plain = [], SafetensorsFile.read_raw
+
+    def recorded(self, key, byte_start, dst):
+        reads.append((key, self.tensors[key].offset + byte_start))
+        return plain(self, key, byte_start, dst)
+
+    monkeypatch.setattr(SafetensorsFile, "read_raw", recorded)
+    model = init_inference(folder, offload="disk", prefetch=0)
+    reads.clear()
+    assert model.generate(prompt(), **GEN).tolist() == ref
+    layer = [(int(m.group(1)), off) for key, off in reads if (m := re.search(r"\.(\d+)\.", key))]
+    runs = [[off for i, off in layer[a:b]] for a, b in _runs([i for i, _ in layer])]
+    assert len(runs) >= 2 * model.config.num_hidden_layers  # every layer read, each forward
+    assert all(r == sorted(r) and len(r) > 1 for r in runs)
+
+
+def _runs(labels: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal consecutive labels."""
+    bounds = [0] + [i for i in range(1, len(labels)) if labels[i] != labels[i - 1]] + [len(labels)]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
 def test_multi_rank_stage3_inference(pool2, tiny):
     _, folder, ref = tiny
     res = pool2.run("inference_cases:stream", folder, None)

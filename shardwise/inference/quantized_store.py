@@ -112,6 +112,18 @@ class QuantizedStore(SafetensorsReader):
                 return name[:-len(suffix)], scale
         return None
 
+    def position(self, name: str, start: int) -> tuple[int, int]:
+        """Where a read of ``name`` begins in the files: its packed bytes, or its scales (the start
+        of the tensor: a layer's reads are ordered by tensor, whole tensors at a time). Weights
+        held in memory (``blobs``) read no file: they come first."""
+        raw = self._raw_key(name)
+        key = raw[0] if raw is not None else name
+        if key in self.blobs:
+            return -1, 0
+        if raw is not None:
+            return super().position(f"{raw[0]}.scale" if raw[1] else raw[0], 0)
+        return super().position(name, start if name not in self.qshapes else 0)
+
     def find(self, names: list[str]) -> str:
         for n in names:
             if n in self.qshapes or self._raw_key(n) is not None:

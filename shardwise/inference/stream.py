@@ -136,6 +136,11 @@ class SafetensorsReader:
         to its dtype and device), else a new tensor of the stored dtype."""
         return self.file_of[name].read(name, start, end, out)
 
+    def position(self, name: str, start: int) -> tuple[int, int]:
+        """Where element ``start`` of ``name`` lies: (file number, byte offset), to read in file order."""
+        t = self.tensors[name]
+        return self.files.index(self.file_of[name]), t.offset + start * t.dtype.itemsize
+
     def read_raw(self, name: str, byte_start: int, dst: torch.Tensor) -> None:
         """``dst``'s size in bytes from byte ``byte_start`` of ``name``'s data, as stored."""
         self.file_of[name].read_raw(name, byte_start, dst)
@@ -191,7 +196,11 @@ def param_reader(model: nn.Module, files: SafetensorsReader) -> Callable[..., to
             return read_tp_slice(files, keys[id(p)], spec, tuple(p.shape), start, end, out)
         return files.read(keys[id(p)], start, end, out)
 
+    def position(p: nn.Parameter, start: int) -> tuple[int, int]:
+        return files.position(keys[id(p)], 0 if getattr(p, "_tp_spec", None) is not None else start)
+
     reader.fills_out = True  # pread straight into the gathered buffer
+    reader.position = position  # a layer's reads go in file order (zero/store.read_segments)
     return reader
 
 

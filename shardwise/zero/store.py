@@ -37,10 +37,17 @@ def read_segments(reader: Reader, params: Sequence[torch.Tensor], segments: Sequ
                   dest: torch.Tensor, used: int) -> None:
     """Fill ``dest`` (a range of a flat buffer) with ``segments`` read through ``reader``.
 
-    Only ``dest[used:]`` (the padding) is zeroed: the rest is overwritten by the reads.
+    Only ``dest[used:]`` (the padding) is zeroed: the rest is overwritten by the reads. A reader
+    with a ``position(param, start)`` (one reading files) gets the segments in file order, not the
+    model's: safetensors stores tensors sorted by name, so a layer read in model order jumps back
+    and forth and defeats the kernel's readahead (cold int4 layers: 116-148 ms in model order,
+    39-60 ms in file order, for the same 128 reads of 54.6 MB).
     """
     dest[used:].zero_()
     fills_out = getattr(reader, "fills_out", False)
+    position = getattr(reader, "position", None)
+    if position is not None:
+        segments = sorted(segments, key=lambda seg: position(params[seg.index], seg.start))
     for seg in segments:
         out = dest[seg.offset:seg.offset + seg.length]
         if fills_out:
