@@ -2,6 +2,7 @@
 
     python benchmarks/bench_inference.py [--layers 16 --hidden 1024 --inter 2816 --tokens 16]
     python benchmarks/bench_inference.py --quantized --cold --tokens 8     (fp32/bf16/int8/int4 x batch 1, 32)
+    python benchmarks/bench_inference.py --quantized --cold --tokens 8 --layers 8 --ratio-rounds 6   (int4 / bf16)
 
 Builds a Llama from a config (826 MB fp32 by default), saves it, then runs each mode in a fresh
 process (peak RSS only grows) via ``tests/inference_cases.py measure`` and prints a table.
@@ -56,6 +57,9 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
         if not os.path.exists(folders[kind]):
             quantize_folder(folders["bf16"], folders[kind], bits, args.group_size, block_rows=rows)
     print(f"int4: this torch packs in blocks of {native} rows; int4-r{other} is a file in the other order")
+    if args.ratio_rounds:
+        ratio_rounds(folders, args.ratio_rounds, args.tokens, env)
+        return
     kinds = ("fp32", "bf16", "int8", "int4", f"int4-r{other}")
     rows = [("plain", "fp32"), ("plain", "bf16")] + [("disk", k) for k in kinds]
     if args.accelerate:
@@ -79,6 +83,32 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
                   flush=True)
 
 
+def ratio_rounds(folders: dict[str, str], rounds: int, tokens: int, env: dict) -> None:
+    """int4 against bf16 tokens/s from disk at batch 1, interleaved round by round (the disk's and the
+    machine's drift hit both alike); writes ``benchmarks/results/int4_ratio.json``."""
+    import statistics
+
+    rows = []
+    for r in range(rounds):
+        row = {k: _run(folders[k], "disk", 1, tokens, 1, env)["tokens_per_s"] for k in ("bf16", "int4")}
+        row["ratio"] = row["int4"] / row["bf16"]
+        rows.append(row)
+        print(f"round {r + 1}: bf16 {row['bf16']:.2f} tokens/s, int4 {row['int4']:.2f}, ratio {row['ratio']:.2f}",
+              flush=True)
+    med = {k: statistics.median(row[k] for row in rows) for k in ("bf16", "int4", "ratio")}
+    print(f"median: bf16 {med['bf16']:.2f}, int4 {med['int4']:.2f}, ratio {med['ratio']:.2f} "
+          f"(min {min(r['ratio'] for r in rows):.2f}, max {max(r['ratio'] for r in rows):.2f})")
+    out = os.path.join(ROOT, "benchmarks", "results", "int4_ratio.json")
+    with open(out, "w") as f:
+        json.dump({"rounds": rows, "median": med, "tokens": tokens, "cold": env.get("SHARDWISE_COLD_READS") == "1",
+                   "cpu": _cpu_model()}, f, indent=1)
+
+
+def _cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=16)
@@ -93,6 +123,8 @@ def main() -> None:
     p.add_argument("--quantized", action="store_true", help="fp32/bf16/int8/int4 from disk at batch 1 and 32")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--accelerate", default=None, help="folder holding the accelerate package (pip --target)")
+    p.add_argument("--ratio-rounds", type=int, default=0, help="with --quantized: only bf16 and int4 from disk "
+                   "at batch 1, in this many interleaved rounds (per-round tokens/s and ratio, and the median)")
     p.add_argument("--split", action="store_true", help="time per token in reads / dequantization / int4 kernel")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
