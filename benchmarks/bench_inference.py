@@ -3,6 +3,7 @@
     python benchmarks/bench_inference.py [--layers 16 --hidden 1024 --inter 2816 --tokens 16]
     python benchmarks/bench_inference.py --quantized --cold --tokens 8     (fp32/bf16/int8/int4 x batch 1, 32)
     python benchmarks/bench_inference.py --quantized --cold --tokens 8 --layers 8 --ratio-rounds 6   (int4 / bf16)
+    python benchmarks/bench_inference.py --memory-runs 3     (the memory test's runs: forked vs fresh processes)
 
 Builds a Llama from a config (826 MB fp32 by default), saves it, then runs each mode in a fresh
 process (peak RSS only grows) via ``tests/inference_cases.py measure`` and prints a table.
@@ -104,6 +105,33 @@ def ratio_rounds(folders: dict[str, str], rounds: int, tokens: int, env: dict) -
                    "cpu": _cpu_model()}, f, indent=1)
 
 
+def forked_against_fresh(runs: int, env: dict) -> None:
+    """Peak RSS growth beyond the resident shards, per run, of the memory test's cases
+    (``tests/test_inference.py::test_streamed_memory_bound_on_every_run``: 64 layers, fp32 and bf16,
+    disk and cpu, 4 tokens) forked from a forkserver as the test runs them, and in fresh interpreters."""
+    import torch
+    from inference_cases import forked_runs, save_large
+
+    base = tempfile.mkdtemp(prefix="bench_inference_memory_")
+    os.environ["OMP_NUM_THREADS"] = env["OMP_NUM_THREADS"] = "1"
+    cases, sizes = [], {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        folder = os.path.join(base, name)
+        sizes[folder] = save_large(folder, layers=64, hidden=512, inter=1376, dtype=dtype)
+        cases += [(folder, "disk"), (folder, "cpu")]
+    forked = forked_runs(cases, runs)
+    print(f"{'case':<10}{'model MB':>9}  {'forked: excess MB per run':<28}{'fresh: excess MB per run':<28}"
+          "worst % of model")
+    for folder, mode in cases:
+        fresh = [_run(folder, mode, 1, 4, 1, env) for _ in range(runs)]
+        model = sizes[folder]["model_bytes"]
+        pairs = (("forked", forked[(folder, mode)]), ("fresh", fresh))
+        ex = {k: [(r["peak_growth"] - r["resident"]) / 1e6 for r in rs] for k, rs in pairs}
+        print(f"{os.path.basename(folder) + ' ' + mode:<10}{model / 1e6:>9.0f}  "
+              f"{' '.join(f'{e:.0f}' for e in ex['forked']):<28}{' '.join(f'{e:.0f}' for e in ex['fresh']):<28}"
+              f"{100 * max(ex['forked']) * 1e6 / model:.1f} / {100 * max(ex['fresh']) * 1e6 / model:.1f}", flush=True)
+
+
 def _cpu_model() -> str:
     with open("/proc/cpuinfo") as f:
         return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
@@ -125,6 +153,8 @@ def main() -> None:
     p.add_argument("--accelerate", default=None, help="folder holding the accelerate package (pip --target)")
     p.add_argument("--ratio-rounds", type=int, default=0, help="with --quantized: only bf16 and int4 from disk "
                    "at batch 1, in this many interleaved rounds (per-round tokens/s and ratio, and the median)")
+    p.add_argument("--memory-runs", type=int, default=0, help="the memory test's 64-layer models: this many runs "
+                   "per case forked from a forkserver (as the test does) and as many fresh interpreters")
     p.add_argument("--split", action="store_true", help="time per token in reads / dequantization / int4 kernel")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -134,6 +164,9 @@ def main() -> None:
         env["SHARDWISE_COLD_READS"] = "1"
     if args.quantized:
         quantized_matrix(args, env)
+        return
+    if args.memory_runs:
+        forked_against_fresh(args.memory_runs, env)
         return
     from inference_cases import save_large
 

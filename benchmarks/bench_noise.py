@@ -48,7 +48,8 @@ def main() -> None:
         for proc in procs:
             proc.join()
     print("ms per round:", " ".join(f"{r:.0f}" for r in rounds))
-    print(json.dumps({"median_ms": round(statistics.median(rounds), 1), "spread": round(max(rounds) / min(rounds) - 1, 3),
+    spread = max(rounds) / min(rounds) - 1
+    print(json.dumps({"median_ms": round(statistics.median(rounds), 1), "spread": round(spread, 3),
                       "rounds": args.rounds, "procs": args.procs}))
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from inference_cases import GEN, measure, prompt, reference, save_large, save_tiny, stream
+from inference_cases import GEN, forked_runs, prompt, reference, save_large, save_tiny, stream
 
 from shardwise.inference.load import init_inference
 
@@ -116,29 +115,6 @@ def test_module_in_memory_streamed_from_cpu(tmp_path):
     assert torch.equal(streamed.generate(prompt(), **GEN), ref)
 
 
-def _fresh_runs(jobs: list[tuple[str, str]], runs: int) -> dict[tuple[str, str], list[dict]]:
-    """``measure`` for each (folder, mode) in ``runs`` fresh processes, two at a time (2 cores).
-
-    Each process is forked from a server that has only imported torch, transformers' Llama and
-    shardwise (multiprocessing's forkserver, one task per process): it starts where a fresh
-    interpreter stands after those imports, takes its own baseline and peak (``measure`` resets the
-    peak to the current RSS first) and exits. The imports, about 7 s a process on 2 cores, are paid
-    once instead of once per run. Such a child starts with fewer library pages mapped than a fresh
-    interpreter has after the same imports (fork shares file pages lazily), so what it touches
-    again counts as growth: measured here 9-11 MB more excess per run than fresh processes
-    (bf16 disk 41 vs 32 MB, fp32 cpu 59 vs 49 MB), a stricter figure for the same bound."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "transformers.models.llama.modeling_llama",
-                                "shardwise.inference.load", "inference_cases"])
-    todo = [job for job in jobs for _ in range(runs)]
-    with ctx.Pool(2, maxtasksperchild=1) as pool:
-        results = pool.starmap(measure, [(folder, mode, 4) for folder, mode in todo], chunksize=1)
-    out: dict[tuple[str, str], list[dict]] = {job: [] for job in jobs}
-    for job, r in zip(todo, results, strict=True):
-        out[job].append(r)
-    return out
-
-
 def test_streamed_memory_bound_on_every_run(tmp_path, monkeypatch):
     """Six fresh processes per case (forked after the imports; baseline, init_inference, generate): the peak RSS
     growth beyond what the mode keeps resident is at most 20% of the model on EVERY run (the
@@ -157,7 +133,7 @@ def test_streamed_memory_bound_on_every_run(tmp_path, monkeypatch):
         folder = str(tmp_path / name)
         sizes[folder] = save_large(folder, layers=64, hidden=512, inter=1376, dtype=dtype)
         cases += [(folder, "disk"), (folder, "cpu")]
-    results = _fresh_runs(cases, runs=6)
+    results = forked_runs(cases, runs=6)
     for (folder, mode), runs in results.items():
         model = sizes[folder]["model_bytes"]
         excess = [r["peak_growth"] - r["resident"] for r in runs]
