@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from shardwise.cli_errors import OneLineParser, UserError, bounded_int, positive_float, run_command
-from shardwise.comm.core import free_port
+from shardwise.net import free_port
 
 SUBCOMMANDS = {
     "train": ("shardwise.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),

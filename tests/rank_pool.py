@@ -15,7 +15,7 @@ import sys
 import traceback
 from typing import Any
 
-from shardwise.comm.core import free_port
+from shardwise.net import free_port
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 

@@ -141,3 +141,16 @@ def test_cycle_finder_finds_a_lazy_cycle(tmp_path: Path) -> None:
     (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.e import y\n")
     (pkg / "e.py").write_text("from pkg.d import z\n")
     assert _cycles(_edges(_modules(pkg), pkg)) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_the_launcher_imports_no_torch() -> None:
+    """``import shardwise`` and the CLI's launch path stay torch-free (the public names load on first
+    use): importing torch in the launcher cost each ``shardwise launch`` ~4 s before any rank ran."""
+    import subprocess
+    import sys
+
+    code = ("import sys, shardwise, shardwise.cli; shardwise.cli._launch_parser(); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]; "
+            "assert callable(shardwise.initialize) and 'torch' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.net import free_port
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -175,15 +177,6 @@ def _register_teardown() -> None:
     if not _TEARDOWN_REGISTERED[0]:
         _TEARDOWN_REGISTERED[0] = True
         atexit.register(_teardown)
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (the OS picks it), for a single-node rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def compute_device() -> torch.device:
