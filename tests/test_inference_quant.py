@@ -133,6 +133,22 @@ def test_store_reads_any_element_range(folders, bits):
             assert torch.equal(store.read(f"{key}_scale", a, b, torch.empty(b - a)), want[a:b])
 
 
+def test_row_by_row_reads_of_a_blocked_weight_read_it_once(folders):
+    """A row-parallel TP slice is read one row at a time: each row's columns equal the whole read's,
+    and each block is read and dequantized once, not once per row of it (32x)."""
+    store = QuantizedStore.open(folders["int4_rows32"], resident=False)
+    key = next(k for k in sorted(store.blocked) if store.qshapes[k][0] == 96)
+    rows, cols = store.qshapes[key]
+    whole = store.read(key, 0, rows * cols).view(rows, cols)
+    blocks = rows // store.block_rows  # each block's dequantization reads the kernel-order scales whole
+    once = store.tensors[key].nbytes + blocks * store.tensors[f"{key}.scale"].nbytes
+    before = store.bytes_read
+    half = slice(cols // 2, cols)  # rank 1's half of a row-parallel weight
+    got = torch.stack([store.read(key, r * cols + cols // 2, (r + 1) * cols) for r in range(rows)])
+    assert torch.equal(got, whole[:, half])
+    assert store.bytes_read - before == once, (store.bytes_read - before, once)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_streaming_equals_dequantized_model(folders, bits):
     """From the quantized copy on disk, and quantized at load for offload="cpu": the tokens of the

@@ -65,6 +65,9 @@ class QuantizedStore(SafetensorsReader):
         self.holds_layers = resident  # the groups re-read from here: no second, dequantized copy
         self._qlock = threading.Lock()
         self._stage: dict[str, torch.Tensor] = {}
+        widest = max((self.block_rows * shapes[k][1] for k in self.blocked), default=0)
+        self._block_values = torch.empty(widest, dtype=dtype)  # _from_block_cache's one block
+        self._cached_block: tuple[str, int] | None = None
 
     @classmethod
     def open(cls, folder: str, resident: bool) -> QuantizedStore:
@@ -150,8 +153,30 @@ class QuantizedStore(SafetensorsReader):
         if out is None:
             out = torch.empty(end - start, dtype=self.qdtype)
         with self._qlock:  # one set of staging buffers (the reader thread and a sync gather)
-            self._dequantize(name, start, end, out)
+            if not self._from_block_cache(name, start, end, out):
+                self._dequantize(name, start, end, out)
         return out
+
+    def _from_block_cache(self, key: str, start: int, end: int, out: torch.Tensor) -> bool:
+        """A range inside one row block of a blocked weight, served from that block dequantized once.
+
+        A row-parallel tensor-parallel slice is read one row at a time, and each row of a blocked
+        weight needs its whole 32- or 64-row block read and dequantized: without this, a weight
+        was read and dequantized ``block_rows`` times over. The last block stays until another is
+        asked for (one block: ``block_rows * in`` elements). False: not such a range.
+        """
+        if key not in self.blocked:
+            return False
+        width = self.block_rows * self.qshapes[key][1]
+        block = start // width
+        if end - start >= width or (end - 1) // width != block:
+            return False
+        if self._cached_block != (key, block):
+            self._cached_block = None  # a failed read must not leave a stale block marked valid
+            self._dequantize(key, block * width, (block + 1) * width, self._block_values[:width])
+            self._cached_block = (key, block)
+        out.copy_(self._block_values[start - block * width:end - block * width])
+        return True
 
     def _read_raw(self, key: str, scale: bool, start: int, end: int, out: torch.Tensor | None) -> torch.Tensor:
         """Elements [start, end) of an Int4Linear parameter: the packed bytes (any dtype's view of
