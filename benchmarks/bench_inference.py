@@ -53,7 +53,8 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
 
     native = write_block_rows()
     other = 32 if native == 64 else 64  # the order the other kind of CPU writes: read dequantized here
-    for kind, bits, rows in (("int8", 8, None), ("int4", 4, native), (f"int4-r{other}", 4, other)):
+    kinds_to_write = (("int8", 8, None), ("int4", 4, native), (f"int4-r{other}", 4, other))
+    for kind, bits, rows in kinds_to_write[1:2] if args.ratio_rounds else kinds_to_write:
         folders[kind] = os.path.join(base, kind)
         if not os.path.exists(folders[kind]):
             quantize_folder(folders["bf16"], folders[kind], bits, args.group_size, block_rows=rows)
@@ -90,15 +91,17 @@ def ratio_rounds(folders: dict[str, str], rounds: int, tokens: int, env: dict) -
     import statistics
 
     rows = []
-    for r in range(rounds):
-        row = {k: _run(folders[k], "disk", 1, tokens, 1, env)["tokens_per_s"] for k in ("bf16", "int4")}
+    for r in range(rounds):  # bf16 first in odd rounds, int4 first in even ones: neither always runs first
+        order = ("bf16", "int4") if r % 2 == 0 else ("int4", "bf16")
+        row = {k: _run(folders[k], "disk", 1, tokens, 1, env)["tokens_per_s"] for k in order}
         row["ratio"] = row["int4"] / row["bf16"]
         rows.append(row)
         print(f"round {r + 1}: bf16 {row['bf16']:.2f} tokens/s, int4 {row['int4']:.2f}, ratio {row['ratio']:.2f}",
               flush=True)
     med = {k: statistics.median(row[k] for row in rows) for k in ("bf16", "int4", "ratio")}
-    print(f"median: bf16 {med['bf16']:.2f}, int4 {med['int4']:.2f}, ratio {med['ratio']:.2f} "
-          f"(min {min(r['ratio'] for r in rows):.2f}, max {max(r['ratio'] for r in rows):.2f})")
+    print(f"median: bf16 {med['bf16']:.2f}, int4 {med['int4']:.2f}, ratio {med['ratio']:.2f} (median of the "
+          f"rounds' ratios; min {min(r['ratio'] for r in rows):.2f}, max {max(r['ratio'] for r in rows):.2f}; "
+          f"ratio of the medians {med['int4'] / med['bf16']:.2f})")
     out = os.path.join(ROOT, "benchmarks", "results", "int4_ratio.json")
     with open(out, "w") as f:
         json.dump({"rounds": rows, "median": med, "tokens": tokens, "cold": env.get("SHARDWISE_COLD_READS") == "1",
@@ -157,6 +160,10 @@ def main() -> None:
                    "per case forked from a forkserver (as the test does) and as many fresh interpreters")
     p.add_argument("--split", action="store_true", help="time per token in reads / dequantization / int4 kernel")
     args = p.parse_args()
+    if args.ratio_rounds and not args.quantized:
+        p.error("--ratio-rounds compares the quantized rows: give --quantized too")
+    if args.memory_runs and args.quantized:
+        p.error("--memory-runs runs the memory test's models: not with --quantized")
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     sys.path.insert(0, ROOT)
     env = dict(os.environ, PYTHONPATH=ROOT)

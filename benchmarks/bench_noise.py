@@ -3,7 +3,7 @@
     python benchmarks/bench_noise.py [--rounds 20 --procs 2]
 
 Each round, ``--procs`` processes (one thread each, as a gloo rank runs) do the same fixed torch
-work (fp32 matmuls and elementwise ops of a small model's size, ~1 s here) and report their time;
+work (fp32 matmuls and elementwise ops of a small model's size, ~1.5 s here) and report their time;
 the round's figure is the slowest process's. Nothing about shardwise is involved, so the spread of
 these rounds (slowest / fastest - 1) is what the machine alone contributes to any step-time spread
 measured on it: a mode cannot be shown steadier than this floor.

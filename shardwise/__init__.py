@@ -7,8 +7,10 @@ torch there cost every launch about 4 s before its ranks even started.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import importlib.util as _importlib_util
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 # public name -> (module, attribute in it; None: the module itself)
 _PUBLIC: dict[str, tuple[str, str | None]] = {
@@ -48,21 +50,26 @@ __git_hash__ = "unknown"
 __git_branch__ = "unknown"
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
+def __getattr__(name: str) -> _Any:
+    """A public name, or a subpackage (``shardwise.mesh``, ``shardwise.checkpoint``, ... as an eager
+    ``import shardwise`` used to leave them), imported now."""
+    if name in _PUBLIC:
+        module, attr = _PUBLIC[name]
+    elif not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
+        module, attr = f"{__name__}.{name}", None
+    else:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
-    module, attr = _PUBLIC[name]
-    value = importlib.import_module(module)
+    value = _importlib.import_module(module)
     value = value if attr is None else getattr(value, attr)
     globals()[name] = value  # later lookups are plain attribute reads
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+    return sorted({n for n in globals() if not n.startswith("_") or n.startswith("__")} | set(_PUBLIC))
 
 
-if TYPE_CHECKING:  # the names as type checkers and editors see them
+if _TYPE_CHECKING:  # the names as type checkers and editors see them
     from shardwise import comm, utils, zero  # noqa: F401
     from shardwise.comm import RanksDivergedError, init_distributed  # noqa: F401
     from shardwise.config.schema import ConfigError as DeepSpeedConfigError  # noqa: F401

@@ -157,8 +157,8 @@ def forked_runs(jobs: list[tuple[str, str]], runs: int) -> dict[tuple[str, str],
     peak to the current RSS first) and exits. The imports, about 7 s a process on 2 cores, are paid
     once instead of once per run. Such a child starts with fewer library pages mapped than a fresh
     interpreter has after the same imports (fork shares file pages lazily), so what it touches
-    again counts as growth: measured here 9-11 MB more excess per run than fresh processes
-    (bf16 disk 41 vs 32 MB, fp32 cpu 59 vs 49 MB), a stricter figure for the same bound."""
+    again counts as growth: 7-10 MB more excess per run than fresh processes on the AMD machine
+    (``benchmarks/bench_inference.py --memory-runs 3``), a stricter figure for the same bound."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")

@@ -144,13 +144,20 @@ def test_cycle_finder_finds_a_lazy_cycle(tmp_path: Path) -> None:
 
 
 def test_the_launcher_imports_no_torch() -> None:
-    """``import shardwise`` and the CLI's launch path stay torch-free (the public names load on first
-    use): importing torch in the launcher cost each ``shardwise launch`` ~4 s before any rank ran."""
+    """``import shardwise``, ``shardwise --help`` and a script launch stay torch-free (the public names
+    load on first use): importing torch in the launcher cost each ``shardwise launch`` ~4 s before any
+    rank ran. Subpackages still resolve as attributes after a bare ``import shardwise``."""
     import subprocess
     import sys
 
-    code = ("import sys, shardwise, shardwise.cli; shardwise.cli._launch_parser(); "
-            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]; "
-            "assert callable(shardwise.initialize) and 'torch' in sys.modules")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = ("import sys, shardwise, shardwise.cli as cli\n"
+            "ran = []\n"
+            "cli._run_forwarding_signals = lambda cmd, env: ran.append(cmd) or 0\n"
+            "assert cli.main(['--help']) == 0 and cli.main(['launch', '--nproc', '2', sys.argv[1]]) == 0, ran\n"
+            "assert ran and ran[0][-1] == sys.argv[1], ran\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+            "assert callable(shardwise.initialize) and 'torch' in sys.modules\n"
+            "assert shardwise.mesh.__name__ == 'shardwise.mesh' and not hasattr(shardwise, 'no_such_name')\n"
+            "assert shardwise.checkpoint.__name__ == 'shardwise.checkpoint' and 'importlib' not in dir(shardwise)\n")
+    r = subprocess.run([sys.executable, "-c", code, __file__], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

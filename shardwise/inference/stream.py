@@ -102,6 +102,7 @@ class SafetensorsReader:
             self.close()
             raise
         self.tensors: dict[str, TensorInfo] = {k: f.tensors[k] for k, f in self.file_of.items()}
+        self._file_number = {id(f): i for i, f in enumerate(self.files)}
 
     @property
     def bytes_read(self) -> int:
@@ -139,7 +140,7 @@ class SafetensorsReader:
     def position(self, name: str, start: int) -> tuple[int, int]:
         """Where element ``start`` of ``name`` lies: (file number, byte offset), to read in file order."""
         t = self.tensors[name]
-        return self.files.index(self.file_of[name]), t.offset + start * t.dtype.itemsize
+        return self._file_number[id(self.file_of[name])], t.offset + start * t.dtype.itemsize
 
     def read_raw(self, name: str, byte_start: int, dst: torch.Tensor) -> None:
         """``dst``'s size in bytes from byte ``byte_start`` of ``name``'s data, as stored."""
