@@ -37,23 +37,30 @@ def read_segments(reader: Reader, params: Sequence[torch.Tensor], segments: Sequ
                   dest: torch.Tensor, used: int) -> None:
     """Fill ``dest`` (a range of a flat buffer) with ``segments`` read through ``reader``.
 
-    Only ``dest[used:]`` (the padding) is zeroed: the rest is overwritten by the reads. A reader
-    with a ``position(param, start)`` (one reading files) gets the segments in file order, not the
-    model's: safetensors stores tensors sorted by name, so a layer read in model order jumps back
-    and forth and defeats the kernel's readahead (cold int4 layers: 116-148 ms in model order,
-    39-60 ms in file order, for the same 128 reads of 54.6 MB).
+    Only ``dest[used:]`` (the padding) is zeroed: the rest is overwritten by the reads, in the
+    order given (see :func:`in_file_order`).
     """
     dest[used:].zero_()
     fills_out = getattr(reader, "fills_out", False)
-    position = getattr(reader, "position", None)
-    if position is not None:
-        segments = sorted(segments, key=lambda seg: position(params[seg.index], seg.start))
     for seg in segments:
         out = dest[seg.offset:seg.offset + seg.length]
         if fills_out:
             reader(params[seg.index], seg.start, seg.stop, out)
         else:
             out.copy_(reader(params[seg.index], seg.start, seg.stop))
+
+
+def in_file_order(reader: Reader, params: Sequence[torch.Tensor], segments: Sequence[Segment]) -> list[Segment]:
+    """``segments`` sorted by where the reader finds them, for a reader with a ``position(param,
+    start)`` (one reading files); else as given. safetensors stores tensors sorted by name, so a
+    layer read in the model's order jumps back and forth and defeats the kernel's readahead (cold
+    int4 layers: 116-155 ms in model order, 39-66 ms in file order, for the same 128 reads of
+    54.6 MB: ``benchmarks/bench_stream_reads.py``). The segments fill disjoint ranges, so the
+    order changes nothing else."""
+    position = getattr(reader, "position", None)
+    if position is None:
+        return list(segments)
+    return sorted(segments, key=lambda seg: position(params[seg.index], seg.start))
 
 
 class ShardStore:
@@ -64,6 +71,8 @@ class ShardStore:
     def __init__(self, reader: Reader | None = None):
         self.reader = reader  # the initial values' source (None: the parameters' own values)
         self.shard: torch.Tensor | None = None
+        self._order_of: Sequence[Segment] | None = None  # the segments _ordered was sorted from
+        self._ordered: list[Segment] = []
 
     def keep(self, group: Any, owned: torch.Tensor | None) -> None:
         """At build: take this rank's shard, from ``reader`` or from ``owned`` (the filled buffer)."""
@@ -83,7 +92,9 @@ class ShardStore:
         return 0 if self.shard is None else self.shard.numel() * self.shard.element_size()
 
     def _read(self, group: Any, dest: torch.Tensor) -> None:
-        read_segments(self.reader, group.params, group.owned, dest, max(group.numel - group.own_start, 0))
+        if self._order_of is not group.owned:  # sorted once per group, not per gather
+            self._order_of, self._ordered = group.owned, in_file_order(self.reader, group.params, group.owned)
+        read_segments(self.reader, group.params, self._ordered, dest, max(group.numel - group.own_start, 0))
 
 
 class ResidentStore(ShardStore):
