@@ -3,6 +3,7 @@
     python benchmarks/bench_inference.py [--layers 16 --hidden 1024 --inter 2816 --tokens 16]
     python benchmarks/bench_inference.py --quantized --cold --tokens 8     (fp32/bf16/int8/int4 x batch 1, 32)
     python benchmarks/bench_inference.py --quantized --cold --tokens 8 --layers 8 --ratio-rounds 6   (int4 / bf16)
+        [--ratio-settings 2:1,1:4] [--warmup 2]   (compute threads:prefetch, each in every round; default 2:1)
     python benchmarks/bench_inference.py --memory-runs 3     (the memory test's runs: forked vs fresh processes)
 
 Builds a Llama from a config (826 MB fp32 by default), saves it, then runs each mode in a fresh
@@ -30,9 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = [("plain", 1), ("resident", 1), ("cpu", 0), ("cpu", 1), ("disk", 0), ("disk", 1), ("disk", 2)]
 
 
-def _run(folder: str, mode: str, prefetch: int, tokens: int, batch: int, env: dict) -> dict:
+def _run(folder: str, mode: str, prefetch: int, tokens: int, batch: int, env: dict, warmup: int = 0) -> dict:
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "inference_cases.py"), "measure",
-                          folder, mode, str(tokens), str(prefetch), str(batch)],
+                          folder, mode, str(tokens), str(prefetch), str(batch), str(warmup)],
                          capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -60,7 +61,7 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
             quantize_folder(folders["bf16"], folders[kind], bits, args.group_size, block_rows=rows)
     print(f"int4: this torch packs in blocks of {native} rows; int4-r{other} is a file in the other order")
     if args.ratio_rounds:
-        ratio_rounds(folders, args.ratio_rounds, args.tokens, env)
+        ratio_rounds(folders, args.ratio_rounds, args.tokens, env, args.ratio_settings, args.warmup)
         return
     kinds = ("fp32", "bf16", "int8", "int4", f"int4-r{other}")
     rows = [("plain", "fp32"), ("plain", "bf16")] + [("disk", k) for k in kinds]
@@ -85,27 +86,45 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
                   flush=True)
 
 
-def ratio_rounds(folders: dict[str, str], rounds: int, tokens: int, env: dict) -> None:
+def ratio_rounds(folders: dict[str, str], rounds: int, tokens: int, env: dict,
+                 settings: list[tuple[int, int]], warmup: int) -> None:
     """int4 against bf16 tokens/s from disk at batch 1, interleaved round by round (the disk's and the
-    machine's drift hit both alike); writes ``benchmarks/results/int4_ratio.json``."""
+    machine's drift hit both alike), at each ``(compute threads, prefetch)`` setting in every round;
+    writes ``benchmarks/results/int4_ratio.json``."""
     import statistics
 
-    rows = []
+    rows: dict[str, list[dict]] = {f"{t}:{pf}": [] for t, pf in settings}
     for r in range(rounds):  # bf16 first in odd rounds, int4 first in even ones: neither always runs first
         order = ("bf16", "int4") if r % 2 == 0 else ("int4", "bf16")
-        row = {k: _run(folders[k], "disk", 1, tokens, 1, env)["tokens_per_s"] for k in order}
-        row["ratio"] = row["int4"] / row["bf16"]
-        rows.append(row)
-        print(f"round {r + 1}: bf16 {row['bf16']:.2f} tokens/s, int4 {row['int4']:.2f}, ratio {row['ratio']:.2f}",
-              flush=True)
-    med = {k: statistics.median(row[k] for row in rows) for k in ("bf16", "int4", "ratio")}
-    print(f"median: bf16 {med['bf16']:.2f}, int4 {med['int4']:.2f}, ratio {med['ratio']:.2f} (median of the "
-          f"rounds' ratios; min {min(r['ratio'] for r in rows):.2f}, max {max(r['ratio'] for r in rows):.2f}; "
-          f"ratio of the medians {med['int4'] / med['bf16']:.2f})")
+        for threads, prefetch in settings:
+            run_env = dict(env, OMP_NUM_THREADS=str(threads))
+            row = {k: _run(folders[k], "disk", prefetch, tokens, 1, run_env, warmup)["tokens_per_s"] for k in order}
+            row["ratio"] = row["int4"] / row["bf16"]
+            rows[f"{threads}:{prefetch}"].append(row)
+            print(f"round {r + 1}, {threads} compute threads, prefetch {prefetch}: bf16 {row['bf16']:.2f} "
+                  f"tokens/s, int4 {row['int4']:.2f}, ratio {row['ratio']:.2f}", flush=True)
+    medians = {}
+    for key, rs in rows.items():
+        med = medians[key] = {k: statistics.median(row[k] for row in rs) for k in ("bf16", "int4", "ratio")}
+        print(f"threads:prefetch {key} median: bf16 {med['bf16']:.2f}, int4 {med['int4']:.2f}, ratio "
+              f"{med['ratio']:.2f} (median of the rounds' ratios; min {min(r['ratio'] for r in rs):.2f}, max "
+              f"{max(r['ratio'] for r in rs):.2f}; ratio of the medians {med['int4'] / med['bf16']:.2f})")
     out = os.path.join(ROOT, "benchmarks", "results", "int4_ratio.json")
     with open(out, "w") as f:
-        json.dump({"rounds": rows, "median": med, "tokens": tokens, "cold": env.get("SHARDWISE_COLD_READS") == "1",
-                   "cpu": _cpu_model()}, f, indent=1)
+        json.dump({"rounds": rows, "median": medians, "tokens": tokens, "warmup_tokens": warmup,
+                   "settings": "compute threads:prefetch",
+                   "cold": env.get("SHARDWISE_COLD_READS") == "1", "cpu": _cpu_model()}, f, indent=1)
+
+
+def _settings(text: str) -> list[tuple[int, int]]:
+    """``"2:1,1:4"`` -> [(2, 1), (1, 4)]: compute threads and prefetch depth per setting."""
+    try:
+        out = [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected THREADS:PREFETCH[,THREADS:PREFETCH...]") from None
+    if not out or any(len(s) != 2 or s[0] < 1 or s[1] < 0 for s in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected THREADS:PREFETCH pairs, threads >= 1, prefetch >= 0")
+    return out
 
 
 def forked_against_fresh(runs: int, env: dict) -> None:
@@ -156,6 +175,10 @@ def main() -> None:
     p.add_argument("--accelerate", default=None, help="folder holding the accelerate package (pip --target)")
     p.add_argument("--ratio-rounds", type=int, default=0, help="with --quantized: only bf16 and int4 from disk "
                    "at batch 1, in this many interleaved rounds (per-round tokens/s and ratio, and the median)")
+    p.add_argument("--ratio-settings", type=_settings, default=[(2, 1)], help="with --ratio-rounds: compute "
+                   "threads and prefetch depth per setting, e.g. 2:1,1:4 (each measured in every round)")
+    p.add_argument("--warmup", type=int, default=0, help="with --ratio-rounds: an untimed generation of this "
+                   "many tokens first in each run (tokens/s of steady decoding, not the first call's)")
     p.add_argument("--memory-runs", type=int, default=0, help="the memory test's 64-layer models: this many runs "
                    "per case forked from a forkserver (as the test does) and as many fresh interpreters")
     p.add_argument("--split", action="store_true", help="time per token in reads / dequantization / int4 kernel")

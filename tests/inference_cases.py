@@ -1,6 +1,6 @@
 """ZeRO-Inference checks run on ranks or in fresh processes (used by test_inference.py).
 
-``python tests/inference_cases.py measure DIR MODE NEW_TOKENS [PREFETCH]`` prints one JSON line:
+``python tests/inference_cases.py measure DIR MODE NEW_TOKENS [PREFETCH [BATCH [WARMUP]]]`` prints one JSON line:
 the peak RSS growth of generating with MODE (``plain`` transformers, ``resident``, ``cpu``,
 ``disk``) over the process's baseline after imports, and tokens/s. A fresh process per number,
 because peak RSS only ever grows.
@@ -103,8 +103,11 @@ def _rss(field: str) -> int:
     raise KeyError(field)
 
 
-def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: int = 1) -> dict:
-    """Peak RSS growth over the post-import baseline, and tokens/s, of one generation."""
+def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: int = 1, warmup: int = 0) -> dict:
+    """Peak RSS growth over the post-import baseline, and tokens/s, of one generation.
+
+    ``warmup``: first a generation of that many tokens, untimed, so tokens/s is the steady decode
+    rate (not the first call's one-off costs, a large share of 8 fast int4 tokens)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama  # noqa: F401 (imported before the baseline)
 
@@ -126,11 +129,15 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
                                                      offload_folder=os.path.join(folder, "accelerate_offload")).eval()
     else:
         model = init_inference(folder, offload=None if mode == "resident" else mode, prefetch=prefetch)
+    t1 = time.perf_counter()
+    if warmup:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=warmup, min_new_tokens=warmup, do_sample=False, pad_token_id=0)
     state = stream_state_of(model)
     files = state.files if state is not None else None
     read0 = files.bytes_read if files is not None else 0
-    t1 = time.perf_counter()
-    if split is not None:  # the generation's time only, not the load's
+    t_gen = time.perf_counter()
+    if split is not None:  # the generation's time only, not the load's (nor the warm-up's)
         split.update(dict.fromkeys(split, 0.0))
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -140,7 +147,7 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
     fetcher = state.fetcher if state is not None else None
     report = model.memory_report() if fetcher else {}
     return {"mode": mode, "prefetch": prefetch, "baseline": baseline, "peak_growth": _rss("VmHWM") - baseline,
-            "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t1),
+            "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t_gen),
             "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist(),
             "resident": report.get("params", 0), "gather_pool": report.get("gather_pool", 0),
             "overflow": report.get("gather_pool_overflow", 0), "read_per_token": read,
@@ -242,4 +249,5 @@ if __name__ == "__main__":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]),
                                  int(sys.argv[5]) if len(sys.argv) > 5 else 1,
-                                 int(sys.argv[6]) if len(sys.argv) > 6 else 1)))
+                                 int(sys.argv[6]) if len(sys.argv) > 6 else 1,
+                                 int(sys.argv[7]) if len(sys.argv) > 7 else 0)))

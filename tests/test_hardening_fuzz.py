@@ -138,7 +138,8 @@ COMMANDS = {
     .map(lambda t: ["quantize", t[0], t[1], "--bits", t[2], *t[3]]),
     "generate": st.tuples(mostly("model"), values("w1 w2", "w3 " * 80, " "), _flags({
         "--max-new-tokens": values("1", "3", "63", "99999"), "--offload": values("disk", "cpu"),
-        "--prefetch": values("0", "2"), "--quantize": values("int8", "int4"), "--dtype": values("bf16", "fp16"),
+        "--prefetch": values("0", "2"), "--threads": values("3"), "--quantize": values("int8", "int4"),
+        "--dtype": values("bf16", "fp16"),
         "--greedy": None, "--temperature": values("0", "0.7", "-0.0"), "--top-p": values("0.9", "1"),
         "--seed": values("7")}))
     .map(lambda t: ["generate", "--model", t[0], "--prompt", t[1], *t[2]]),

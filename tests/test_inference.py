@@ -153,7 +153,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=300, cwd=ROOT)
 
 
-@pytest.mark.parametrize("extra", [["--offload", "disk"], ["--nproc", "2"]])
+@pytest.mark.parametrize("extra", [["--offload", "disk", "--threads", "2"], ["--nproc", "2"]])
 def test_cli_streams_greedy_tokens(tmp_path, extra):
     save_tiny("llama", str(tmp_path))
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -169,3 +169,6 @@ def test_cli_streams_greedy_tokens(tmp_path, extra):
     assert "tokens/s" in res.stdout and "peak memory" in res.stdout
     if extra[0] == "--offload":  # streamed: the loading progress line and the bytes read per token
         assert "loading: 3/3 units" in res.stderr and "MiB read per token" in res.stdout
+        assert "; 2 compute threads;" in res.stdout  # --threads 2 over the OMP_NUM_THREADS=1 of _cli
+    else:
+        assert "; 1 compute thread;" in res.stdout

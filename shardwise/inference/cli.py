@@ -24,6 +24,7 @@ EXAMPLES = """examples:
   shardwise quantize big_dir big_int4 --bits 4 && \
   shardwise generate --model big_int4 --prompt "Hello" --offload disk        (4-bit weights: fewer bytes)
   shardwise generate --model big_dir --prompt "Hello" --offload cpu --quantize int8   (quantized at load)
+  shardwise generate --model big_int4 --prompt "Hello" --offload disk --prefetch 4 --threads 1   (2 cores)
   shardwise generate --model dir --prompt "Hello" --nproc 2                  (each rank holds 1/2)
   shardwise generate --model dir --prompt "Hello" --tp 2 --nproc 2           (tensor parallel)
   shardwise generate --model dir --prompt "Hi" --temperature 0.8 --top-p 0.95 --seed 1
@@ -46,6 +47,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="stream decoder layers from disk (nothing resident) or from CPU memory")
     p.add_argument("--prefetch", type=bounded_int(0, 1024, "--prefetch"), default=1,
                    help="layers read ahead of the running one (default 1)")
+    p.add_argument("--threads", type=bounded_int(1, 4096, "--threads"), default=None,
+                   help="torch compute threads (default: torch's). Streaming from disk on a CPU, one fewer "
+                        "than the cores leaves the reader thread a core of its own (see docs/inference.md)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="stream group-wise quantized layers (with --offload; from disk: a `shardwise quantize` copy)")
     p.add_argument("--group-size", type=bounded_int(1, 1 << 20, "--group-size"), default=None,
@@ -121,7 +125,10 @@ def _report(model, new: int, seconds: float, batch: int) -> str:
     line = f"{new} tokens in {seconds:.2f} s: {batch * new / seconds:.2f} tokens/s"
     if files is not None and new and files.bytes_read:  # offload="cpu" reads memory, not files
         line += f"; {files.bytes_read / new / 2**20:.1f} MiB read per token"
-    line += f"; peak memory {_peak_memory()}"
+    import torch
+
+    threads = torch.get_num_threads()
+    line += f"; {threads} compute thread{'s' if threads > 1 else ''}; peak memory {_peak_memory()}"
     if fetcher is not None:
         line += f", whole layers at most {fetcher.peak_gathered_bytes / 2**20:.1f} MiB"
     return line
@@ -175,13 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     files = state.files if state is not None else None
     if files is not None:
         files.bytes_read = 0  # count what generation reads, not the load
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, streamer=streamer, **gen)
-    seconds = time.perf_counter() - start
-    new = out.shape[-1] - ids.shape[-1]
-    if rank == 0:
-        print(f"\n[shardwise generate] {_report(model, new, seconds, ids.shape[0])}", flush=True)
+    threads = torch.get_num_threads()
+    if args.threads is not None:  # for this generation only: an in-process caller keeps its own setting
+        torch.set_num_threads(args.threads)
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, streamer=streamer, **gen)
+        seconds = time.perf_counter() - start
+        new = out.shape[-1] - ids.shape[-1]
+        if rank == 0:
+            print(f"\n[shardwise generate] {_report(model, new, seconds, ids.shape[0])}", flush=True)
+    finally:
+        torch.set_num_threads(threads)
     if owned and dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the rank
         dist.barrier()
         dist.destroy_process_group()
