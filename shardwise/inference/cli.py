@@ -134,6 +134,28 @@ def _report(model, new: int, seconds: float, batch: int) -> str:
     return line
 
 
+def _generate(model, ids, gen: dict, streamer, threads: int | None, report: bool) -> None:
+    """Generate (tokens go to ``streamer``) on ``threads`` compute threads if given, then the report line.
+
+    The thread count is torch's process-wide setting: it is restored afterwards, so an in-process
+    caller keeps its own."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, streamer=streamer, **gen)
+        seconds = time.perf_counter() - start
+        if report:
+            print(f"\n[shardwise generate] {_report(model, out.shape[-1] - ids.shape[-1], seconds, ids.shape[0])}",
+                  flush=True)
+    finally:
+        torch.set_num_threads(before)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
@@ -182,19 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     files = state.files if state is not None else None
     if files is not None:
         files.bytes_read = 0  # count what generation reads, not the load
-    threads = torch.get_num_threads()
-    if args.threads is not None:  # for this generation only: an in-process caller keeps its own setting
-        torch.set_num_threads(args.threads)
-    try:
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, streamer=streamer, **gen)
-        seconds = time.perf_counter() - start
-        new = out.shape[-1] - ids.shape[-1]
-        if rank == 0:
-            print(f"\n[shardwise generate] {_report(model, new, seconds, ids.shape[0])}", flush=True)
-    finally:
-        torch.set_num_threads(threads)
+    _generate(model, ids, gen, streamer, args.threads, report=rank == 0)
     if owned and dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the rank
         dist.barrier()
         dist.destroy_process_group()
