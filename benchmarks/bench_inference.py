@@ -61,7 +61,7 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
             quantize_folder(folders["bf16"], folders[kind], bits, args.group_size, block_rows=rows)
     print(f"int4: this torch packs in blocks of {native} rows; int4-r{other} is a file in the other order")
     if args.ratio_rounds:
-        ratio_rounds(folders, args.ratio_rounds, args.tokens, env, args.ratio_settings, args.warmup)
+        ratio_rounds(folders, args.ratio_rounds, args.tokens, env, args.ratio_settings, args.warmup, args.batch)
         return
     kinds = ("fp32", "bf16", "int8", "int4", f"int4-r{other}")
     rows = [("plain", "fp32"), ("plain", "bf16")] + [("disk", k) for k in kinds]
@@ -87,10 +87,10 @@ def quantized_matrix(args: argparse.Namespace, env: dict) -> None:
 
 
 def ratio_rounds(folders: dict[str, str], rounds: int, tokens: int, env: dict,
-                 settings: list[tuple[int, int]], warmup: int) -> None:
-    """int4 against bf16 tokens/s from disk at batch 1, interleaved round by round (the disk's and the
+                 settings: list[tuple[int, int]], warmup: int, batch: int = 1) -> None:
+    """int4 against bf16 tokens/s from disk at ``batch``, interleaved round by round (the disk's and the
     machine's drift hit both alike), at each ``(compute threads, prefetch)`` setting in every round;
-    writes ``benchmarks/results/int4_ratio.json``."""
+    writes ``benchmarks/results/int4_ratio.json`` (``int4_ratio_b{batch}.json`` at another batch)."""
     import statistics
 
     rows: dict[str, list[dict]] = {f"{t}:{pf}": [] for t, pf in settings}
@@ -98,7 +98,7 @@ def ratio_rounds(folders: dict[str, str], rounds: int, tokens: int, env: dict,
         order = ("bf16", "int4") if r % 2 == 0 else ("int4", "bf16")
         for threads, prefetch in settings:
             run_env = dict(env, OMP_NUM_THREADS=str(threads))
-            row = {k: _run(folders[k], "disk", prefetch, tokens, 1, run_env, warmup)["tokens_per_s"] for k in order}
+            row = {k: _run(folders[k], "disk", prefetch, tokens, batch, run_env, warmup)["tokens_per_s"] for k in order}
             row["ratio"] = row["int4"] / row["bf16"]
             rows[f"{threads}:{prefetch}"].append(row)
             print(f"round {r + 1}, {threads} compute threads, prefetch {prefetch}: bf16 {row['bf16']:.2f} "
@@ -109,9 +109,9 @@ def ratio_rounds(folders: dict[str, str], rounds: int, tokens: int, env: dict,
         print(f"threads:prefetch {key} median: bf16 {med['bf16']:.2f}, int4 {med['int4']:.2f}, ratio "
               f"{med['ratio']:.2f} (median of the rounds' ratios; min {min(r['ratio'] for r in rs):.2f}, max "
               f"{max(r['ratio'] for r in rs):.2f}; ratio of the medians {med['int4'] / med['bf16']:.2f})")
-    out = os.path.join(ROOT, "benchmarks", "results", "int4_ratio.json")
+    out = os.path.join(ROOT, "benchmarks", "results", "int4_ratio.json" if batch == 1 else f"int4_ratio_b{batch}.json")
     with open(out, "w") as f:
-        json.dump({"rounds": rows, "median": medians, "tokens": tokens, "warmup_tokens": warmup,
+        json.dump({"rounds": rows, "median": medians, "tokens": tokens, "warmup_tokens": warmup, "batch": batch,
                    "settings": "compute threads:prefetch",
                    "cold": env.get("SHARDWISE_COLD_READS") == "1", "cpu": _cpu_model()}, f, indent=1)
 
