@@ -131,6 +131,10 @@ def test_store_reads_any_element_range(folders, bits):
         assert torch.equal(got, want)
         for a, b in [(1, 2), (3, 70), (want.numel() - 5, want.numel())]:
             assert torch.equal(store.read(f"{key}_scale", a, b, torch.empty(b - a)), want[a:b])
+        buffer = torch.full((want.numel() + 3,), 7.0, dtype=torch.bfloat16)  # bf16: the one-op path, and not
+        for a, b, at in [(0, want.numel(), 0), (0, want.numel(), 1), (4, 70, 2), (3, 70, 0)]:
+            out = buffer[at:at + b - a]
+            assert torch.equal(store.read(f"{key}_scale", a, b, out).float(), want[a:b])
 
 
 def test_row_by_row_reads_of_a_blocked_weight_read_it_once(folders):

@@ -18,6 +18,7 @@ from shardwise.inference.quantized_linear import (
     kernel_eligible,
     kernel_scales,
     native_block_rows,
+    pairs_into,
     scale_pairs,
     to_blocked,
 )
@@ -149,3 +150,17 @@ def test_forward_hands_the_stored_scale_layout_to_the_kernel(dtype):
     xb = x.bfloat16().double()
     ref, absdot = xb @ w.t(), xb.abs() @ w.abs().t()
     assert ((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + k * 2.0**-24 * absdot).all()
+
+
+def test_pairs_in_one_op_equal_the_reference_pairs():
+    """The widened pairs are the (scale, 0) pairs bit for bit, negative and signed-zero scales too
+    (their sign bit must not spill into the zero); where the one op cannot run nothing is written."""
+    scales = torch.tensor([1.5, -2.0, 0.0, -0.0, 3e-3, -7e5, float("inf"), 1e-38], dtype=torch.bfloat16)
+    out = torch.full((2 * scales.numel(),), 9.0, dtype=torch.bfloat16)
+    assert pairs_into(out, scales)
+    assert torch.equal(out.view(torch.int16), scale_pairs(scales, torch.bfloat16).view(torch.int16))
+    odd = torch.full((2 * scales.numel() + 1,), 9.0, dtype=torch.bfloat16)[1:]  # not 4-byte aligned
+    for target in (odd, torch.full((2 * scales.numel(),), 9.0), out[:-2]):
+        before = target.clone()
+        assert not pairs_into(target, scales)
+        assert torch.equal(target, before)

@@ -31,6 +31,7 @@ store serves under ``<weight key>_packed`` / ``<weight key>_scale``.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch import nn
@@ -72,6 +73,23 @@ def scale_pairs(kernel_order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     pairs = torch.zeros(kernel_order.numel(), 2, dtype=dtype)
     pairs[:, 0] = kernel_order
     return pairs.view(-1)
+
+
+def pairs_into(out: torch.Tensor, scales: torch.Tensor) -> bool:
+    """:func:`scale_pairs` of the bf16 ``scales`` written into ``out`` in one op, where ``out`` is a
+    4-byte aligned contiguous bf16 tensor of twice as many elements (else False, nothing written).
+
+    A bf16 (scale, 0) pair read as one little-endian int32 is the scale's 16 bits zero-extended, so
+    widening the bits (uint16 to int32) makes the pairs: 6 us against 37 for a strided copy, a zero
+    and a copy, per weight of a streamed layer (about 1.7 ms a token on the reader thread)."""
+    if not (_LITTLE_ENDIAN and out.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16
+            and out.is_contiguous() and out.storage_offset() % 2 == 0 and out.numel() == 2 * scales.numel()):
+        return False
+    out.view(torch.int32).copy_(scales.view(torch.uint16))
+    return True
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 @functools.cache

@@ -22,7 +22,14 @@ from shardwise.inference.quant_format import (
     scale_dtype,
     stored_form,
 )
-from shardwise.inference.quantized_linear import DEFAULT_BLOCK_ROWS, PACKED, SCALE, from_blocked, write_block_rows
+from shardwise.inference.quantized_linear import (
+    DEFAULT_BLOCK_ROWS,
+    PACKED,
+    SCALE,
+    from_blocked,
+    pairs_into,
+    write_block_rows,
+)
 from shardwise.inference.stream import SafetensorsReader
 from shardwise.safe_files import read_in
 from shardwise.safetensors_io import ST_DTYPES, ST_NAMES
@@ -192,6 +199,8 @@ class QuantizedStore(SafetensorsReader):
         with self._qlock:
             staged = self._buf("raw_scales", hi - lo, torch.bfloat16)
             self._raw(key, True, lo, staged)
+            if start % 2 == 0 and pairs_into(out, staged):
+                return out
             pairs = self._buf(f"scale_pairs_{out.dtype}", 2 * (hi - lo), out.dtype).view(-1, 2)
             pairs[:, 0].copy_(staged)
             pairs[:, 1].zero_()
