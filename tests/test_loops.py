@@ -66,15 +66,27 @@ def test_compile_aot_eager_equals_eager_at_every_stage(pool2):
 def test_compile_inductor_stage3(pool2):
     """One small inductor case (the system C compiler; tens of seconds): stage 3 through
     shardwise.compile. Inductor fuses and reorders fp32 arithmetic, so not bit for bit: one step's
-    loss within 1e-6 relative and weights within 1e-6 of eager (an AdamW step moves them 1e-3)."""
+    loss within 1e-6 relative, and weights within 1e-6 of eager but for a few elements.
+
+    AdamW's first step moves each element by ``LR * g / (|g| + eps)``: normalised by its own
+    gradient, so an element whose gradient is a few eps has its step set by that gradient's last
+    bits, which reordered sums change. Such an element can differ by up to the two steps' spread
+    (2 LR) and no more; they are rare (on an AVX-512 Xeon 2 of 127k elements over 1e-6, at most
+    7e-6; none on an AMD EPYC), so at most 0.1% may exceed 1e-6."""
+    from zero_cases import LR
+
     res = pool2.run("loop_cases:compiled_against_eager", [("shard", 3)], "inductor", steps=1)
     for r in res:
         run = r["shard/3"]
         assert run["compiled"]["losses"] == pytest.approx(run["eager"]["losses"], rel=1e-6)
     run = res[0]["shard/3"]
     assert run["compiled"]["graph_breaks"] == 0
+    over, total = 0, 0
     for n, w in run["compiled"]["weights"].items():
-        torch.testing.assert_close(w, run["eager"]["weights"][n], rtol=0, atol=1e-6, msg=n)
+        diff = (w - run["eager"]["weights"][n]).abs()
+        assert float(diff.max()) <= 2 * LR, n
+        over, total = over + int((diff > 1e-6).sum()), total + diff.numel()
+    assert over <= 1e-3 * total, (over, total)
 
 
 def test_plain_torch_compile_at_stage3_equals_eager(pool2):
