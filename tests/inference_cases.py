@@ -116,7 +116,7 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     ids = prompt(vocab=512, batch=batch, seq=8)
-    baseline = _rss("VmRSS")
+    baseline, file_baseline = _rss("VmRSS"), _rss("RssFile")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
     t0 = time.perf_counter()
@@ -147,6 +147,7 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
     fetcher = state.fetcher if state is not None else None
     report = model.memory_report() if fetcher else {}
     return {"mode": mode, "prefetch": prefetch, "baseline": baseline, "peak_growth": _rss("VmHWM") - baseline,
+            "file_growth": _rss("RssFile") - file_baseline,
             "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t_gen),
             "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist(),
             "resident": report.get("params", 0), "gather_pool": report.get("gather_pool", 0),

@@ -126,6 +126,12 @@ def test_streamed_memory_bound_on_every_run(tmp_path, monkeypatch):
     cache, activations and ~22 MB of libtorch code paged in by the first forward (file-backed
     RSS, the same for any model). offload="cpu" on a CPU host keeps the whole model resident
     (that is the mode): its bound is on the growth beyond the resident shards it reports.
+
+    File-backed pages are left out (RssFile at the end less at the baseline): the weights are read
+    with pread, never mapped, so they are only library code, and how many a first forward maps
+    depends on the page cache, not on shardwise. In a venv installed minutes before, on an
+    AVX-512 Xeon, the same bf16 runs mapped 125 MB of them against 40 (anonymous memory 282
+    against 280 MB), which alone put the total at 0.26 of the model in every run of a sitting.
     """
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread per process (the forkserver starts with this)
     cases, sizes = [], {}
@@ -136,7 +142,7 @@ def test_streamed_memory_bound_on_every_run(tmp_path, monkeypatch):
     results = forked_runs(cases, runs=6)
     for (folder, mode), runs in results.items():
         model = sizes[folder]["model_bytes"]
-        excess = [r["peak_growth"] - r["resident"] for r in runs]
+        excess = [r["peak_growth"] - r["resident"] - max(r["file_growth"], 0) for r in runs]
         assert max(excess) <= 0.2 * model, (folder, mode, [round(e / model, 3) for e in excess])
         for r in runs:
             assert r["gather_pool"] == 2 * sizes[folder]["layer_bytes"] and r["overflow"] == 0
