@@ -10,6 +10,7 @@ writes under F). Two measurements, both with cold reads (pages dropped after eac
   up, down, then the norms, each weight before its ``.scale``) and once in file order, ``--repeats``
   times: the case for ``zero/store.read_segments`` sorting a gather's reads by file position;
 * **the int4 kernel alone** on a token's matmuls (the file's blocked shapes, random weights, resident);
+* **the scale pairs alone**: one widening op (``pairs_into``) against three ops, for a token's weights;
 * **CPU per thread** of a streamed generate (``offload="disk"``, prefetch 1, after a warm-up), from
   ``/proc/self/task/*/schedstat``, and the reader's CPU inside ``preadv`` and ``posix_fadvise``.
 """
@@ -129,6 +130,35 @@ def kernel_alone(folder: str, repeats: int) -> None:
         print(f"int4 kernel alone: {len(calls)} matmuls (a token) in {1e3 * (time.perf_counter() - t):.1f} ms")
 
 
+def pairs_alone(folder: str, repeats: int) -> None:
+    """The kernel's (scale, 0) pairs of each blocked weight's scales: one widening op (``pairs_into``,
+    what the store does) against the strided copy, zero and copy it replaced."""
+    import torch
+
+    from shardwise.inference.quant_format import DESCRIPTION
+    from shardwise.inference.quantized_linear import pairs_into
+
+    desc = __import__("json").load(open(os.path.join(folder, DESCRIPTION)))
+    counts = [n * k // desc["group_size"] for n, k in (desc["tensors"][key] for key in desc.get("blocked", []))]
+    scales = [torch.rand(c).to(torch.bfloat16) for c in counts]
+    outs = [torch.empty(2 * c, dtype=torch.bfloat16) for c in counts]
+    stage = torch.empty(2 * max(counts), dtype=torch.bfloat16)
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for s, o in zip(scales, outs, strict=True):
+            pairs_into(o, s)
+        one = time.perf_counter() - t
+        t = time.perf_counter()
+        for s, o in zip(scales, outs, strict=True):
+            pairs = stage[:o.numel()].view(-1, 2)
+            pairs[:, 0].copy_(s)
+            pairs[:, 1].zero_()
+            o.copy_(pairs.view(-1))
+        three = time.perf_counter() - t
+        print(f"scale pairs of {len(counts)} weights (a token): one op {1e3 * one:.2f} ms, "
+              f"three ops {1e3 * three:.2f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("folder")
@@ -139,6 +169,7 @@ def main() -> None:
     os.environ["SHARDWISE_COLD_READS"] = "1"
     read_order(args.folder, args.repeats)
     kernel_alone(args.folder, args.repeats)
+    pairs_alone(args.folder, args.repeats)
     cpu_per_thread(args.folder, args.tokens)
 
 
