@@ -21,6 +21,9 @@ MODES: dict[str, tuple[str, int, str]] = {
     "fsdp2": ("fsdp2", 3, "fp32"),
     "swfn3": ("shardwise-fn", 3, "fp32"),
     "ds3": ("deepspeed", 3, "fp32"),
+    "sw1-bf16": ("shardwise", 1, "bf16"),
+    "sw2-bf16": ("shardwise", 2, "bf16"),
+    "ds2-bf16": ("deepspeed", 2, "bf16"),
     "sw3-bf16": ("shardwise", 3, "bf16"),
     "fsdp2-bf16": ("fsdp2", 3, "bf16"),
     "swfn3-bf16": ("shardwise-fn", 3, "bf16"),
@@ -29,6 +32,7 @@ MODES: dict[str, tuple[str, int, str]] = {
 LABELS = {
     "ddp": "torch DDP", "sw0": "shardwise ZeRO-0", "sw1": "shardwise ZeRO-1", "sw2": "shardwise ZeRO-2",
     "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "sw3": "shardwise ZeRO-3",
+    "sw1-bf16": "shardwise ZeRO-1", "sw2-bf16": "shardwise ZeRO-2", "ds2-bf16": "DeepSpeed ZeRO-2",
     "fsdp2": "torch FSDP2", "ds3": "DeepSpeed ZeRO-3", "sw3-bf16": "shardwise ZeRO-3",
     "fsdp2-bf16": "torch FSDP2", "ds3-bf16": "DeepSpeed ZeRO-3",
     "swfn3": "shardwise.shard ZeRO-3 (FSDP-style loop)", "swfn3-bf16": "shardwise.shard ZeRO-3 (FSDP-style loop)",

@@ -14,8 +14,9 @@ say little: the table marks them and their bytes (model states, bytes moved) are
 
 Model-state bytes per rank are measured (live tensor storages, see bench_zero.py) and shown next to
 the ZeRO formula for fp32 AdamW (params + grads + 2 moments, Ψ parameters over N ranks): DDP and
-stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N, stage 3 (and FSDP2) 16Ψ/N; bf16 stage 3 with
-fp32 masters 16Ψ/N as well (2 + 2 + 4 + 8 bytes per parameter, all sharded).
+stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N, stage 3 (and FSDP2) 16Ψ/N; bf16 with fp32
+masters and moments (2 + 2 + 4 + 8 bytes per parameter, the ZeRO paper's mixed precision): stage 1
+4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N.
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ STAGE = {"ddp": 0, "sw0": 0, "sw1": 1, "ds1": 1, "sw2": 2, "ds2": 2}
 
 
 def formula_bytes(mode: str, params: int, nproc: int) -> float:
-    """ZeRO model-state bytes per rank for fp32 AdamW (see the module doc)."""
-    stage = STAGE.get(mode, 3)
+    """ZeRO model-state bytes per rank for AdamW (see the module doc): fp32, or bf16 with fp32 masters."""
+    stage = STAGE.get(mode.removesuffix("-bf16"), 3)
+    if mode.endswith("-bf16"):  # the ZeRO paper's mixed precision: 2 + 2 bytes replicated, K = 12 sharded
+        return {0: 16 * params, 1: 4 * params + 12 * params / nproc, 2: 2 * params + 14 * params / nproc}.get(
+            stage, 16 * params / nproc)
     return {0: 16 * params, 1: 8 * params + 8 * params / nproc, 2: 4 * params + 12 * params / nproc}.get(
         stage, 16 * params / nproc)
 
