@@ -164,9 +164,12 @@ def plot(rows: list[dict], path: Path) -> str:
     for r in rows:
         if r.get("x_ddp") and r["mode"] != "ddp" and r.get("time_meaningful", True):  # ranks > cores: no time
             lines.setdefault((r["mode"], r["nproc"]), []).append((r["params"], r["x_ddp"]))
-    for (mode, nproc), pts in sorted(lines.items()):
+    colors = plt.get_cmap("tab20").colors  # one color a line; shardwise solid, peers dashed; bf16 squares
+    for i, ((mode, nproc), pts) in enumerate(sorted(lines.items())):
         pts.sort()
-        ax.plot([p for p, _ in pts], [x for _, x in pts], marker="o", label=f"{mode}, {nproc} ranks")
+        ax.plot([p for p, _ in pts], [x for _, x in pts], color=colors[i % len(colors)],
+                ls="-" if mode.startswith("sw") else "--", marker="s" if mode.endswith("bf16") else "o",
+                label=f"{mode}, {nproc} ranks")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("parameters")
