@@ -94,6 +94,7 @@ def rows_of(size: str, nproc: int, cell: dict) -> list[dict]:
         moved = sum(v for k, v in comm.items() if k != "broadcast") / per_step if comm else None
         out.append({"size": size, "params": r["params"], "nproc": nproc, "mode": mode,
                     "step_ms": r["step_ms_median"], "rounds_ms": [round(x, 1) for x in rounds],
+                    "fwd_bwd_opt_ms": [round(r[k], 1) for k in ("fwd_ms", "bwd_ms", "opt_ms")],
                     "spread": max(rounds) / min(rounds) - 1 if rounds else None,
                     "x_ddp": ddp / r["step_ms_median"] if ddp else None,
                     "states_MiB": states / 2**20, "formula_MiB": formula_bytes(mode, r["params"], nproc) / 2**20,

@@ -15,11 +15,9 @@ also compute, so these waits are where a mode's extra bytes show in its step tim
 from __future__ import annotations
 
 import argparse
-import atexit
 import collections
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +28,8 @@ sys.path.insert(0, str(HERE))
 
 
 def _rank_job(argv: list[str]) -> None:
-    """One rank: the benchmark worker with the waits timed (this file run by torchrun)."""
+    """One rank: the benchmark worker with the waits timed (this file, run by torchrun through
+    ``bench_zero.run_mode``); the waits go to ``<out>.waits<rank>.json`` beside the worker's results."""
     import bench_zero_worker as worker
     import torch
 
@@ -53,14 +52,10 @@ def _rank_job(argv: list[str]) -> None:
     pending.InflightLimit.admit = timed(pending.InflightLimit.admit, lambda _: "admit (bucket bound)")
     args = worker.parse_args(argv)
     steps = args.steps + args.warmup + 1  # the worker's extra untimed step included
-
-    def report() -> None:
-        print("WAITS " + json.dumps({"rank": int(os.environ.get("RANK", 0)),
-                                     "ms_per_step": {k: round(1e3 * v / steps, 1) for k, v in sorted(spent.items())}}),
-              flush=True)
-
-    atexit.register(report)
     worker.worker(args)
+    rank = int(os.environ.get("RANK", 0))
+    Path(f"{args.out}.waits{rank}.json").write_text(
+        json.dumps({k: round(1e3 * v / steps, 1) for k, v in sorted(spent.items())}))
 
 
 def main() -> None:
@@ -70,27 +65,25 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
+    import bench_zero
     from bench_scaling import model_spec
 
     work = Path(tempfile.mkdtemp(prefix="bench_waits_"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error")
+    job = bench_zero.parser().parse_args(["--steps", str(args.steps), "--warmup", str(args.warmup),
+                                          "--model", model_spec(args.size, work)])
     for mode in args.modes.split(","):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--rank-job", "--mode", mode, "--out", str(work / f"{mode}.json"), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--model", model_spec(args.size, work)]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if r.returncode != 0:
-            sys.exit(f"{mode}: the job failed:\n{r.stderr[-3000:]}")
-        res = json.loads((work / f"{mode}.json").read_text())
+        res = bench_zero.run_mode(mode, job, work, worker=Path(__file__))
+        if "error" in res:
+            sys.exit(f"{mode}: the job failed: {res['error']}")
         print(f"{mode} at {args.size}: {res['step_ms_median']:.0f} ms a step (forward {res['fwd_ms']:.0f}, "
               f"backward {res['bwd_ms']:.0f}, step {res['opt_ms']:.0f}); blocked, ms a step:")
-        for line in sorted(ln for ln in r.stdout.splitlines() if ln.startswith("WAITS ")):
-            rank = json.loads(line[6:])
-            print(f"  rank {rank['rank']}: " + ", ".join(f"{k} {v}" for k, v in rank["ms_per_step"].items()))
+        for rank in range(job.nproc):
+            waits = json.loads(Path(f"{work / mode}.json.waits{rank}.json").read_text())
+            print(f"  rank {rank}: " + ", ".join(f"{k} {v}" for k, v in waits.items()))
 
 
 if __name__ == "__main__":
-    if "--rank-job" in sys.argv:
-        _rank_job([a for a in sys.argv[1:] if a != "--rank-job"])
+    if "--mode" in sys.argv:  # a rank of a job (bench_zero.run_mode passes --mode; this CLI takes --modes)
+        _rank_job(sys.argv[1:])
     else:
         main()

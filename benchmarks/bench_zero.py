@@ -92,10 +92,11 @@ def _loadavg() -> float:
         return float("nan")
 
 
-def run_mode(mode: str, args, out_dir: Path, profile_dir: str | None = None) -> dict:
+def run_mode(mode: str, args, out_dir: Path, profile_dir: str | None = None, worker: Path = WORKER) -> dict:
+    """One gloo job of ``mode`` (``worker`` run by torchrun on every rank); its results, or why it failed."""
     out = out_dir / f"{mode}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           str(WORKER), "--mode", mode, "--out", str(out), "--seq", str(args.seq), "--micro", str(args.micro),
+           str(worker), "--mode", mode, "--out", str(out), "--seq", str(args.seq), "--micro", str(args.micro),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed), "--model", args.model]
     if profile_dir:
         cmd += ["--profile-dir", profile_dir]
@@ -118,7 +119,8 @@ def run_mode(mode: str, args, out_dir: Path, profile_dir: str | None = None) -> 
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (also what ``bench_waits.py`` hands ``run_mode``, with its defaults)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="ranks per job (default 2)")
     p.add_argument("--steps", type=int, default=20, help="measured steps per mode")
@@ -143,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-json", type=Path, help="only re-render docs/benchmarks.md from a saved "
                    "results file (benchmarks/results/latest.json)")
     p.add_argument("--note", default="", help="free text for the doc's contention line")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
 
     if args.from_json:
