@@ -33,6 +33,9 @@ def _rank_job(argv: list[str]) -> None:
     import bench_zero_worker as worker
     import torch
 
+    src = os.environ.pop("BENCH_SHARDWISE_SRC", None)  # the package run_mode benchmarks: patch that one
+    if src:
+        worker.import_shardwise_from(src)
     from shardwise.comm import core
     from shardwise.zero import pending
 

@@ -162,7 +162,7 @@ def _build_deepspeed(model, stage, precision, micro):
     return Runner(fwd, engine.backward, engine.step)
 
 
-def _import_shardwise_from(src: str) -> None:
+def import_shardwise_from(src: str) -> None:
     """Make ``import shardwise`` load ``src/shardwise`` (ahead of an editable install's finder)."""
     import importlib.util
 
@@ -176,7 +176,7 @@ def _import_shardwise_from(src: str) -> None:
 
 def worker(args) -> None:
     if os.environ.get("BENCH_SHARDWISE_SRC"):
-        _import_shardwise_from(os.environ["BENCH_SHARDWISE_SRC"])
+        import_shardwise_from(os.environ["BENCH_SHARDWISE_SRC"])
     import torch
     import torch.distributed as dist
 
