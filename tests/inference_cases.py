@@ -151,7 +151,7 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
             "load_s": t1 - t0, "tokens_per_s": batch * new_tokens / (t2 - t_gen),
             "peak_gathered": fetcher.peak_gathered_bytes if fetcher else None, "tokens": out[0].tolist(),
             "resident": report.get("params", 0), "gather_pool": report.get("gather_pool", 0),
-            "overflow": report.get("gather_pool_overflow", 0), "read_per_token": read,
+            "deferred": report.get("gather_pool_deferred", 0), "read_per_token": read,
             "split_s_per_token": {k: v / new_tokens for k, v in split.items()} if split else None,
             "placement": sorted(set(getattr(model, "hf_device_map", {}).values()))}
 

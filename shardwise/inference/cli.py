@@ -65,6 +65,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-p", type=finite_float(0, 1, "--top-p", low_open=True), default=None,
                    help="nucleus sampling in (0, 1] (with --temperature)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank")
+    p.add_argument("--verbose", action="store_true",
+                   help="with --offload or --nproc: print the memory bound term by term (docs/inference.md) "
+                        "next to the measured peak")
     args = p.parse_args(argv)
     if args.temperature == 0:  # documented: greedy (sampling's limit), not a division by zero
         args.temperature = None
@@ -156,6 +159,35 @@ def _generate(model, ids, gen: dict, streamer, threads: int | None, report: bool
         torch.set_num_threads(before)
 
 
+def _rss_now() -> dict[str, int] | None:
+    """VmRSS and RssFile (bytes) from /proc, None where there is no /proc (then no peak is printed)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssFile", "VmHWM")}
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _baseline() -> dict[str, int] | None:
+    """The RSS now, with the kernel's peak (VmHWM) reset to it so the peak read later is this run's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _rss_now()
+
+
+def _peak_growth(baseline: dict[str, int] | None) -> int | None:
+    """The peak's growth over ``baseline`` less file-backed growth (library code paged in): the
+    anonymous memory the bound is about. An upper bound if the load peaked higher than generation."""
+    now = _rss_now()
+    if baseline is None or now is None:
+        return None
+    return now["VmHWM"] - baseline["VmRSS"] - max(now["RssFile"] - baseline["RssFile"], 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
@@ -186,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = dict(quantize=args.quantize, group_size=args.group_size) if args.quantize else {}
     if args.tp == 1:
         kwargs["progress"] = _progress(rank)
+    baseline = _baseline() if args.verbose else None
     model = init_inference(args.model, tensor_parallel_size=args.tp, offload=args.offload, dtype=dtype,
                            prefetch=args.prefetch, **kwargs)
     device = next(model.buffers(), next(model.parameters())).device
@@ -205,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     if files is not None:
         files.bytes_read = 0  # count what generation reads, not the load
     _generate(model, ids, gen, streamer, args.threads, report=rank == 0)
+    if args.verbose and rank == 0 and state is not None:
+        from shardwise.inference.bound import format_bound, memory_bound
+
+        terms = memory_bound(model, ids.shape[0], ids.shape[-1], new_tokens)
+        print(f"[shardwise generate] {format_bound(terms, _peak_growth(baseline))}", flush=True)
     if owned and dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the rank
         dist.barrier()
         dist.destroy_process_group()

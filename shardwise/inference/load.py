@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, init_distributed, make_comm
+from shardwise.inference.allocator import pin_allocator
 from shardwise.inference.quant_format import is_quantized
 from shardwise.inference.quantized_linear import install
 from shardwise.inference.quantized_store import open_store
@@ -75,6 +76,7 @@ def init_inference(model_or_path: str | os.PathLike | nn.Module, tensor_parallel
             raise ValueError("offload='disk' streams from a save_pretrained folder: pass its path")
         return stream_layers(model_or_path.to(dtype) if dtype else model_or_path, comm, offload, prefetch, None,
                        progress=progress)
+    pin_allocator()  # before the load: a freed load-time tensor must not raise glibc's thresholds
     model, want = meta_model(path, dtype)
     files = open_store(path, model, offload, quantize, group_size)
     install(model, files, want, inference_device())  # int4 Linear weights stay packed where the CPU kernel runs

@@ -112,6 +112,12 @@ class QuantizedStore(SafetensorsReader):
         return out[0], out[1]
 
     @property
+    def staging_bytes(self) -> int:
+        """Bytes of the reused dequantization buffers (made on first use, as large as the largest
+        tensor needs; the streamed-memory bound counts them)."""
+        return sum(t.numel() * t.element_size() for t in (*self._stage.values(), self._block_values))
+
+    @property
     def resident_bytes(self) -> int:
         return sum(q.numel() + s.numel() * 2 for q, s in self.blobs.values())
 

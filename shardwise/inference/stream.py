@@ -19,7 +19,9 @@ forward, prefetches the next ``prefetch`` layers and releases it after.
 The root's own parameters (embeddings, final norm, head) are needed by every forward; in the
 streamed modes they stay resident, as ``stage3_param_persistence_threshold`` keeps small ones.
 Decoder layers are gathered into a fixed :class:`~shardwise.zero.gather_pool.GatherPool` of
-``prefetch + 1`` layer buffers made once, so the memory held does not depend on the allocator.
+``prefetch + 1`` layer buffers made once (a prefetch waits when all are taken), and glibc's
+thresholds are pinned (``inference.allocator``), so the memory held does not depend on the
+allocator or on how threads are scheduled: ``inference.bound`` states the bound.
 ``quantize=`` streams group-wise int8/int4 weights from a :class:`~shardwise.inference.quantized_store.QuantizedStore`
 (another shard store), dequantized into the gathered buffer.
 """
@@ -38,6 +40,7 @@ from torch import nn
 
 from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, compute_device
+from shardwise.inference.allocator import pin_allocator
 from shardwise.model_folder import check_model_folder, loading
 from shardwise.safe_files import confine, hub_roots, read_in
 from shardwise.safetensors_io import SafetensorsFile, TensorInfo
@@ -213,6 +216,7 @@ def stream_layers(model: nn.Module, comm: Comm, offload: str | None, prefetch: i
     Decoder layers are gathered into a :class:`GatherPool` of ``prefetch + 1`` buffers made
     here once; the root (kept whole when streaming, else gathered for the whole forward) is not.
     """
+    pin_allocator()  # freed memory goes back at once: the bound of inference/bound.py holds
     device = inference_device()
     model.eval().requires_grad_(False)
     if files is not None:  # meta parameters: placeholders now, values read unit by unit below
@@ -287,5 +291,5 @@ def memory_report(model: nn.Module) -> dict[str, int]:
            "buffers": sum(b.numel() * b.element_size() for b in model.buffers())}
     rep["total"] = sum(rep.values())
     rep["peak_gathered_params"] = state.fetcher.peak_gathered_bytes
-    rep["gather_pool_overflow"] = pool.overflow if pool is not None else 0
+    rep["gather_pool_deferred"] = pool.deferred if pool is not None else 0  # prefetches that waited for a buffer
     return rep

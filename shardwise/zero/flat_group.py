@@ -101,6 +101,9 @@ class ShardedGroup(StageThreeGather):
             reader = self.store.reader
             with torch.no_grad():
                 for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+                    if getattr(reader, "fills_out", False):  # straight into the buffer: no temporary
+                        reader(p, 0, n, self.flat_param[off : off + n])
+                        continue
                     src = reader(p, 0, n) if reader is not None else p.detach().reshape(-1)
                     self.flat_param[off : off + n].copy_(src)
             self.comm.broadcast(self.flat_param, src=0)  # every rank starts from rank 0's weights

@@ -14,6 +14,7 @@ from enum import Enum
 import torch
 
 from shardwise.comm import Work
+from shardwise.zero.gather_pool import PoolFull
 from shardwise.zero.pending import ReadWork
 from shardwise.zero.quantized_comm import quantized_all_gather
 
@@ -60,7 +61,8 @@ class StageThreeGather:
                 self.wait_gathered()
             return
         if self.pool is not None:
-            self.flat_param = self.pool.acquire(self.dtype, self.padded_numel, self.device)
+            if not self._take_pool_buffer(async_op):
+                return  # a prefetch with every buffer taken: put off until a unit is released
         elif self.flat_param.numel() == 0:  # released with detach_storage: a buffer of its own
             self.flat_param = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         else:
@@ -76,6 +78,23 @@ class StageThreeGather:
             read = self.store.fill(self, owned, async_read=async_op and self.comm.size == 1)
             work = read or self.comm.all_gather(self.flat_param, async_op=async_op)
         self._point_params_at_buffer(work, async_op)
+
+    def _take_pool_buffer(self, async_op: bool) -> bool:
+        """Point ``flat_param`` at a free pool buffer. A prefetch finding none is put off (False);
+        a gather needed now waits for one: the fetcher releases a unit that was only read ahead."""
+        buf = self.pool.acquire(self.dtype, self.padded_numel)
+        if buf is None and async_op:
+            self.pool.deferred += 1
+            return False
+        fetcher = getattr(self, "fetcher", None)
+        if buf is None and fetcher is not None and fetcher.make_room(self):
+            buf = self.pool.acquire(self.dtype, self.padded_numel)
+        if buf is None:
+            raise PoolFull(f"stage 3: the gather pool's {self.pool.slots} layer buffers all hold units that are "
+                           "running; a layer's forward gathered more layers than the pool was made for "
+                           "(raise prefetch, which sizes the pool)")
+        self.flat_param = buf
+        return True
 
     def _point_params_at_buffer(self, work: Work | ReadWork | None, async_op: bool) -> None:
         """The gather is under way: parameters become views of the (filling) flat buffer."""

@@ -237,10 +237,28 @@ class ParamFetcher:
             window += size
             if window > self.prefetch_numel or live + new > self.max_live_numel:
                 break
-            live += new
             for g in gs:
                 g.gather(async_op=True)
+            if any(not g.is_gathered for g in gs if g.policy.shard_params):
+                break  # the gather pool is full: the rest waits until a unit is released
+            live += new
         self._measure()
+
+    def make_room(self, group: ShardedGroup) -> bool:
+        """A gather needs a pool buffer now and none is free: release a unit that was only read
+        ahead (gathered, not running, not ``group``'s own), waiting for its read first. True when
+        one was released; its prefetch is simply redone when its turn comes."""
+        running = set(self.stack)
+        mine = self.unit_of_group.get(id(group))
+        for uj in reversed(self.order or range(len(self.units))):
+            if uj in running or uj == mine:
+                continue
+            held = [g for g in self.groups[uj] if g.pool is not None and g.is_gathered]
+            if held:
+                for g in held:
+                    g.release()
+                return True
+        return False
 
     def gather_all(self) -> None:
         for gs in self.groups:
