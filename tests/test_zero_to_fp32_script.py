@@ -47,22 +47,31 @@ def test_safetensors_output_equals_live_weights(saved):
 
 
 def test_deepspeed_flags(saved):
+    """The script's other flags, through the function it runs (the same code, no new process)."""
+    from shardwise.utils.zero_to_fp32 import main
+
     folder, live = saved
-    res = _run(folder, ".", "BIN", "-t", "global_step2", "--max_shard_size", "100KB",
-               "--exclude_frozen_parameters")
-    assert res.returncode == 0, res.stderr
-    files = sorted(p.name for p in (folder / "BIN").glob("pytorch_model-*.bin"))
-    assert len(files) > 1 and (folder / "BIN" / "pytorch_model.bin.index.json").exists()
+    out = folder / "BIN"
+    assert main([str(folder), str(out), "-t", "global_step2", "--max_shard_size", "100KB",
+                 "--exclude_frozen_parameters"]) == 0
+    files = sorted(p.name for p in out.glob("pytorch_model-*.bin"))
+    assert len(files) > 1 and (out / "pytorch_model.bin.index.json").exists()
     got = {}
     for f in files:
-        got.update(torch.load(folder / "BIN" / f, weights_only=True))
+        got.update(torch.load(out / f, weights_only=True))
     assert got.keys() == live.keys() - {"model.embed_tokens.weight"}  # the frozen one left out
     assert all(torch.equal(got[n], live[n]) for n in got)
-    res = _run(folder, ".", "SAFE", "--safe_serialization", "--exclude_frozen_parameters")
-    assert res.returncode == 0, res.stderr
+    from safetensors.torch import load_file
+
+    assert main([str(folder), str(folder / "SAFE"), "--safe_serialization", "--exclude_frozen_parameters"]) == 0
+    safe = load_file(folder / "SAFE" / "model.safetensors")
+    assert safe.keys() == got.keys() and all(torch.equal(safe[n], got[n]) for n in got)
 
 
-def test_user_errors_are_one_line(saved):
+def test_user_errors_are_one_line(saved, capsys):
+    from shardwise.utils.zero_to_fp32 import main
+
     folder, _ = saved
-    res = _run(folder, ".", "OUT2", "-t", "global_step9")
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert main([str(folder), str(folder / "OUT2"), "-t", "global_step9"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "global_step9" in err, err
