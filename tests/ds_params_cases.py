@@ -74,6 +74,26 @@ def trl_generation_hooks() -> dict:
             "losses": losses}
 
 
+def hooks_left_removed_is_refused() -> str:
+    """An exception between TRL's remove_hooks and add_hooks leaves the hooks inert while the
+    GatheredParameters block releases the model: the next forward refuses instead of computing
+    with placeholders."""
+    from trl.models.utils import remove_hooks
+
+    engine = _engine()
+    try:
+        with GatheredParameters(engine.module.parameters()):
+            remove_hooks(engine)
+            raise KeyError("generation failed")
+    except KeyError:
+        pass
+    try:
+        engine(input_ids=torch.arange(8).view(1, 8))
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
 def plain_reference() -> dict:
     """The same model in one process: greedy tokens, and three AdamW steps on the global batch."""
     model = build("llama")

@@ -31,3 +31,8 @@ def test_trl_remove_and_add_hooks_around_generate(pool2):
     for step, want in enumerate(ref["losses"]):
         got = (res[0]["losses"][step] + res[1]["losses"][step]) / 2  # each rank's loss is its half's mean
         assert abs(got - want) <= 1e-5 * abs(want), step
+
+
+def test_a_forward_with_hooks_left_removed_is_refused(pool2):
+    for msg in pool2.run("ds_params_cases:hooks_left_removed_is_refused"):
+        assert "_register_deepspeed_module" in msg

@@ -135,6 +135,7 @@ class ParameterOffload:
         self.forward_hooks: list[Any] = [_Handle(self)]
         self.backward_hooks: list[Any] = []
         self._gathered_here: list[Any] = []
+        self._guard: Any = None
 
     def get_param_coordinator(self) -> TraceCoordinator:
         return self.param_coordinator
@@ -149,12 +150,27 @@ class ParameterOffload:
         for g in groups:
             g.gather()
         self.fetcher.all_gathered = True
+        self._guard = self.module.register_forward_pre_hook(self._whole_model_check)
+
+    def _whole_model_check(self, _module: nn.Module, _args: Any) -> None:
+        """While the hooks are inert every parameter must stay gathered: a forward after a
+        ``GatheredParameters`` block released them (hooks never re-added) would read placeholders."""
+        released = [g for gs in self.fetcher.groups for g in gs if not g.is_gathered]
+        if released:
+            raise RuntimeError(
+                f"ZeRO-3: the stage-3 hooks were removed (parameter_offload.forward_hooks) and {len(released)} "
+                f"parameter groups (e.g. {released[0].names[0]!r}) have been released since; call "
+                "engine.optimizer.parameter_offload._register_deepspeed_module(engine.module) (TRL's add_hooks) "
+                "before the next forward")
 
     def _register_deepspeed_module(self, module: nn.Module, count: Any = None) -> None:  # noqa: ARG002
         """Hooks live again (DeepSpeed re-registers them on ``module``, the engine's module)."""
         if module is not self.module:
             raise ValueError("parameter_offload._register_deepspeed_module: shardwise re-arms the hooks of the "
                              "engine's own module only (parameter_offload.module)")
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         if self.fetcher.all_gathered:
             self.fetcher.all_gathered = False
             for g in self._gathered_here:
