@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from tiny_models import build
 
+import shardwise
 from shardwise.deepspeed.params import ZeroParamStatus
 from shardwise.deepspeed.stage3 import initialize
 from shardwise.zero import GatheredParameters
@@ -42,6 +43,9 @@ def status_follows_the_live_state() -> dict:
         seen["gathered"] = q.ds_status.name
     seen["is_parameter"] = isinstance(q, torch.nn.Parameter)
     seen["external_root"] = [type(p).__name__ for _, p in engine.module.ds_external_parameters()]
+    other = engine.module.model.layers[1]
+    shardwise.zero.register_external_parameter(other, q)
+    seen["external_registered"] = [p is q for _, p in other.ds_external_parameters()]
     seen["enum_is_served"] = ZeroParamStatus.AVAILABLE.name
     return seen
 

@@ -18,6 +18,7 @@ def test_ds_status_is_live(pool2):
         assert seen["after"] == "NOT_AVAILABLE" and seen["active_after"] == 0
         assert seen["gathered"] == "AVAILABLE" and seen["is_parameter"]
         assert seen["external_root"] == []  # a Llama reads no parameter of another unit
+        assert seen["external_registered"] == [True]  # register_external_parameter's, as DeepSpeed's
 
 
 def test_trl_remove_and_add_hooks_around_generate(pool2):
