@@ -1,7 +1,8 @@
 """Stock TRL scripts at ZeRO-3 on 2 gloo ranks through ``shardwise launch --as-deepspeed``, with
 no DeepSpeed installed (issue 33): SFT and DPO (with a reference model, which TRL shards itself
 through ``prepare_deepspeed``) against single-process references from the same starting weights;
-GRPO (generation inside training, through ``unwrap_model_for_generation``'s hook surface) against
+GRPO (generation inside training, through ``unwrap_model_for_generation``'s hook surface, and a
+reference model for its KL term, both loaded from a folder) against
 the same script at stage 0 on the same ranks, since sampled completions depend on each rank's
 random stream (stage 0 is held to single-process training elsewhere). One launch runs them all
 (tests/trl_job.py).
@@ -70,9 +71,10 @@ def test_trl_stage3_matches_single_process(launched, tmp_path, name):
     assert run["saved_vs_live"] == 0.0  # save_model writes the trained weights, full shape
 
 
-def test_dpo_reference_model_config_keys_are_dropped_once(launched):
-    """TRL's dotted zero_optimization.* keys: one warning, no unknown-key refusal."""
-    assert launched["log"].count("top-level dotted key(s)") == 1
+def test_reference_model_config_keys_are_dropped_with_one_warning(launched):
+    """TRL's dotted zero_optimization.* keys: one warning per reference model sharded at ZeRO-3
+    (DPO's, GRPO's), no unknown-key refusal."""
+    assert launched["log"].count("top-level dotted key(s)") == 2
 
 
 def test_grpo_stage3_generates_and_trains_as_stage0(launched):

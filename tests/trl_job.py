@@ -120,15 +120,23 @@ def dpo(out: Path, batch: int, deepspeed: dict | None, gas: int = 1):
     return trainer
 
 
-def grpo(out: Path, deepspeed: dict):
+def grpo(out: Path, deepspeed: dict, base: Path):
+    """From a model folder (TRL loads the reference model from it for the KL term, beta > 0, and
+    at ZeRO-3 shards it through prepare_deepspeed; the policy is loaded under zero.Init)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    model = tiny_llama()
-    args = GRPOConfig(**common(out, 2, deepspeed), num_generations=2, max_completion_length=4)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_w7, args=args, train_dataset=grpo_data(),
+    args = GRPOConfig(**common(out, 2, deepspeed), num_generations=2, max_completion_length=4, beta=0.04)
+    trainer = GRPOTrainer(model=str(base), reward_funcs=reward_w7, args=args, train_dataset=grpo_data(),
                           processing_class=tokenizer())
     trainer.train()
     return trainer
+
+
+def save_base(base: Path) -> None:
+    """The starting model as a folder, written by rank 0 (a collective barrier after)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        tiny_llama().save_pretrained(str(base))
+    torch.distributed.barrier()
 
 
 def weights(model) -> dict[str, list[float]]:
@@ -170,7 +178,9 @@ def main() -> None:
     if "grpo" in parts:
         for stage in (0, 3):  # sampling: the same ranks' draws make stage 0 and 3 comparable
             cpu_state()
-            t = grpo(root / f"grpo{stage}", ds_config(stage))
+            if stage == 0:
+                save_base(root / "grpo_base")
+            t = grpo(root / f"grpo{stage}", ds_config(stage), root / "grpo_base")
             res[f"grpo{stage}"] = {"losses": losses(t), "weights": weights(t.model)}
             if stage == 3:
                 res["grpo3"]["saved_vs_live"] = save_and_check(t, root / "grpo_model")
