@@ -259,5 +259,5 @@ def test_next_save_removes_stale_partials_of_any_tag(saved, tmp_path):
         (root / f".{tag}.partial").mkdir(parents=True)
         (root / f".{tag}.partial" / "rank00000.safetensors").write_bytes(b"half")
     saved["engine"].save_checkpoint(root, tag="fresh")
-    assert sorted(p.name for p in root.iterdir()) == ["fresh", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == ["fresh", "latest", "zero_to_fp32.py"]
     assert (root / "latest").read_text() == "fresh"

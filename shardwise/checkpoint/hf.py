@@ -191,8 +191,11 @@ def iter_consolidated(ckpt_dir: str | Path, tag: str | None = None, verify: bool
 
 def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, dtype: str = "fp32",
                 max_shard_size: str | int = "5GB", verify: bool = True, config: str | Path | None = None,
-                weights_only: bool = False, overwrite: bool = False) -> list[str]:
+                weights_only: bool = False, overwrite: bool = False, protect: str | Path | None = None) -> list[str]:
     """Write an HF model folder from a sharded checkpoint; returns the weight file names.
+
+    ``protect``: the folder the output may not be inside (default ``ckpt_dir``; the checkpoint
+    folder's ``zero_to_fp32.py`` passes the tag folder, so ``. OUT`` works as with DeepSpeed).
 
     Single process, no torch.distributed. The output folder (``safe_files.OutputFolder``: not
     inside the checkpoint, no files shardwise did not write unless ``overwrite``), the metadata,
@@ -202,7 +205,7 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
     if not out_dt.is_floating_point:  # an integer cast of trained weights keeps nothing (all zeros)
         raise CheckpointError(f"--dtype {dtype}: weights are written in a floating-point dtype; use fp32, bf16 "
                               "or fp16 (for int8/int4 weights run `shardwise quantize` on the output)")
-    guard = OutputFolder(out_dir, "OUT", inputs=[ckpt_dir, *([config] if config else [])],
+    guard = OutputFolder(out_dir, "OUT", inputs=[protect or ckpt_dir, *([config] if config else [])],
                          overwrite=overwrite, ours=hf_output_name)
     path, meta, reader = _open_checked(ckpt_dir, tag, verify)
     cfg = _model_config_for(path, meta, config, weights_only)

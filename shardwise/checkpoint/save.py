@@ -26,6 +26,7 @@ from shardwise.checkpoint.fileio import (
     world_comm,
 )
 from shardwise.checkpoint.frozen import describe_frozen, full_shape, module_extras
+from shardwise.checkpoint.recovery import write_recovery_script
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
 from shardwise.checkpoint.whole_tensor_state import SECTION, merge_whole_state, whole_state_pieces
 from shardwise.safe_files import finite_json, plain_name, write_atomic
@@ -244,6 +245,7 @@ def _finalize(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, world: 
     shutil.rmtree(old, ignore_errors=True)
     if save_latest:  # written whole and fsynced, then renamed: `latest` is never partial
         write_atomic(root / "latest", tag.encode())
+    write_recovery_script(root)  # zero_to_fp32.py next to `latest`, as DeepSpeed's (recovery.py)
 
 
 def remove_stale_partials(root: Path) -> list[str]:

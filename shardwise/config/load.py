@@ -13,6 +13,7 @@ from typing import Any, TypeVar, get_args, get_origin
 import torch
 from pydantic import BaseModel, ValidationError
 
+from shardwise.config.dotted import settle_dotted, take_dotted, warn_dotted
 from shardwise.config.keys import children
 from shardwise.config.read import read_config, timeout_of  # noqa: F401 (re-exported)
 from shardwise.config.schema import (  # noqa: F401 (re-exported)
@@ -294,7 +295,9 @@ def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
-    raw = _normalize(read_config(config), hidden_size)
+    raw = read_config(config)
+    dotted = take_dotted(raw)  # "zero_optimization.x" at the top level (TRL): config/dotted.py
+    raw = _normalize(raw, hidden_size)
     problems, ignored = triage(raw, ShardwiseConfig)  # refused and unknown keys
     cfg = _validate(ShardwiseConfig, raw, earlier=problems)
     cfg._ignored = ignored
@@ -315,5 +318,6 @@ def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world
     _resolve_optimizer(cfg)
     _resolve_scheduler(cfg)
     _resolve_batch(cfg)
+    warn_dotted(settle_dotted(dotted, cfg))
     announce(ignored)
     return cfg

@@ -37,6 +37,11 @@ class DeepSpeedNameNotImplemented(NotImplementedError):
         super().__init__(f"{name}{use}: {what} (shardwise's DeepSpeed facade; {DOC})")
 
 
+class DeepSpeedEngineNameNotImplemented(DeepSpeedNameNotImplemented, AttributeError):
+    """A ``DeepSpeedEngine`` method shardwise's engine does not serve; also an AttributeError, so
+    ``hasattr(engine, name)`` is False as for any absent attribute."""
+
+
 class _MissingMeta(type):
     def __getattr__(cls, name: str) -> Any:
         if name.startswith("__"):

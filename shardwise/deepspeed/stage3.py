@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from shardwise.deepspeed.params import attach
 from shardwise.engine import Engine
 from shardwise.engine.initialize import initialize as shardwise_initialize
 
@@ -52,6 +53,7 @@ def mark_stage3_params(engine: Engine) -> None:
 def initialize(*args: Any, **kwargs: Any) -> tuple[Engine, Any, Any, Any]:
     result = shardwise_initialize(*args, **kwargs)
     mark_stage3_params(result[0])
+    attach(result[0])  # ds_status, ds_external_parameters(), optimizer.parameter_offload (params.py)
     return result
 
 

@@ -16,6 +16,7 @@ from shardwise import optim, utils, zero
 from shardwise.comm import compat as comm_api
 from shardwise.config.schema import ConfigError
 from shardwise.deepspeed import accelerator, names, ops
+from shardwise.deepspeed.params import ZeroParamStatus
 from shardwise.deepspeed.stage3 import initialize
 from shardwise.engine import Engine
 from shardwise.engine.initialize import add_config_arguments
@@ -51,7 +52,8 @@ SURFACE: dict[str, dict[str, Any]] = {
     "deepspeed.runtime.engine": {"DeepSpeedEngine": Engine},
     "deepspeed.runtime.zero": _take(zero, [*_ZERO, "unwrap_model_for_generation"]),
     "deepspeed.runtime.zero.partition_parameters": {
-        **_take(zero, _ZERO), **_take(names, ["zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange"])},
+        **_take(zero, _ZERO), **_take(names, ["zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange"]),
+        "ZeroParamStatus": ZeroParamStatus},
     "deepspeed.runtime.zero.offload_config": {"OffloadDeviceEnum": names.OffloadDeviceEnum},
     "deepspeed.runtime.lr_schedules": {
         **_take(optim, ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]), **_take(names, _SCHEDULE_NAMES)},

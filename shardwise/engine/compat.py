@@ -16,21 +16,25 @@ import torch.distributed as dist
 
 from shardwise.comm import compute_device
 from shardwise.engine.checks import UsageError, used_params_of  # noqa: F401 (UsageError re-exported)
+from shardwise.engine.ds_surface import DEEPSPEED_ENGINE_METHODS, DeepSpeedEngineExtras, refuse
 from shardwise.fsdp.state import full_state_dict
 
 
-class EngineAccessors:
+class EngineAccessors(DeepSpeedEngineExtras):
     """Mixin of :class:`~shardwise.engine.Engine`: DeepSpeed's ``engine.*()`` queries."""
 
     def __getattr__(self, name: str) -> Any:
         """As DeepSpeed's engine: an attribute the engine lacks is looked up on the wrapped model
-        (``engine.config_class``, ``engine.gradient_checkpointing_enable()``, ``engine.lm_head``)."""
+        (``engine.config_class``, ``engine.gradient_checkpointing_enable()``, ``engine.lm_head``).
+        A DeepSpeedEngine method that neither has raises ``DeepSpeedNameNotImplemented`` naming it."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             module = self.__dict__.get("_modules", {}).get("module")
-            if module is not None and name != "module":
+            if module is not None and name != "module" and hasattr(module, name):
                 return getattr(module, name)
+            if name in DEEPSPEED_ENGINE_METHODS:  # DeepSpeed has it, shardwise does not: say so by name
+                raise refuse(name) from None
             raise
 
     # -- precision ------------------------------------------------------------------

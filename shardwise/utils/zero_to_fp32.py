@@ -82,28 +82,76 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, outpu
     ``pytorch_model.bin`` (``torch.load`` + ``load_state_dict``; shared parameters stay one tensor),
     or ``model.safetensors`` with ``safe_serialization=True``; split into HF-indexed
     ``-0000k-of-0000n`` files above ``max_shard_size``. Returns the weight file names."""
+    from shardwise.checkpoint.load import resolve_tag
+
     out = Path(output_dir)
-    if safe_serialization:  # streamed, one tensor at a time (shared tensors are written once)
-        if exclude_frozen_parameters:
-            raise ValueError("convert_zero_checkpoint_to_fp32_state_dict: exclude_frozen_parameters=True is "
-                             "supported with safe_serialization=False only")
-        return consolidate(checkpoint_dir, out, tag=tag, dtype="fp32",
-                           max_shard_size=max_shard_size or "1000000GB", weights_only=True)
+    if safe_serialization and not exclude_frozen_parameters:  # streamed, one tensor at a time
+        return consolidate(checkpoint_dir, out, tag=tag, dtype="fp32", max_shard_size=max_shard_size or "1000000GB",
+                           weights_only=True, protect=resolve_tag(checkpoint_dir, tag))
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
     out.mkdir(parents=True, exist_ok=True)
     shards = _split(state, parse_bytes(max_shard_size) if max_shard_size is not None else None)
+    stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
     if len(shards) == 1:
-        torch.save(shards[0], out / "pytorch_model.bin")
-        return ["pytorch_model.bin"]
-    names = [f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin" for i in range(len(shards))]
+        names = [f"{stem}.{ext}"]
+    else:
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards, strict=True):
-        torch.save(shard, out / name)
+        _save(shard, out / name, safe_serialization)
         weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
-    (out / "pytorch_model.bin.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+        (out / f"{stem}.{ext}.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names
+
+
+def _save(shard: dict[str, torch.Tensor], path: Path, safe: bool) -> None:
+    """One weight file; safetensors keeps a shared tensor once (its first name, as HF saves tied weights)."""
+    if not safe:
+        torch.save(shard, path)
+        return
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    unique = {}
+    for name, t in shard.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            unique[name] = t.contiguous()
+    save_file(unique, str(path), metadata={"format": "pt"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``zero_to_fp32.py`` command a checkpoint folder holds, with DeepSpeed's flags; a user
+    error is one line on stderr and exit status 2."""
+    import argparse
+    import sys
+
+    from shardwise.cli_errors import OneLineError
+
+    p = argparse.ArgumentParser(prog="zero_to_fp32.py", description="Full fp32 weights from a shardwise "
+                                "checkpoint folder, as DeepSpeed's zero_to_fp32.py")
+    p.add_argument("checkpoint_dir", help="the checkpoint folder (the one holding `latest`), e.g. checkpoint-12")
+    p.add_argument("output_dir", help="folder for the fp32 weight files")
+    p.add_argument("--max_shard_size", default="5GB", help="split the weights into files of at most this size")
+    p.add_argument("--safe_serialization", action="store_true", help="write safetensors instead of torch.save")
+    p.add_argument("-t", "--tag", default=None, help="the tag folder to read (default: the one `latest` names)")
+    p.add_argument("--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out")
+    p.add_argument("-d", "--debug", action="store_true", help="accepted, as DeepSpeed's script does")
+    args = p.parse_args(argv)
+    try:
+        names = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
+            safe_serialization=args.safe_serialization, tag=args.tag,
+            exclude_frozen_parameters=args.exclude_frozen_parameters)
+    except (OneLineError, OSError, ValueError, KeyError) as exc:
+        print(f"zero_to_fp32.py: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+              file=sys.stderr)
+        return 2
+    print(f"zero_to_fp32.py: wrote {', '.join(names)} to {args.output_dir}")
+    return 0
 
 
 def _split(state: dict[str, torch.Tensor], limit: int | None) -> list[dict[str, torch.Tensor]]:
