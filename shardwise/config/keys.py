@@ -271,6 +271,8 @@ KEYS: tuple[Key, ...] = (
         "overrides SHARDWISE_TIMEOUT)"),
     Key("shardwise.quantized_gradient_bits", H, "8 (default) or 4: integer width of "
         "`zero_optimization.zero_quantized_gradients`"),
+    Key("shardwise.max_nonfinite_steps", H, "0 (default): a non-finite gradient norm without an fp16 loss scaler "
+        "stops training (NonFiniteError); N: the first N such steps are skipped instead"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
