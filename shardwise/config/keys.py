@@ -140,8 +140,8 @@ KEYS: tuple[Key, ...] = (
     Key("bf16.enabled", H, "bf16 compute with fp32 master weights"),
     Key("bf16.immediate_grad_update", I, "when DeepSpeed's stage-0/1 bf16 optimizer moves gradients; "
         "the accumulation dtype is data_types.grad_accum_dtype"),
-    Key("bf16.check_grad_overflow", I, "a non-finite gradient norm always stops training with "
-        "FloatingPointError (never a silent step)"),
+    Key("bf16.check_grad_overflow", I, "a non-finite gradient norm stops training with NonFiniteError, a "
+        "FloatingPointError (never a silent step), unless `shardwise.max_nonfinite_steps` lets it be skipped"),
     Key("bf16.bf16_master_weights_and_grads", R, "bf16 master weights and gradients", default(False)),
     Key("bf16.bf16_optimizer_states", R, "bf16 optimizer states", default(False)),
     Key("data_types", H, "section"),
