@@ -123,36 +123,47 @@ def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: P
     RunLock(out).acquire().release()  # is no obstacle: the kernel dropped the lock with the process
 
 
+def _run_all(cmds: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Run single-process commands side by side (each uses one thread): the test waits for the slowest."""
+    procs = [subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    done = []
+    for cmd, p in zip(cmds, procs, strict=True):
+        out, err = p.communicate(timeout=400)
+        done.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+    return done
+
+
 def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path) -> None:
     """lr 1e36: step 1 is finite and blows the weights up, step 2's gradient norm is NaN."""
     big = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 1e36}}}
-    out = tmp_path / "nan"
-    r = _run(_train_cmd(tmp_path, out, None, "--steps", "4", "--save-every", "1", "--keep", "0", ds=big))
-    _one_line(r, 3, "diverged at step 2:", "gradient norm nan", "checkpoints/global_step1")
-    assert (out / "checkpoints" / "latest").read_text() == "global_step1" and not (out / "hf").exists()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["global_step1", "latest"]
-    rows = read_metrics(out)
+    overflow = {**DS, "fp16": {"enabled": True, "initial_scale_power": 0},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e6}}}
+    nan, tolerated, last, skips = (tmp_path / n for n in ("nan", "tolerated", "last_step", "scaler_skips"))
+    r_nan, r_tol, r_last, r_skips = _run_all([
+        _train_cmd(tmp_path, nan, None, "--steps", "4", "--save-every", "1", "--keep", "0", ds=big),
+        # one skipped (no update), the next stops; set by the config key (the flag overrides it)
+        _train_cmd(tmp_path, tolerated, None, "--steps", "4", "--save-every", "1",
+                   ds={**big, "shardwise": {"max_nonfinite_steps": 1}}),
+        # finite loss and gradients at the last step, but the weights leave fp16's range
+        _train_cmd(tmp_path, last, None, "--steps", "1", ds=overflow),
+        # overflow skips of fp16's loss scaler (2**24 overflows at first) are not divergence
+        _train_cmd(tmp_path, skips, None, "--steps", "3", ds={**DS, "fp16": {"enabled": True,
+                                                                             "initial_scale_power": 24}})])
+    _one_line(r_nan, 3, "diverged at step 2:", "gradient norm nan", "checkpoints/global_step1")
+    assert (nan / "checkpoints" / "latest").read_text() == "global_step1" and not (nan / "hf").exists()
+    assert sorted(p.name for p in (nan / "checkpoints").iterdir()) == ["global_step1", "latest"]
+    rows = read_metrics(nan)
     assert [m["step"] for m in rows] == [1, 2] and rows[1]["grad_norm"] is None and "nonfinite" in rows[1]
 
-    out = tmp_path / "tolerated"  # one skipped (no update), the next stops; the config key (the flag overrides it)
-    r = _run(_train_cmd(tmp_path, out, None, "--steps", "4", "--save-every", "1",
-                        ds={**big, "shardwise": {"max_nonfinite_steps": 1}}))
-    _one_line(r, 3, "diverged at step 3:", "1 non-finite step(s) skipped before", "global_step2")
+    _one_line(r_tol, 3, "diverged at step 3:", "1 non-finite step(s) skipped before", "global_step2")
 
-    fp16 = {**DS, "fp16": {"enabled": True, "initial_scale_power": 0}, "optimizer": {"type": "AdamW",
-                                                                                   "params": {"lr": 1e6}}}
-    out = tmp_path / "last_step"  # finite loss and gradients, but the weights leave fp16's range
-    r = _run(_train_cmd(tmp_path, out, None, "--steps", "1", ds=fp16))
-    _one_line(r, 3, "diverged at step 1:", "weights", "float16")
-    assert not (out / "checkpoints").exists() and not (out / "hf").exists()
+    _one_line(r_last, 3, "diverged at step 1:", "weights", "float16")
+    assert not (last / "checkpoints").exists() and not (last / "hf").exists()
 
-    fp16 = {**DS, "fp16": {"enabled": True, "initial_scale_power": 24}}
-    out = tmp_path / "scaler_skips"  # overflow skips of the loss scaler are not divergence
-    r = _run(_train_cmd(tmp_path, out, None, "--steps", "3", ds=fp16))
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = read_metrics(out)
+    assert r_skips.returncode == 0, r_skips.stderr[-3000:]
+    rows = read_metrics(skips)
     assert rows[0]["grad_norm"] is None and not any("nonfinite" in m for m in rows)
-    assert (out / "hf" / "config.json").is_file()
+    assert (skips / "hf" / "config.json").is_file()
 
 
 def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.linalg import vector_norm
 
 from shardwise.cli_errors import OneLineError
 
@@ -66,8 +67,8 @@ class NonFiniteGuard:
         bad = 0.0
         for group in engine.optimizer.param_groups if engine.optimizer is not None else []:
             for p in group["params"]:
-                if p.numel() and p.device.type != "meta" and not bool(p.detach().abs().le(top).all()):
-                    bad = 1.0  # NaN fails the comparison too
+                if p.numel() and p.device.type != "meta" and not vector_norm(p.detach(), ord=math.inf) <= top:
+                    bad = 1.0  # the largest magnitude (no copy of the tensor); NaN fails the comparison too
                     break
         flag = torch.tensor([bad], dtype=torch.float64, device=engine.device)
         dist.all_reduce(flag)
