@@ -199,3 +199,16 @@ def test_every_run_config_option_has_a_type() -> None:
         if act.type is int:
             assert type_error(act, 2.5) and type_error(act, True) and type_error(act, "3"), act.dest
     assert {a.dest for a in actions if a.type is int} >= {"steps", "seq", "keep", "max_nonfinite_steps"}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_engine_stops_or_skips_a_non_finite_gradient_norm(pool2, stage: int) -> None:
+    """shardwise.initialize's rule, on both ranks alike though only rank 1's loss is NaN."""
+    for r in pool2.run("nonfinite_cases:skip_then_raise", stage, 0):
+        assert r["seen"] == [{"applied": True, "weights_unchanged": False},
+                             {"raised_at": 2, "what": "gradient norm"}], r
+    for r in pool2.run("nonfinite_cases:skip_then_raise", stage, 1):
+        assert r["seen"] == [{"applied": True, "weights_unchanged": False},
+                             {"applied": False, "weights_unchanged": True},
+                             {"raised_at": 3, "what": "gradient norm"}], r
+        assert r["skipped"] == 1 and r["nonfinite"] == 2
