@@ -76,8 +76,9 @@ def _launch_parser() -> OneLineParser:
 
 
 def _torchrun_command(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
-    """The torchrun command line: rendezvous, restarts, then the flags passed through."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+    """The torchrun command line (torchrun's agent, run by ``shardwise.launch.agent``): rendezvous,
+    restarts, then the flags passed through."""
+    cmd = [sys.executable, "-m", "shardwise.launch.agent", f"--nproc_per_node={args.nproc}",
            f"--nnodes={args.nnodes}", f"--max_restarts={args.max_restarts}"]
     single = args.nnodes in ("1", "1:1")
     if args.rdzv_backend is not None:  # dynamic rendezvous the user chose
@@ -126,7 +127,10 @@ def launch(argv: list[str]) -> int:
     single = args.nnodes in ("1", "1:1") and args.nproc.isdigit()
     _check_target(target, passthrough, int(args.nproc) if single else None)
     cmd = _torchrun_command(args, passthrough)
-    cmd += ["-m", "shardwise.cli", *target] if target[0] in SUBCOMMANDS else target
+    if target[0] in SUBCOMMANDS:  # the agent leaves their one-line errors (exit 2 or 3) alone
+        cmd = [*cmd[:3], "--subcommand", *cmd[3:], "-m", "shardwise.cli", *target]
+    else:
+        cmd += target
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     if args.timeout is not None:

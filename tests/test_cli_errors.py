@@ -35,6 +35,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (argv, a word the one-line message must contain)."""
     bad_cfg = tmp / "bad_ds.json"
     bad_cfg.write_text('{"train_batch_size": 16, "zero_optimization": {"stag": 2}}')
+    float_steps = tmp / "float_steps.toml"
+    float_steps.write_text("steps = 2.5\n")
     return {
         "generate missing model": (["generate", "--model", "/missing", "--prompt", "hi"], "/missing"),
         "estimate 1e400 params": (["estimate", "--params", "1e400", "--devices", "2"], "--params"),
@@ -55,6 +57,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "train timeout 0": (["train", "--config", EXAMPLE, "--timeout", "0"], "--timeout"),
         "train missing config": (["train", "--config", str(tmp / "none.json")], "--config"),
         "train bad config key": (["train", "--config", str(bad_cfg), "--steps", "1"], "stag"),
+        "train float steps in run config": (["train", "--config", EXAMPLE, "--run-config", str(float_steps)],
+                                            "'steps' must be a whole number, got 2.5"),
         "consolidate missing folder": (["consolidate", str(tmp / "nockpt"), str(tmp / "out")], "nockpt"),
         "quantize group size 3": (["quantize", str(tmp / "src"), str(tmp / "q"), "--bits", "4", "--group-size", "3"],
                                   "group_size"),

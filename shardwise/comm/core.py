@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.net import free_port
+from shardwise.cli_errors import UserError
+from shardwise.net import address_in_use, free_port, port_taken
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -65,7 +66,14 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
+    try:
+        dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
+    except dist.DistNetworkError as exc:  # the store this process hosts cannot listen: one line, not a traceback
+        if not address_in_use(exc):
+            raise
+        port = os.environ.get("MASTER_PORT")
+        raise UserError(f"MASTER_PORT={port}: " + port_taken(port, "set MASTER_PORT to a free port, or unset it in a "
+                        "single process (a free one is chosen)")) from None
     _GLOBAL_TIMEOUT[0] = timeout.total_seconds()
     _OWN_GROUP[0] = True
     _register_teardown()  # atexit runs before the interpreter destroys anything

@@ -140,8 +140,8 @@ KEYS: tuple[Key, ...] = (
     Key("bf16.enabled", H, "bf16 compute with fp32 master weights"),
     Key("bf16.immediate_grad_update", I, "when DeepSpeed's stage-0/1 bf16 optimizer moves gradients; "
         "the accumulation dtype is data_types.grad_accum_dtype"),
-    Key("bf16.check_grad_overflow", I, "a non-finite gradient norm always stops training with "
-        "FloatingPointError (never a silent step)"),
+    Key("bf16.check_grad_overflow", I, "a non-finite gradient norm stops training with NonFiniteError, a "
+        "FloatingPointError (never a silent step), unless `shardwise.max_nonfinite_steps` lets it be skipped"),
     Key("bf16.bf16_master_weights_and_grads", R, "bf16 master weights and gradients", default(False)),
     Key("bf16.bf16_optimizer_states", R, "bf16 optimizer states", default(False)),
     Key("data_types", H, "section"),
@@ -271,6 +271,8 @@ KEYS: tuple[Key, ...] = (
         "overrides SHARDWISE_TIMEOUT)"),
     Key("shardwise.quantized_gradient_bits", H, "8 (default) or 4: integer width of "
         "`zero_optimization.zero_quantized_gradients`"),
+    Key("shardwise.max_nonfinite_steps", H, "0 (default): a non-finite gradient norm without an fp16 loss scaler "
+        "stops training (NonFiniteError); N: the first N such steps are skipped instead"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictInt
 
 from shardwise.cli_errors import OneLineError
 
@@ -176,6 +176,8 @@ class ShardwiseSection(_Section):
     timeout_s: Annotated[float | None, BeforeValidator(check_timeout)] = None
     # integer width of zero_optimization.zero_quantized_gradients (ZeRO++ qgZ): int8 or int4
     quantized_gradient_bits: Literal[8, 4] = 8
+    # fp32/bf16 steps with a non-finite gradient norm skipped before training stops (engine/nonfinite.py)
+    max_nonfinite_steps: StrictInt = Field(0, ge=0, le=10**9)
 
 
 class ShardwiseConfig(_Section):

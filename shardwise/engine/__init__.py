@@ -5,6 +5,8 @@
 - ``checks``: DeepSpeed's checks on how an engine is used (unused parameters, checkpoint tags).
 - ``initialize``: ``initialize()`` and ``add_config_arguments()`` (exported as ``shardwise.initialize``;
   not re-exported here, so ``shardwise.engine.initialize`` stays the module).
+- ``nonfinite``: a non-finite gradient norm without an fp16 loss scaler: ``NonFiniteError``, or a skip
+  within ``shardwise.max_nonfinite_steps``.
 - ``mpu``: a Megatron-style ``mpu`` object turned into shardwise's mesh.
 """
 
@@ -12,5 +14,6 @@ from __future__ import annotations
 
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.engine import Engine
+from shardwise.engine.nonfinite import NonFiniteError
 
-__all__ = ["Engine", "EngineAccessors", "UsageError"]
+__all__ = ["Engine", "EngineAccessors", "NonFiniteError", "UsageError"]

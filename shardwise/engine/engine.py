@@ -24,6 +24,7 @@ from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpo
 from shardwise.comm import Comm
 from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
+from shardwise.engine.nonfinite import skip_nonfinite_step
 from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
 from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
@@ -82,6 +83,8 @@ class Engine(EngineAccessors, nn.Module):
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
+        self.nonfinite_steps = 0  # non-finite gradient norms without a loss scaler (shardwise.engine.nonfinite)
+        self.max_nonfinite_steps = config.shardwise.max_nonfinite_steps
         self._in_no_sync = False
         self._last_loss: torch.Tensor | None = None
         self.last_grad_norm: float | None = None
@@ -246,9 +249,8 @@ class Engine(EngineAccessors, nn.Module):
         if overflow and self.loss_scaler is not None:
             if dist.get_rank() == 0 if dist.is_initialized() else True:
                 log.warning(self.loss_scaler.overflow_message(self.global_steps))
-        if overflow and self.loss_scaler is None:
-            raise FloatingPointError(f"gradient norm is {norm} at step {self.global_steps}: the loss "
-                                     "diverged (no fp16 loss scaler to skip the step)")
+        if overflow and self.loss_scaler is None:  # divergence: stop, or skip within the allowance
+            skip = skip_nonfinite_step(self, norm)
         if not skip:
             clip = self.config.gradient_clipping
             if clip and clip > 0:

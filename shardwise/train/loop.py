@@ -6,17 +6,18 @@ ranks agree on stopping through the one all-reduce per step that also averages t
 
 from __future__ import annotations
 
-import re
-import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardwise.engine import NonFiniteError
 from shardwise.train.data import TokenData
+from shardwise.train.run_folder import prune_checkpoints
 
 
 class StopRequest:
@@ -40,28 +41,48 @@ class StopRequest:
         return self.signal is not None
 
 
-def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> tuple[float, bool, float]:
-    """One optimizer step (all micro-batches); returns (global mean loss, stop agreed, data seconds).
+@dataclass
+class StepResult:
+    """One step as every rank saw it: the global mean loss, whether to stop, the data seconds, the
+    gradient norm, and whether fp16's loss scaler skipped the step (an overflow, not divergence)."""
+
+    loss: float
+    stopped: bool
+    data_s: float
+    grad_norm: float | None
+    loss_scaler_skipped: bool
+
+
+def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepResult:
+    """One optimizer step (all micro-batches).
 
     The loss is averaged over every micro-batch of every data-parallel rank (the same value at any
     layout), in the same all-reduce that tells every rank whether any of them was asked to stop.
+    A non-finite gradient norm past the engine's allowance (:class:`NonFiniteError`, raised on
+    every rank alike: the norm is global) still joins that all-reduce, so the report can name the
+    loss too; the optimizer has not touched the weights.
     """
     cfg = engine.config
     t0 = time.perf_counter()
     micro = data.micro_batches(step, cfg.train_micro_batch_size_per_gpu, engine.gas, engine.comm.rank,
                                engine.dp_world)
     data_s = time.perf_counter() - t0
-    total = 0.0
+    total, norm = 0.0, None
     for mb in micro:
         mb = mb.to(engine.device)
         out = engine(input_ids=mb, labels=mb)
         engine.backward(out.loss)
-        engine.step()
+        try:
+            engine.step()
+        except NonFiniteError as e:
+            norm = e.value
         total += float(out.loss.detach())
     flags = torch.tensor([total / engine.gas, float(stop.requested)], dtype=torch.float64,
                          device=engine.device)
     dist.all_reduce(flags)  # world sum: TP ranks repeat their data-parallel rank's loss, so / world
-    return float(flags[0]) / dist.get_world_size(), bool(flags[1] > 0), data_s
+    scaler_skip = engine.loss_scaler is not None and not engine.was_step_applied()
+    return StepResult(float(flags[0]) / dist.get_world_size(), bool(flags[1] > 0), data_s,
+                      engine.get_global_grad_norm() if norm is None else norm, scaler_skip)
 
 
 @torch.no_grad()
@@ -104,16 +125,10 @@ def sample(engine, tokenizer, prompt_ids: list[int], max_new_tokens: int, seed: 
     return tokenizer.decode(out[0].tolist())
 
 
-def _step_of(tag: Path) -> int:
-    m = re.fullmatch(r"global_step(\d+)", tag.name)
-    return int(m.group(1)) if m else -1
-
-
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int) -> str:
-    """Checkpoint ``global_step{step}`` (collective); rank 0 then deletes all but the newest ``keep``."""
+    """Checkpoint ``global_step{step}`` (collective); rank 0 then deletes all but the ``keep``
+    written last (never the one ``latest`` names: :func:`run_folder.prune_checkpoints`)."""
     path = engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state=client_state)
-    if dist.get_rank() == 0 and keep > 0:
-        tags = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and _step_of(p) >= 0), key=_step_of)
-        for old in tags[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    if dist.get_rank() == 0:
+        prune_checkpoints(ckpt_dir, keep)
     return path

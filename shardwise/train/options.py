@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval-every", type=int, default=100, help="eval every N steps and at the end (0: only at the end)")
     a("--save-every", type=int, default=100, help="checkpoint every N steps and at the end (0: only at the end)")
     a("--keep", type=int, default=2, help="checkpoints to keep (oldest deleted; 0 keeps all)")
+    a("--max-nonfinite-steps", type=int, default=None,
+      help="steps with a NaN/inf loss or gradient norm skipped before the run stops (exit 3); default: the "
+           "config's shardwise.max_nonfinite_steps, 0 (fp16 loss-scale skips never count)")
     a("--resume", default="none", help="'auto': continue from the latest checkpoint in --out; 'none': start "
                                        "fresh (refused when --out has checkpoints)")
     a("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: no sample)")
@@ -74,16 +77,41 @@ def _file_values(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
         parser.error(f"--run-config {path}: cannot parse ({e})")
     if not isinstance(raw, dict):
         parser.error(f"--run-config {path}: the top level must be a table/object of options")
-    known = {act.dest for act in parser._actions if act.dest not in ("help", "run_config")}
+    actions = {act.dest: act for act in parser._actions if act.dest not in ("help", "run_config")}
     out = {}
     for key, value in raw.items():
         dest = key.replace("-", "_")
-        if dest not in known:
-            close = difflib.get_close_matches(dest, known, n=1)
+        if dest not in actions:
+            close = difflib.get_close_matches(dest, actions, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             parser.error(f"--run-config {path}: unknown option '{key}'{hint}")
+        wrong = type_error(actions[dest], value)
+        if wrong:
+            parser.error(f"--run-config {path}: '{key}' must be {wrong}, got {value!r} "
+                         f"({type(value).__name__})")
         out[dest] = value
     return out
+
+
+def type_error(action: argparse.Action, value: Any) -> str | None:
+    """What ``value`` from a run config file must be for ``action`` (None when it is that).
+
+    argparse converts only strings, so a file's values are checked here against the flag's type:
+    a whole number where the flag takes one (``steps = 2.5`` would train 3 steps), a number where
+    it takes a float, true/false for a switch, text for the rest (``config`` may also be a table).
+    None is accepted where None is the flag's default (``prompt``, ``timeout``).
+    """
+    if value is None and action.default is None:
+        return None
+    if action.nargs == 0:  # a switch (store_true)
+        return None if isinstance(value, bool) else "true or false"
+    if action.type is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "a whole number"
+    if action.type is float:
+        return None if isinstance(value, int | float) and not isinstance(value, bool) else "a number"
+    if action.dest == "config" and isinstance(value, dict):
+        return None
+    return None if isinstance(value, str) else "text (a string)"
 
 
 def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
@@ -91,8 +119,8 @@ def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--steps must be > 0, got {args.steps}")
     if args.seq < 2:  # a sequence of one token has nothing to predict: the loss would be NaN
         p.error(f"--seq must be >= 2 (each token predicts the next), got {args.seq}")
-    for name in ("eval_every", "save_every", "keep", "sample_tokens"):
-        if getattr(args, name) < 0:
+    for name in ("eval_every", "save_every", "keep", "sample_tokens", "max_nonfinite_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.eval_fraction < 1:
         p.error(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")

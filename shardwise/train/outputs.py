@@ -39,6 +39,8 @@ class MetricsLog:
             pass
 
     def write(self, row: dict[str, Any]) -> None:
+        """One line; a NaN/inf value is written as null (strict JSON: any reader parses the file)."""
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
@@ -99,7 +101,7 @@ def check_run_folder(run_dir: Path, data: str, overwrite: bool) -> None:
 def plot_loss(run_dir: Path) -> Path | None:
     """``loss.png``: train and eval loss against tokens seen (None when nothing was logged)."""
     rows = read_metrics(run_dir)
-    train = [r for r in rows if r["kind"] == "train"]
+    train = [r for r in rows if r["kind"] == "train" and isinstance(r.get("loss"), int | float)]
     evals = [r for r in rows if r["kind"] == "eval"]
     if not train:
         return None

@@ -20,9 +20,11 @@ from shardwise.cli_errors import UserError, one_line, user_error_types
 from shardwise.config import ConfigError
 from shardwise.train import loop
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
+from shardwise.train.divergence import EXIT_DIVERGED, DivergedError, NonFiniteGuard, nonfinite_values
 from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
 from shardwise.train.options import parse_args, resolved
 from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss
+from shardwise.train.run_folder import RunLock
 
 
 def _prepare_data(args, tokenizer, run_dir: Path) -> Path:
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     shardwise.init_distributed(timeout=args.timeout)
     try:
         return _run(args, shardwise)
+    except DivergedError as e:  # every rank raises it alike (same loss, same norm)
+        if dist.get_rank() == 0:
+            print(f"shardwise train: error: {one_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
     except (ModelError, DataError, *user_error_types()) as e:  # one line, from rank 0 only
         if dist.get_rank() == 0:
             print(f"shardwise train: error: {one_line(e)}", file=sys.stderr)
@@ -76,6 +82,8 @@ class Job:
     metrics: MetricsLog | None = None
     last_eval: tuple[int, float] | None = None
     times: dict = field(default_factory=lambda: {"data": 0.0, "step": 0.0, "n": 0})
+    lock: RunLock | None = None  # rank 0's lock on run_dir, held until the process ends
+    guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(0))
 
     @property
     def ckpt_dir(self) -> Path:
@@ -85,11 +93,11 @@ class Job:
 def _setup(args, shardwise) -> Job:
     """Model, data and engine for ``args``; refuses to start fresh over an existing run's checkpoints."""
     run_dir = Path(args.out)
+    lock = _lock_run_folder(run_dir)
     if args.resume == "none" and (run_dir / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--out {run_dir} already holds checkpoints; pass --resume auto to continue it, or "
                           "choose another --out")
     if dist.get_rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "run_config.json").write_text(json.dumps(resolved(args), indent=1) + "\n")
     src = resolve_model(args.model)
     tokenizer = load_tokenizer(src)
@@ -98,6 +106,8 @@ def _setup(args, shardwise) -> Job:
     model = build_model(src, tokenizer.vocab_size, args.seq, args.seed, stage if isinstance(stage, int) else 0)
     size = n_params(model)
     engine, _, _, _ = shardwise.initialize(model=model, config=args.ds_config)
+    if args.max_nonfinite_steps is not None:  # the flag wins over shardwise.max_nonfinite_steps
+        engine.max_nonfinite_steps = args.max_nonfinite_steps
     cfg = engine.config
     global_batch = cfg.train_micro_batch_size_per_gpu * engine.gas * engine.dp_world
     _log(f"{args.model} ({src.kind}): {size / 1e6:.2f}M params, tokenizer {tokenizer.name}; data "
@@ -105,7 +115,27 @@ def _setup(args, shardwise) -> Job:
          f"world {dist.get_world_size()} (tp {engine.tp.size} x dp {engine.dp_world}), ZeRO stage "
          f"{engine.stage}, {cfg.precision}, {global_batch} sequences/step")
     state = {"seq": args.seq, "seed": args.seed, "global_batch": global_batch}
-    return Job(args, engine, data, tokenizer, run_dir, global_batch * args.seq, state)
+    return Job(args, engine, data, tokenizer, run_dir, global_batch * args.seq, state, lock=lock,
+               guard=NonFiniteGuard(engine.max_nonfinite_steps))
+
+
+def _lock_run_folder(run_dir: Path) -> RunLock | None:
+    """Global rank 0 locks --out before anything is written; every rank gets its answer, so a
+    refused run stops on all ranks before any of them writes (a shard, a token file)."""
+    box: list = [None]
+    lock = None
+    if dist.get_rank() == 0:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(run_dir).acquire()
+        except UserError as e:
+            box[0] = str(e)
+        except OSError as e:
+            box[0] = f"--out {run_dir}: cannot create the folder ({e.strerror})"
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise UserError(box[0])
+    return lock
 
 
 def _resume(job: Job) -> int:
@@ -117,6 +147,9 @@ def _resume(job: Job) -> int:
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise UserError(f"--resume auto: {job.ckpt_dir} holds a checkpoint that is not a shardwise train run's "
                         "(its client_state has no step count); choose another --out or --resume none")
+    skipped = client.get("nonfinite_steps", 0)  # absent in checkpoints of earlier versions
+    if isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0:
+        job.guard.count = job.engine.nonfinite_steps = skipped
     saved = (client.get("global_batch"), client.get("seq"))
     if saved != (job.state["global_batch"], job.state["seq"]):
         _log(f"warning: the checkpoint was written with {saved[0]} sequences of {saved[1]} per step, now "
@@ -146,29 +179,49 @@ def _steps(job: Job, start: int, stop: loop.StopRequest) -> tuple[int, bool]:
     """Train from ``start`` to --steps: metrics, evals, checkpoints; returns (last step, stopped)."""
     from tqdm import tqdm
 
-    args, engine = job.args, job.engine
-    bar = tqdm(total=args.steps, initial=start, disable=dist.get_rank() != 0, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=job.args.steps, initial=start, disable=dist.get_rank() != 0, unit="step", dynamic_ncols=True)
     step, stopped = start, False
-    while step < args.steps and not stopped:
-        t0 = time.perf_counter()
-        loss, stopped, data_s = loop.train_step(engine, job.data, step, stop)
-        step_s = time.perf_counter() - t0
-        step += 1
-        for k, v in (("data", data_s), ("step", step_s), ("n", 1)):
-            job.times[k] += v
-        if job.metrics is not None:
-            job.metrics.write({"kind": "train", "step": step, "loss": loss, "lr": engine.get_lr()[0],
-                               "grad_norm": engine.get_global_grad_norm(), "tokens": step * job.tokens_per_step,
-                               "tokens_per_s": job.tokens_per_step / step_s, "data_s": data_s, "step_s": step_s,
-                               "memory": engine.memory_report(), "comm_bytes": engine.comm_stats()})
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{job.tokens_per_step / step_s:,.0f}")
-            bar.update(1)
-        if job.data.n_eval and args.eval_every and step % args.eval_every == 0:  # also when stopping:
-            _eval(job, step, bar)  # the resumed run starts after this step, so it would never redo it
-        if stopped or step == args.steps or (args.save_every and step % args.save_every == 0):
-            loop.save(engine, job.ckpt_dir, step, {**job.state, "step": step}, args.keep)
-    bar.close()
+    try:  # closed before an error is printed, so the error is a line of its own
+        while step < job.args.steps and not stopped:
+            step, stopped = _one_step(job, step, stop, bar)
+    finally:
+        bar.close()
     return step, stopped
+
+
+def _one_step(job: Job, step: int, stop: loop.StopRequest, bar) -> tuple[int, bool]:
+    """Step ``step + 1``: train, log, stop on a non-finite value, eval and save when due."""
+    args, engine = job.args, job.engine
+    t0 = time.perf_counter()
+    res = loop.train_step(engine, job.data, step, stop)
+    step_s = time.perf_counter() - t0
+    step, stopped = step + 1, res.stopped
+    for k, v in (("data", res.data_s), ("step", step_s), ("n", 1)):
+        job.times[k] += v
+    bad = nonfinite_values(res.loss, res.grad_norm, res.loss_scaler_skipped)
+    if job.metrics is not None:
+        job.metrics.write({"kind": "train", "step": step, "loss": res.loss, "lr": engine.get_lr()[0],
+                           "grad_norm": res.grad_norm, "tokens": step * job.tokens_per_step,
+                           "tokens_per_s": job.tokens_per_step / step_s, "data_s": res.data_s, "step_s": step_s,
+                           "memory": engine.memory_report(), "comm_bytes": engine.comm_stats(),
+                           **({"nonfinite": bad} if bad else {})})
+        bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{job.tokens_per_step / step_s:,.0f}")
+        bar.update(1)
+    if bad:  # counted; past the allowance every rank stops here, nothing of this step saved
+        job.guard.after_step(step, bad, _latest(job))
+    if job.data.n_eval and args.eval_every and step % args.eval_every == 0:  # also when stopping:
+        _eval(job, step, bar)  # the resumed run starts after this step, so it would never redo it
+    if stopped or step == args.steps or (args.save_every and step % args.save_every == 0):
+        job.guard.check_weights(engine, step, "the checkpoint")
+        loop.save(engine, job.ckpt_dir, step, {**job.state, "step": step, "nonfinite_steps": job.guard.count},
+                  args.keep)
+    return step, stopped
+
+
+def _latest(job: Job) -> str | None:
+    """The checkpoint ``latest`` names (for the divergence message), or None."""
+    f = job.ckpt_dir / "latest"
+    return str(job.ckpt_dir / f.read_text().strip()) if f.is_file() else None
 
 
 def _eval(job: Job, step: int, bar=None) -> None:
@@ -190,6 +243,7 @@ def _finish(job: Job, step: int) -> int:
     if job.data.n_eval and (job.last_eval is None or job.last_eval[0] != step):
         _eval(job, step)
     if not args.no_export:  # before the sample: nothing after a finished run may lose the export
+        job.guard.check_weights(engine, step, "the hf/ export")
         engine.save_16bit_model(job.run_dir / "hf")
         if dist.get_rank() == 0 and hasattr(job.tokenizer, "tok"):
             job.tokenizer.tok.save_pretrained(str(job.run_dir / "hf"))

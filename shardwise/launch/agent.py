@@ -1,0 +1,68 @@
+"""torchrun's agent as ``shardwise launch`` runs it: the same launch, failures in one line.
+
+torchrun ends a failed job with ``ChildFailedError``: a traceback of the agent plus a 30-line
+report, and exit code 1 whatever the ranks said. Here the agent runs in-process
+(``torch.distributed.run.run``) and its failure is read instead:
+
+- the first rank to fail exited with a code of ``shardwise``'s own (2: a user error, 3: training
+  diverged) while running a shardwise subcommand: that rank already printed its one line, so the
+  launcher adds nothing and exits with the same code;
+- any other failure (a script's exception, a signal): one line naming the rank, its exit code or
+  signal and where its output is; the exit code is the rank's (1 after a signal); the rank's own
+  traceback, printed above it, is the detail;
+- the master port already in use: one line naming the port and how to pick another, exit 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from shardwise.net import address_in_use, port_taken
+
+ONE_LINE_CODES = (2, 3)  # shardwise subcommands print their own one line before exiting with these
+QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",)  # "failed (exitcode: 2)", "Sending SIGTERM"
+
+
+def failure_line(exc, subcommand: bool) -> tuple[str | None, int]:
+    """(the one line to print, or None; the exit code) for torchrun's ``ChildFailedError``."""
+    rank, failure = exc.get_first_failure()
+    code = failure.exitcode
+    if code in ONE_LINE_CODES and subcommand:
+        return None, code
+    what = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+    where = f"; error file {failure.error_file}" if failure.error_file and failure.error_file != "<N/A>" else ""
+    return (f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {what}{where}; its output is above"
+            f"{' (SIGKILL: often out of memory)' if code == -9 else ''}"), code if code > 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun's agent with ``argv`` (torchrun's own arguments)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    subcommand = argv[:1] == ["--subcommand"]
+    argv = argv[1:] if subcommand else argv
+    args = get_args_parser().parse_args(argv)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        line, code = failure_line(exc, subcommand)
+        if line is not None:
+            print(f"shardwise launch: error: {line}", file=sys.stderr, flush=True)
+        return code
+    except Exception as exc:
+        if not address_in_use(exc):
+            raise
+        msg = port_taken(args.master_port, "pass another --master-port, or leave it out on one node (a free "
+                                             "port is chosen)")
+        print(f"shardwise launch: error: --master-port {args.master_port}: {msg}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""`shardwise train` and `shardwise launch` against runs that lose checkpoints, run twice, diverge or
+cannot start (issue 34): the real CLI in subprocesses, tiny models, one test per class.
+
+- retention keeps the saves written last and never the one ``latest`` names (a resume into a
+  folder whose older run went further);
+- a run folder has one writer: a second run (2 ranks) is refused in one line while the first runs,
+  and a SIGKILLed holder leaves nothing stuck;
+- non-finite values stop the run at the step they appear (exit 3, one line), nothing non-finite is
+  saved or exported, ``--max-nonfinite-steps`` skips that many, fp16 loss-scale skips do not count;
+- launcher and environment failures are one line: a rank file missing on resume (2 ranks, exit 2),
+  the master port in use (launcher and single process, exit 2), a script rank that crashes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardwise.train.outputs import read_metrics
+from shardwise.train.run_folder import RunLock
+
+ROOT = Path(__file__).resolve().parent.parent
+DS = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+
+def _train_cmd(tmp: Path, out: Path, nproc: int | None, *extra: str, ds: dict | None = None) -> list[str]:
+    cfg = tmp / f"ds_{out.name}_{len(list(tmp.glob('ds_*')))}.json"
+    cfg.write_text(json.dumps(ds or DS))
+    args = ["train", "--config", str(cfg), "--model", "llama-micro", "--seq", "32", "--eval-every", "0",
+            "--sample-tokens", "0", "--out", str(out), *extra]
+    launch = [] if nproc is None else ["launch", "--nproc", str(nproc), "--"]
+    return [sys.executable, "-m", "shardwise.cli", *launch, *args]
+
+
+def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=400)
+
+
+def _error_lines(r: subprocess.CompletedProcess) -> list[str]:
+    """stderr without the progress bar's redraws and the log's warnings: what a user reads as the error."""
+    return [ln for ln in r.stderr.splitlines()
+            if ln.strip() and "step/s" not in ln and "?step" not in ln and not ln.startswith("[shardwise")]
+
+
+def _one_line(r: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    lines = _error_lines(r)
+    assert r.returncode == code, (r.returncode, r.stderr[-3000:])
+    assert len(lines) == 1 and "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr[-3000:]
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A 2-rank run of 4 steps saving every step, all checkpoints kept: (tmp folder, run folder)."""
+    tmp = tmp_path_factory.mktemp("guard")
+    out = tmp / "run"
+    r = _run(_train_cmd(tmp, out, 2, "--steps", "4", "--save-every", "1", "--keep", "0", "--no-export"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp, out
+
+
+def test_keep_holds_the_newest_saves_and_latest_after_resuming_an_earlier_step(two_rank_run) -> None:
+    """The issue's case: `latest` set back to step 2 of a run that went to 4, resumed with --keep 1.
+    Keeping the highest step numbers deleted the new global_step3 that `latest` named."""
+    tmp, first = two_rank_run
+    out = tmp / "rewound"
+    subprocess.run(["cp", "-a", str(first), str(out)], check=True)
+    (out / "checkpoints" / "latest").write_text("global_step2")
+    r = _run(_train_cmd(tmp, out, None, "--steps", "3", "--save-every", "1", "--keep", "1", "--no-export",
+                        "--resume", "auto"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["global_step3", "latest"]
+    assert (ckpts / "latest").read_text().strip() == "global_step3"
+    assert [m["step"] for m in read_metrics(out) if m["kind"] == "train"] == [1, 2, 3]
+
+
+def test_rank_file_missing_on_resume_is_one_line_exit_2(two_rank_run) -> None:
+    tmp, first = two_rank_run
+    out = tmp / "damaged"
+    subprocess.run(["cp", "-a", str(first), str(out)], check=True)
+    (out / "checkpoints" / "global_step4" / "rank00001.safetensors").unlink()
+    r = _run(_train_cmd(tmp, out, 2, "--steps", "5", "--no-export", "--resume", "auto"))
+    _one_line(r, 2, "rank00001.safetensors", "missing")
+
+
+def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: Path) -> None:
+    out = tmp_path / "shared"
+    first = subprocess.Popen(_train_cmd(tmp_path, out, None, "--steps", "100000", "--save-every", "0",
+                                        "--no-export"), env=_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and first.poll() is None and not read_metrics(out):
+            time.sleep(0.2)  # a metrics line: the first run holds the lock and trains
+        assert first.poll() is None, first.stderr.read()[-3000:]
+        config_before = (out / "run_config.json").read_text()
+        second = _run(_train_cmd(tmp_path, out, 2, "--steps", "5", "--resume", "auto"))
+        _one_line(second, 2, f"--out {out} is in use by another run", f"pid {first.pid}")
+        assert (out / "run_config.json").read_text() == config_before  # the refused run wrote nothing
+        first.send_signal(signal.SIGKILL)  # no exit handler runs: only the kernel can drop the lock
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert (out / ".shardwise-lock").read_text().startswith(f"pid {first.pid} ")  # the dead holder's file
+    RunLock(out).acquire().release()  # is no obstacle: the kernel dropped the lock with the process
+
+
+def _run_all(cmds: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Run single-process commands side by side (each uses one thread): the test waits for the slowest."""
+    procs = [subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    done = []
+    for cmd, p in zip(cmds, procs, strict=True):
+        out, err = p.communicate(timeout=400)
+        done.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+    return done
+
+
+def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path) -> None:
+    """lr 1e36: step 1 is finite and blows the weights up, step 2's gradient norm is NaN."""
+    big = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 1e36}}}
+    overflow = {**DS, "fp16": {"enabled": True, "initial_scale_power": 0},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e6}}}
+    nan, tolerated, last, skips = (tmp_path / n for n in ("nan", "tolerated", "last_step", "scaler_skips"))
+    r_nan, r_tol, r_last, r_skips = _run_all([
+        _train_cmd(tmp_path, nan, None, "--steps", "4", "--save-every", "1", "--keep", "0", ds=big),
+        # one skipped (no update), the next stops; set by the config key (the flag overrides it)
+        _train_cmd(tmp_path, tolerated, None, "--steps", "4", "--save-every", "1",
+                   ds={**big, "shardwise": {"max_nonfinite_steps": 1}}),
+        # finite loss and gradients at the last step, but the weights leave fp16's range
+        _train_cmd(tmp_path, last, None, "--steps", "1", ds=overflow),
+        # overflow skips of fp16's loss scaler (2**24 overflows at first) are not divergence
+        _train_cmd(tmp_path, skips, None, "--steps", "3", ds={**DS, "fp16": {"enabled": True,
+                                                                             "initial_scale_power": 24}})])
+    _one_line(r_nan, 3, "diverged at step 2:", "gradient norm nan", "checkpoints/global_step1")
+    assert (nan / "checkpoints" / "latest").read_text() == "global_step1" and not (nan / "hf").exists()
+    assert sorted(p.name for p in (nan / "checkpoints").iterdir()) == ["global_step1", "latest"]
+    rows = read_metrics(nan)
+    assert [m["step"] for m in rows] == [1, 2] and rows[1]["grad_norm"] is None and "nonfinite" in rows[1]
+
+    _one_line(r_tol, 3, "diverged at step 3:", "1 non-finite step(s) skipped before", "global_step2")
+
+    _one_line(r_last, 3, "diverged at step 1:", "weights", "float16")
+    assert not (last / "checkpoints").exists() and not (last / "hf").exists()
+
+    assert r_skips.returncode == 0, r_skips.stderr[-3000:]
+    rows = read_metrics(skips)
+    assert rows[0]["grad_norm"] is None and not any("nonfinite" in m for m in rows)
+    assert (skips / "hf" / "config.json").is_file()
+
+
+def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        script = tmp_path / "ok.py"
+        script.write_text("print('ran')\n")
+        r = _run([sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--master-port", port,
+                  str(script)])
+        _one_line(r, 2, f"--master-port {port}", f"port {port} is already in use")
+        r = _run(_train_cmd(tmp_path, tmp_path / "single", None, "--steps", "1"), MASTER_PORT=port)
+        _one_line(r, 2, f"MASTER_PORT={port}", "already in use")
+    crash = tmp_path / "crash.py"
+    crash.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit('rank 1 cannot start')\n"
+                     "import time\ntime.sleep(30)\n")
+    r = _run([sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", str(crash)])
+    lines = _error_lines(r)
+    assert r.returncode == 1 and "ChildFailedError" not in r.stderr and len(lines) == 2, r.stderr[-3000:]
+    assert lines[0] == "rank 1 cannot start" and lines[1].startswith("shardwise launch: error: rank 1 (local rank 1")
+    assert lines[1].endswith("exited with code 1; its output is above"), lines[1]
+
+
+def test_every_run_config_option_has_a_type() -> None:
+    """Each option's own default passes; a list never does; a float or a bool is no whole number."""
+    from shardwise.train.options import build_parser, type_error
+
+    actions = [a for a in build_parser()._actions if a.dest not in ("help", "run_config")]
+    for act in actions:
+        assert type_error(act, act.default) is None, act.dest
+        assert type_error(act, [1]) is not None, act.dest
+        if act.type is int:
+            assert type_error(act, 2.5) and type_error(act, True) and type_error(act, "3"), act.dest
+    assert {a.dest for a in actions if a.type is int} >= {"steps", "seq", "keep", "max_nonfinite_steps"}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_engine_stops_or_skips_a_non_finite_gradient_norm(pool2, stage: int) -> None:
+    """shardwise.initialize's rule, on both ranks alike though only rank 1's loss is NaN."""
+    for r in pool2.run("nonfinite_cases:skip_then_raise", stage, 0):
+        assert r["seen"] == [{"applied": True, "weights_unchanged": False},
+                             {"raised_at": 2, "what": "gradient norm"}], r
+    for r in pool2.run("nonfinite_cases:skip_then_raise", stage, 1):
+        assert r["seen"] == [{"applied": True, "weights_unchanged": False},
+                             {"applied": False, "weights_unchanged": True},
+                             {"raised_at": 3, "what": "gradient norm"}], r
+        assert r["skipped"] == 1 and r["nonfinite"] == 2
