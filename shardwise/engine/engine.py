@@ -22,6 +22,7 @@ from torch import nn
 
 from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from shardwise.comm import Comm
+from shardwise.comm import configure as configure_comms_log
 from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
@@ -76,6 +77,7 @@ class Engine(EngineAccessors, nn.Module):
         no TP plan is applied."""
         super().__init__()
         self.config = config
+        configure_comms_log(config)  # comms_logger: from the first collective on, as DeepSpeed (comm/log.py)
         self.comm = comm if comm is not None else Comm()
         self.tp = tp if tp is not None else Comm(None, self.comm.stats, solo=True)
         self.replica = replicate if replicate is not None else Comm(None, self.comm.stats, solo=True)

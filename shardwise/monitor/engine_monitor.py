@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.comm.log import configure as configure_comms_log
 from shardwise.monitor.flops import FlopsProfiler
 from shardwise.monitor.flops_report import report
 from shardwise.monitor.timers import GLOBAL, MICRO, TAGS, PhaseTimers, memory_lines, memory_now
@@ -51,7 +50,6 @@ class EngineMonitor:
         self.engine = engine
         self.rank0 = _global_rank() == 0
         self.monitors = Monitors(cfg, write=self.rank0)
-        configure_comms_log(cfg)
         self.wall = bool(cfg.wall_clock_breakdown)
         self.memory = bool(cfg.memory_breakdown)
         fp = cfg.flops_profiler
