@@ -153,7 +153,7 @@ class EngineMonitor:
     def _reduce_step(self) -> tuple[float | None, int]:
         """(mean loss of this step over micro-batches and data-parallel ranks, tokens of the window)."""
         eng = self.engine
-        total = torch.stack(self._losses).sum().double() if self._losses else torch.zeros((), dtype=torch.float64)
+        total = torch.stack(self._losses).double().sum() if self._losses else torch.zeros((), dtype=torch.float64)
         t = torch.tensor([float(total), len(self._losses), self._tokens], dtype=torch.float64, device=eng.device)
         if eng.comm.size > 1:
             dist.all_reduce(t, group=eng.comm.group)
