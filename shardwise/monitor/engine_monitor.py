@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -57,6 +57,8 @@ class EngineMonitor:
         self.timers = PhaseTimers() if self.wall or self.profiler is not None else None
         self.every = int(cfg.steps_per_print or 0)
         self.wall_clock_cache: dict[str, float] = {}
+        # where rank 0's lines go (``shardwise train`` hands them to its progress bar on a terminal)
+        self.printer: Callable[[str], None] = lambda text: print(text, flush=True)
         self.last_profile: dict[str, Any] | None = None
         self._losses: list[torch.Tensor] = []
         self._tokens = 0  # this rank's tokens since the last progress line
@@ -65,7 +67,7 @@ class EngineMonitor:
     # -- phases --------------------------------------------------------------------------------
     def _say(self, lines: list[str] | str) -> None:
         if self.rank0:
-            print("\n".join([lines] if isinstance(lines, str) else lines), flush=True)
+            self.printer("\n".join([lines] if isinstance(lines, str) else lines))
 
     @contextlib.contextmanager
     def phase(self, name: str, memory_label: str | None = None) -> Iterator[None]:

@@ -147,7 +147,12 @@ def _steps(job: Job, start: int, stop: loop.StopRequest) -> tuple[int, bool]:
     from tqdm import tqdm
 
     args, engine = job.args, job.engine
-    bar = tqdm(total=args.steps, initial=start, disable=dist.get_rank() != 0, unit="step", dynamic_ncols=True)
+    # a bar on a terminal; elsewhere (a log file, a pipe) the engine's plain line every steps_per_print steps
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=args.steps, initial=start, disable=dist.get_rank() != 0 or not tty, unit="step",
+               dynamic_ncols=True)
+    if tty:
+        engine.monitor.printer = bar.write  # the engine's lines above the bar, not through it
     step, stopped = start, False
     while step < args.steps and not stopped:
         t0 = time.perf_counter()
