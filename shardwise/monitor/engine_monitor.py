@@ -9,8 +9,9 @@ events ``Train/Samples/train_loss`` (the mean of the losses given to ``engine.ba
 step's micro-batches and the data-parallel ranks), ``Train/Samples/lr`` (``get_lr()[0]``),
 ``Train/Samples/loss_scale`` (fp16) and, when the timers run, ``Train/Samples/elapsed_time_ms_*``,
 all at x = the global sample count after the step (``engine.global_samples``). The mean loss and
-the token count cost one all-reduce of three numbers over the data-parallel group on the steps
-that write or print (not counted in ``comm_stats()``, not in the communication log).
+the token count cost one all-reduce of three numbers over the data-parallel ranks on the steps
+that write or print (not counted in ``comm_stats()``, not in the communication log). A step whose
+backward was a plain ``loss.backward()`` (no loss handed to the engine) writes no train_loss.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ class EngineMonitor:
         eng = self.engine
         total = torch.stack(self._losses).double().sum() if self._losses else torch.zeros((), dtype=torch.float64)
         t = torch.tensor([float(total), len(self._losses), self._tokens], dtype=torch.float64, device=eng.device)
-        if eng.comm.size > 1:
-            dist.all_reduce(t, group=eng.comm.group)
+        for comm in (eng.comm, eng.replica):  # the shard group, then the replicas (hybrid sharding)
+            if comm.size > 1:
+                dist.all_reduce(t, group=comm.group)
         return (float(t[0] / t[1]) if t[1] > 0 else None), int(t[2])
 
     def _events(self, stats: tuple[float | None, int]) -> list[tuple[str, float, int]]:
