@@ -119,8 +119,9 @@ class FlopsProfiler:
         return self._fwd.get_total_flops() if self._fwd is not None else 0
 
     @property
-    def bwd_flops(self) -> int:
-        return self._bwd.get_total_flops() if self._bwd is not None else 0
+    def bwd_flops(self) -> int | None:
+        """None when the profiled backward did not go through ``engine.backward`` (not counted)."""
+        return self._bwd.get_total_flops() if self._bwd is not None else None
 
     def module_flops(self) -> dict[str, int]:
         """Forward FLOPs of every module by its name in ``model`` ('' the model), children included."""
@@ -147,8 +148,10 @@ class FlopsProfiler:
         fwd, bwd = self.fwd_flops, self.bwd_flops
         latency = self.fwd_latency + self.bwd_latency
         peak, source = peak_flops(dtype, self.given_peak)
-        achieved = (fwd + bwd) / latency if latency else 0.0
+        achieved = (fwd + bwd) / latency if latency and bwd is not None else None
+        if achieved is None:
+            peak, source = None, "the backward was not counted (a plain loss.backward(), not engine.backward)"
         return {"params": params, "fwd_flops": fwd, "fwd_macs": fwd // 2, "bwd_flops": bwd,
                 "fwd_latency_s": self.fwd_latency, "bwd_latency_s": self.bwd_latency,
                 "fwd_bwd_flops_per_s": achieved, "peak_flops": peak, "peak_source": source,
-                "mfu": achieved / peak if peak else None}
+                "mfu": achieved / peak if peak and achieved is not None else None}

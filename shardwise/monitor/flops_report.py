@@ -16,6 +16,10 @@ def _pct(part: float, whole: float) -> str:
     return f"{round(100 * part / whole, 2) if whole else 0:g}%"
 
 
+def _maybe(x: float | None, unit: str = "") -> str:
+    return "not counted" if x is None else number(x, unit)
+
+
 def summary_lines(prof: FlopsProfiler, s: dict[str, Any], ctx: dict[str, Any]) -> list[str]:
     """The summary block; ``ctx``: step, world, dp, mp, micro batch, and the wall-clock step times (s)."""
     mp = ctx["mp"]
@@ -29,11 +33,11 @@ def summary_lines(prof: FlopsProfiler, s: dict[str, Any], ctx: dict[str, Any]) -
             ("fwd latency: ", number(s["fwd_latency_s"], "s")),
             ("fwd FLOPS per GPU = fwd flops per GPU / fwd latency: ",
              number(s["fwd_flops"] / s["fwd_latency_s"] if s["fwd_latency_s"] else 0, "FLOPS")),
-            ("bwd flops per GPU (counted): ", number(s["bwd_flops"])),
+            ("bwd flops per GPU (counted): ", _maybe(s["bwd_flops"])),
             ("bwd latency: ", number(s["bwd_latency_s"], "s")),
-            ("fwd+bwd flops per GPU (counted): ", number(s["fwd_flops"] + s["bwd_flops"])),
-            ("fwd+bwd FLOPS per GPU = fwd+bwd flops / (fwd+bwd latency): ",
-             number(s["fwd_bwd_flops_per_s"], "FLOPS"))]
+            ("fwd+bwd flops per GPU (counted): ",
+             _maybe(None if s["bwd_flops"] is None else s["fwd_flops"] + s["bwd_flops"])),
+            ("fwd+bwd FLOPS per GPU = fwd+bwd flops / (fwd+bwd latency): ", _maybe(s["fwd_bwd_flops_per_s"], "FLOPS"))]
     peak = s["peak_flops"]
     rows.append(("peak FLOPS per GPU: ", f"{number(peak, 'FLOPS')} ({s['peak_source']})" if peak
                  else f"unknown ({s['peak_source']})"))
