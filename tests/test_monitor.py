@@ -230,6 +230,16 @@ def test_comms_logger_switches_and_bandwidth():
     assert s["count"] == 1 and s["total_bytes"] == 2 * 10**9 and s["msg_size_str"] == "953.67 MB"
 
 
+def test_comms_logger_verbose_and_debug(capsys):
+    log = CommsLogger()
+    log.enabled, log.verbose, log.debug = True, True, True
+    log.record("reduce_scatter_tensor", 2048, 2048, 2.0, world=2, caller="reduce_grads")
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("comm op: reduce_scatter_tensor | [Caller Func: reduce_grads] | time (ms): 2.00 | "
+                           "msg size: 2.0 KB | algbw (Gbps): ")
+    assert list(log.summary()) == ["reduce_scatter_tensor | [Caller Func: reduce_grads]"]
+
+
 def test_peak_flops_table(monkeypatch):
     assert peak_flops(torch.bfloat16, 100.0) == (1e14, "shardwise.peak_tflops")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
