@@ -243,25 +243,24 @@ def update_rel_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], k
 
 
 def dataloader_and_logging() -> dict:
-    """training_data gives each rank distinct micro-batches; steps_per_print logs on rank 0 only."""
-    import logging
+    """training_data gives each rank distinct micro-batches; steps_per_print prints on rank 0 only."""
+    import contextlib
+    import io
 
     dataset = [{"input_ids": torch.full((8,), i), "labels": torch.full((8,), i)} for i in range(16)]
     cfg = make_config(1, micro=2)
     cfg["steps_per_print"] = 2
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("shardwise").addHandler(handler)
+    printed = io.StringIO()
     engine, _, loader, _ = shardwise.initialize(model=build("llama"), config=cfg, training_data=dataset)
     seen = []
-    for batch in loader:
-        seen += batch["input_ids"][:, 0].tolist()
-        out = engine(**batch)
-        engine.backward(out.loss)
-        engine.step()
-    logging.getLogger("shardwise").removeHandler(handler)
-    return {"seen": seen, "batch": list(batch["input_ids"].shape), "logs": [r.getMessage() for r in records],
+    with contextlib.redirect_stdout(printed):
+        for batch in loader:
+            seen += batch["input_ids"][:, 0].tolist()
+            out = engine(**batch)
+            engine.backward(out.loss)
+            engine.step()
+    logs = [ln.removeprefix("[shardwise] ") for ln in printed.getvalue().splitlines()]
+    return {"seen": seen, "batch": list(batch["input_ids"].shape), "logs": logs,
             "steps": engine.global_steps, "lr": engine.get_lr()}
 
 

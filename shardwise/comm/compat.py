@@ -3,7 +3,9 @@
 Scripts written for DeepSpeed call ``deepspeed.comm.get_rank()``, ``dist.all_reduce(t)`` and so on
 (``from deepspeed import comm as dist``). These are thin calls of ``torch.distributed`` with
 DeepSpeed's signatures (its extra ``prof``/``log_name``/``debug`` keywords are accepted and
-ignored); the library's own collectives go through :class:`shardwise.comm.Comm` instead.
+ignored); the library's own collectives go through :class:`shardwise.comm.Comm` instead. With the
+communication logger on (``comms_logger``, ``configure``) the synchronous ones are recorded too, and
+``log_summary()`` prints the table (``comm/log.py``).
 ``ReduceOp`` is torch's, so ``dist.ReduceOp.SUM`` works with either API.
 """
 
@@ -17,6 +19,16 @@ import torch
 import torch.distributed as tdist
 
 from shardwise.comm.core import init_distributed as core_init_distributed
+from shardwise.comm.log import (
+    configure,
+    log_summary,
+    record_call,
+    reset_log,
+    start_profiling_comms,
+    start_profiling_op,
+    stop_profiling_comms,
+    stop_profiling_op,
+)
 
 ReduceOp = tdist.ReduceOp
 
@@ -28,6 +40,8 @@ __all__ = [
     "all_gather_into_tensor", "allgather_fn", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_fn",
     "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter",
     "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "get_backend",
+    "configure", "log_summary", "reset_log", "start_profiling_comms", "stop_profiling_comms",
+    "start_profiling_op", "stop_profiling_op",
 ]
 
 
@@ -113,7 +127,8 @@ def get_all_ranks_from_group(group: Any = None) -> list[int]:
 
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, **_: Any) -> Any:
-    return tdist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+    call = lambda: tdist.barrier(group=group, async_op=async_op, device_ids=device_ids)  # noqa: E731
+    return call() if async_op else record_call("barrier", None, get_world_size(group), call)
 
 
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
@@ -121,7 +136,8 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, **_: Any) -> Any:
-    return tdist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    call = lambda: tdist.broadcast(tensor, src=src, group=group, async_op=async_op)  # noqa: E731
+    return call() if async_op else record_call("broadcast", tensor, get_world_size(group), call)
 
 
 def broadcast_object_list(object_list: list, src: int, group: Any = None, device: Any = None) -> Any:
@@ -130,7 +146,8 @@ def broadcast_object_list(object_list: list, src: int, group: Any = None, device
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False,
                **_: Any) -> Any:
-    return tdist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    call = lambda: tdist.all_reduce(tensor, op=op, group=group, async_op=async_op)  # noqa: E731
+    return call() if async_op else record_call("all_reduce", tensor, get_world_size(group), call)
 
 
 def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, **_: Any) -> Any:
@@ -156,7 +173,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, gr
     fn = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
     if tensor.dim() == 0:  # a scalar flag per rank (NCCL takes it; gloo wants a 1-element tensor)
         tensor = tensor.reshape(1)
-    return fn(output_tensor, tensor, group=group, async_op=async_op)
+    call = lambda: fn(output_tensor, tensor, group=group, async_op=async_op)  # noqa: E731
+    return call() if async_op else record_call("all_gather_into_tensor", output_tensor, get_world_size(group), call)
 
 
 def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -172,7 +190,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
 def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
                           group: Any = None, async_op: bool = False, **_: Any) -> Any:
     fn = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
-    return fn(output_tensor, tensor, op=op, group=group, async_op=async_op)
+    call = lambda: fn(output_tensor, tensor, op=op, group=group, async_op=async_op)  # noqa: E731
+    return call() if async_op else record_call("reduce_scatter_tensor", tensor, get_world_size(group), call)
 
 
 def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,

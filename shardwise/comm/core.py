@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.cli_errors import UserError
+from shardwise.comm.log import logged
 from shardwise.net import address_in_use, free_port, port_taken
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -217,6 +218,7 @@ class Work:
     def __init__(self, handle, comm: Comm, kind: str, finish=None):
         self._handles = handle if isinstance(handle, list) else ([] if handle is None else [handle])
         self._comm, self._kind, self._finish = comm, kind, finish
+        self.on_done = None  # the comms logger's record of this collective (comm/log.py), once finished
         if self._handles:
             _PENDING.add(self)
 
@@ -228,6 +230,9 @@ class Work:
         if self._finish is not None:
             self._finish()
             self._finish = None
+        if self.on_done is not None:
+            self.on_done, done = None, self.on_done
+            done()
 
 
 class Comm:
@@ -268,6 +273,7 @@ class Comm:
             ) from e
 
     # -- collectives ----------------------------------------------------------------
+    @logged("all_reduce")
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False) -> Work | None:
         if self.size == 1:
             return Work(None, self, "all_reduce") if async_op else None
@@ -275,6 +281,7 @@ class Comm:
         h = self._guard("all_reduce", dist.all_reduce, t, op=op, group=self.group, async_op=async_op)
         return Work(h, self, "all_reduce") if async_op else None
 
+    @logged("all_gather")
     def all_gather(self, full: torch.Tensor, async_op: bool = False) -> Work | None:
         """Fill ``full`` (1-D, size multiple of world) from every rank's shard of it, in place."""
         if self.size == 1:
@@ -287,6 +294,7 @@ class Comm:
         h = self._guard("all_gather", _all_gather_single, full, mine, group=self.group, async_op=async_op)
         return Work(h, self, "all_gather") if async_op else None
 
+    @logged("reduce_scatter")
     def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = False,
                        accumulate: bool = False) -> Work | None:
         """Sum ``full`` (1-D) over ranks and write (or add, ``accumulate``) this rank's shard into ``out``.
@@ -327,6 +335,7 @@ class Comm:
             return None
         return Work(h, self, "reduce_scatter", finish)
 
+    @logged("all_reduce")
     def all_reduce_in_rank_order(self, flat: torch.Tensor, async_op: bool = False) -> Work | None:
         """SUM all-reduce of a 1-D ``flat`` (numel a multiple of the size) whose every element is
         summed in rank order, as ``reduce_scatter`` sums it: on gloo that reduce-scatter, then the
@@ -431,6 +440,7 @@ class Comm:
         if len(free) < 4:  # bounded: at most a few rings are ever in flight
             free.append(buf)
 
+    @logged("all_to_all", tensor_arg=1)
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str = "all_to_all",
                    async_op: bool = False) -> Work | None:
         """Chunk i (along dim 0) of ``inp`` goes to rank i; chunk j of ``out`` comes from rank j.
@@ -448,12 +458,14 @@ class Comm:
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
+    @logged("broadcast")
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group-rank ``src``."""
         if self.size > 1:
             self.stats.add("broadcast" + self.scope, t.numel() * t.element_size())
             self._guard("broadcast", dist.broadcast, t, src=self._global(src), group=self.group)
 
+    @logged("barrier", tensor_arg=None)
     def barrier(self) -> None:
         if self.size > 1:
             self._guard("barrier", dist.barrier, group=self.group)

@@ -110,7 +110,7 @@ KEYS: tuple[Key, ...] = (
     Key("scheduler.params", H, "checked per type (see scheduler)"),
     Key("seed", H, "shardwise: the DistributedSampler shuffle seed"),
     Key("dataloader_drop_last", H, "drop_last of the DataLoader initialize() builds"),
-    Key("steps_per_print", H, "the loss/lr log line period"),
+    Key("steps_per_print", H, "a progress line (loss, lr, samples/s, tokens/s, memory) every N steps on rank 0"),
     # -- gradient reduction ---------------------------------------------------------------------------
     Key("prescale_gradients", H, "gradients are averaged over data-parallel ranks either way; DeepSpeed "
         "only moves the 1/world division before the sum (same value up to float rounding, exact for "
@@ -258,9 +258,17 @@ KEYS: tuple[Key, ...] = (
     Key("activation_checkpointing", I, "configures deepspeed.checkpointing, called by the model; "
         "recomputation gives the same numbers", subtree=True),
     # -- logging, monitoring, profiling, launch -------------------------------------------------------
-    *(Key(k, I, _LOG, subtree=True) for k in (
-        "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "timers")),
-    *(Key(k, I, _LOG) for k in ("wall_clock_breakdown", "memory_breakdown", "dump_state", "log_level")),
+    *(Key(k, H, note, subtree=True) for k, note in (  # shardwise/monitor/, docs/monitoring.md
+        ("tensorboard", "TensorBoard events in output_path/job_name (rank 0)"),
+        ("wandb", "a W&B run (rank 0; WANDB_MODE=offline works)"),
+        ("csv_monitor", "one CSV file per tag in output_path/job_name (rank 0)"),
+        ("comet", "a Comet experiment (needs comet_ml: pip install 'shardwise[monitor]')"),
+        ("comms_logger", "per-collective counts, sizes, latency, bandwidth; deepspeed.comm.log_summary()"),
+        ("flops_profiler", "the model profile at profile_step (full parameters at ZeRO-3), fwd+bwd FLOPs, MFU"))),
+    Key("wall_clock_breakdown", H, "fwd / bwd / bwd_inner / bwd_allreduce / step times per step (rank 0)"),
+    Key("memory_breakdown", H, "memory lines before and after forward, backward and step (rank 0)"),
+    Key("timers", I, _LOG, subtree=True),
+    *(Key(k, I, _LOG) for k in ("dump_state", "log_level")),
     Key("autotuning", I, "read by DeepSpeed's autotuner launcher, not at training time", subtree=True),
     Key("vocabulary_size", I, "used only by DeepSpeed's 1-bit optimizers (refused)"),
     Key("cuda_visible_devices", I, "the launcher chooses devices"),
@@ -273,6 +281,8 @@ KEYS: tuple[Key, ...] = (
         "`zero_optimization.zero_quantized_gradients`"),
     Key("shardwise.max_nonfinite_steps", H, "0 (default): a non-finite gradient norm without an fp16 loss scaler "
         "stops training (NonFiniteError); N: the first N such steps are skipped instead"),
+    Key("shardwise.peak_tflops", H, "the accelerator's peak TFLOPS for the FLOPs profiler's MFU (known GPUs "
+        "need none)"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

@@ -10,6 +10,14 @@ import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictInt
 
 from shardwise.cli_errors import OneLineError
+from shardwise.monitor.settings import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 
 AUTO = "auto"
 FreeDict = dict[str, Any]
@@ -178,6 +186,8 @@ class ShardwiseSection(_Section):
     quantized_gradient_bits: Literal[8, 4] = 8
     # fp32/bf16 steps with a non-finite gradient norm skipped before training stops (engine/nonfinite.py)
     max_nonfinite_steps: StrictInt = Field(0, ge=0, le=10**9)
+    # the accelerator's peak in TFLOPS for the FLOPs profiler's MFU (None: shardwise/monitor/flops.py's table)
+    peak_tflops: float | None = Field(None, gt=0)
 
 
 class ShardwiseConfig(_Section):
@@ -212,11 +222,13 @@ class ShardwiseConfig(_Section):
     activation_checkpointing: FreeDict = Field(default_factory=dict)
     data_types: FreeDict = Field(default_factory=dict)
     checkpoint: FreeDict = Field(default_factory=dict)
-    flops_profiler: FreeDict = Field(default_factory=dict)
-    tensorboard: FreeDict = Field(default_factory=dict)
-    wandb: FreeDict = Field(default_factory=dict)
-    csv_monitor: FreeDict = Field(default_factory=dict)
-    comms_logger: FreeDict = Field(default_factory=dict)
+    # monitoring and profiling: checked sections, honoured by shardwise/monitor/
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     aio: FreeDict = Field(default_factory=dict)
 
     _world_size: int = PrivateAttr(1)

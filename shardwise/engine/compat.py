@@ -144,7 +144,18 @@ class EngineAccessors(DeepSpeedEngineExtras):
         return self.global_steps * self.config.train_batch_size
 
     def wall_clock_breakdown(self) -> bool:
-        return False
+        return bool(self.config.wall_clock_breakdown)
+
+    def memory_breakdown(self) -> bool:
+        return bool(self.config.memory_breakdown)
+
+    def flops_profiler_enabled(self) -> bool:
+        return bool(self.config.flops_profiler.enabled)
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """The last ``step()``'s timers in ms, by DeepSpeed's names (``fwd``, ``bwd``, ``bwd_inner``,
+        ``bwd_allreduce``, ``step`` and their ``_microstep`` forms; empty without ``wall_clock_breakdown``)."""
+        return dict(self.monitor.wall_clock_cache)
 
     def sparse_gradients_enabled(self) -> bool:
         return False
@@ -223,6 +234,7 @@ class EngineAccessors(DeepSpeedEngineExtras):
         stay released placeholders (gather them with ``GatheredParameters`` first if needed).
         """
         self.sharding.remove()
+        self.monitor.close()
         tracking = used_params_of(self)
         if tracking is not None:
             tracking.remove()

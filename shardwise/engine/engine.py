@@ -22,12 +22,14 @@ from torch import nn
 
 from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from shardwise.comm import Comm
+from shardwise.comm import configure as configure_comms_log
 from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.nonfinite import skip_nonfinite_step
 from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
 from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
+from shardwise.monitor import EngineMonitor
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.bucket_step import step_and_publish
@@ -76,6 +78,7 @@ class Engine(EngineAccessors, nn.Module):
         no TP plan is applied."""
         super().__init__()
         self.config = config
+        configure_comms_log(config)  # comms_logger: from the first collective on, as DeepSpeed (comm/log.py)
         self.comm = comm if comm is not None else Comm()
         self.tp = tp if tp is not None else Comm(None, self.comm.stats, solo=True)
         self.replica = replicate if replicate is not None else Comm(None, self.comm.stats, solo=True)
@@ -119,6 +122,7 @@ class Engine(EngineAccessors, nn.Module):
         sh.plain_backward = lambda: plain_backward_rule(this())  # a loss.backward() the engine did not start
         for g in self.groups + [g for gs in self.unit_groups for g in gs]:
             g.engine_ref = weakref.ref(self)  # shardwise.utils.safe_get_* find the engine from a param
+        self.monitor = EngineMonitor(self)  # monitors, timers, FLOPs profiler, progress line (shardwise/monitor/)
 
     # -- construction ---------------------------------------------------------------
     def wait_for_params(self) -> None:
@@ -158,7 +162,8 @@ class Engine(EngineAccessors, nn.Module):
 
     # -- forward / backward ---------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with self.monitor.forward(self.module, args, kwargs):
+            return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether this micro-batch ends the accumulation window (reduce, then step)."""
@@ -208,8 +213,11 @@ class Engine(EngineAccessors, nn.Module):
             scale *= self.loss_scaler.scale
         # The sharding's autograd callback finishes the groups when this backward completes; the
         # call after it only acts when no hook fired (a loss that reached no sharded parameter).
-        (loss * scale).backward(retain_graph=retain_graph)
-        self.sharding.finish_backward()
+        with self.monitor.backward(loss):
+            with self.monitor.backward_inner():
+                (loss * scale).backward(retain_graph=retain_graph)
+            with self.monitor.phase("bwd_allreduce"):
+                self.sharding.finish_backward()
         self._grads_reduced = reduce_now
         self._last_loss = loss.detach()
         return loss / self.gas if scale_wrt_gas else loss
@@ -231,6 +239,10 @@ class Engine(EngineAccessors, nn.Module):
     # -- step -----------------------------------------------------------------------
     def step(self) -> None:
         """Call after every micro-batch; steps and zeroes grads at the accumulation boundary."""
+        with self.monitor.step():  # the step timer, then the boundary's events, profile and progress line
+            self._step()
+
+    def _step(self) -> None:
         if self._in_no_sync:
             raise UsageError("It is illegal to call Engine.step() inside no_sync context manager: "
                              "leave no_sync() for the last micro-batch, then step()")
@@ -272,16 +284,6 @@ class Engine(EngineAccessors, nn.Module):
         self.sharding.zero_grad()
         self.global_steps += 1
         self.micro_steps += 1
-        self._maybe_log()
-
-    def _maybe_log(self) -> None:
-        every = self.config.steps_per_print
-        if not every or self.global_steps % every or (dist.is_initialized() and dist.get_rank() != 0):
-            return
-        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
-        scale = f", loss_scale={self.loss_scaler.scale:g}" if self.loss_scaler else ""
-        log.info(f"step {self.global_steps}: loss={loss:.4f} lr={self.get_lr()[0]:.3e} "
-                 f"grad_norm={self.last_grad_norm:.3f}{scale} skipped={self.skipped_steps}")
 
     # -- inference ------------------------------------------------------------------
     @torch.no_grad()

@@ -179,7 +179,13 @@ def _steps(job: Job, start: int, stop: loop.StopRequest) -> tuple[int, bool]:
     """Train from ``start`` to --steps: metrics, evals, checkpoints; returns (last step, stopped)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=job.args.steps, initial=start, disable=dist.get_rank() != 0, unit="step", dynamic_ncols=True)
+    args, engine = job.args, job.engine
+    # a bar on a terminal; elsewhere (a log file, a pipe) the engine's plain line every steps_per_print steps
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=args.steps, initial=start, disable=dist.get_rank() != 0 or not tty, unit="step",
+               dynamic_ncols=True)
+    if tty:
+        engine.monitor.printer = bar.write  # the engine's lines above the bar, not through it
     step, stopped = start, False
     try:  # closed before an error is printed, so the error is a line of its own
         while step < job.args.steps and not stopped:
