@@ -213,3 +213,19 @@ def t5_generate(front: str = "shard") -> dict:
     finite = all(bool(torch.isfinite(s[:, 2:]).all()) for s in got.scores)
     return {"equal": torch.equal(got.sequences, want.sequences) and scores_equal, "finite": finite,
             "tokens": got.sequences.tolist(), "leaked": _gathered(sharding)}
+
+
+def gathered_with_none() -> dict:
+    """GatheredParameters skips None entries (transformers' resize passes absent biases), and an
+    edit made on the modifier rank inside the block reaches every rank's shards."""
+    model = shardwise.shard(build("llama"), stage=3, persistence_threshold=0)
+    head = model.lm_head
+    with shardwise.zero.GatheredParameters([head.weight, head.bias, None], modifier_rank=0):
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                head.weight[0].fill_(3.0)
+    with shardwise.zero.GatheredParameters(None):
+        pass
+    with shardwise.zero.GatheredParameters([head.weight]):
+        row = head.weight[0].clone()
+    return {"row_is_3": bool((row == 3.0).all()), "leaked": _gathered(model.sharding)}

@@ -72,3 +72,8 @@ def test_t5_generate_equals_plain(pool2, front):
     res = pool2.run("direct_call_cases:t5_generate", front)
     for r in res:
         assert r["equal"] and r["finite"] and r["leaked"] == [], r
+
+
+def test_gathered_parameters_skips_none_entries(pool2):
+    res = pool2.run("direct_call_cases:gathered_with_none")
+    assert all(r["row_is_3"] and r["leaked"] == [] for r in res), res
