@@ -33,6 +33,7 @@ collective. Computing with it needs ``GatheredParameters``.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,7 @@ class EntrySpec:
     name: str
     unit: int
     groups: list[ShardedGroup]
+    module: weakref.ref  # a deep copy of the model carries these hooks too: they skip its modules
 
 
 @dataclass
@@ -117,7 +119,7 @@ class DirectCalls:
                 groups.setdefault(id(g), g)
         if not releasable:
             return None
-        return EntrySpec(name, in_unit.get(id(m), f.root), list(groups.values()))
+        return EntrySpec(name, in_unit.get(id(m), f.root), list(groups.values()), weakref.ref(m))
 
     # -- the hooks: plain checks first (traced by dynamo inside compiled layers), work eager -------
     def _make_pre(self, spec: EntrySpec):
@@ -145,6 +147,8 @@ class DirectCalls:
             self.entries[-1].reentered += 1
 
     def _begin_call(self, module: nn.Module, spec: EntrySpec) -> None:
+        if spec.module() is not module:
+            return
         f = self.fetcher
         before = {id(g) for gs in f.groups for g in gs if g.is_gathered}
         f.stack.append(spec.unit)
