@@ -229,3 +229,39 @@ def gathered_with_none() -> dict:
     with shardwise.zero.GatheredParameters([head.weight]):
         row = head.weight[0].clone()
     return {"row_is_3": bool((row == 3.0).all()), "leaked": _gathered(model.sharding)}
+
+
+class _ParamlessHead(nn.Module):
+    """A head with no parameter of its own, using the embedding's weight through a list."""
+
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        self._weight = [embed.weight]
+
+    def forward(self, h):
+        return F.linear(h, self._weight[0])
+
+
+class _EmbedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = _ParamlessHead(self.embed)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.embed(x)))
+
+
+def paramless_registered_head() -> dict:
+    """A module without parameters of its own, given one by register_external_parameter, called
+    on its own: it gathers that parameter (it has no hooks of its own otherwise)."""
+    h = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = _EmbedHead().head(h)
+    model = _EmbedHead()
+    shardwise.zero.register_external_parameter(model.head, model.embed.weight)
+    model = shardwise.shard(model, stage=3, persistence_threshold=0)
+    with torch.no_grad():
+        got = model.head(h)
+    return {"equal": torch.equal(got, want), "leaked": _gathered(model.sharding)}

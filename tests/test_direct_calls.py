@@ -66,6 +66,11 @@ def test_cached_reference_refused_by_name_then_registered(pool2):
     assert all(r["equal"] and r["leaked"] == [] for r in res), res
 
 
+def test_paramless_module_with_registered_external(pool2):
+    res = pool2.run("direct_call_cases:paramless_registered_head")
+    assert all(r["equal"] and r["leaked"] == [] for r in res), res
+
+
 @pytest.mark.parametrize("front", ["shard", "engine"])
 def test_t5_generate_equals_plain(pool2, front):
     """generate() runs the encoder on its own (this used to give NaN and all-pad predictions)."""

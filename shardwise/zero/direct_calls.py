@@ -105,7 +105,8 @@ class DirectCalls:
 
     def _spec(self, name: str, m: nn.Module, in_unit: dict[int, int]) -> EntrySpec | None:
         """The sharded groups of ``m``'s parameters but those of units strictly inside it; None
-        when ``m`` holds no parameter of this fetcher that is ever released."""
+        when ``m`` holds no parameter of this fetcher that is ever released and has no registered
+        external parameter (its ``register_external_parameter`` hook then gathers those)."""
         f = self.fetcher
         inner = {f.unit_of_module[id(d)] for d in m.modules() if d is not m and id(d) in f.unit_of_module}
         groups: dict[int, ShardedGroup] = {}
@@ -117,7 +118,7 @@ class DirectCalls:
             releasable = True
             if f.unit_of_group.get(id(g)) not in inner:
                 groups.setdefault(id(g), g)
-        if not releasable:
+        if not releasable and not m.__dict__.get("_shardwise_external"):
             return None
         return EntrySpec(name, in_unit.get(id(m), f.root), list(groups.values()), weakref.ref(m))
 
