@@ -125,7 +125,7 @@ class ReleasedUseCheck(TorchFunctionMode):
         if not g.policy.shard_params:
             return
         f = self.fetcher
-        user = f.unit_names[f.stack[-1]] if f.stack else "the model"
+        user = f.running_name()
         owner = f.unit_names[f.unit_of_group[id(g)]] if id(g) in f.unit_of_group else "?"
         name = next((n for q, n in zip(g.params, g.names, strict=True) if q is p), "?")
         raise ReleasedParameterError(

@@ -32,13 +32,17 @@ class GatheredParameters:
     meta), the block gives the parameters their real values (from the checkpoint, or the
     model's init); with ``modifier_rank`` they then stay real, with that rank's edits, and
     ``initialize`` shards them as they are; without it they go back to meta.
+
+    ``None`` (or a list holding ``None`` entries, such as a missing bias) is accepted and skipped.
     """
 
-    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor | None] | None, modifier_rank: int | None = None,
                  enabled: bool = True, fwd_module: nn.Module | None = None):  # noqa: ARG002 (DeepSpeed's)
         if isinstance(params, torch.Tensor):
             params = [params]
-        params = list(params) if enabled else []
+        # None entries are skipped, as DeepSpeed does: transformers' resize_token_embeddings passes
+        # [old.weight, old.bias, new.weight, new.bias] with the biases None
+        params = [p for p in params if p is not None] if enabled and params is not None else []
         self.params = list({id(p): p for p in params}.values())
         self.groups = _groups_of(params)
         # zero.Init before initialize: parameters still on meta get real values in the block

@@ -22,6 +22,9 @@ it and records it as that unit's external, so later forwards gather it with the 
 
 The order is recorded during the first forward and re-recorded whenever a
 forward takes another path, silently (one debug line).
+
+A submodule called on its own (not from the model's forward) gathers what it reads through
+``shardwise.zero.direct_calls``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
+from shardwise.zero.direct_calls import DirectCalls
 from shardwise.zero.eager_hooks import eager_hook, forward_is_compiled
 from shardwise.zero.external import ReleasedUseCheck, track_access
 from shardwise.zero.flat_group import ShardedGroup
@@ -101,7 +105,7 @@ class ParamFetcher:
         self.units, self.groups, self.prefetch_numel = units, groups, prefetch_numel
         self.max_live_numel = max_live_numel  # stage3_max_live_parameters: prefetch stops there
         self.order: list[int] = []
-        self._trace: list[int] = []
+        self.trace: list[int] = []
         self.all_gathered = False  # generate(): the whole model stays gathered
         self.peak_gathered_bytes = 0  # most bytes of full (unsharded) parameters alive at once
         self.root = len(units) - 1
@@ -123,6 +127,18 @@ class ParamFetcher:
             self._handles.append(unit.register_forward_hook(eager_hook(self._make_post_forward(ui)),
                                                             always_call=ui == self.root))
         track_access(units[-1])
+        self.direct = DirectCalls(self)  # a submodule called on its own gathers what it reads
+
+    def begin_trace(self) -> None:
+        """A forward starts from the top (the root's, or a direct call's): record its units anew."""
+        self.trace = []
+
+    def running_name(self) -> str:
+        """The module whose own code runs now: a direct call's module, else the innermost unit."""
+        name = self.direct.running_name()
+        if name is not None:
+            return name
+        return self.unit_names[self.stack[-1]] if self.stack else "the model"
 
     # -- forward ----------------------------------------------------------------------
     def _make_pre_forward(self, ui: int):
@@ -130,15 +146,15 @@ class ParamFetcher:
             if self.all_gathered:
                 return
             if ui == self.root:
-                self._trace, self.stack = [], []
+                self.trace, self.stack = [], []
                 if self.check_next and self._check is None and not forward_is_compiled(module):
                     self._check = ReleasedUseCheck(self)
                     self._check.__enter__()
-            self._trace.append(ui)
+            self.trace.append(ui)
             self.stack.append(ui)
             self._gather(ui)
-            pos = len(self._trace) - 1
-            if self.order[:pos + 1] == self._trace:
+            pos = len(self.trace) - 1
+            if self.order[:pos + 1] == self.trace:
                 self._prefetch(self.order[pos + 1:])
         return hook
 
@@ -152,10 +168,10 @@ class ParamFetcher:
             if ui in self.stack:
                 del self.stack[len(self.stack) - 1 - self.stack[::-1].index(ui)]
             if ui == self.root:
-                self.check_next = self._trace != self.order
+                self.check_next = self.trace != self.order
                 if self.order and self.check_next:
                     log.debug("stage 3: the model took another path; re-recorded the unit order")
-                self.order = list(self._trace)
+                self.order = list(self.trace)
                 self.stack = []
             self._release(ui)
             if torch.is_grad_enabled() and output is not None:
@@ -182,7 +198,7 @@ class ParamFetcher:
             log.debug(f"stage 3: {self.unit_names[ui]!r} uses parameters of another unit; "
                       "gathering them with it from now on")
         group.gather()
-        self._measure()
+        self.measure()
 
     def forget_external(self, group: ShardedGroup) -> None:
         for ext in self.external:
@@ -200,14 +216,14 @@ class ParamFetcher:
         return hook
 
     # -- helpers ----------------------------------------------------------------------
-    def _groups_of(self, ui: int) -> list[ShardedGroup]:
+    def groups_of(self, ui: int) -> list[ShardedGroup]:
         """The unit's own groups, then those it borrows."""
         return self.groups[ui] + list(self.external[ui].values()) if self.external[ui] else self.groups[ui]
 
     def _gather(self, ui: int) -> None:
-        for g in self._groups_of(ui):
+        for g in self.groups_of(ui):
             g.gather()
-        self._measure()
+        self.measure()
 
     def _release(self, ui: int) -> None:
         """Release the unit's groups and what it borrowed, except groups of units still running.
@@ -216,11 +232,11 @@ class ParamFetcher:
         """
         running = set(self.stack)
         keep = torch.is_grad_enabled()
-        for g in self._groups_of(ui):
+        for g in self.groups_of(ui):
             if self.unit_of_group.get(id(g)) not in running:
                 g.release(keep_secondary=keep)
 
-    def _measure(self) -> None:
+    def measure(self) -> None:
         live = sum(g.padded_numel * g.flat_param.element_size()
                    for gs in self.groups for g in gs if g.is_gathered and g.policy.shard_params)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
@@ -231,7 +247,7 @@ class ParamFetcher:
         live = sum(g.padded_numel for gs in self.groups for g in gs if g.is_gathered and g.policy.shard_params)
         window = 0
         for uj in upcoming:
-            gs = self._groups_of(uj)
+            gs = self.groups_of(uj)
             size = sum(g.padded_numel for g in gs if g.policy.shard_params)
             new = sum(g.padded_numel for g in gs if g.policy.shard_params and not g.is_gathered)
             window += size
@@ -242,7 +258,7 @@ class ParamFetcher:
             if any(not g.is_gathered for g in gs if g.policy.shard_params):
                 break  # the gather pool is full: the rest waits until a unit is released
             live += new
-        self._measure()
+        self.measure()
 
     def make_room(self, group: ShardedGroup) -> bool:
         """A gather needs a pool buffer now and none is free: release a unit that was only read
@@ -275,3 +291,4 @@ class ParamFetcher:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self.direct.remove()
