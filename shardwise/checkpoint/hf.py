@@ -7,7 +7,6 @@ whole state dict in RAM instead.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -220,27 +219,10 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
 
 def consolidate_main(argv: list[str] | None = None) -> int:
     """``shardwise consolidate``: sharded checkpoint -> HF folder loadable by ``from_pretrained``."""
-    from shardwise.cli_errors import OneLineParser, one_line
+    from shardwise.cli_errors import one_line
+    from shardwise.commands.parsers import consolidate_parser
 
-    p = OneLineParser(
-        prog="shardwise consolidate",
-        description="Write Hugging Face weights (config.json + model*.safetensors) from a shardwise "
-                    "checkpoint saved at any world size, ZeRO stage and TP degree, one tensor at a time.",
-        epilog="examples:\n  shardwise consolidate ckpts/ hf_out/\n"
-               "  shardwise consolidate ckpts/ hf_out/ --tag global_step1000 --dtype bf16 "
-               "--max-shard-size 2GB",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ckpt_dir", help="folder given to save_checkpoint (holding 'latest' and tag folders)")
-    p.add_argument("out_dir", help="output folder for the HF model")
-    p.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
-    p.add_argument("--dtype", default="fp32", help="fp32 (default: the exact fp32 master), bf16 or fp16")
-    p.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 500MB")
-    p.add_argument("--no-verify", action="store_true", help="skip sha256 checks (sizes still checked)")
-    p.add_argument("--config", default=None, help="HF config.json to write (default: the checkpoint's)")
-    p.add_argument("--weights-only", action="store_true",
-                   help="allow a checkpoint without config.json: write the weight files alone")
-    p.add_argument("--overwrite", action="store_true",
-                   help="OUT may hold other files: replace only the HF weight files and config.json there")
+    p = consolidate_parser()
     a = p.parse_args(argv)
     if not Path(a.ckpt_dir).is_dir():
         p.error(f"{a.ckpt_dir!r} is not a folder; pass the folder given to save_checkpoint")

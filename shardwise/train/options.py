@@ -18,11 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.cli_errors import OneLineParser, UserError
-from shardwise.config.read import timeout_of
-from shardwise.config.schema import ConfigError
-from shardwise.train.data import REPO_DATA
-from shardwise.train.model import MODEL_PRESETS
 from shardwise.train.outputs import check_run_folder
+from shardwise.train.presets import MODEL_PRESETS, REPO_DATA
 
 EPILOG = """examples:
   shardwise launch --nproc 2 -- train --config examples/zero2_llama.json --out runs/sonnets
@@ -136,6 +133,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(e))
     args.ds_config = read_ds_config(args.config, args.steps, p)
     if args.timeout is None:  # the flag wins; else the config's shardwise.timeout_s, as initialize() reads it
+        from shardwise.config.read import timeout_of  # here, not at the top: `train --help` loads no torch
+        from shardwise.config.schema import ConfigError
+
         try:
             args.timeout = timeout_of(args.ds_config)
         except ConfigError as e:
