@@ -27,6 +27,7 @@ from shardwise.checkpoint.fileio import (
 from shardwise.checkpoint.formats import FOREIGN, open_checkpoint
 from shardwise.checkpoint.frozen import frozen_groups, full_shape, module_extras, read_whole, saved_extras
 from shardwise.checkpoint.load import read_saved, resolve_tag
+from shardwise.checkpoint.run_files import checkpoints_folder, copy_side_files, find_side_files, side_files_in
 from shardwise.checkpoint.save import model_config
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.checkpoint.validate import confined_path
@@ -87,10 +88,10 @@ class ShardedHFWriter:
                        {"metadata": {"total_size": self.total}, "weight_map": wm})
         return self.names
 
-    def finish(self, config_written: bool) -> None:
+    def finish(self, config_written: bool, side_files: list[str] | tuple[str, ...] = ()) -> None:
         """Record the files written as ours; remove our stale ones (old shards would shadow them)."""
         index = ["model.safetensors.index.json"] if len(self.names) > 1 else []
-        self.guard.finish([*self.names, *index, *(["config.json"] if config_written else [])])
+        self.guard.finish([*self.names, *index, *(["config.json"] if config_written else []), *side_files])
 
 
 
@@ -137,7 +138,10 @@ def _open_checked(ckpt_dir: str | Path, tag: str | None, verify: bool) -> tuple[
     """The tag folder, its validated metadata and a reader whose every shard file was checked."""
     path = resolve_tag(ckpt_dir, tag)
     if path is None:
-        raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass --tag")
+        tags = sorted(p.name for p in Path(ckpt_dir).iterdir() if p.is_dir() and (p / "metadata.json").is_file())
+        hint = f"pass --tag (one of {', '.join(tags[:5])})" if tags else \
+            "pass the folder that save_checkpoint wrote (it holds 'latest' and the tag folders)"
+        raise CheckpointError(f"{ckpt_dir}: no 'latest' file here; {hint}")
     meta, reader = open_checkpoint(path, verify)
     for f in meta["files"]:
         reader.check(f)
@@ -201,9 +205,12 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
     if not out_dt.is_floating_point:  # an integer cast of trained weights keeps nothing (all zeros)
         raise CheckpointError(f"--dtype {dtype}: weights are written in a floating-point dtype; use fp32, bf16 "
                               "or fp16 (for int8/int4 weights run `shardwise quantize` on the output)")
+    ckpt_dir = checkpoints_folder(ckpt_dir, tag)  # a run folder: its checkpoints/
     guard = OutputFolder(out_dir, "OUT", inputs=[ckpt_dir, *([config] if config else [])],
                          overwrite=overwrite, ours=hf_output_name)
     path, meta, reader = _open_checked(ckpt_dir, tag, verify)
+    side_dir, side_names = find_side_files(ckpt_dir, path)  # a user's own files in OUT are left alone:
+    side_names = [n for n in side_names if n in guard.recorded or not (Path(out_dir) / n).exists()]
     cfg = _model_config_for(path, meta, config, weights_only)
     saved = _saved_specs(meta)
     specs: list[Spec] = [(n, out_dt if dt.is_floating_point else dt, shape) for n, dt, shape in saved]
@@ -213,7 +220,8 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
         w.write(name, t.to(dt))
         del t
     names = w.close()
-    w.finish(_write_config(cfg, out, out_dt))
+    side = copy_side_files(side_dir, side_names, out) if side_dir is not None else []
+    w.finish(_write_config(cfg, out, out_dt), side)
     return names
 
 
@@ -232,7 +240,9 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError, OSError) as e:  # UserError is a ValueError
         print(f"shardwise consolidate: error: {one_line(e)}", file=sys.stderr)
         return 2
-    print(f"wrote {len(names)} weight file(s) to {a.out_dir}")
+    has_tokenizer = any(n.startswith(("tokenizer", "vocab")) for n in side_files_in(a.out_dir))
+    print(f"wrote {len(names)} weight file(s) to {a.out_dir}" + (" with the tokenizer" if has_tokenizer else
+          "; no tokenizer was saved with the checkpoint: copy the model's tokenizer files there for generate"))
     return 0
 
 

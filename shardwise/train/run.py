@@ -16,10 +16,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.cli_errors import UserError, one_line, user_error_types
 from shardwise.config import ConfigError
 from shardwise.train import loop
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
+from shardwise.train.export import write_side_files
 from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
 from shardwise.train.options import parse_args, resolved
 from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss
@@ -97,6 +99,8 @@ def _setup(args, shardwise) -> Job:
     stage = (args.ds_config.get("zero_optimization") or {}).get("stage", 0)
     model = build_model(src, tokenizer.vocab_size, args.seq, args.seed, stage if isinstance(stage, int) else 0)
     size = n_params(model)
+    if dist.get_rank() == 0:  # consolidate of a run stopped before its export still finds the tokenizer
+        write_side_files(run_dir / RUN_TOKENIZER, tokenizer, model)
     engine, _, _, _ = shardwise.initialize(model=model, config=args.ds_config)
     cfg = engine.config
     global_batch = cfg.train_micro_batch_size_per_gpu * engine.gas * engine.dp_world
@@ -191,9 +195,10 @@ def _finish(job: Job, step: int) -> int:
         _eval(job, step)
     if not args.no_export:  # before the sample: nothing after a finished run may lose the export
         engine.save_16bit_model(job.run_dir / "hf")
-        if dist.get_rank() == 0 and hasattr(job.tokenizer, "tok"):
-            job.tokenizer.tok.save_pretrained(str(job.run_dir / "hf"))
-        _log(f"model exported to {job.run_dir / 'hf'} (transformers from_pretrained loads it)")
+        if dist.get_rank() == 0:  # with its tokenizer and generation config: `shardwise generate` runs on it
+            write_side_files(job.run_dir / "hf", job.tokenizer, engine.module)
+        _log(f"model exported to {job.run_dir / 'hf'} (try: shardwise generate --model {job.run_dir / 'hf'} "
+             f"--prompt ...)")
     if args.sample_tokens:
         _sample(job)
     reports: list = [None] * dist.get_world_size()
