@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.cli_errors import OneLineParser, UserError
+from shardwise.train.defaults import SUMMARY, default_config
 from shardwise.train.outputs import check_run_folder
 from shardwise.train.presets import MODEL_PRESETS, REPO_DATA
 
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "config: checkpoints, resume, eval, metrics, plot, HF export.")
     a = p.add_argument
     a("--run-config", help="TOML or JSON file with any of these options (flags override it)")
-    a("--config", help="DeepSpeed-style JSON config (batch sizes, optimizer, ZeRO stage, TP)")
+    a("--config", help="DeepSpeed-style JSON config (batch sizes, optimizer, ZeRO stage, TP); default: "
+                       f"{SUMMARY} (docs/train.md)")
     a("--model", default="llama-tiny",
       help=f"a preset ({', '.join(MODEL_PRESETS)}), a local HF folder, or a config.json (from scratch)")
     a("--data", default=str(REPO_DATA), help="a text file, a folder of text files, or JSONL with a text field")
@@ -97,8 +99,6 @@ def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--timeout must be between 0 and one week in seconds, got {args.timeout}")
     if args.resume not in ("auto", "none"):
         p.error(f"--resume must be 'auto' or 'none', got {args.resume!r}")
-    if args.config is None:
-        p.error("--config is required (a DeepSpeed JSON file, or a 'config' entry in --run-config)")
 
 
 def read_ds_config(config: str | dict, steps: int, p: argparse.ArgumentParser) -> dict:
@@ -131,7 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         check_run_folder(Path(args.out), args.data, args.overwrite)
     except UserError as e:
         p.error(str(e))
-    args.ds_config = read_ds_config(args.config, args.steps, p)
+    config = default_config(args.steps) if args.config is None else args.config  # no --config: the defaults
+    args.ds_config = read_ds_config(config, args.steps, p)
     if args.timeout is None:  # the flag wins; else the config's shardwise.timeout_s, as initialize() reads it
         from shardwise.config.read import timeout_of  # here, not at the top: `train --help` loads no torch
         from shardwise.config.schema import ConfigError

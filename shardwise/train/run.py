@@ -20,11 +20,13 @@ from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.cli_errors import UserError, one_line, user_error_types
 from shardwise.config import ConfigError
 from shardwise.train import loop
+from shardwise.train.advice import eval_rise_note, passes_note
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
+from shardwise.train.defaults import SUMMARY
 from shardwise.train.export import write_side_files
 from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
 from shardwise.train.options import parse_args, resolved
-from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss
+from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics
 
 
 def _prepare_data(args, tokenizer, run_dir: Path) -> Path:
@@ -108,6 +110,11 @@ def _setup(args, shardwise) -> Job:
          f"{len(data.tokens):,} tokens = {data.n_train} train + {data.n_eval} eval sequences of {args.seq}; "
          f"world {dist.get_world_size()} (tp {engine.tp.size} x dp {engine.dp_world}), ZeRO stage "
          f"{engine.stage}, {cfg.precision}, {global_batch} sequences/step")
+    if args.config is None:
+        _log(f"no --config: the defaults ({SUMMARY}); saved in {run_dir / 'run_config.json'}")
+    note = passes_note(args.steps, global_batch, data.n_train)
+    if note:
+        _log(note)
     state = {"seq": args.seq, "seed": args.seed, "global_batch": global_batch}
     return Job(args, engine, data, tokenizer, run_dir, global_batch * args.seq, state)
 
@@ -213,6 +220,9 @@ def _finish(job: Job, step: int) -> int:
                  f"({100 * t['data'] / t['step']:.2f}%)")
         if job.last_eval is not None:
             _log(f"final eval loss {job.last_eval[1]:.4f}, perplexity {perplexity(job.last_eval[1]):.2f}")
+            note = eval_rise_note([r for r in read_metrics(job.run_dir) if r["kind"] == "eval"])
+            if note:
+                _log(note)
         if plot is not None:
             _log(f"loss plot: {plot}")
         print("model-state memory per rank (tensor bytes):\n" + memory_table(reports))
