@@ -81,3 +81,12 @@ def test_human_units() -> None:
     assert human_bytes(4853350400) == "4.52 GiB"
     assert human_bytes(300 * 2**20) == "300 MiB"
     assert human_counts({"all_gather": 4853350400, "broadcast": 0}) == "all_gather 4.52 GiB"
+
+
+def test_byte_counts_print_in_human_units_and_stay_numbers() -> None:
+    from shardwise.commands import ByteCounts
+
+    rep = ByteCounts({"params": 1572864, "grads": 0})
+    assert rep == {"params": 1572864, "grads": 0} and rep["params"] + 1 == 1572865
+    assert json.loads(json.dumps(rep)) == {"params": 1572864, "grads": 0}
+    assert str(rep) == repr(rep) == "{'params': '1.50 MiB', 'grads': '0 B'}"

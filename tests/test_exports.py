@@ -93,3 +93,17 @@ def test_consolidate_names_the_folder_to_pass(run: Path, tmp_path: Path, capsys:
         assert err.count("\n") == 1 and "pass --tag (one of global_step2, global_step4)" in err, err
     finally:
         (run / "checkpoints" / "latest.bak").rename(run / "checkpoints" / "latest")
+
+
+def test_only_rank_0_shows_the_loading_bar(run: Path, tmp_path: Path) -> None:
+    """Fine-tuning the export on 2 ranks: transformers' "Loading weights" bar once, not once per rank."""
+    (tmp_path / "ds.json").write_text(json.dumps(DS))
+    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--", "train", "--config",
+           str(tmp_path / "ds.json"), "--model", str(run / "hf"), "--seq", "64", "--steps", "1", "--eval-every", "0",
+           "--sample-tokens", "0", "--no-export", "--out", str(tmp_path / "ft")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-2000:]
+    assert log.count("Loading weights: 100%") == 1, log[-2000:]
+    assert "communication per rank: " in log and "iB" in log.split("communication per rank: ")[1].split("\n")[0]

@@ -14,6 +14,6 @@ machine). The subcommands' modules import torch at their top, so their parsers l
 
 from __future__ import annotations
 
-from shardwise.commands.units import human_bytes, human_counts
+from shardwise.commands.units import ByteCounts, human_bytes, human_counts
 
-__all__ = ["human_bytes", "human_counts"]
+__all__ = ["ByteCounts", "human_bytes", "human_counts"]

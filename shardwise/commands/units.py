@@ -25,3 +25,16 @@ def human_counts(counts: Mapping[str, float]) -> str:
     """``{"all_gather": 4853350400, ...}`` as ``all_gather 4.52 GiB, ...`` (zero entries left out)."""
     parts = [f"{k} {human_bytes(v)}" for k, v in counts.items() if v]
     return ", ".join(parts) if parts else "nothing"
+
+
+class ByteCounts(dict):
+    """A ``dict`` of byte counts (``memory_report()``, ``comm_stats()``) that prints in human units.
+
+    The values stay the exact integers (compare, sum, ``json.dumps`` them as before); only
+    ``print(report)`` / ``repr`` shows ``{'params': '1.50 MiB', ...}`` instead of ``1572864``.
+    """
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k!r}: {human_bytes(v)!r}" for k, v in self.items()) + "}"
+
+    __str__ = __repr__

@@ -38,6 +38,7 @@ from torch import nn
 
 from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, compute_device
+from shardwise.commands.units import ByteCounts
 from shardwise.model_folder import check_model_folder, loading
 from shardwise.safe_files import confine, hub_roots, read_in
 from shardwise.safetensors_io import SafetensorsFile, TensorInfo
@@ -288,4 +289,4 @@ def memory_report(model: nn.Module) -> dict[str, int]:
     rep["total"] = sum(rep.values())
     rep["peak_gathered_params"] = state.fetcher.peak_gathered_bytes
     rep["gather_pool_overflow"] = pool.overflow if pool is not None else 0
-    return rep
+    return ByteCounts(rep)  # a dict of ints that prints in human units

@@ -23,7 +23,8 @@ from shardwise.train.outputs import check_run_folder
 from shardwise.train.presets import MODEL_PRESETS, REPO_DATA
 
 EPILOG = """examples:
-  shardwise launch --nproc 2 -- train --config examples/zero2_llama.json --out runs/sonnets
+  shardwise train --model llama-micro --data data/sonnets.txt --steps 40 --out runs/first   (no --config: defaults)
+  shardwise launch --nproc 2 -- train --config examples/zero2_llama.json --steps 60 --out runs/zero2
   shardwise launch --nproc 2 -- train --config ds.json --model ./my_hf_model --data corpus.jsonl \\
       --out runs/mine --steps 2000 --save-every 200 --eval-every 100 --resume auto
   shardwise launch --nproc 4 -- train --run-config runs/mine/run_config.json --resume auto
@@ -39,13 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--run-config", help="TOML or JSON file with any of these options (flags override it)")
     a("--config", help="DeepSpeed-style JSON config (batch sizes, optimizer, ZeRO stage, TP); default: "
-                       f"{SUMMARY} (docs/train.md)")
+                       f"{SUMMARY.replace('%', '%%')} (docs/train.md)")
     a("--model", default="llama-tiny",
       help=f"a preset ({', '.join(MODEL_PRESETS)}), a local HF folder, or a config.json (from scratch)")
     a("--data", default=str(REPO_DATA), help="a text file, a folder of text files, or JSONL with a text field")
     a("--text-key", default="text", help="the JSONL field holding the text (default: text)")
     a("--out", default="runs/default", help="run folder: metrics, checkpoints, plot, hf/ export")
-    a("--steps", type=int, default=400, help="optimizer steps in total (a resumed run counts from 0)")
+    a("--steps", type=int, default=400, help="optimizer steps in total, those before a resume included (resumed at step 300 with "
+                                            "--steps 400: 100 more)")
     a("--seq", type=int, default=128, help="tokens per sequence")
     a("--seed", type=int, default=1234, help="model init and data order")
     a("--eval-fraction", type=float, default=0.1, help="share of the sequences held out for eval (0: none)")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.cli_errors import UserError, one_line, user_error_types
+from shardwise.commands.units import human_counts
 from shardwise.config import ConfigError
 from shardwise.train import loop
 from shardwise.train.advice import eval_rise_note, passes_note
@@ -226,7 +227,7 @@ def _finish(job: Job, step: int) -> int:
         if plot is not None:
             _log(f"loss plot: {plot}")
         print("model-state memory per rank (tensor bytes):\n" + memory_table(reports))
-        print("communication per rank (bytes):", json.dumps(engine.comm_stats()), flush=True)
+        print(f"communication per rank: {human_counts(engine.comm_stats())} (bytes in metrics.jsonl)", flush=True)
     return 0
 
 
