@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--data", default=str(REPO_DATA), help="a text file, a folder of text files, or JSONL with a text field")
     a("--text-key", default="text", help="the JSONL field holding the text (default: text)")
     a("--out", default="runs/default", help="run folder: metrics, checkpoints, plot, hf/ export")
-    a("--steps", type=int, default=400, help="optimizer steps in total, those before a resume included (resumed at step 300 with "
-                                            "--steps 400: 100 more)")
+    a("--steps", type=int, default=400,
+      help="optimizer steps in total, those before a resume included (resumed at step 300 with --steps 400: 100 more)")
     a("--seq", type=int, default=128, help="tokens per sequence")
     a("--seed", type=int, default=1234, help="model init and data order")
     a("--eval-fraction", type=float, default=0.1, help="share of the sequences held out for eval (0: none)")
