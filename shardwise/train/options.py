@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{SUMMARY.replace('%', '%%')} (docs/train.md)")
     a("--model", default="llama-tiny",
       help=f"a preset ({', '.join(MODEL_PRESETS)}), a local HF folder, or a config.json (from scratch)")
-    a("--data", default=str(REPO_DATA), help="a text file, a folder of text files, or JSONL with a text field")
-    a("--text-key", default="text", help="the JSONL field holding the text (default: text)")
+    a("--data", default=str(REPO_DATA), help="a text file, a folder of text files, JSONL with a text field, or a "
+      "Hugging Face dataset: a save_to_disk folder, .parquet/.arrow files, a hub name in the local cache")
+    a("--text-key", default="text", help="the JSONL field or dataset column holding the text (default: text)")
     a("--out", default="runs/default", help="run folder: metrics, checkpoints, plot, hf/ export")
     a("--steps", type=int, default=400,
       help="optimizer steps in total, those before a resume included (resumed at step 300 with --steps 400: 100 more)")

@@ -25,6 +25,7 @@ from shardwise.train.advice import eval_rise_note, passes_note
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
 from shardwise.train.defaults import SUMMARY
 from shardwise.train.export import write_side_files
+from shardwise.train.hf_datasets import dataset_kind, dataset_to_jsonl
 from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
 from shardwise.train.options import parse_args, resolved
 from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics
@@ -35,7 +36,10 @@ def _prepare_data(args, tokenizer, run_dir: Path) -> Path:
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = str(tokenize_to_cache(list_sources(args.data), tokenizer, run_dir / "data", args.text_key))
+            data = args.data  # a Hugging Face dataset: its text column as JSONL first (train/hf_datasets.py)
+            if dataset_kind(data) is not None:
+                data = str(dataset_to_jsonl(data, args.text_key, run_dir / "data"))
+            box[0] = str(tokenize_to_cache(list_sources(data), tokenizer, run_dir / "data", args.text_key))
         except DataError as e:
             box[0] = DataError(str(e))
         except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast: send it to them
