@@ -60,6 +60,14 @@ def test_example_config_holds_at_any_world_size(name: str, tmp_path: Path) -> No
     assert params.get("total_num_steps", 7) == 7  # follows --steps
 
 
+def test_the_defaults_hold_at_any_world_size(tmp_path: Path) -> None:
+    args = parse_args(["--steps", "50", "--out", str(tmp_path / "run")])
+    assert args.config is None and args.ds_config["scheduler"]["params"]["warmup_num_steps"] == 5
+    for world in range(1, 6):
+        cfg = load_config(args.ds_config, world_size=world, supported=SupportedFeatures.everything())
+        assert cfg._ignored == [] and cfg.train_batch_size == 4 * world and cfg.gradient_accumulation_steps == 1
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_example_config_trains(name: str, tmp_path: Path) -> None:
     log = _shardwise("launch", "--nproc", "2", "--", "train", "--config", f"examples/{name}", *SHORT,
