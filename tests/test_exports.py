@@ -107,3 +107,15 @@ def test_only_rank_0_shows_the_loading_bar(run: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, log[-2000:]
     assert log.count("Loading weights: 100%") == 1, log[-2000:]
     assert "communication per rank: " in log and "iB" in log.split("communication per rank: ")[1].split("\n")[0]
+
+
+def test_generate_names_a_missing_tokenizer(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((run / "hf" / name).read_bytes())
+    with pytest.raises(SystemExit) as info:
+        generate_cli.main(["--model", str(bare), "--prompt", "Shall I"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no tokenizer files there" in err, err

@@ -31,6 +31,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model!r}: no config.json there; pass a folder written by save_pretrained "
                 "or `shardwise consolidate` (Hub names are not downloaded)")
+    names = os.listdir(args.model) if os.access(args.model, os.R_OK | os.X_OK) else ["tokenizer?"]  # unreadable: later
+    if not any(n.startswith(("tokenizer", "vocab")) or n.endswith(".model") for n in names):
+        p.error(f"--model {args.model}: no tokenizer files there (tokenizer.json, tokenizer_config.json, ...); copy "
+                "the tokenizer the model was trained with into the folder (`shardwise train` exports and "
+                "`shardwise consolidate` of a train run carry theirs)")
     if args.top_p is not None and args.temperature is None:
         p.error("--top-p needs --temperature (sampling); greedy decoding ignores it")
     if args.tp > max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))):
