@@ -48,7 +48,8 @@ def byte_hf_tokenizer(max_length: int | None = None) -> Any:
 
 def write_side_files(folder: str | Path, tokenizer: Any, model: Any) -> None:
     """Save ``tokenizer`` (HF files; bytes as :func:`byte_hf_tokenizer`) and the model's generation
-    config, its token ids taken from that tokenizer, into ``folder`` (rank 0 only)."""
+    config into ``folder`` (rank 0 only): the one the model folder shipped, else one built from the
+    model config with the tokenizer's special-token ids."""
     from transformers import GenerationConfig
 
     folder = Path(folder)
@@ -56,8 +57,10 @@ def write_side_files(folder: str | Path, tokenizer: Any, model: Any) -> None:
     positions = getattr(model.config, "max_position_embeddings", None)
     hf = byte_hf_tokenizer(positions) if isinstance(tokenizer, ByteTokenizer) else tokenizer.tok
     hf.save_pretrained(str(folder))
-    gen = GenerationConfig.from_model_config(model.config)
-    gen.bos_token_id = hf.bos_token_id  # the ids the data was tokenized with, not the config class's defaults
-    gen.eos_token_id = hf.eos_token_id
-    gen.pad_token_id = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
+    gen = getattr(model, "generation_config", None)
+    if gen is None or getattr(gen, "_from_model_config", True):  # no generation_config.json came with the model
+        gen = GenerationConfig.from_model_config(model.config)
+        gen.bos_token_id = hf.bos_token_id  # the ids the data was tokenized with, not the config class's defaults
+        gen.eos_token_id = hf.eos_token_id
+        gen.pad_token_id = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
     gen.save_pretrained(str(folder))
