@@ -97,3 +97,16 @@ def test_train_without_a_config(tmp_path: Path) -> None:
     saved = json.loads((out / "run_config.json").read_text())["config"]
     assert saved["zero_optimization"]["stage"] == 2 and saved["optimizer"]["type"] == "AdamW"
     assert saved["scheduler"]["params"]["total_num_steps"] == 3
+
+
+def test_notes_on_memorising() -> None:
+    """The issue's run (400 steps of 16 sequences over 43) is warned about, the examples' (60 x 8) not."""
+    from shardwise.train.advice import eval_rise_note, passes_note
+
+    note = passes_note(400, 16, 43)
+    assert note is not None and "149 passes over the 43 training sequences" in note and "--steps 80 or fewer" in note
+    assert passes_note(60, 8, 43) is None
+    rows = [{"step": s, "eval_loss": v} for s, v in ((10, 3.1), (20, 2.4), (30, 2.5))]
+    assert eval_rise_note(rows) is None  # within 10% of the best: noise
+    rows.append({"step": 40, "eval_loss": 5.2})
+    assert "rose from 2.400 at step 20 to 5.200" in eval_rise_note(rows)
