@@ -4,12 +4,27 @@ VENV := .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 export OMP_NUM_THREADS ?= 1
+# torch: the CPU-only build unless this machine has an NVIDIA driver (nvidia-smi on PATH); force one
+# with `make setup TORCH_BUILD=cpu` or `TORCH_BUILD=cuda`. The CPU wheel is taken from the configured
+# sources when they hold it (a local wheel folder), else from PyTorch's CPU index (TORCH_CPU_INDEX);
+# PyPI's default Linux wheel is the multi-GB CUDA build. macOS has one build (PyPI's).
+TORCH_VERSION := 2.13.0
+TORCH_BUILD ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 $(VENV)/.installed: pyproject.toml
+	@case "$(TORCH_BUILD)" in cpu|cuda) ;; *) echo "TORCH_BUILD must be cpu or cuda, got '$(TORCH_BUILD)'"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	@echo "installing torch $(TORCH_VERSION), $(TORCH_BUILD) build"
+	@if [ "$(TORCH_BUILD)" = cuda ] || [ "$$(uname -s)" = Darwin ]; then \
+		$(PY) -m pip install -q torch==$(TORCH_VERSION); \
+	else \
+		$(PY) -m pip install -q torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
+		$(PY) -m pip install -q torch==$(TORCH_VERSION)+cpu --index-url $(TORCH_CPU_INDEX); \
+	fi
 	$(PY) -m pip install -q -e '.[test]'
+	@$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda) if torch.version.cuda else print('torch', torch.__version__, 'CPU build')"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""The parameter-sharding chapter's walkthrough on real processes (docs/tutorial.md).
+"""The parameter-sharding chapter's walkthrough on real processes (docs/sharding_walkthrough.md).
 
     shardwise launch --nproc 4 examples/seed_walkthrough.py
     torchrun --standalone --nproc_per_node 4 examples/seed_walkthrough.py   # the same

@@ -1,4 +1,4 @@
-"""The `shardwise` command: launch | train | estimate | consolidate | generate."""
+"""The `shardwise` command: launch | train | estimate | consolidate | generate | quantize | env."""
 
 from __future__ import annotations
 
@@ -17,11 +17,18 @@ SUBCOMMANDS = {
     "generate": ("shardwise.inference.cli", "generate text from an HF model directory"),
     "quantize": ("shardwise.inference.quantize",
                  "write an int8/int4 copy of an HF model directory for streamed generate"),
+    "env": ("shardwise.commands.env", "versions, devices, backends, extras, what the DeepSpeed facade serves"),
 }
 ENTRY = {"shardwise.checkpoint": "consolidate_main"}
+# `SUBCOMMAND --help` builds these torch-free parsers, so help answers before any heavy import
+HELP_PARSERS = {"train": ("shardwise.train.options", "build_parser"),
+                "consolidate": ("shardwise.commands.parsers", "consolidate_parser"),
+                "generate": ("shardwise.commands.parsers", "generate_parser"),
+                "quantize": ("shardwise.commands.parsers", "quantize_parser")}
 
 EPILOG = """examples:
-  shardwise launch --nproc 2 -- train --config examples/zero2_llama.json
+  shardwise train --model llama-micro --data data/sonnets.txt --steps 40 --out runs/first   (one process)
+  shardwise launch --nproc 2 -- train --config examples/zero2_llama.json --steps 60 --out runs/zero2
   shardwise launch --nproc 2 my_script.py --my-flag        (any script, like torchrun)
   shardwise launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc 8 -- train --config c.json
   shardwise estimate --params 7B --devices 8 --device-memory 80GB
@@ -176,14 +183,37 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
             signal.signal(s, h)
 
 
+def _usage() -> str:
+    lines = [f"usage: shardwise [--version] {{launch,{','.join(SUBCOMMANDS)}}} ...\n",
+             "  launch       start one process per rank (torchrun underneath)"]
+    lines += [f"  {name:<12} {desc}" for name, (_, desc) in SUBCOMMANDS.items()]
+    return "\n".join(lines) + "\n\n" + EPILOG
+
+
+def _fast_help(cmd: str, rest: list[str]) -> bool:
+    """Print ``cmd``'s help from its torch-free parser when ``rest`` asks for it (before any ``--``)."""
+    args = rest[:rest.index("--")] if "--" in rest else rest
+    if cmd not in HELP_PARSERS or not any(a in ("-h", "--help") for a in args):
+        return False
+    import importlib
+
+    mod_name, fn = HELP_PARSERS[cmd]
+    getattr(importlib.import_module(mod_name), fn)().print_help()
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: shardwise {launch,train,estimate,consolidate,generate} ...\n")
-        print("  launch       start one process per rank (torchrun underneath)")
-        for name, (_, desc) in SUBCOMMANDS.items():
-            print(f"  {name:<12} {desc}")
-        print("\n" + EPILOG)
+    if not argv:  # usage, as argparse does for a missing command: exit 2
+        print(_usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from shardwise import __version__
+
+        print(f"shardwise {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "launch":
@@ -192,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise: error: unknown command {cmd!r}; choose launch, {', '.join(SUBCOMMANDS)}",
               file=sys.stderr)
         return 2
+    if _fast_help(cmd, rest):
+        return 0
     import importlib
 
     mod_name, _ = SUBCOMMANDS[cmd]
@@ -201,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise {cmd}: error: not available in this build ({e}); install its extras", file=sys.stderr)
         return 2
     return run_command(f"shardwise {cmd}", getattr(mod, ENTRY.get(mod_name, "main")), rest)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,9 +12,9 @@ import torch
 from torch.utils.data import Dataset
 
 from shardwise.train import main
-from shardwise.train.data import REPO_DATA
-from shardwise.train.model import MODEL_PRESETS, ModelSource
+from shardwise.train.model import ModelSource
 from shardwise.train.model import build_model as _build
+from shardwise.train.presets import MODEL_PRESETS, REPO_DATA
 
 __all__ = ["MODEL_PRESETS", "REPO_DATA", "ByteTextDataset", "build_model", "main"]
 

@@ -55,7 +55,8 @@ def training_args(out: Path, batch: int, gas: int = 1, steps: int = STEPS, deeps
 
 
 def cpu_state() -> None:
-    """The CPU note of docs/hf_trainer.md: accelerate 1.15 picks no process-group backend for its
+    """The former CPU workaround (docs/hf_trainer.md, "CPU-only machines": no longer needed, still
+    honoured): accelerate picks no process-group backend for its
     DeepSpeed path without an accelerator, so the script makes the gloo state itself and the
     Trainer / Accelerator use it (``use_configured_state``). Also starts each in-process run afresh."""
     from accelerate import PartialState

@@ -37,6 +37,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     bad_cfg.write_text('{"train_batch_size": 16, "zero_optimization": {"stag": 2}}')
     float_steps = tmp / "float_steps.toml"
     float_steps.write_text("steps = 2.5\n")
+    batch16 = tmp / "batch16.json"  # 16 = 4 x 2 x dp_world: no whole dp_world of 3 (the examples fit any N)
+    batch16.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                                   "gradient_accumulation_steps": 2}))
     return {
         "generate missing model": (["generate", "--model", "/missing", "--prompt", "hi"], "/missing"),
         "estimate 1e400 params": (["estimate", "--params", "1e400", "--devices", "2"], "--params"),
@@ -70,7 +73,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "launch missing script": (["launch", "--nproc", "2", "--", str(tmp / "x.py")], "x.py"),
         "launch train bad steps": (["launch", "--nproc", "2", "--max-restarts", "2", "--", "train", "--config",
                                     EXAMPLE, "--steps", "0"], "--steps"),
-        "launch train batch rule": (["launch", "--nproc", "3", "--", "train", "--config", EXAMPLE],
+        "launch train batch rule": (["launch", "--nproc", "3", "--", "train", "--config", str(batch16)],
                                     "train_batch_size"),
         "unknown command": (["trian"], "trian"),
     }

@@ -7,7 +7,6 @@ whole state dict in RAM instead.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +27,7 @@ from shardwise.checkpoint.fileio import (
 from shardwise.checkpoint.formats import FOREIGN, open_checkpoint
 from shardwise.checkpoint.frozen import frozen_groups, full_shape, module_extras, read_whole, saved_extras
 from shardwise.checkpoint.load import read_saved, resolve_tag
+from shardwise.checkpoint.run_files import checkpoints_folder, copy_side_files, find_side_files, side_files_in
 from shardwise.checkpoint.save import model_config
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.checkpoint.validate import confined_path
@@ -88,10 +88,10 @@ class ShardedHFWriter:
                        {"metadata": {"total_size": self.total}, "weight_map": wm})
         return self.names
 
-    def finish(self, config_written: bool) -> None:
+    def finish(self, config_written: bool, side_files: list[str] | tuple[str, ...] = ()) -> None:
         """Record the files written as ours; remove our stale ones (old shards would shadow them)."""
         index = ["model.safetensors.index.json"] if len(self.names) > 1 else []
-        self.guard.finish([*self.names, *index, *(["config.json"] if config_written else [])])
+        self.guard.finish([*self.names, *index, *(["config.json"] if config_written else []), *side_files])
 
 
 
@@ -138,7 +138,10 @@ def _open_checked(ckpt_dir: str | Path, tag: str | None, verify: bool) -> tuple[
     """The tag folder, its validated metadata and a reader whose every shard file was checked."""
     path = resolve_tag(ckpt_dir, tag)
     if path is None:
-        raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass --tag")
+        tags = sorted(p.name for p in Path(ckpt_dir).iterdir() if p.is_dir() and (p / "metadata.json").is_file())
+        hint = f"pass --tag (one of {', '.join(tags[:5])})" if tags else \
+            "pass the folder that save_checkpoint wrote (it holds 'latest' and the tag folders)"
+        raise CheckpointError(f"{ckpt_dir}: no 'latest' file here; {hint}")
     meta, reader = open_checkpoint(path, verify)
     for f in meta["files"]:
         reader.check(f)
@@ -205,9 +208,12 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
     if not out_dt.is_floating_point:  # an integer cast of trained weights keeps nothing (all zeros)
         raise CheckpointError(f"--dtype {dtype}: weights are written in a floating-point dtype; use fp32, bf16 "
                               "or fp16 (for int8/int4 weights run `shardwise quantize` on the output)")
+    ckpt_dir = checkpoints_folder(ckpt_dir, tag)  # a run folder: its checkpoints/
     guard = OutputFolder(out_dir, "OUT", inputs=[protect or ckpt_dir, *([config] if config else [])],
                          overwrite=overwrite, ours=hf_output_name)
     path, meta, reader = _open_checked(ckpt_dir, tag, verify)
+    side_dir, side_names = find_side_files(ckpt_dir, path)  # a user's own files in OUT are left alone:
+    side_names = [n for n in side_names if n in guard.recorded or not (Path(out_dir) / n).exists()]
     cfg = _model_config_for(path, meta, config, weights_only)
     saved = _saved_specs(meta)
     specs: list[Spec] = [(n, out_dt if dt.is_floating_point else dt, shape) for n, dt, shape in saved]
@@ -217,33 +223,17 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
         w.write(name, t.to(dt))
         del t
     names = w.close()
-    w.finish(_write_config(cfg, out, out_dt))
+    side = copy_side_files(side_dir, side_names, out) if side_dir is not None else []
+    w.finish(_write_config(cfg, out, out_dt), side)
     return names
 
 
 def consolidate_main(argv: list[str] | None = None) -> int:
     """``shardwise consolidate``: sharded checkpoint -> HF folder loadable by ``from_pretrained``."""
-    from shardwise.cli_errors import OneLineParser, one_line
+    from shardwise.cli_errors import one_line
+    from shardwise.commands.parsers import consolidate_parser
 
-    p = OneLineParser(
-        prog="shardwise consolidate",
-        description="Write Hugging Face weights (config.json + model*.safetensors) from a shardwise "
-                    "checkpoint saved at any world size, ZeRO stage and TP degree, one tensor at a time.",
-        epilog="examples:\n  shardwise consolidate ckpts/ hf_out/\n"
-               "  shardwise consolidate ckpts/ hf_out/ --tag global_step1000 --dtype bf16 "
-               "--max-shard-size 2GB",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ckpt_dir", help="folder given to save_checkpoint (holding 'latest' and tag folders)")
-    p.add_argument("out_dir", help="output folder for the HF model")
-    p.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
-    p.add_argument("--dtype", default="fp32", help="fp32 (default: the exact fp32 master), bf16 or fp16")
-    p.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB, 500MB")
-    p.add_argument("--no-verify", action="store_true", help="skip sha256 checks (sizes still checked)")
-    p.add_argument("--config", default=None, help="HF config.json to write (default: the checkpoint's)")
-    p.add_argument("--weights-only", action="store_true",
-                   help="allow a checkpoint without config.json: write the weight files alone")
-    p.add_argument("--overwrite", action="store_true",
-                   help="OUT may hold other files: replace only the HF weight files and config.json there")
+    p = consolidate_parser()
     a = p.parse_args(argv)
     if not Path(a.ckpt_dir).is_dir():
         p.error(f"{a.ckpt_dir!r} is not a folder; pass the folder given to save_checkpoint")
@@ -253,7 +243,9 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError, OSError) as e:  # UserError is a ValueError
         print(f"shardwise consolidate: error: {one_line(e)}", file=sys.stderr)
         return 2
-    print(f"wrote {len(names)} weight file(s) to {a.out_dir}")
+    has_tokenizer = any(n.startswith(("tokenizer", "vocab")) for n in side_files_in(a.out_dir))
+    print(f"wrote {len(names)} weight file(s) to {a.out_dir}" + (" with the tokenizer" if has_tokenizer else
+          "; no tokenizer was saved with the checkpoint: copy the model's tokenizer files there for generate"))
     return 0
 
 

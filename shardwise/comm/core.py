@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -75,9 +76,24 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
         port = os.environ.get("MASTER_PORT")
         raise UserError(f"MASTER_PORT={port}: " + port_taken(port, "set MASTER_PORT to a free port, or unset it in a "
                         "single process (a free one is chosen)")) from None
+    if dist.get_rank() != 0:
+        quiet_progress_bars()
     _GLOBAL_TIMEOUT[0] = timeout.total_seconds()
     _OWN_GROUP[0] = True
     _register_teardown()  # atexit runs before the interpreter destroys anything
+
+
+def quiet_progress_bars() -> None:
+    """No Hugging Face progress bars in this process (transformers' "Loading weights", the Hub's
+    downloads): every rank but 0 calls it, so N ranks print one bar, not N interleaved ones.
+    Libraries not imported yet read the environment variable when they are; imported ones are told."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    hub = sys.modules.get("huggingface_hub.utils")
+    if hub is not None and hasattr(hub, "disable_progress_bars"):
+        hub.disable_progress_bars()
+    tf_logging = sys.modules.get("transformers.utils.logging")
+    if tf_logging is not None and hasattr(tf_logging, "disable_progress_bar"):
+        tf_logging.disable_progress_bar()
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from shardwise.config.schema import ConfigError
+from shardwise.deepspeed.accelerate_state import process_count_note
 from shardwise.deepspeed.params import attach
 from shardwise.engine import Engine
 from shardwise.engine.initialize import initialize as shardwise_initialize
@@ -51,7 +53,13 @@ def mark_stage3_params(engine: Engine) -> None:
 
 @functools.wraps(shardwise_initialize)
 def initialize(*args: Any, **kwargs: Any) -> tuple[Engine, Any, Any, Any]:
-    result = shardwise_initialize(*args, **kwargs)
+    try:
+        result = shardwise_initialize(*args, **kwargs)
+    except ConfigError as e:  # a batch size filled for the wrong process count: say why, and the fix
+        note = process_count_note() if "train_batch_size" in str(e) else None
+        if note is None:
+            raise
+        raise ConfigError(f"{e}. {note}") from None
     mark_stage3_params(result[0])
     attach(result[0])  # ds_status, ds_external_parameters(), optimizer.parameter_offload (params.py)
     return result

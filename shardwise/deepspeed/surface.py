@@ -15,7 +15,7 @@ from typing import Any
 from shardwise import optim, utils, zero
 from shardwise.comm import compat as comm_api
 from shardwise.config.schema import ConfigError
-from shardwise.deepspeed import accelerator, names, ops
+from shardwise.deepspeed import accelerate_state, accelerator, names, ops
 from shardwise.deepspeed.params import ZeroParamStatus
 from shardwise.deepspeed.stage3 import initialize
 from shardwise.engine import Engine
@@ -41,12 +41,12 @@ _major, _minor, _patch = (int(x) for x in API_LEVEL.split("."))
 SURFACE: dict[str, dict[str, Any]] = {
     "deepspeed": {
         "initialize": initialize, "init_inference": init_inference, "add_config_arguments": add_config_arguments,
-        "init_distributed": comm_api.init_distributed, "DeepSpeedEngine": Engine,
+        "init_distributed": accelerate_state.init_distributed, "DeepSpeedEngine": Engine,
         "DeepSpeedConfigError": ConfigError, "tp_model_init": names.tp_model_init, "__version__": VERSION,
         "__version_major__": _major, "__version_minor__": _minor, "__version_patch__": _patch,
         "__git_hash__": "unknown", "__git_branch__": "unknown",
     },
-    "deepspeed.comm": _take(comm_api, comm_api.__all__),
+    "deepspeed.comm": {**_take(comm_api, comm_api.__all__), "init_distributed": accelerate_state.init_distributed},
     "deepspeed.zero": _take(zero, _ZERO),
     "deepspeed.runtime": {},
     "deepspeed.runtime.engine": {"DeepSpeedEngine": Engine},

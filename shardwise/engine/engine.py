@@ -23,6 +23,7 @@ from torch import nn
 from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from shardwise.comm import Comm
 from shardwise.comm import configure as configure_comms_log
+from shardwise.commands.units import ByteCounts
 from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.nonfinite import skip_nonfinite_step
@@ -349,7 +350,7 @@ class Engine(EngineAccessors, nn.Module):
         rep["total"] = sum(rep.values())
         rep["whole_tensor_step_buffers"] = extra["whole_tensor_step_buffers"]  # transient, during step()
         rep["peak_gathered_params"] = self.fetcher.peak_gathered_bytes if self.fetcher else 0
-        return rep
+        return ByteCounts(rep)  # a dict of ints that prints in human units
 
     def _comm_buffer_bytes(self) -> int:
         """Buffers kept between steps for reuse: finished stage >= 2 gradient buckets (CPU) and gloo
@@ -362,7 +363,7 @@ class Engine(EngineAccessors, nn.Module):
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank moved per collective kind since start (see shardwise.comm)."""
-        return self.comm.stats.as_dict()
+        return ByteCounts(self.comm.stats.as_dict())
 
     # -- checkpoints (implemented in shardwise.checkpoint; these only delegate) -------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,

@@ -14,60 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.cli_errors import OneLineParser, UserError, bounded_int, finite_float
+from shardwise.cli_errors import UserError
+from shardwise.commands.parsers import DTYPES, generate_parser
 from shardwise.model_folder import check_model_folder, loading
-
-EXAMPLES = """examples:
-  shardwise generate --model llama_dir --prompt "Once upon a time" --max-new-tokens 32
-  shardwise generate --model big_dir --prompt "Hello" --offload disk          (weights stay on disk)
-  shardwise generate --model big_dir --prompt "Hello" --offload cpu --dtype bf16
-  shardwise quantize big_dir big_int4 --bits 4 && \
-  shardwise generate --model big_int4 --prompt "Hello" --offload disk        (4-bit weights: fewer bytes)
-  shardwise generate --model big_dir --prompt "Hello" --offload cpu --quantize int8   (quantized at load)
-  shardwise generate --model big_int4 --prompt "Hello" --offload disk --prefetch 4 --threads 1   (2 cores)
-  shardwise generate --model dir --prompt "Hello" --nproc 2                  (each rank holds 1/2)
-  shardwise generate --model dir --prompt "Hello" --tp 2 --nproc 2           (tensor parallel)
-  shardwise generate --model dir --prompt "Hi" --temperature 0.8 --top-p 0.95 --seed 1
-"""
-
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-          "fp16": "float16", "float16": "float16"}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = OneLineParser(prog="shardwise generate", epilog=EXAMPLES,
-                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                      description="Generate text from a save_pretrained folder (safetensors and "
-                                  "its tokenizer), streaming tokens to stdout.")
-    p.add_argument("--model", required=True, help="folder with config, safetensors weights and tokenizer")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=bounded_int(1, 10**6, "--max-new-tokens"), default=None,
-                   help="tokens to generate (default 64, fewer when the model's positions run out first)")
-    p.add_argument("--offload", choices=["disk", "cpu"], default=None,
-                   help="stream decoder layers from disk (nothing resident) or from CPU memory")
-    p.add_argument("--prefetch", type=bounded_int(0, 1024, "--prefetch"), default=1,
-                   help="layers read ahead of the running one (default 1)")
-    p.add_argument("--threads", type=bounded_int(1, 4096, "--threads"), default=None,
-                   help="torch compute threads (default: torch's). Streaming from disk on a CPU, one fewer "
-                        "than the cores leaves the reader thread a core of its own (see docs/inference.md)")
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="stream group-wise quantized layers (with --offload; from disk: a `shardwise quantize` copy)")
-    p.add_argument("--group-size", type=bounded_int(1, 1 << 20, "--group-size"), default=None,
-                   help="elements per scale with --quantize cpu (default 64)")
-    p.add_argument("--tp", type=bounded_int(1, 4096, "--tp"), default=1, help="tensor parallel size")
-    p.add_argument("--nproc", type=bounded_int(1, 4096, "--nproc"), default=1,
-                   help="ranks to run on (relaunches via `shardwise launch`)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: the model's)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    mode.add_argument("--temperature", type=finite_float(0, 100, "--temperature"), default=None,
-                      help="sample at this temperature (0: greedy decoding, the limit of sampling as it goes to 0)")
-    p.add_argument("--top-p", type=finite_float(0, 1, "--top-p", low_open=True), default=None,
-                   help="nucleus sampling in (0, 1] (with --temperature)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank")
-    p.add_argument("--verbose", action="store_true",
-                   help="with --offload or --nproc: print the memory bound term by term (docs/inference.md) "
-                        "next to the measured peak")
+    p = generate_parser()
     args = p.parse_args(argv)
     if args.temperature == 0:  # documented: greedy (sampling's limit), not a division by zero
         args.temperature = None
@@ -78,6 +31,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model!r}: no config.json there; pass a folder written by save_pretrained "
                 "or `shardwise consolidate` (Hub names are not downloaded)")
+    names = os.listdir(args.model) if os.access(args.model, os.R_OK | os.X_OK) else ["tokenizer?"]  # unreadable: later
+    if not any(n.startswith(("tokenizer", "vocab")) or n.endswith(".model") for n in names):
+        p.error(f"--model {args.model}: no tokenizer files there (tokenizer.json, tokenizer_config.json, ...); copy "
+                "the tokenizer the model was trained with into the folder (`shardwise train` exports and "
+                "`shardwise consolidate` of a train run carry theirs)")
     if args.top_p is not None and args.temperature is None:
         p.error("--top-p needs --temperature (sampling); greedy decoding ignores it")
     if args.tp > max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))):

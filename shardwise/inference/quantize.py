@@ -4,7 +4,6 @@ tensor at a time (the format: ``shardwise.inference.quant_format``; reading it:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -12,7 +11,8 @@ import sys
 
 import torch
 
-from shardwise.cli_errors import OneLineParser, bounded_int, one_line
+from shardwise.cli_errors import one_line
+from shardwise.commands.parsers import quantize_parser
 from shardwise.inference.quant_format import (
     DEFAULT_GROUP,
     DESCRIPTION,
@@ -118,21 +118,7 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, o
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="shardwise quantize", formatter_class=argparse.RawDescriptionHelpFormatter,
-                      description="Write a group-wise int8/int4 copy of a save_pretrained folder for "
-                                  "streamed inference (init_inference / generate --offload).",
-                      epilog="examples:\n  shardwise quantize llama_dir llama_int4 --bits 4\n"
-                             "  shardwise generate --model llama_int4 --prompt Hi --offload disk")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--bits", type=int, choices=[8, 4], required=True)
-    p.add_argument("--group-size", type=bounded_int(1, 1 << 20, "--group-size"), default=DEFAULT_GROUP,
-                   help=f"elements per scale (default {DEFAULT_GROUP})")
-    p.add_argument("--kernel-order", type=int, choices=list(BLOCK_ROWS), default=None,
-                   help="int4: rows per block of the CPU kernel's byte order to write (64: AVX-512 machines, "
-                        f"32: AVX2 ones; default this machine's, {write_block_rows()})")
-    p.add_argument("--overwrite", action="store_true",
-                   help="DST may hold other files: replace only the files quantize writes there")
+    p = quantize_parser(write_block_rows())
     args = p.parse_args(argv)
     try:
         rep = quantize_folder(args.src, args.dst, args.bits, args.group_size, overwrite=args.overwrite,

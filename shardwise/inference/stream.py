@@ -40,6 +40,7 @@ from torch import nn
 
 from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, compute_device
+from shardwise.commands.units import ByteCounts
 from shardwise.inference.allocator import pin_allocator
 from shardwise.model_folder import check_model_folder, loading
 from shardwise.safe_files import confine, hub_roots, read_in
@@ -292,4 +293,4 @@ def memory_report(model: nn.Module) -> dict[str, int]:
     rep["total"] = sum(rep.values())
     rep["peak_gathered_params"] = state.fetcher.peak_gathered_bytes
     rep["gather_pool_deferred"] = pool.deferred if pool is not None else 0  # prefetches that waited for a buffer
-    return rep
+    return ByteCounts(rep)  # a dict of ints that prints in human units

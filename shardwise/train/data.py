@@ -29,8 +29,6 @@ import torch
 from shardwise.safe_files import commit_temp, confine, hub_roots, open_regular, open_temp, write_atomic
 from shardwise.train.tokenize_stream import READ_BYTES, encode_stream
 
-REPO_DATA = Path(__file__).resolve().parent.parent.parent / "data" / "sonnets.txt"
-
 
 class DataError(ValueError):
     """Unusable data; the message names the file (and line) and the fix."""

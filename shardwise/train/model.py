@@ -16,18 +16,7 @@ from torch import nn
 
 from shardwise.model_folder import check_model_folder, loading, parse_model_config, refuse_missing
 from shardwise.safe_files import read_regular
-
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    # ~0.4M parameters: tests (a run of a few steps takes seconds).
-    "llama-micro": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2),
-    # ~3M parameters: `make run` (a few minutes of CPU for a few hundred steps on 2 ranks).
-    "llama-tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2),
-    # ~20M parameters: the benchmark model.
-    "llama-20m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
-                      num_key_value_heads=4),
-}
+from shardwise.train.presets import MODEL_PRESETS
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")

@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.cli_errors import OneLineParser, UserError
-from shardwise.config.read import timeout_of
-from shardwise.config.schema import ConfigError
-from shardwise.train.data import REPO_DATA
-from shardwise.train.model import MODEL_PRESETS
+from shardwise.train.defaults import SUMMARY, default_config
 from shardwise.train.outputs import check_run_folder
+from shardwise.train.presets import MODEL_PRESETS, REPO_DATA
 
 EPILOG = """examples:
-  shardwise launch --nproc 2 -- train --config examples/zero2_llama.json --out runs/sonnets
+  shardwise train --model llama-micro --data data/sonnets.txt --steps 40 --out runs/first   (no --config: defaults)
+  shardwise launch --nproc 2 -- train --config examples/zero2_llama.json --steps 60 --out runs/zero2
   shardwise launch --nproc 2 -- train --config ds.json --model ./my_hf_model --data corpus.jsonl \\
       --out runs/mine --steps 2000 --save-every 200 --eval-every 100 --resume auto
   shardwise launch --nproc 4 -- train --run-config runs/mine/run_config.json --resume auto
@@ -40,13 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
                                             "config: checkpoints, resume, eval, metrics, plot, HF export.")
     a = p.add_argument
     a("--run-config", help="TOML or JSON file with any of these options (flags override it)")
-    a("--config", help="DeepSpeed-style JSON config (batch sizes, optimizer, ZeRO stage, TP)")
+    a("--config", help="DeepSpeed-style JSON config (batch sizes, optimizer, ZeRO stage, TP); default: "
+                       f"{SUMMARY.replace('%', '%%')} (docs/train.md)")
     a("--model", default="llama-tiny",
       help=f"a preset ({', '.join(MODEL_PRESETS)}), a local HF folder, or a config.json (from scratch)")
-    a("--data", default=str(REPO_DATA), help="a text file, a folder of text files, or JSONL with a text field")
-    a("--text-key", default="text", help="the JSONL field holding the text (default: text)")
+    a("--data", default=str(REPO_DATA), help="a text file, a folder of text files, JSONL with a text field, or a "
+      "Hugging Face dataset: a save_to_disk folder, .parquet/.arrow files, a hub name in the local cache")
+    a("--text-key", default="text", help="the JSONL field or dataset column holding the text (default: text)")
     a("--out", default="runs/default", help="run folder: metrics, checkpoints, plot, hf/ export")
-    a("--steps", type=int, default=400, help="optimizer steps in total (a resumed run counts from 0)")
+    a("--steps", type=int, default=400,
+      help="optimizer steps in total, those before a resume included (resumed at step 300 with --steps 400: 100 more)")
     a("--seq", type=int, default=128, help="tokens per sequence")
     a("--seed", type=int, default=1234, help="model init and data order")
     a("--eval-fraction", type=float, default=0.1, help="share of the sequences held out for eval (0: none)")
@@ -128,8 +130,6 @@ def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--timeout must be between 0 and one week in seconds, got {args.timeout}")
     if args.resume not in ("auto", "none"):
         p.error(f"--resume must be 'auto' or 'none', got {args.resume!r}")
-    if args.config is None:
-        p.error("--config is required (a DeepSpeed JSON file, or a 'config' entry in --run-config)")
 
 
 def read_ds_config(config: str | dict, steps: int, p: argparse.ArgumentParser) -> dict:
@@ -162,8 +162,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         check_run_folder(Path(args.out), args.data, args.overwrite)
     except UserError as e:
         p.error(str(e))
-    args.ds_config = read_ds_config(args.config, args.steps, p)
+    config = default_config(args.steps) if args.config is None else args.config  # no --config: the defaults
+    args.ds_config = read_ds_config(config, args.steps, p)
     if args.timeout is None:  # the flag wins; else the config's shardwise.timeout_s, as initialize() reads it
+        from shardwise.config.read import timeout_of  # here, not at the top: `train --help` loads no torch
+        from shardwise.config.schema import ConfigError
+
         try:
             args.timeout = timeout_of(args.ds_config)
         except ConfigError as e:

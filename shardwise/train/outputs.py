@@ -79,7 +79,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 RUN_NAMES = ("run_config.json", "metrics.jsonl", "checkpoints", "data", "hf", "loss.png", "sample.txt",
-             "tensorboard", MANIFEST)
+             "tensorboard", "tokenizer", MANIFEST)  # "tokenizer": checkpoint.run_files.RUN_TOKENIZER
 
 
 def check_run_folder(run_dir: Path, data: str, overwrite: bool) -> None:

@@ -16,14 +16,20 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.cli_errors import UserError, one_line, user_error_types
+from shardwise.commands.units import human_counts
 from shardwise.config import ConfigError
 from shardwise.train import loop
+from shardwise.train.advice import eval_rise_note, passes_note
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
+from shardwise.train.defaults import SUMMARY
 from shardwise.train.divergence import EXIT_DIVERGED, DivergedError, NonFiniteGuard, nonfinite_values
+from shardwise.train.export import write_side_files
+from shardwise.train.hf_datasets import dataset_kind, dataset_to_jsonl
 from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
 from shardwise.train.options import parse_args, resolved
-from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss
+from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics
 from shardwise.train.run_folder import RunLock
 
 
@@ -32,7 +38,10 @@ def _prepare_data(args, tokenizer, run_dir: Path) -> Path:
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = str(tokenize_to_cache(list_sources(args.data), tokenizer, run_dir / "data", args.text_key))
+            data = args.data  # a Hugging Face dataset: its text column as JSONL first (train/hf_datasets.py)
+            if dataset_kind(data) is not None:
+                data = str(dataset_to_jsonl(data, args.text_key, run_dir / "data"))
+            box[0] = str(tokenize_to_cache(list_sources(data), tokenizer, run_dir / "data", args.text_key))
         except DataError as e:
             box[0] = DataError(str(e))
         except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast: send it to them
@@ -105,6 +114,8 @@ def _setup(args, shardwise) -> Job:
     stage = (args.ds_config.get("zero_optimization") or {}).get("stage", 0)
     model = build_model(src, tokenizer.vocab_size, args.seq, args.seed, stage if isinstance(stage, int) else 0)
     size = n_params(model)
+    if dist.get_rank() == 0:  # consolidate of a run stopped before its export still finds the tokenizer
+        write_side_files(run_dir / RUN_TOKENIZER, tokenizer, model)
     engine, _, _, _ = shardwise.initialize(model=model, config=args.ds_config)
     if args.max_nonfinite_steps is not None:  # the flag wins over shardwise.max_nonfinite_steps
         engine.max_nonfinite_steps = args.max_nonfinite_steps
@@ -114,6 +125,11 @@ def _setup(args, shardwise) -> Job:
          f"{len(data.tokens):,} tokens = {data.n_train} train + {data.n_eval} eval sequences of {args.seq}; "
          f"world {dist.get_world_size()} (tp {engine.tp.size} x dp {engine.dp_world}), ZeRO stage "
          f"{engine.stage}, {cfg.precision}, {global_batch} sequences/step")
+    if args.config is None:
+        _log(f"no --config: the defaults ({SUMMARY}); saved in {run_dir / 'run_config.json'}")
+    note = passes_note(args.steps, global_batch, data.n_train)
+    if note:
+        _log(note)
     state = {"seq": args.seq, "seed": args.seed, "global_batch": global_batch}
     return Job(args, engine, data, tokenizer, run_dir, global_batch * args.seq, state, lock=lock,
                guard=NonFiniteGuard(engine.max_nonfinite_steps))
@@ -251,9 +267,10 @@ def _finish(job: Job, step: int) -> int:
     if not args.no_export:  # before the sample: nothing after a finished run may lose the export
         job.guard.check_weights(engine, step, "the hf/ export")
         engine.save_16bit_model(job.run_dir / "hf")
-        if dist.get_rank() == 0 and hasattr(job.tokenizer, "tok"):
-            job.tokenizer.tok.save_pretrained(str(job.run_dir / "hf"))
-        _log(f"model exported to {job.run_dir / 'hf'} (transformers from_pretrained loads it)")
+        if dist.get_rank() == 0:  # with its tokenizer and generation config: `shardwise generate` runs on it
+            write_side_files(job.run_dir / "hf", job.tokenizer, engine.module)
+        _log(f"model exported to {job.run_dir / 'hf'} (try: shardwise generate --model {job.run_dir / 'hf'} "
+             f"--prompt ...)")
     if args.sample_tokens:
         _sample(job)
     reports: list = [None] * dist.get_world_size()
@@ -268,10 +285,13 @@ def _finish(job: Job, step: int) -> int:
                  f"({100 * t['data'] / t['step']:.2f}%)")
         if job.last_eval is not None:
             _log(f"final eval loss {job.last_eval[1]:.4f}, perplexity {perplexity(job.last_eval[1]):.2f}")
+            note = eval_rise_note([r for r in read_metrics(job.run_dir) if r["kind"] == "eval"])
+            if note:
+                _log(note)
         if plot is not None:
             _log(f"loss plot: {plot}")
         print("model-state memory per rank (tensor bytes):\n" + memory_table(reports))
-        print("communication per rank (bytes):", json.dumps(engine.comm_stats()), flush=True)
+        print(f"communication per rank: {human_counts(engine.comm_stats())} (bytes in metrics.jsonl)", flush=True)
     return 0
 
 
