@@ -1,0 +1,33 @@
+"""``shardwise.sequence_parallel``: Ulysses sequence parallelism for HF causal LMs.
+
+Each sample's sequence is split over an SP group of ranks; attention exchanges heads for tokens
+(all-to-all) so every rank attends over the whole sequence with ``heads / sp`` heads; the loss
+counts every token once; ZeRO (any stage) reduces over SP x DP ranks and averages over the DP
+replicas only. The pieces (docs/long_context.md):
+
+- ``SequenceParallel``: the group and the on/off rule (on whenever gradients are enabled);
+- ``register_attention(model, sp)``: the attention wrapper (sdpa or eager; GQA; refusals);
+- ``split_batch`` / ``SequenceSplitLoader``: a batch as this rank's shard (positions, shifted labels);
+- ``sequence_parallel_loss``: the loss of a split batch;
+- ``setup_sequence_parallel(model, sp_size)``: the groups plus the attention in one call.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.sequence_parallel.attention import head_split, register_attention
+from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch
+from shardwise.sequence_parallel.group import SequenceParallel
+from shardwise.sequence_parallel.loss import sequence_parallel_loss, share_of_loss, token_count
+
+__all__ = ["SequenceParallel", "SequenceSplitLoader", "head_split", "register_attention",
+           "sequence_parallel_loss", "setup_sequence_parallel", "share_of_loss", "split_batch", "token_count"]
+
+
+def setup_sequence_parallel(model: nn.Module, sp_size: int) -> SequenceParallel:
+    """Cut the SP groups (collective) and make ``model``'s attention Ulysses attention over them."""
+    sp = SequenceParallel.of_size(sp_size)
+    if sp.size > 1:
+        register_attention(model, sp)
+    return sp
