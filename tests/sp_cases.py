@@ -70,3 +70,101 @@ def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = 
     assert got.keys() == want.keys()
     return {"loss": abs(float(loss) - float(ref)) / abs(float(ref)),
             "grad": max(_rel(got[n], want[n]) for n in want)}
+
+
+# -- ZeRO composition: SP (x DP) training against one process on the same global data ----------------
+LR, WD, BETAS, EPS, CLIP = 1e-3, 0.01, (0.9, 0.999), 1e-8, 1.0
+SEQS = (16, 13, 11)  # variable lengths: 13 and 11 are not multiples of the SP degree
+PAD_STEP, PAD_FROM = 1, 7  # at this step the last sample is right padded from this position on
+
+
+def step_batches(dp: int, micro: int = 2) -> list[list[dict]]:
+    """For each step, each data-parallel replica's batch (the same on every SP rank of a replica)."""
+    out = []
+    for s, seq in enumerate(SEQS):
+        per_replica = []
+        for d in range(dp):
+            pad = PAD_FROM if s == PAD_STEP and d == dp - 1 else None
+            per_replica.append(sample_batch(micro, seq, seed=100 * s + d + 1, pad_from=pad))
+        out.append(per_replica)
+    return out
+
+
+def sp_config(stage: int, sp: int, world: int, micro: int = 2) -> dict:
+    dp = world // sp
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+            "train_batch_size": micro * dp, "gradient_clipping": CLIP, "steps_per_print": 0,
+            "sequence_parallel_size": sp,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                      "weight_decay": WD}}}
+
+
+def _row_sum_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The batch's mean token loss computed another way: one forward per row, summed token losses."""
+    total, count = 0.0, 0
+    for r in range(batch["input_ids"].shape[0]):
+        ids, labels = batch["input_ids"][r:r + 1], batch["labels"][r:r + 1]
+        logits = model(input_ids=ids).logits.float()[:, :-1]
+        target = labels[:, 1:]
+        total = total + torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1),
+                                                          ignore_index=-100, reduction="sum")
+        count += int((target != -100).sum())
+    return total / count
+
+
+def reference_training(dp: int, variant: str = "plain") -> dict:
+    """One process, plain AdamW, the whole global batch; ``variant`` 'rows' or 'flip' are the same
+    training in exact arithmetic with other summation orders (the measured noise floor)."""
+    from tolerance import flip_mlp
+
+    model = llama()
+    if variant == "flip":
+        flip_mlp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses, norms = [], []
+    for replicas in step_batches(dp):
+        opt.zero_grad()
+        step_loss = 0.0
+        for batch in replicas:
+            loss = _row_sum_loss(model, batch) if variant == "rows" else reference_loss(model, batch)
+            (loss / dp).backward()
+            step_loss += float(loss.detach()) / dp
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        losses.append(step_loss)
+    if variant == "flip":
+        flip_mlp(model)
+    return {"losses": losses, "norms": norms, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: str | None = None) -> dict:
+    """Train through shardwise.initialize with sequence_parallel_size; losses as every rank reports them.
+
+    ``inject`` a known error, to show the test catches it: 'local' (each rank attends only to its
+    own shard: SP off on split batches) or 'double' (gradients 2x, DeepSpeed's ZeRO-1/2 SP bug)."""
+    import contextlib
+    import shardwise
+    from shardwise.zero import GatheredParameters
+
+    world = dist.get_world_size()
+    engine, *_ = shardwise.initialize(model=llama(), config=sp_config(stage, sp_size, world))
+    sp = engine.sequence_parallel
+    losses, norms = [], []
+    for replicas in step_batches(engine.dp_world):
+        shard = split_batch(replicas[engine.dp_rank], sp)
+        labels = shard.pop("shift_labels")
+        with sp.disabled() if inject == "local" else contextlib.nullcontext():
+            loss = sequence_parallel_loss(engine(**shard).logits, labels, sp)
+        engine.backward(loss * 2 if inject == "double" else loss)
+        engine.step()
+        losses.append(float(loss.detach()))  # this replica's loss: average over replicas below
+        norms.append(engine.get_global_grad_norm())
+    t = torch.tensor(losses, dtype=torch.float64)
+    sp.mesh.data.all_reduce(t)
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir, tag="sp")
+    with GatheredParameters(engine.module.parameters()):
+        weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"losses": (t / engine.dp_world).tolist(), "norms": norms, "weights": weights,
+            "dp_world": engine.dp_world, "sp": sp.size}

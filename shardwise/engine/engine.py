@@ -29,6 +29,7 @@ from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
+from shardwise.sequence_parallel import setup_sequence_parallel
 from shardwise.zero.bucket_step import step_and_publish
 from shardwise.zero.builder import ShardOptions
 from shardwise.zero.whole_tensor import build_on_sharding, whole_tensor_of
@@ -93,7 +94,11 @@ class Engine(EngineAccessors, nn.Module):
                                      optimizer=optimizer, tp_plan=False if model_is_tp else "auto")
         sh = self.sharding
         self.module = model
-        self.dp_world, self.dp_rank = sh.dp_world, sh.dp_rank
+        # data-parallel replicas: ZeRO shards over SP x DP ranks, but an SP group reads one set of samples
+        sp = config.sequence_parallel_size
+        self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
+        # Ulysses SP (None without): the groups and the model's attention, docs/long_context.md
+        self.sequence_parallel = setup_sequence_parallel(model, sp) if sp > 1 else None
         # gradient_allreduce_op: "mean" averages gradients over data-parallel ranks, "sum" adds them
         self.gradient_average = config.gradient_allreduce_op == "mean"
         self.tp_report, self.policy, self.units, self.fetcher = sh.tp_report, sh.policy, sh.units, sh.fetcher

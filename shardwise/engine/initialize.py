@@ -146,6 +146,9 @@ def _config_and_mesh(config: Any, model: nn.Module, mpu: Any) -> tuple[Shardwise
                       supported=SupportedFeatures.everything() if mpu is None else
                       SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True))
     if mpu is not None:
+        if cfg.sequence_parallel_size > 1:
+            raise UsageError("initialize(mpu=...) with sequence_parallel_size > 1 is not implemented by "
+                             "shardwise; drop mpu= (shardwise cuts the SP groups itself)")
         return cfg, mesh_from_mpu(mpu, model, cfg.tp_size)
     shard = cfg.zero_optimization.mics_shard_size
     hpz = cfg.zero_optimization.zero_hpz_partition_size

@@ -1,0 +1,75 @@
+"""Ulysses sequence parallelism (shardwise/sequence_parallel/): equal to one process on the same data.
+
+Tolerances: a forward/backward is compared at fp32 round-off (1e-5 relative: the all-to-all moves
+values exactly, only the order of the two ranks' gradient partial sums and of the loss sum differ;
+measured 1e-7 to 4e-7). Training is bounded by tests/tolerance.py's rule from a noise floor measured
+here (the same training with per-row forwards and with the MLP units reversed). A wrong SP
+(each rank attending only to its half, measured by DeepSpeed's 3e-3..1.7e-2 in loss; gradients 2x)
+lands orders of magnitude above either.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sp_cases  # noqa: E402
+from tolerance import equivalence_tol  # noqa: E402
+
+ROUND_OFF = 1e-5
+
+
+@pytest.mark.parametrize("impl,kv_heads,seq,pad_from", [
+    ("sdpa", 1, 16, None),  # GQA: one kv head replicated to both ranks
+    ("eager", 1, 16, None),
+    ("sdpa", 2, 15, None),  # kv heads split; an odd length padded to the SP degree
+    ("sdpa", 1, 16, 9),  # right padding removed by the adapter
+])
+def test_forward_backward_equal_whole_sequence(pool2, impl, kv_heads, seq, pad_from):
+    for r in pool2.run("sp_cases:sp_matches_whole", impl, kv_heads, seq, pad_from):
+        assert r["loss"] < ROUND_OFF and r["grad"] < ROUND_OFF, r
+
+
+def _noise(ref: dict, others: list[dict]) -> dict:
+    weights = max(float((o["weights"][n] - w).abs().max() / w.abs().max())
+                  for o in others for n, w in ref["weights"].items())
+    loss = max(abs(a - b) / abs(b) for o in others for a, b in zip(o["losses"], ref["losses"], strict=True))
+    norm = max(abs(a - b) / b for o in others for a, b in zip(o["norms"], ref["norms"], strict=True))
+    return {"weights": weights, "loss": loss, "norm": norm}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = sp_cases.reference_training(dp=1)
+    others = [sp_cases.reference_training(dp=1, variant=v) for v in ("rows", "flip")]
+    ref["noise"] = _noise(ref, others)
+    ref["tol"] = equivalence_tol(ref["noise"], len(sp_cases.SEQS))
+    return ref
+
+
+def _check(got: dict, ref: dict) -> None:
+    tol = ref["tol"]
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
+        assert abs(a - b) / abs(b) <= tol["loss"], (got["losses"], ref["losses"], tol)
+    for a, b in zip(got["norms"], ref["norms"], strict=True):  # gradients at their true scale (not 2x)
+        assert abs(a - b) / b <= tol["norm"], (got["norms"], ref["norms"], tol)
+    worst = max(float((got["weights"][n] - w).abs().max() / w.abs().max()) for n, w in ref["weights"].items())
+    assert worst <= tol["weights"], (worst, tol)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_sp2_zero_stage_matches_single_process(pool2, reference, stage):
+    for got in pool2.run("sp_cases:sp_training", stage, 2):
+        assert got["dp_world"] == 1 and got["sp"] == 2
+        _check(got, reference)
+
+
+@pytest.mark.parametrize("inject", ["local", "double"])
+def test_injected_sp_errors_fail_the_check(pool2, reference, inject):
+    """The bounds above catch SP attending within each rank's half, and gradients at 2x."""
+    for got in pool2.run("sp_cases:sp_training", 2, 2, inject=inject):
+        with pytest.raises(AssertionError):
+            _check(got, reference)
