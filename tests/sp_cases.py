@@ -144,6 +144,7 @@ def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: s
     ``inject`` a known error, to show the test catches it: 'local' (each rank attends only to its
     own shard: SP off on split batches) or 'double' (gradients 2x, DeepSpeed's ZeRO-1/2 SP bug)."""
     import contextlib
+
     import shardwise
     from shardwise.zero import GatheredParameters
 
