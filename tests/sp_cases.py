@@ -76,12 +76,13 @@ def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = 
 LR, WD, BETAS, EPS, CLIP = 1e-3, 0.01, (0.9, 0.999), 1e-8, 1.0
 SEQS = (16, 13, 11)  # variable lengths: 13 and 11 are not multiples of the SP degree
 PAD_STEP, PAD_FROM = 1, 7  # at this step the last sample is right padded from this position on
+RESUME_SEQS = (12, 16)  # steps after a checkpoint: equal lengths, no padding (per-rank means = global mean)
 
 
-def step_batches(dp: int, micro: int = 2) -> list[list[dict]]:
+def step_batches(dp: int, micro: int = 2, seqs: tuple[int, ...] = SEQS, first: int = 0) -> list[list[dict]]:
     """For each step, each data-parallel replica's batch (the same on every SP rank of a replica)."""
     out = []
-    for s, seq in enumerate(SEQS):
+    for s, seq in enumerate(seqs, start=first):
         per_replica = []
         for d in range(dp):
             pad = PAD_FROM if s == PAD_STEP and d == dp - 1 else None
@@ -122,8 +123,10 @@ def reference_training(dp: int, variant: str = "plain") -> dict:
     if variant == "flip":
         flip_mlp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    losses, norms = [], []
-    for replicas in step_batches(dp):
+    losses, norms, weights = [], [], {}
+    for s, replicas in enumerate(step_batches(dp, seqs=SEQS + RESUME_SEQS)):
+        if s == len(SEQS):
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt.zero_grad()
         step_loss = 0.0
         for batch in replicas:
@@ -135,7 +138,40 @@ def reference_training(dp: int, variant: str = "plain") -> dict:
         losses.append(step_loss)
     if variant == "flip":
         flip_mlp(model)
-    return {"losses": losses, "norms": norms, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        flip_mlp_weights(weights)
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def flip_mlp_weights(weights: dict[str, torch.Tensor]) -> None:
+    """tests/tolerance.flip_mlp on a dict of tensors (weights saved while the model was flipped)."""
+    from tolerance import flip_mlp
+
+    holder = llama()
+    with torch.no_grad():
+        for n, p in holder.named_parameters():
+            p.copy_(weights[n])
+    flip_mlp(holder)
+    weights.update({n: p.detach().clone() for n, p in holder.named_parameters()})
+
+
+def resume_without_sp(stage: int, save_dir: str) -> dict:
+    """Load a checkpoint saved under SP 2 into a plain data-parallel engine (no SP) and train on."""
+    import shardwise
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg = sp_config(stage, 1, world, micro=1)
+    engine, *_ = shardwise.initialize(model=llama(seed=7), config=cfg)  # other initial weights: the load must win
+    engine.load_checkpoint(save_dir, tag="sp")
+    losses = []
+    for (batch,) in step_batches(1, micro=world, seqs=RESUME_SEQS, first=len(SEQS)):
+        ids, labels = batch["input_ids"][rank:rank + 1], batch["labels"][rank:rank + 1]
+        loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().to(torch.float64).reshape(1)
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+    return {"losses": losses}
 
 
 def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: str | None = None) -> dict:
