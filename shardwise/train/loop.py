@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.sequence_parallel import sequence_parallel_loss, split_batch
 from shardwise.train.data import TokenData
 
 
@@ -40,6 +41,16 @@ class StopRequest:
         return self.signal is not None
 
 
+def _micro_loss(engine, mb: torch.Tensor) -> torch.Tensor:
+    """The micro-batch's causal-LM loss; under SP this rank's sequence shard, every token counted once."""
+    sp = engine.sequence_parallel
+    if sp is None:
+        return engine(input_ids=mb, labels=mb).loss
+    shard = split_batch({"input_ids": mb, "labels": mb}, sp)
+    labels = shard.pop("shift_labels")
+    return sequence_parallel_loss(engine(**shard).logits, labels, sp)
+
+
 def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> tuple[float, bool, float]:
     """One optimizer step (all micro-batches); returns (global mean loss, stop agreed, data seconds).
 
@@ -48,19 +59,19 @@ def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> tuple[f
     """
     cfg = engine.config
     t0 = time.perf_counter()
-    micro = data.micro_batches(step, cfg.train_micro_batch_size_per_gpu, engine.gas, engine.comm.rank,
+    micro = data.micro_batches(step, cfg.train_micro_batch_size_per_gpu, engine.gas, engine.dp_rank,
                                engine.dp_world)
     data_s = time.perf_counter() - t0
     total = 0.0
     for mb in micro:
         mb = mb.to(engine.device)
-        out = engine(input_ids=mb, labels=mb)
-        engine.backward(out.loss)
+        loss = _micro_loss(engine, mb)
+        engine.backward(loss)
         engine.step()
-        total += float(out.loss.detach())
+        total += float(loss.detach())
     flags = torch.tensor([total / engine.gas, float(stop.requested)], dtype=torch.float64,
                          device=engine.device)
-    dist.all_reduce(flags)  # world sum: TP ranks repeat their data-parallel rank's loss, so / world
+    dist.all_reduce(flags)  # world sum: TP and SP ranks repeat their data-parallel rank's loss, so / world
     return float(flags[0]) / dist.get_world_size(), bool(flags[1] > 0), data_s
 
 
@@ -72,7 +83,7 @@ def evaluate(engine, data: TokenData) -> float:
     runs a forward anyway (discarded), because stage-3 and TP forwards are collective.
     """
     batches = data.eval_batches(engine.config.train_micro_batch_size_per_gpu)
-    dp, rank = engine.dp_world, engine.comm.rank
+    dp, rank = engine.dp_world, engine.dp_rank  # SP ranks evaluate whole sequences (no_grad: SP is off)
     sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
     engine.module.eval()
     try:
@@ -85,7 +96,7 @@ def evaluate(engine, data: TokenData) -> float:
                 sums += torch.tensor([float(loss) * n, n], dtype=torch.float64, device=engine.device)
     finally:
         engine.module.train()
-    dist.all_reduce(sums)  # TP ranks add their (equal) sums to numerator and denominator alike
+    dist.all_reduce(sums)  # TP and SP ranks add their (equal) sums to numerator and denominator alike
     return float(sums[0] / sums[1])
 
 
