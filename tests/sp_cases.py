@@ -205,3 +205,29 @@ def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: s
         weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     return {"losses": (t / engine.dp_world).tolist(), "norms": norms, "weights": weights,
             "dp_world": engine.dp_world, "sp": sp.size}
+
+
+def eval_mode_keeps_sp_and_generate_is_local() -> dict:
+    """A model left in eval mode still exchanges heads with gradients on (no silent local attention);
+    generate() under no_grad runs the model's own attention on whole sequences."""
+    sp = SequenceParallel.of_size(dist.get_world_size())
+    model = llama()
+    plain = copy.deepcopy(model).eval()
+    register_attention(model, sp)
+    model.eval()
+    batch = sample_batch(2, 16)
+    ref = reference_loss(copy.deepcopy(plain), batch)
+    shard = split_batch(batch, sp)
+    labels = shard.pop("shift_labels")
+    loss = sequence_parallel_loss(model(**shard).logits, labels, sp)
+    prompt = batch["input_ids"][:1, :5]
+    with torch.no_grad():
+        got = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        want = plain.generate(prompt, max_new_tokens=6, do_sample=False)
+    unsplit = None
+    try:
+        model(input_ids=batch["input_ids"])  # SP on, whole sequences, no positions: refused
+    except ValueError as e:
+        unsplit = str(e)
+    return {"loss": abs(float(loss.detach()) - float(ref)) / float(ref), "generate_equal": bool(torch.equal(got, want)),
+            "unsplit": unsplit}

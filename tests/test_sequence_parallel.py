@@ -95,3 +95,46 @@ def test_sp2_x_dp2_four_ranks_stage2(pool4):
     for got in pool4.run("sp_cases:sp_training", 2, 2):
         assert got["dp_world"] == 2 and got["sp"] == 2
         _check(got, ref)
+
+
+def test_eval_mode_keeps_sp_generate_is_local_unsplit_refused(pool2):
+    for r in pool2.run("sp_cases:eval_mode_keeps_sp_and_generate_is_local"):
+        assert r["loss"] < ROUND_OFF, r
+        assert r["generate_equal"], r
+        assert r["unsplit"] is not None and "no position_ids" in r["unsplit"], r
+
+
+@pytest.mark.parametrize("heads,kv,sp,words", [
+    (3, 3, 2, "3 attention heads cannot be split over 2 ranks"),
+    (6, 3, 2, "3 key/value heads cannot be split over or replicated to 2 ranks"),
+    (8, 2, 8, None), (8, 4, 2, None),
+])
+def test_head_counts(heads, kv, sp, words):
+    from shardwise.sequence_parallel import head_split
+
+    if words is None:
+        assert head_split(heads, kv, sp) == max(1, sp // kv)
+    else:
+        with pytest.raises(ValueError, match=words):
+            head_split(heads, kv, sp)
+
+
+def test_split_batch_refuses_left_padding_and_keeps_edge_targets():
+    import torch
+
+    from shardwise.sequence_parallel import split_batch
+
+    class Half:  # an SP group of 2 seen from rank 0 / rank 1, without processes
+        size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+    ids = torch.arange(10, 17).reshape(1, 7)
+    shards = [split_batch({"input_ids": ids, "labels": ids}, Half(r)) for r in (0, 1)]
+    assert shards[0]["input_ids"].tolist() == [[10, 11, 12, 13]] and shards[1]["input_ids"].tolist() == [[14, 15, 16, 0]]
+    assert shards[0]["shift_labels"].tolist() == [[11, 12, 13, 14]]  # 14 lives on rank 1: its target kept
+    assert shards[1]["shift_labels"].tolist() == [[15, 16, -100, -100]]
+    assert shards[1]["position_ids"].tolist() == [[4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="only right padding"):
+        split_batch({"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1]])}, Half(0))

@@ -107,11 +107,37 @@ def _attention_for(inner_name: str) -> Callable:
     return attention
 
 
+def _check_split_forward(sp: SequenceParallel) -> Callable:
+    """A forward pre-hook: a forward that will exchange heads must get equal shards with positions.
+
+    Why: with SP on, an unsplit batch (the same whole sequence on every rank) would be attended as
+    one sequence ``sp`` times as long, a silent wrong number; and shards of unequal length would
+    deadlock the all-to-all. ``split_batch`` gives ``position_ids`` and equal lengths; one tiny
+    all-reduce per forward checks the lengths."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG001
+        if not sp.active():
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = kwargs.get("inputs_embeds") if ids is None else ids
+        if ids is None or kwargs.get("position_ids") is None:
+            raise ValueError("sequence parallelism: a forward with gradients (SP on) got no position_ids; "
+                             "feed batches from shardwise.sequence_parallel.split_batch, or run whole "
+                             "sequences inside sp.disabled()")
+        lengths = torch.tensor([ids.shape[1], -ids.shape[1]], dtype=torch.int64)
+        sp.comm.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX)
+        if int(lengths[0]) != -int(lengths[1]):
+            raise ValueError(f"sequence parallelism: the SP ranks' sequence shards differ in length "
+                             f"({-int(lengths[1])}..{int(lengths[0])} tokens); split_batch pads them equal")
+
+    return hook
+
+
 def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
     """Make ``model``'s attention Ulysses attention over ``sp``; returns the registered name.
 
     Checks the head counts first (one-line ValueError). Idempotent: registering a model again
-    rebinds it to ``sp``."""
+    rebinds it to ``sp``. Installs the shard check (``_check_split_forward``) on ``model``."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
@@ -128,4 +154,9 @@ def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner_name])
     for cfg in {id(c): c for c in (model.config, config)}.values():
         cfg._attn_implementation = name
+    old = model.__dict__.pop("_shardwise_sp_check", None)
+    if old is not None:
+        old.remove()
+    model.__dict__["_shardwise_sp_check"] = model.register_forward_pre_hook(_check_split_forward(sp),
+                                                                           with_kwargs=True)
     return name
