@@ -132,7 +132,8 @@ def test_split_batch_refuses_left_padding_and_keeps_edge_targets():
 
     ids = torch.arange(10, 17).reshape(1, 7)
     shards = [split_batch({"input_ids": ids, "labels": ids}, Half(r)) for r in (0, 1)]
-    assert shards[0]["input_ids"].tolist() == [[10, 11, 12, 13]] and shards[1]["input_ids"].tolist() == [[14, 15, 16, 0]]
+    assert shards[0]["input_ids"].tolist() == [[10, 11, 12, 13]]
+    assert shards[1]["input_ids"].tolist() == [[14, 15, 16, 0]]
     assert shards[0]["shift_labels"].tolist() == [[11, 12, 13, 14]]  # 14 lives on rank 1: its target kept
     assert shards[1]["shift_labels"].tolist() == [[15, 16, -100, -100]]
     assert shards[1]["position_ids"].tolist() == [[4, 5, 6, 7]]
