@@ -8,7 +8,14 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from shardwise.sequence_parallel import SequenceParallel, register_attention, sequence_parallel_loss, split_batch
+from shardwise.sequence_parallel import (
+    SequenceParallel,
+    register_attention,
+    sequence_parallel_loss,
+    split_batch,
+    tile_mlps,
+    tiled_causal_lm_loss,
+)
 
 VOCAB = 509
 
@@ -174,25 +181,33 @@ def resume_without_sp(stage: int, save_dir: str) -> dict:
     return {"losses": losses}
 
 
-def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: str | None = None) -> dict:
+def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: str | None = None,
+                tiles: int | None = None) -> dict:
     """Train through shardwise.initialize with sequence_parallel_size; losses as every rank reports them.
 
     ``inject`` a known error, to show the test catches it: 'local' (each rank attends only to its
-    own shard: SP off on split batches) or 'double' (gradients 2x, DeepSpeed's ZeRO-1/2 SP bug)."""
+    own shard: SP off on split batches) or 'double' (gradients 2x, DeepSpeed's ZeRO-1/2 SP bug).
+    ``tiles``: ALST's tiled MLPs and tiled logits + loss, with that many tiles."""
     import contextlib
 
     import shardwise
     from shardwise.zero import GatheredParameters
 
     world = dist.get_world_size()
-    engine, *_ = shardwise.initialize(model=llama(), config=sp_config(stage, sp_size, world))
+    model = llama()
+    if tiles is not None:
+        tile_mlps(model, tiles)
+    engine, *_ = shardwise.initialize(model=model, config=sp_config(stage, sp_size, world))
     sp = engine.sequence_parallel
     losses, norms = [], []
     for replicas in step_batches(engine.dp_world):
         shard = split_batch(replicas[engine.dp_rank], sp)
         labels = shard.pop("shift_labels")
         with sp.disabled() if inject == "local" else contextlib.nullcontext():
-            loss = sequence_parallel_loss(engine(**shard).logits, labels, sp)
+            if tiles is None:
+                loss = sequence_parallel_loss(engine(**shard).logits, labels, sp)
+            else:
+                loss = tiled_causal_lm_loss(engine, shard, labels, sp, tiles=tiles)
         engine.backward(loss * 2 if inject == "double" else loss)
         engine.step()
         losses.append(float(loss.detach()))  # this replica's loss: average over replicas below

@@ -139,3 +139,47 @@ def test_split_batch_refuses_left_padding_and_keeps_edge_targets():
     assert shards[1]["position_ids"].tolist() == [[4, 5, 6, 7]]
     with pytest.raises(ValueError, match="only right padding"):
         split_batch({"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1]])}, Half(0))
+
+
+# -- ALST's tiled pieces ------------------------------------------------------------------------------
+TILED_ROUND_OFF = 1e-5  # same per-token math; only matmul shapes and the tile-by-tile gradient sums differ
+
+
+def _loss_and_grads(model, batch, tiled_loss: bool, scale: float):
+    import torch
+
+    from shardwise.sequence_parallel import tiled_causal_lm_loss
+
+    if tiled_loss:
+        labels = torch.cat([batch["labels"][:, 1:], torch.full_like(batch["labels"][:, :1], -100)], dim=1)
+        loss = tiled_causal_lm_loss(model, {"input_ids": batch["input_ids"]}, labels, tiles=3)
+    else:
+        loss = model(**batch).loss
+    (loss * scale).backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mlp,loss", [(True, False), (False, True), (True, True)])
+def test_tiled_pieces_equal_untiled_with_a_scaled_loss(mlp, loss):
+    """Tiles of 6, 5, 5 tokens; the loss is scaled by 3 before backward (DeepSpeed's TiledFusedLogitsLoss
+    drops such a scale from the LM head's gradient): every gradient, the head's included, is 3x."""
+    import copy
+
+    from shardwise.sequence_parallel import tile_mlps
+
+    model = sp_cases.llama()
+    tiled = copy.deepcopy(model)
+    if mlp:
+        assert tile_mlps(tiled, tiles=3) == 2
+    batch = sp_cases.sample_batch(2, 16, pad_from=9)
+    want_loss, want = _loss_and_grads(model, batch, False, 3.0)
+    got_loss, got = _loss_and_grads(tiled, batch, loss, 3.0)
+    assert abs(got_loss - want_loss) / want_loss < TILED_ROUND_OFF
+    for n, g in want.items():
+        assert float((got[n] - g).norm() / g.norm()) < TILED_ROUND_OFF, n
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sp2_with_tiled_pieces_matches_single_process(pool2, reference, stage):
+    for got in pool2.run("sp_cases:sp_training", stage, 2, tiles=3):
+        _check(got, reference)
