@@ -115,9 +115,10 @@ class SequenceMesh:
 def get_sequence_mesh(sp_size: int, stats: CommStats | None = None) -> SequenceMesh:
     """Cut the ranks into sequence-parallel groups of ``sp_size`` consecutive ranks.
 
-    ZeRO keeps sharding over every data-parallel rank (``get_mesh``); SP ranks are data-parallel
-    ranks to it that hold different tokens of the same samples, so their gradients add up to the
-    sample's gradient (the engine divides by world / ``sp_size``, not by the world). The SP group is
+    ZeRO keeps sharding and averaging over every data-parallel rank (``get_mesh``); SP ranks are
+    data-parallel ranks to it that hold different tokens of the same samples, and the SP loss makes
+    each of their gradients ``sp_size`` times its share (sequence_parallel/exchange.SumForward), so
+    the average over all ranks is the samples' gradient. The SP group is
     innermost, as TP is, because its all-to-alls run in every layer. Every rank must call this with
     the same ``sp_size``.
     """

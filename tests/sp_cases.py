@@ -58,7 +58,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = None) -> dict:
-    """SP 2 forward + backward (gradients summed over the SP group) against the whole batch in one process."""
+    """SP 2 forward + backward (gradients averaged over the SP group, as ZeRO does) against the whole batch
+    in one process."""
     sp = SequenceParallel.of_size(dist.get_world_size())
     model = llama(impl, kv_heads)
     batch = sample_batch(2, seq, pad_from=pad_from)
@@ -73,9 +74,10 @@ def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = 
     got = _grads(model)
     for g in got.values():
         dist.all_reduce(g, group=sp.group)
+        g /= sp.size
     want = _grads(ref_model)
     assert got.keys() == want.keys()
-    return {"loss": abs(float(loss) - float(ref)) / abs(float(ref)),
+    return {"loss": abs(float(loss.detach()) - float(ref)) / abs(float(ref)),
             "grad": max(_rel(got[n], want[n]) for n in want)}
 
 

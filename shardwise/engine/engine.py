@@ -94,7 +94,7 @@ class Engine(EngineAccessors, nn.Module):
                                      optimizer=optimizer, tp_plan=False if model_is_tp else "auto")
         sh = self.sharding
         self.module = model
-        # data-parallel replicas: ZeRO shards over SP x DP ranks, but an SP group reads one set of samples
+        # data-parallel replicas (sampler, batch rule): ZeRO shards over SP x DP ranks, an SP group reads one set of samples
         sp = config.sequence_parallel_size
         self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
         # Ulysses SP (None without): the groups and the model's attention, docs/long_context.md
@@ -241,7 +241,8 @@ class Engine(EngineAccessors, nn.Module):
             self.micro_steps += 1
             return
         check_all_used(self)
-        unscale = 1.0 / self.dp_world if self.gradient_average else 1.0
+        # over every rank ZeRO reduced over (SP x DP): each SP rank's loss is the whole loss (docs/long_context.md)
+        unscale = 1.0 / self.sharding.dp_world if self.gradient_average else 1.0
         if self.loss_scaler is not None:
             unscale /= self.loss_scaler.scale
         grads = self.sharding.reduced_grads(unscale)

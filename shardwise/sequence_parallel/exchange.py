@@ -59,19 +59,26 @@ class HeadToSeq(torch.autograd.Function):
 
 
 class SumForward(torch.autograd.Function):
-    """All-reduce (sum) over the SP group in forward, identity in backward.
+    """All-reduce (sum) over the SP group in forward and in backward.
 
-    Each rank's loss is its tokens' share of the sample's loss; summing the values lets every rank
-    report the whole loss, while the backward starts from the rank's own share only, so the
-    gradients the ZeRO reduction then adds over the SP ranks are the whole loss's, counted once.
+    Each rank's input is its tokens' share of the sample's loss; the output, on every rank, is the
+    whole loss L. Every rank then back-propagates its own copy of L, so the gradient reaching a
+    share is the sum of the ranks' incoming gradients (``sp`` times one rank's): the gradients of
+    the SP x DP ranks are then ``sp`` times the replica's, and the ZeRO reduction averages them
+    over all SP x DP ranks, as it averages plain data-parallel ranks. This is also the convention
+    of the HF Trainer's and Accelerate's SP loss (a differentiable all-gather of the ranks'
+    losses), so their loss gets the same, right, gradient through the facade.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001, ARG004
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
+        ctx.comm = comm
         out = x.detach().clone()
         comm.all_reduce(out)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205, ARG004
-        return grad, None
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        out = grad.contiguous().clone()
+        ctx.comm.all_reduce(out)
+        return out, None

@@ -1,11 +1,10 @@
 """The sequence-parallel loss: every token's loss counted once, divided by the sample's token count.
 
 Each rank sums the cross entropy of its shard's real tokens and divides by the count of real tokens
-over the whole SP group (one scalar all-reduce), so the ranks' losses add up to the mean over the
-whole sequences; ``SumForward`` then gives every rank that sum as its value (what the no-SP run
-reports) while each rank's backward starts from its own share only. The ZeRO reduction sums the
-SP ranks' gradients (the engine divides by the data-parallel replicas, world / SP), which is the
-gradient of the whole loss. A per-rank mean averaged over ranks would weight a shard with few real
+over the whole SP group (one scalar all-reduce), so the ranks' shares add up to the mean over the
+whole sequences; ``SumForward`` gives every rank that sum (what the no-SP run reports), and its
+backward makes the ranks' gradients ``sp`` times a replica's, which the engine's average over
+all SP x DP ranks brings back to the whole loss's gradient. A per-rank mean averaged over ranks would weight a shard with few real
 tokens (the padded tail of a short sample) like a full one: wrong whenever shards differ in count.
 """
 
@@ -27,7 +26,7 @@ def token_count(shift_labels: torch.Tensor, sp: SequenceParallel) -> torch.Tenso
 
 
 def share_of_loss(loss_sum: torch.Tensor, count: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
-    """This rank's summed token losses as the whole-sequence mean: value summed over SP, gradient local."""
+    """The whole-sequence mean loss on every SP rank, from this rank's summed token losses (``SumForward``)."""
     return SumForward.apply(loss_sum / count.to(loss_sum.dtype), sp.comm)
 
 
