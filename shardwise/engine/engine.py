@@ -94,7 +94,7 @@ class Engine(EngineAccessors, nn.Module):
                                      optimizer=optimizer, tp_plan=False if model_is_tp else "auto")
         sh = self.sharding
         self.module = model
-        # data-parallel replicas (sampler, batch rule): ZeRO shards over SP x DP ranks, an SP group reads one set of samples
+        # data-parallel replicas (sampler, batch rule): ZeRO shards over SP x DP ranks; one SP group, one sample set
         sp = config.sequence_parallel_size
         self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
         # Ulysses SP (None without): the groups and the model's attention, docs/long_context.md

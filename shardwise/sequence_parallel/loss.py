@@ -4,8 +4,9 @@ Each rank sums the cross entropy of its shard's real tokens and divides by the c
 over the whole SP group (one scalar all-reduce), so the ranks' shares add up to the mean over the
 whole sequences; ``SumForward`` gives every rank that sum (what the no-SP run reports), and its
 backward makes the ranks' gradients ``sp`` times a replica's, which the engine's average over
-all SP x DP ranks brings back to the whole loss's gradient. A per-rank mean averaged over ranks would weight a shard with few real
-tokens (the padded tail of a short sample) like a full one: wrong whenever shards differ in count.
+all SP x DP ranks brings back to the whole loss's gradient. A per-rank mean averaged over ranks
+would weight a shard with few real tokens (the padded tail of a short sample) like a full one:
+wrong whenever shards differ in count.
 """
 
 from __future__ import annotations
