@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardwise.sequence_parallel.exchange import HeadToSeq, SeqToHead
-from shardwise.sequence_parallel.group import SequenceParallel
+from shardwise.sequence_parallel.group import SequenceParallel, set_current
 
 PREFIX = "shardwise_sp_"
 WRAPPABLE = ("sdpa", "eager")
@@ -150,6 +150,7 @@ def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
     head_split(heads, getattr(config, "num_key_value_heads", None) or heads, sp.size)
     name = PREFIX + inner_name
     _CURRENT[name] = sp
+    set_current(sp)
     AttentionInterface.register(name, _attention_for(inner_name))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner_name])
     for cfg in {id(c): c for c in (model.config, config)}.values():

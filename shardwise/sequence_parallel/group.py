@@ -76,3 +76,19 @@ class SequenceParallel:
     def disabled(self) -> contextlib.AbstractContextManager[None]:
         """Local attention even with gradients (a forward on whole, unsplit sequences)."""
         return self._force(False)
+
+
+_CURRENT: list[SequenceParallel] = []  # the group the last registered attention uses
+
+
+def set_current(sp: SequenceParallel) -> None:
+    """Record ``sp`` as the process's SP group (what DeepSpeed's ``groups._get_sequence_parallel_*`` answer)."""
+    _CURRENT[:] = [sp]
+
+
+def current() -> SequenceParallel:
+    """The process's SP group; a one-line error when no model was set up for sequence parallelism."""
+    if not _CURRENT:
+        raise RuntimeError("no sequence-parallel group: set sequence_parallel_size > 1 in the config, or call "
+                           "shardwise.sequence_parallel.setup_sequence_parallel(model, n) first")
+    return _CURRENT[0]

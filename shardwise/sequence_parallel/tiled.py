@@ -50,13 +50,13 @@ class _TiledMLP(torch.autograd.Function):
         ctx.fn, ctx.tiles, ctx.params = fn, tiles, params
         ctx.save_for_backward(x)
         with torch.no_grad():
-            return torch.cat([fn(t) for t in x.tensor_split(tiles, dim=1)], dim=1)
+            return torch.cat([fn(t) for t in x.tensor_split(tiles, dim=-2)], dim=-2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         (x,) = ctx.saved_tensors
         grads_x, grads_p = [], [None] * len(ctx.params)
-        for xt, gt in zip(x.tensor_split(ctx.tiles, dim=1), grad.tensor_split(ctx.tiles, dim=1), strict=True):
+        for xt, gt in zip(x.tensor_split(ctx.tiles, dim=-2), grad.tensor_split(ctx.tiles, dim=-2), strict=True):
             xt = xt.detach().requires_grad_(x.requires_grad)
             with torch.enable_grad():
                 out = ctx.fn(xt)
@@ -66,15 +66,16 @@ class _TiledMLP(torch.autograd.Function):
                 grads_x.append(got[0])
                 got = got[1:]
             _add(grads_p, got)
-        gx = torch.cat(grads_x, dim=1) if x.requires_grad else None
+        gx = torch.cat(grads_x, dim=-2) if x.requires_grad else None
         return (None, None, gx, *grads_p)
 
 
 def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: list[torch.Tensor],
               tiles: int | str = "auto") -> torch.Tensor:
-    """``fn(x)`` for a per-token ``fn`` of ``x`` [batch, seq, hidden], over sequence tiles, recomputed
-    in backward; ``params``: the parameters ``fn`` uses (their gradients are returned through autograd)."""
-    n = tile_count(x.shape[1], x.shape[-1], tiles)
+    """``fn(x)`` for a per-token ``fn`` of ``x`` [batch, seq, hidden] (or [seq, hidden]), over sequence
+    tiles, recomputed in backward; ``params``: the parameters ``fn`` uses (their gradients are returned
+    through autograd)."""
+    n = tile_count(x.shape[-2], x.shape[-1], tiles)
     trainable = [p for p in params if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
         return fn(x)
@@ -179,3 +180,53 @@ def tiled_causal_lm_loss(model: nn.Module, batch: dict[str, Any], shift_labels: 
     if sp is not None:
         return share_of_loss(loss_sum, token_count(shift_labels, sp), sp)
     return loss_sum / (shift_labels != IGNORE).sum().clamp_min(1)
+
+
+class _TiledReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn: Callable, tiles: int, mean: bool, x: torch.Tensor, y: torch.Tensor,  # noqa: ANN001
+                mask: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.tiles, ctx.mean, ctx.params = fn, tiles, mean, params
+        ctx.save_for_backward(x, y, mask)
+        with torch.no_grad():
+            parts = [fn(*a) for a in _tiles_of(x, y, mask, tiles)]
+        out = torch.stack(parts).sum()
+        return out / tiles if mean else out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        x, y, mask = ctx.saved_tensors
+        g = grad / ctx.tiles if ctx.mean else grad  # the incoming gradient: any scale on the output
+        grads_x, grads_p = [], [None] * len(ctx.params)
+        for xt, *rest in _tiles_of(x, y, mask, ctx.tiles):
+            xt = xt.detach().requires_grad_(True)
+            with torch.enable_grad():
+                part = ctx.fn(xt, *rest)
+            got = torch.autograd.grad(part, (xt, *ctx.params), g, allow_unused=True)
+            grads_x.append(got[0] if got[0] is not None else torch.zeros_like(xt))
+            _add(grads_p, got[1:])
+        gx = torch.cat(grads_x).view_as(x) if x.requires_grad else None
+        return (None, None, None, gx, None, None, *grads_p)
+
+
+def _tiles_of(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None, tiles: int) -> list[tuple]:
+    """Tiles over the flattened [batch * seq] rows (so a tile never strides across samples)."""
+    xs = x.reshape(-1, *x.shape[2:]).chunk(tiles)
+    ys = y.reshape(-1, *y.shape[2:]).chunk(tiles)
+    if mask is None:
+        return list(zip(xs, ys, strict=True))
+    return list(zip(xs, ys, mask.reshape(-1).chunk(tiles), strict=True))
+
+
+def tiled_reduce(fn: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
+                 tiles: int, params: list[torch.Tensor], reduction: str = "mean") -> torch.Tensor:
+    """``fn(x_tile, y_tile[, mask_tile])`` (a scalar per tile) summed, or averaged over tiles, with the
+    tiles recomputed in backward: a loss whose per-tile intermediates (logits) never exist together.
+    ``params``: the parameters ``fn`` uses. Tiles are ``torch.chunk``s of the flattened rows."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+    if x.dim() < 2 or y.dim() < 2 or x.shape[:2] != y.shape[:2]:
+        raise ValueError("tiled loss: x [batch, seq, ...] and y [batch, seq, ...] must agree in batch and seq")
+    tiles = len(x.reshape(-1, *x.shape[2:]).chunk(int(tiles)))  # torch.chunk may make fewer
+    trainable = [p for p in params if p.requires_grad]
+    return _TiledReduce.apply(fn, tiles, reduction == "mean", x, y, mask, *trainable)
