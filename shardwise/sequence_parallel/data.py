@@ -81,10 +81,11 @@ def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_token_id: int =
     extra_pos = torch.arange(seq, total, device=ids.device).expand(ids.shape[0], -1)
     pos = torch.cat([pos, extra_pos.to(pos.dtype)], dim=1)
     out: dict[str, Any] = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
-    out["input_ids"] = _pad_to(ids, total, pad_token_id)[:, r * length:(r + 1) * length]
-    out["position_ids"] = pos[:, r * length:(r + 1) * length]
+    mine = slice(r * length, (r + 1) * length)  # contiguous copies: HF's loss .view()s the labels
+    out["input_ids"] = _pad_to(ids, total, pad_token_id)[:, mine].contiguous()
+    out["position_ids"] = pos[:, mine].contiguous()
     if shift is not None:
-        out["shift_labels"] = _pad_to(shift, total, IGNORE)[:, r * length:(r + 1) * length]
+        out["shift_labels"] = _pad_to(shift, total, IGNORE)[:, mine].contiguous()
     out["use_cache"] = False
     return out
 

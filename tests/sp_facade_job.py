@@ -1,0 +1,90 @@
+"""A stock HF Trainer with ``parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` run
+under ``shardwise launch --as-deepspeed`` (tests/test_sp_facade.py): the path transformers 5.24 and
+Accelerate 1.16 take for DeepSpeed's Ulysses SP (register_with_transformers, the data loader adapter,
+``deepspeed.utils.groups``, ``initialize(mpu=...)``, the Trainer's all-gathered SP loss). Rank 0 writes
+``results.json`` (per-step losses and gradient norms) into the folder given as the first argument.
+Also importable: the pytest process runs the same Trainer without SP as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_facade_job import cpu_state  # noqa: E402
+
+VOCAB, SEQ, SAMPLES, STEPS = 128, 15, 16, 6  # 15 tokens: not a multiple of the SP degree (padded)
+
+
+def tiny_llama(kv_heads: int = 1):
+    """kv heads 1 < SP 2: replicated to both ranks by the exchange."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def args(out: Path, deepspeed: dict | None = None, sp: int = 1, batch: int = 2, gas: int = 1):
+    from transformers import TrainingArguments
+
+    extra = {}
+    if sp > 1:
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        extra["parallelism_config"] = ParallelismConfig(
+            sp_size=sp, sp_backend="deepspeed",
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
+    return TrainingArguments(output_dir=str(out), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=gas, max_steps=STEPS, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], seed=0, deepspeed=deepspeed,
+                             dataloader_drop_last=True, disable_tqdm=True, max_grad_norm=1.0,
+                             accelerator_config={"use_configured_state": deepspeed is not None}, **extra)
+
+
+def history(trainer) -> dict[str, dict[int, float]]:
+    rows = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": {h["step"]: h["loss"] for h in rows}, "grad_norm": {h["step"]: h["grad_norm"] for h in rows}}
+
+
+def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1) -> dict:
+    from transformers import Trainer
+
+    deepspeed = None
+    if stage is not None:
+        cpu_state()
+        deepspeed = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                     "zero_optimization": {"stage": stage}}
+    trainer = Trainer(model=tiny_llama(), args=args(out, deepspeed, sp, batch, gas), train_dataset=dataset())
+    trainer.train()
+    return history(trainer)
+
+
+def main() -> None:
+    import deepspeed
+
+    assert deepspeed.__version__.endswith("+shardwise"), deepspeed
+    root = Path(sys.argv[1])
+    res = {f"z{stage}": run(root / f"z{stage}", stage, sp=2) for stage in (2, 3)}
+    if int(os.environ.get("RANK", "0")) == 0:
+        (root / "results.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
