@@ -76,12 +76,69 @@ def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1)
     return history(trainer)
 
 
+def accelerate_loop(stage: int) -> dict[int, float]:
+    """Accelerate's documented SP loop: prepare(model, optimizer, loader) wraps the loader in the SP
+    adapter; the loss is the SP ranks' token-weighted mean through a differentiable all-gather. The
+    model is left in eval mode, as from_pretrained returns it and the documented loop leaves it."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
+    from deepspeed.utils import groups
+
+    cpu_state()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": stage}}
+    pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed",
+                           sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+    model = tiny_llama().eval()  # before the stage-3 plugin exists: no zero.Init, the reference's initial weights
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), parallelism_config=pc)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=2, shuffle=False)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    group, world = groups._get_sequence_parallel_group(), groups._get_sequence_parallel_world_size()
+    seen = {}
+    for step, batch in enumerate(loader, start=1):
+        shift_labels = batch["shift_labels"]
+        logits = model(**batch).logits
+        loss = model.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=VOCAB)
+        losses = torch.distributed.nn.functional.all_gather(loss, group=group)
+        good = torch.distributed.nn.functional.all_gather((shift_labels != -100).sum(), group=group)
+        loss = sum(losses[r] * good[r] for r in range(world)) / max(sum(good), 1)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        seen[step] = float(loss.detach())
+        if step == STEPS:
+            break
+    return seen
+
+
+def reference_loop(split: int = 1) -> dict[int, float]:
+    """The Accelerate loop in plain PyTorch, one process: AdamW, clipping at 1.0, batches of 2 in order."""
+    model, data = tiny_llama(), dataset()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = {}
+    for step in range(1, STEPS + 1):
+        ids = torch.stack([d["input_ids"] for d in data[2 * (step - 1):2 * step]])
+        total = 0.0
+        for part in ids.chunk(split):
+            loss = model(input_ids=part, labels=part).loss / split
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out[step] = total
+    return out
+
+
 def main() -> None:
     import deepspeed
 
     assert deepspeed.__version__.endswith("+shardwise"), deepspeed
     root = Path(sys.argv[1])
     res = {f"z{stage}": run(root / f"z{stage}", stage, sp=2) for stage in (2, 3)}
+    res.update({f"acc{stage}": accelerate_loop(stage) for stage in (1, 3)})
     if int(os.environ.get("RANK", "0")) == 0:
         (root / "results.json").write_text(json.dumps(res, indent=1))
 

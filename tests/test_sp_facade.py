@@ -1,6 +1,7 @@
 """The HF Trainer's DeepSpeed sequence-parallel path (``ParallelismConfig(sp_size=2, sp_backend="deepspeed")``)
 through ``shardwise launch --as-deepspeed``, no DeepSpeed installed, at ZeRO 2 and 3, against the same
-Trainer script in one process without SP or DeepSpeed.
+Trainer script in one process without SP or DeepSpeed; and Accelerate's documented SP loop at ZeRO 1 and 3
+against the same loop in plain PyTorch.
 
 What it proves: Accelerate's and the Trainer's calls (``register_with_transformers`` -> mpu,
 ``UlyssesSPDataLoaderAdapter``, ``deepspeed.utils.groups._get_sequence_parallel_*``,
@@ -54,3 +55,11 @@ def test_trainer_sp2_matches_single_process(launched, tmp_path, stage):
     got = launched[f"z{stage}"]
     for what in ("loss", "grad_norm"):
         assert _rel(got[what], ref[what]) <= tol[what], (what, got[what], ref[what], tol)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_accelerate_sp_loop_matches_plain_torch(launched, stage):
+    """Accelerate's documented SP loop (model left in eval mode: SP stays on, gradients are enabled)."""
+    ref, resplit = job.reference_loop(1), job.reference_loop(2)
+    tol = equivalence_tol({"loss": _rel(resplit, ref)}, job.STEPS)["loss"]
+    assert _rel(launched[f"acc{stage}"], ref) <= tol, (launched[f"acc{stage}"], ref, tol)
