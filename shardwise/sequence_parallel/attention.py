@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.sequence_parallel.exchange import HeadToSeq, SeqToHead
@@ -125,7 +126,7 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
                              "feed batches from shardwise.sequence_parallel.split_batch, or run whole "
                              "sequences inside sp.disabled()")
         lengths = torch.tensor([ids.shape[1], -ids.shape[1]], dtype=torch.int64)
-        sp.comm.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX)
+        sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX)
         if int(lengths[0]) != -int(lengths[1]):
             raise ValueError(f"sequence parallelism: the SP ranks' sequence shards differ in length "
                              f"({-int(lengths[1])}..{int(lengths[0])} tokens); split_batch pads them equal")
