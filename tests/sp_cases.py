@@ -248,3 +248,29 @@ def eval_mode_keeps_sp_and_generate_is_local() -> dict:
         unsplit = str(e)
     return {"loss": abs(float(loss.detach()) - float(ref)) / float(ref), "generate_equal": bool(torch.equal(got, want)),
             "unsplit": unsplit}
+
+
+def sp_shard_api(stage: int) -> dict:
+    """The functional front end with SP: setup_sequence_parallel + shard() + ShardedOptimizer +
+    clip_grad_norm_ and a plain loss.backward(); every rank is one SP rank (one data replica)."""
+    import shardwise
+    from shardwise.sequence_parallel import setup_sequence_parallel
+    from shardwise.zero import GatheredParameters
+
+    model = llama()
+    sp = setup_sequence_parallel(model, dist.get_world_size())
+    shardwise.shard(model, stage=stage)
+    opt = shardwise.ShardedOptimizer(model, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses, norms = [], []
+    for (batch,) in step_batches(1):
+        shard = split_batch(batch, sp)
+        labels = shard.pop("shift_labels")
+        loss = sequence_parallel_loss(model(**shard).logits, labels, sp)
+        loss.backward()
+        norms.append(float(shardwise.clip_grad_norm_(model, CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    with GatheredParameters(model.parameters()):
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "weights": weights}

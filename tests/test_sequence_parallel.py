@@ -183,3 +183,10 @@ def test_tiled_pieces_equal_untiled_with_a_scaled_loss(mlp, loss):
 def test_sp2_with_tiled_pieces_matches_single_process(pool2, reference, stage):
     for got in pool2.run("sp_cases:sp_training", stage, 2, tiles=3):
         _check(got, reference)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sp2_with_shard_api_matches_single_process(pool2, reference, stage):
+    """shardwise.shard() + ShardedOptimizer average over every rank, as the engine does: SP needs nothing more."""
+    for got in pool2.run("sp_cases:sp_shard_api", stage):
+        _check(got, reference)
