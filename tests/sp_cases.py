@@ -100,12 +100,13 @@ def step_batches(dp: int, micro: int = 2, seqs: tuple[int, ...] = SEQS, first: i
     return out
 
 
-def sp_config(stage: int, sp: int, world: int, micro: int = 2) -> dict:
+def sp_config(stage: int, sp: int, world: int, micro: int = 2, **zero: object) -> dict:
     dp = world // sp
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "train_batch_size": micro * dp, "gradient_clipping": CLIP, "steps_per_print": 0,
             "sequence_parallel_size": sp,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000,
+                                  **zero},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                       "weight_decay": WD}}}
 
@@ -184,12 +185,13 @@ def resume_without_sp(stage: int, save_dir: str) -> dict:
 
 
 def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: str | None = None,
-                tiles: int | None = None) -> dict:
+                tiles: int | None = None, **zero: object) -> dict:
     """Train through shardwise.initialize with sequence_parallel_size; losses as every rank reports them.
 
     ``inject`` a known error, to show the test catches it: 'local' (each rank attends only to its
     own shard: SP off on split batches) or 'double' (gradients 2x, DeepSpeed's ZeRO-1/2 SP bug).
-    ``tiles``: ALST's tiled MLPs and tiled logits + loss, with that many tiles."""
+    ``tiles``: ALST's tiled MLPs and tiled logits + loss, with that many tiles. ``zero``: more
+    zero_optimization keys (hybrid sharding)."""
     import contextlib
 
     import shardwise
@@ -199,7 +201,7 @@ def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: s
     model = llama()
     if tiles is not None:
         tile_mlps(model, tiles)
-    engine, *_ = shardwise.initialize(model=model, config=sp_config(stage, sp_size, world))
+    engine, *_ = shardwise.initialize(model=model, config=sp_config(stage, sp_size, world, **zero))
     sp = engine.sequence_parallel
     losses, norms = [], []
     for replicas in step_batches(engine.dp_world):

@@ -86,15 +86,17 @@ def test_checkpoint_saved_under_sp_resumes_without_sp(pool2, reference, stage, t
             assert abs(a - b) / abs(b) <= reference["tol"]["loss"], (got["losses"], reference["losses"])
 
 
-def test_sp2_x_dp2_four_ranks_stage2(pool4):
-    """SP groups {0,1} {2,3}, each reading its own samples: gradients summed over the 4 ranks,
-    divided by the 2 replicas; equal to one process averaging the two replicas' losses."""
+def test_sp2_x_dp2_four_ranks(pool4):
+    """SP groups {0,1} {2,3}, each reading its own samples, at stage 2 (ZeRO over all 4 ranks) and at
+    stage 3 with hybrid sharding (shard groups {0,1} {2,3}, replicas {0,2} {1,3}): equal to one process
+    averaging the two replicas' losses."""
     ref = sp_cases.reference_training(dp=2)
     others = [sp_cases.reference_training(dp=2, variant=v) for v in ("rows", "flip")]
     ref["tol"] = equivalence_tol(_noise(ref, others), len(sp_cases.SEQS) + len(sp_cases.RESUME_SEQS))
-    for got in pool4.run("sp_cases:sp_training", 2, 2):
-        assert got["dp_world"] == 2 and got["sp"] == 2
-        _check(got, ref)
+    for stage, zero in ((2, {}), (3, {"mics_shard_size": 2})):
+        for got in pool4.run("sp_cases:sp_training", stage, 2, **zero):
+            assert got["dp_world"] == 2 and got["sp"] == 2
+            _check(got, ref)
 
 
 def test_eval_mode_keeps_sp_generate_is_local_unsplit_refused(pool2):
