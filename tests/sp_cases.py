@@ -57,7 +57,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = None) -> dict:
+def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = None,
+                     checkpointing: bool = False) -> dict:
     """SP 2 forward + backward (gradients averaged over the SP group, as ZeRO does) against the whole batch
     in one process."""
     sp = SequenceParallel.of_size(dist.get_world_size())
@@ -67,6 +68,8 @@ def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = 
     ref = reference_loss(ref_model, batch)
     ref.backward()
     register_attention(model, sp)
+    if checkpointing:  # HF activation checkpointing: attention (and its all-to-alls) recomputed in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard = split_batch(batch, sp)
     labels = shard.pop("shift_labels")
     loss = sequence_parallel_loss(model(**shard).logits, labels, sp)

@@ -22,14 +22,15 @@ from tolerance import equivalence_tol  # noqa: E402
 ROUND_OFF = 1e-5
 
 
-@pytest.mark.parametrize("impl,kv_heads,seq,pad_from", [
-    ("sdpa", 1, 16, None),  # GQA: one kv head replicated to both ranks
-    ("eager", 1, 16, None),
-    ("sdpa", 2, 15, None),  # kv heads split; an odd length padded to the SP degree
-    ("sdpa", 1, 16, 9),  # right padding removed by the adapter
+@pytest.mark.parametrize("impl,kv_heads,seq,pad_from,checkpointing", [
+    ("sdpa", 1, 16, None, False),  # GQA: one kv head replicated to both ranks
+    ("eager", 1, 16, None, False),
+    ("sdpa", 2, 15, None, False),  # kv heads split; an odd length padded to the SP degree
+    ("sdpa", 1, 16, 9, False),  # right padding removed by the adapter
+    ("sdpa", 1, 16, None, True),  # activation checkpointing: the exchanges run again in backward
 ])
-def test_forward_backward_equal_whole_sequence(pool2, impl, kv_heads, seq, pad_from):
-    for r in pool2.run("sp_cases:sp_matches_whole", impl, kv_heads, seq, pad_from):
+def test_forward_backward_equal_whole_sequence(pool2, impl, kv_heads, seq, pad_from, checkpointing):
+    for r in pool2.run("sp_cases:sp_matches_whole", impl, kv_heads, seq, pad_from, checkpointing):
         assert r["loss"] < ROUND_OFF and r["grad"] < ROUND_OFF, r
 
 
