@@ -35,7 +35,7 @@ class UlyssesSPAttentionHF:
     """Only its ``register_with_transformers`` classmethod is served (what Accelerate calls)."""
 
     @classmethod
-    def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str,
+    def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str | None,
                                    sequence_parallel_size: int, micro_batch_size: int,  # noqa: ARG003
                                    seq_length: int | None = None, seq_length_is_variable: bool = True,  # noqa: ARG003
                                    disable_in_eval: bool = False, max_length: int | None = None):  # noqa: ARG003
@@ -48,7 +48,7 @@ class UlyssesSPAttentionHF:
         model = model_name_or_path
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         active = str(config._attn_implementation or "eager").removeprefix("shardwise_sp_")
-        if active != core_attn_implementation:
+        if core_attn_implementation is not None and active != core_attn_implementation:
             raise ValueError(f"core_attn_implementation={core_attn_implementation!r} does not match the model's "
                              f"attn_implementation {active!r}; set both to the same value")
         sp = setup_sequence_parallel(model, int(sequence_parallel_size))
