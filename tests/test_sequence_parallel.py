@@ -193,3 +193,15 @@ def test_sp2_with_shard_api_matches_single_process(pool2, reference, stage):
     """shardwise.shard() + ShardedOptimizer average over every rank, as the engine does: SP needs nothing more."""
     for got in pool2.run("sp_cases:sp_shard_api", stage):
         _check(got, reference)
+
+
+def test_register_with_transformers_refusals():
+    """The facade's entry refuses, in one line, what it cannot serve; size 1 is a no-op (DeepSpeed's)."""
+    from shardwise.deepspeed.ulysses import UlyssesSPAttentionHF
+
+    reg = UlyssesSPAttentionHF.register_with_transformers
+    assert reg(sp_cases.llama(), "sdpa", 1, 1) is None
+    with pytest.raises(ValueError, match="needs the model object"):
+        reg("meta-llama/Llama-3.1-8B", "sdpa", 2, 1)
+    with pytest.raises(ValueError, match="does not match the model's attn_implementation 'sdpa'"):
+        reg(sp_cases.llama(), "eager", 2, 1)
