@@ -205,3 +205,47 @@ def test_register_with_transformers_refusals():
         reg("meta-llama/Llama-3.1-8B", "sdpa", 2, 1)
     with pytest.raises(ValueError, match="does not match the model's attn_implementation 'sdpa'"):
         reg(sp_cases.llama(), "eager", 2, 1)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_facade_tiled_names_equal_untiled(reduction):
+    """DeepSpeed's TiledMLP / TiledFusedLogitsLoss signatures (the facade) on a Llama: values and every
+    gradient equal the untiled computation, with the output scaled by 0.5 before backward ("mean"
+    averages the 3 tiles' losses: tiles of equal size here, 10 rows each, so it is the untiled mean)."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from shardwise.deepspeed.ulysses import TiledFusedLogitsLoss, TiledMLP
+
+    def mlp_fn(module, x):
+        return type(module).forward(module, x)
+
+    def loss_fn(head, x, y):
+        return F.cross_entropy(head(x).float(), y, reduction=reduction)
+
+    def run(model, tiled):
+        ids = sp_cases.sample_batch(2, 15)["input_ids"]
+        labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+        if tiled:
+            for layer in model.model.layers:
+                mlp = layer.mlp
+                mlp.forward = lambda x, m=mlp: TiledMLP.apply(mlp_fn, m, x, 3, list(m.parameters()))
+        hidden = model.model(input_ids=ids).last_hidden_state
+        head = model.lm_head
+        if tiled:
+            loss = TiledFusedLogitsLoss.apply(loss_fn, head, hidden, labels, None, 3, [head.weight], reduction)
+        else:
+            loss = F.cross_entropy(head(hidden).float().reshape(-1, sp_cases.VOCAB), labels.reshape(-1),
+                                   reduction="sum")
+            loss = loss / 3 / 10 if reduction == "mean" else loss
+        (loss * 0.5).backward()
+        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model = sp_cases.llama()
+    want_loss, want = run(copy.deepcopy(model), False)
+    got_loss, got = run(model, True)
+    assert abs(got_loss - want_loss) / abs(want_loss) < TILED_ROUND_OFF
+    for n, g in want.items():
+        assert float((got[n] - g).norm() / g.norm()) < TILED_ROUND_OFF, n
