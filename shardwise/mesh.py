@@ -102,3 +102,33 @@ def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: in
         mesh.secondary = make_comm(_GROUPS[skey][0], stats, scope="_secondary")
     return mesh
 
+
+
+@dataclass
+class SequenceMesh:
+    """Sequence parallelism's two groups (``get_sequence_mesh``)."""
+
+    sp: Comm  # the ranks holding the shards of one sequence: consecutive ranks, like TP
+    data: Comm  # the ranks with the same sequence-parallel rank: one per data-parallel replica
+
+
+def get_sequence_mesh(sp_size: int, stats: CommStats | None = None) -> SequenceMesh:
+    """Cut the ranks into sequence-parallel groups of ``sp_size`` consecutive ranks.
+
+    ZeRO keeps sharding and averaging over every data-parallel rank (``get_mesh``); SP ranks are
+    data-parallel ranks to it that hold different tokens of the same samples, and the SP loss makes
+    each of their gradients ``sp_size`` times its share (sequence_parallel/exchange.SumForward), so
+    the average over all ranks is the samples' gradient. The SP group is
+    innermost, as TP is, because its all-to-alls run in every layer. Every rank must call this with
+    the same ``sp_size``.
+    """
+    world, rank = _world()
+    if sp_size < 1 or world % sp_size:
+        raise ValueError(f"sequence parallel size {sp_size} must divide the world size {world} "
+                         "(sequence_parallel_size)")
+    key = ("sp", sp_size)
+    if key not in _GROUPS:
+        _GROUPS[key] = (_make(world, rank, sp_size, 1), _make(world, rank, world // sp_size, sp_size))
+    sp_g, data_g = _GROUPS[key]
+    stats = stats if stats is not None else CommStats()
+    return SequenceMesh(sp=make_comm(sp_g, stats, scope="_sequence"), data=make_comm(data_g, stats))

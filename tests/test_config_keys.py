@@ -77,7 +77,6 @@ def test_deepspeed_keys_accepted(config):
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast", "auto_cast"),
     ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow", "ZenFlow"),
     ({"compile": {"deepcompile": True}}, "compile", "DeepCompile"),
-    ({"sequence_parallel_size": 2}, "sequence_parallel_size", "sequence parallelism"),
     ({"sparse_gradients": True}, "sparse_gradients", "sparse"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp", "Apex"),
     ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
@@ -291,3 +290,20 @@ def test_initialize_applies_the_timeout_key(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "42.0"
+
+
+@pytest.mark.parametrize("config,world,words", [
+    ({"sequence_parallel_size": 3}, 4, "does not divide the world size 4"),
+    ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 4, "use one of them"),
+])
+def test_sequence_parallel_size_checked(config, world, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        load_config({"train_micro_batch_size_per_gpu": 1, **config}, world_size=world,
+                    supported=SupportedFeatures.everything())
+    assert str(err.value).startswith(("sequence_parallel_size", "sequence_parallel_size with"))
+
+
+def test_sequence_parallel_divides_the_batch_rule_by_sp():
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                       "sequence_parallel_size": 2}, world_size=4)
+    assert cfg.dp_world == 2 and cfg.train_batch_size == 4

@@ -49,6 +49,8 @@ def test_install_serves_every_listed_name_and_refuses_the_rest():
         shardwise.install_as_deepspeed()  # idempotent
         import deepspeed
         from shardwise.deepspeed import SURFACE, DeepSpeedNameNotImplemented
+        from transformers.integrations.deepspeed import is_deepspeed_available
+        from accelerate.utils import compare_versions, is_deepspeed_available as acc_available
         assert importlib.util.find_spec("deepspeed") is not None
         assert importlib.metadata.version("deepspeed") == {VERSION!r} == deepspeed.__version__
         for module, table in SURFACE.items():
@@ -56,8 +58,9 @@ def test_install_serves_every_listed_name_and_refuses_the_rest():
             for name, value in table.items():
                 assert getattr(mod, name) is value, (module, name)
         assert deepspeed.runtime.zero.partition_parameters.Init is shardwise.zero.Init
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-        for use in (lambda: UlyssesSPAttentionHF.register_with_transformers, lambda: deepspeed.moe.layer.MoE(),
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPFwdLossBwdWithLogits
+        assert compare_versions("deepspeed", ">=", "0.18.2")  # Accelerate's check for its SP path
+        for use in (lambda: UlyssesSPFwdLossBwdWithLogits(), lambda: deepspeed.moe.layer.MoE(),
                     lambda: isinstance(1, deepspeed.PipelineModule)):
             try:
                 use()
@@ -68,8 +71,7 @@ def test_install_serves_every_listed_name_and_refuses_the_rest():
             deepspeed.utils.no_such_function()
         except NotImplementedError as e:
             assert "deepspeed.utils.no_such_function" in str(e), e
-        from transformers.integrations.deepspeed import is_deepspeed_available
-        from accelerate.utils import compare_versions, is_deepspeed_available as acc_available
+
         assert is_deepspeed_available() and acc_available() and compare_versions("deepspeed", ">=", "0.16.4")
     """)
 

@@ -127,6 +127,18 @@ def test_resume_at_another_tp_degree_and_stage(full_run: Path, tmp_path: Path) -
         assert math.isclose(got[key], v, rel_tol=RTOL), (key, got[key], v)
 
 
+def test_sequence_parallel_flag_then_resume_without_sp(full_run: Path, tmp_path: Path) -> None:
+    """Half the run with --sp 2 (one replica, accumulation 4, every sequence split over both ranks),
+    the rest at dp 2 without SP: the per-step train and eval losses of the plain run."""
+    out = tmp_path / "sp_then_dp"
+    _train(tmp_path, out, 2, "--steps", str(STEPS // 2), "--sp", "2")
+    _train(tmp_path, out, 2, "--resume", "auto")
+    want, got = _losses(full_run), _losses(out)
+    assert set(got) == set(want)
+    for key, v in want.items():
+        assert math.isclose(got[key], v, rel_tol=RTOL), (key, got[key], v)
+
+
 def test_outputs_of_a_run(full_run: Path) -> None:
     train = [m for m in read_metrics(full_run) if m["kind"] == "train"]
     evals = [m for m in read_metrics(full_run) if m["kind"] == "eval"]
@@ -272,3 +284,13 @@ def test_timeout_from_the_config_key_unless_the_flag_is_given(tmp_path: Path) ->
     cfg.write_text(json.dumps({"train_batch_size": 4, "shardwise": {"timeout_s": "42"}}))
     with pytest.raises(SystemExit):
         parse_args(["--config", str(cfg)])
+
+
+def test_sp_flag_sets_the_config_key_and_refuses_a_conflict(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4}))
+    assert parse_args(["--config", str(cfg), "--sp", "2"]).ds_config["sequence_parallel_size"] == 2
+    cfg.write_text(json.dumps({"train_batch_size": 4, "sequence_parallel_size": 4}))
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", str(cfg), "--sp", "2"])
+    assert e.value.code == 2 and "disagrees with the config's sequence_parallel_size 4" in capsys.readouterr().err

@@ -225,7 +225,8 @@ KEYS: tuple[Key, ...] = (
     Key(TP + "keep_module_on_host", I, _PERF),
     Key(TP + "replace_with_kernel_inject", R, "kernel injection", default(False)),
     Key(TP + "kernel_inject", R, "kernel injection", default(False)),
-    Key("sequence_parallel_size", R, "Ulysses sequence parallelism", default(1)),
+    Key("sequence_parallel_size", H, "Ulysses sequence parallelism over groups of consecutive ranks "
+        "(shardwise/sequence_parallel/, docs/long_context.md)"),
     Key("expert_parallel", R, "expert parallelism (AutoEP)", disabled, subtree=True),
     Key("use_data_before_expert_parallelism", I, "used only with MoE"),
     Key("pipeline", I, "used only by DeepSpeed's PipelineModule, which shardwise does not provide",

@@ -285,6 +285,16 @@ def _resolve_batch(cfg: ShardwiseConfig) -> None:
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = tbs, mbs, gas
 
 
+def _check_sequence_parallel(cfg: ShardwiseConfig, world_size: int) -> None:
+    sp = cfg.sequence_parallel_size
+    if sp > 1 and cfg.tp_size > 1:
+        raise ConfigError("sequence_parallel_size with tensor_parallel.autotp_size > 1 is not implemented "
+                          "by shardwise; use one of them")
+    if world_size % sp:
+        raise ConfigError(f"sequence_parallel_size: {sp} does not divide the world size {world_size}; "
+                          f"choose a divisor of {world_size}")
+
+
 def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world_size: int = 1,
                 tp_size_hint: int | None = None, hidden_size: int | None = None,
                 supported: SupportedFeatures | None = None) -> ShardwiseConfig:
@@ -307,6 +317,7 @@ def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world
     if cfg.tp_size < 1 or world_size % cfg.tp_size:
         raise ConfigError(f"tensor_parallel.autotp_size: {cfg.tp_size} does not divide the world size "
                           f"{world_size}; choose a divisor of {world_size}")
+    _check_sequence_parallel(cfg, world_size)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
     z = cfg.zero_optimization

@@ -218,6 +218,7 @@ class ShardwiseConfig(_Section):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    sequence_parallel_size: int = Field(1, ge=1, le=2**16)  # Ulysses SP: shardwise/sequence_parallel/
     # Free-form sections: kept as given, not checked deeply (we do not interpret them, or only a few keys).
     activation_checkpointing: FreeDict = Field(default_factory=dict)
     data_types: FreeDict = Field(default_factory=dict)
@@ -249,7 +250,8 @@ class ShardwiseConfig(_Section):
 
     @property
     def dp_world(self) -> int:
-        return self._world_size // self.tp_size
+        """Data-parallel replicas: the ranks of one SP group read the same samples."""
+        return self._world_size // (self.tp_size * self.sequence_parallel_size)
 
     @property
     def zero_stage(self) -> int:

@@ -11,9 +11,10 @@ from typing import Any
 
 # DeepSpeed module paths (prefixes) whose whole feature shardwise does not implement.
 REFUSED_FEATURES: dict[str, str] = {
-    "deepspeed.runtime.sequence_parallel": "Ulysses / ALST sequence parallelism",
+    "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPFwdLossBwdWithLogits": "ALST's fused forward-loss-"
+        "backward (use shardwise.sequence_parallel.tiled_causal_lm_loss)",
     "deepspeed.sequence": "Ulysses sequence parallelism",
-    "deepspeed.utils.groups": "DeepSpeed's expert / sequence parallel groups (MoE, Ulysses)",
+    "deepspeed.utils.groups": "DeepSpeed's expert parallel groups (MoE)",
     "deepspeed.moe.layer": "Mixture of Experts (expert parallelism)",
     "deepspeed.moe.experts": "Mixture of Experts (expert parallelism)",
     "deepspeed.pipe": "pipeline parallelism",

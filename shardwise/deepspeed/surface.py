@@ -15,7 +15,7 @@ from typing import Any
 from shardwise import optim, utils, zero
 from shardwise.comm import compat as comm_api
 from shardwise.config.schema import ConfigError
-from shardwise.deepspeed import accelerate_state, accelerator, names, ops
+from shardwise.deepspeed import accelerate_state, accelerator, names, ops, ulysses
 from shardwise.deepspeed.params import ZeroParamStatus
 from shardwise.deepspeed.stage3 import initialize
 from shardwise.engine import Engine
@@ -61,9 +61,15 @@ SURFACE: dict[str, dict[str, Any]] = {
         **_take(names, ["ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "ADAGRAD_OPTIMIZER",
                         "LION_OPTIMIZER"]), "DeepSpeedConfigError": ConfigError},
     "deepspeed.runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": names.MIN_SWAPPABLE_BYTES},
+    "deepspeed.runtime.sequence_parallel": {},
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": _take(ulysses, [
+        "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "TiledMLP", "TiledFusedLogitsLoss"]),
     "deepspeed.utils": _take(utils, utils.__all__),
     "deepspeed.utils.zero_to_fp32": _take(zero_to_fp32, zero_to_fp32.__all__),
     "deepspeed.utils.torch": {"required_torch_version": names.required_torch_version},
+    "deepspeed.utils.groups": {"_get_sequence_parallel_group": ulysses.sequence_parallel_group,
+                               "_get_sequence_parallel_world_size": ulysses.sequence_parallel_world_size,
+                               "_get_sequence_parallel_rank": ulysses.sequence_parallel_rank},
     "deepspeed.checkpoint": {},
     "deepspeed.checkpoint.utils": {"clone_tensors_for_torch_save": utils.clone_tensors_for_torch_save},
     "deepspeed.moe": {},

@@ -33,6 +33,7 @@ from shardwise.fsdp.module import shard_module
 from shardwise.monitor import EngineMonitor
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
+from shardwise.sequence_parallel import setup_sequence_parallel
 from shardwise.zero.bucket_step import step_and_publish
 from shardwise.zero.builder import ShardOptions
 from shardwise.zero.whole_tensor import build_on_sharding, whole_tensor_of
@@ -100,7 +101,11 @@ class Engine(EngineAccessors, nn.Module):
                                      optimizer=optimizer, tp_plan=False if model_is_tp else "auto")
         sh = self.sharding
         self.module = model
-        self.dp_world, self.dp_rank = sh.dp_world, sh.dp_rank
+        # data-parallel replicas (sampler, batch rule): ZeRO shards over SP x DP ranks; one SP group, one sample set
+        sp = config.sequence_parallel_size
+        self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
+        # Ulysses SP (None without): the groups and the model's attention, docs/long_context.md
+        self.sequence_parallel = setup_sequence_parallel(model, sp) if sp > 1 else None
         # gradient_allreduce_op: "mean" averages gradients over data-parallel ranks, "sum" adds them
         self.gradient_average = config.gradient_allreduce_op == "mean"
         self.tp_report, self.policy, self.units, self.fetcher = sh.tp_report, sh.policy, sh.units, sh.fetcher
@@ -252,7 +257,8 @@ class Engine(EngineAccessors, nn.Module):
             self.micro_steps += 1
             return
         check_all_used(self)
-        unscale = 1.0 / self.dp_world if self.gradient_average else 1.0
+        # over every rank ZeRO reduced over (SP x DP): each SP rank's loss is the whole loss (docs/long_context.md)
+        unscale = 1.0 / self.sharding.dp_world if self.gradient_average else 1.0
         if self.loss_scaler is not None:
             unscale /= self.loss_scaler.scale
         grads = self.sharding.reduced_grads(unscale)

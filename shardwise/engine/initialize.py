@@ -19,13 +19,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardwise.comm import init_distributed
-from shardwise.config import ShardwiseConfig, SupportedFeatures, load_config, timeout_of
+from shardwise.config import ShardwiseConfig, SupportedFeatures, load_config, read_config, timeout_of
 from shardwise.engine.compat import UsageError
 from shardwise.engine.engine import Engine
 from shardwise.engine.mpu import mesh_from_mpu, mpu_sizes
 from shardwise.fsdp.module import is_sharded
 from shardwise.fsdp.unshard import unshard_module
 from shardwise.mesh import Mesh, get_mesh
+from shardwise.sequence_parallel import SequenceParallelMPU
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
@@ -120,6 +121,9 @@ def initialize(
     if config is None:
         config = config_params
     config = _config_from_args(args, config)
+    sp_mpu = mpu if isinstance(mpu, SequenceParallelMPU) else None
+    if sp_mpu is not None:  # DeepSpeed's register_with_transformers: SP over shardwise's own groups
+        config, mpu = with_sequence_parallel(config, sp_mpu.get_sequence_parallel_world_size()), None
     _join(dist_init_required, distributed_port, timeout_of(config))
     _setup_logging()
     cfg, mesh = _config_and_mesh(config, model, mpu)
@@ -128,11 +132,22 @@ def initialize(
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate,
                     model_is_tp=mpu is not None, secondary=mesh.secondary)
-    engine.mpu = mpu
+    engine.mpu = mpu if sp_mpu is None else sp_mpu
     atexit.register(_finish_pending, weakref.ref(engine))
     loader = None if training_data is None else _dataloader(training_data, engine, cfg, collate_fn)
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def with_sequence_parallel(config: Any, sp_size: int) -> dict:
+    """``config`` (a path or dict) as a dict with ``sequence_parallel_size`` = ``sp_size``; a config
+    asking for another size is refused."""
+    raw = read_config(config)
+    given = raw.get("sequence_parallel_size")
+    if given not in (None, 1, sp_size):
+        raise UsageError(f"the config's sequence_parallel_size {given} disagrees with the mpu's sequence-parallel "
+                         f"size {sp_size}; keep one")
+    return {**raw, "sequence_parallel_size": sp_size}
 
 
 def _config_and_mesh(config: Any, model: nn.Module, mpu: Any) -> tuple[ShardwiseConfig, Mesh]:
@@ -146,6 +161,9 @@ def _config_and_mesh(config: Any, model: nn.Module, mpu: Any) -> tuple[Shardwise
                       supported=SupportedFeatures.everything() if mpu is None else
                       SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True))
     if mpu is not None:
+        if cfg.sequence_parallel_size > 1:
+            raise UsageError("initialize(mpu=...) with sequence_parallel_size > 1 is not implemented by "
+                             "shardwise; drop mpu= (shardwise cuts the SP groups itself)")
         return cfg, mesh_from_mpu(mpu, model, cfg.tp_size)
     shard = cfg.zero_optimization.mics_shard_size
     hpz = cfg.zero_optimization.zero_hpz_partition_size

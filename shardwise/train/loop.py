@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine import NonFiniteError
+from shardwise.sequence_parallel import sequence_parallel_loss, split_batch
 from shardwise.train.data import TokenData
 from shardwise.train.run_folder import prune_checkpoints
 
@@ -53,6 +54,16 @@ class StepResult:
     loss_scaler_skipped: bool
 
 
+def _micro_loss(engine, mb: torch.Tensor) -> torch.Tensor:
+    """The micro-batch's causal-LM loss; under SP this rank's sequence shard, every token counted once."""
+    sp = engine.sequence_parallel
+    if sp is None:
+        return engine(input_ids=mb, labels=mb).loss
+    shard = split_batch({"input_ids": mb, "labels": mb}, sp)
+    labels = shard.pop("shift_labels")
+    return sequence_parallel_loss(engine(**shard).logits, labels, sp)
+
+
 def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepResult:
     """One optimizer step (all micro-batches).
 
@@ -64,22 +75,22 @@ def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepRes
     """
     cfg = engine.config
     t0 = time.perf_counter()
-    micro = data.micro_batches(step, cfg.train_micro_batch_size_per_gpu, engine.gas, engine.comm.rank,
+    micro = data.micro_batches(step, cfg.train_micro_batch_size_per_gpu, engine.gas, engine.dp_rank,
                                engine.dp_world)
     data_s = time.perf_counter() - t0
     total, norm = 0.0, None
     for mb in micro:
         mb = mb.to(engine.device)
-        out = engine(input_ids=mb, labels=mb)
-        engine.backward(out.loss)
+        loss = _micro_loss(engine, mb)
+        engine.backward(loss)
         try:
             engine.step()
         except NonFiniteError as e:
             norm = e.value
-        total += float(out.loss.detach())
+        total += float(loss.detach())
     flags = torch.tensor([total / engine.gas, float(stop.requested)], dtype=torch.float64,
                          device=engine.device)
-    dist.all_reduce(flags)  # world sum: TP ranks repeat their data-parallel rank's loss, so / world
+    dist.all_reduce(flags)  # world sum: TP and SP ranks repeat their data-parallel rank's loss, so / world
     scaler_skip = engine.loss_scaler is not None and not engine.was_step_applied()
     return StepResult(float(flags[0]) / dist.get_world_size(), bool(flags[1] > 0), data_s,
                       engine.get_global_grad_norm() if norm is None else norm, scaler_skip)
@@ -93,7 +104,7 @@ def evaluate(engine, data: TokenData) -> float:
     runs a forward anyway (discarded), because stage-3 and TP forwards are collective.
     """
     batches = data.eval_batches(engine.config.train_micro_batch_size_per_gpu)
-    dp, rank = engine.dp_world, engine.comm.rank
+    dp, rank = engine.dp_world, engine.dp_rank  # SP ranks evaluate whole sequences (no_grad: SP is off)
     sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
     engine.module.eval()
     try:
@@ -106,7 +117,7 @@ def evaluate(engine, data: TokenData) -> float:
                 sums += torch.tensor([float(loss) * n, n], dtype=torch.float64, device=engine.device)
     finally:
         engine.module.train()
-    dist.all_reduce(sums)  # TP ranks add their (equal) sums to numerator and denominator alike
+    dist.all_reduce(sums)  # TP and SP ranks add their (equal) sums to numerator and denominator alike
     return float(sums[0] / sums[1])
 
 

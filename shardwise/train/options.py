@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prompt", default=None, help="prompt for the sample (default: the start of the held-out text)")
     a("--no-export", action="store_true", help="skip the hf/ export at the end")
     a("--overwrite", action="store_true", help="--out may hold files that are not a run's (they are left alone)")
+    a("--sp", type=int, default=None,
+      help="Ulysses sequence parallelism over N consecutive ranks (the config's sequence_parallel_size)")
     a("--timeout", type=float, default=None,
       help="seconds a collective may wait for the other ranks before failing (default: SHARDWISE_TIMEOUT or 600)")
     return p
@@ -150,6 +152,18 @@ def read_ds_config(config: str | dict, steps: int, p: argparse.ArgumentParser) -
     return ds
 
 
+def _apply_sp(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """``--sp N`` as the config's ``sequence_parallel_size`` (a different value in the config is refused)."""
+    if args.sp is None:
+        return
+    if args.sp < 1:
+        p.error(f"--sp must be >= 1, got {args.sp}")
+    given = args.ds_config.get("sequence_parallel_size")
+    if given not in (None, args.sp):
+        p.error(f"--sp {args.sp} disagrees with the config's sequence_parallel_size {given}; keep one")
+    args.ds_config["sequence_parallel_size"] = args.sp
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags over the run config file over the defaults; ``args.ds_config`` is the config dict."""
     p = build_parser()
@@ -164,6 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(e))
     config = default_config(args.steps) if args.config is None else args.config  # no --config: the defaults
     args.ds_config = read_ds_config(config, args.steps, p)
+    _apply_sp(args, p)
     if args.timeout is None:  # the flag wins; else the config's shardwise.timeout_s, as initialize() reads it
         from shardwise.config.read import timeout_of  # here, not at the top: `train --help` loads no torch
         from shardwise.config.schema import ConfigError

@@ -123,8 +123,8 @@ def _setup(args, shardwise) -> Job:
     global_batch = cfg.train_micro_batch_size_per_gpu * engine.gas * engine.dp_world
     _log(f"{args.model} ({src.kind}): {size / 1e6:.2f}M params, tokenizer {tokenizer.name}; data "
          f"{len(data.tokens):,} tokens = {data.n_train} train + {data.n_eval} eval sequences of {args.seq}; "
-         f"world {dist.get_world_size()} (tp {engine.tp.size} x dp {engine.dp_world}), ZeRO stage "
-         f"{engine.stage}, {cfg.precision}, {global_batch} sequences/step")
+         f"world {dist.get_world_size()} (tp {engine.tp.size} x sp {cfg.sequence_parallel_size} x dp "
+         f"{engine.dp_world}), ZeRO stage {engine.stage}, {cfg.precision}, {global_batch} sequences/step")
     if args.config is None:
         _log(f"no --config: the defaults ({SUMMARY}); saved in {run_dir / 'run_config.json'}")
     note = passes_note(args.steps, global_batch, data.n_train)

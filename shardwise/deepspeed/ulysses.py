@@ -1,0 +1,131 @@
+"""DeepSpeed's Ulysses / ALST names (``deepspeed.runtime.sequence_parallel.ulysses_sp``, ``deepspeed.utils.groups``),
+mapped onto ``shardwise.sequence_parallel``; what Accelerate 1.16 and transformers 5.24 call for
+``ParallelismConfig(sp_size=N, sp_backend="deepspeed")``.
+
+Where the behaviour differs from DeepSpeed 0.19.8, on purpose: SP is on whenever gradients are
+enabled (``disable_in_eval`` is accepted and not needed: a no-grad forward, as evaluation and
+``generate()`` run, uses the model's own attention); eager attention is served (a full causal mask
+is built over the gathered sequence); sequences whose length is not a multiple of the SP degree are
+padded with -100 labels instead of refused; ``TiledFusedLogitsLoss`` computes the head's gradient in
+backward, so a scale applied to its output reaches it; gradients come out at their true scale at
+every ZeRO stage.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.sequence_parallel import (
+    SequenceParallelMPU,
+    current,
+    setup_sequence_parallel,
+    split_batch,
+    tiled_mlp,
+    tiled_reduce,
+)
+
+
+class UlyssesSPAttentionHF:
+    """Only its ``register_with_transformers`` classmethod is served (what Accelerate calls)."""
+
+    @classmethod
+    def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str | None,
+                                   sequence_parallel_size: int, micro_batch_size: int,  # noqa: ARG003
+                                   seq_length: int | None = None, seq_length_is_variable: bool = True,  # noqa: ARG003
+                                   disable_in_eval: bool = False, max_length: int | None = None):  # noqa: ARG003
+        """Cut the SP groups, make the model's attention Ulysses attention; the mpu for ``initialize``."""
+        if sequence_parallel_size == 1:
+            return None
+        if not isinstance(model_name_or_path, nn.Module) or not hasattr(model_name_or_path, "config"):
+            raise ValueError("register_with_transformers: shardwise needs the model object (with its config), "
+                             f"not {type(model_name_or_path).__name__}; pass the model")
+        model = model_name_or_path
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        active = str(config._attn_implementation or "eager").removeprefix("shardwise_sp_")
+        if core_attn_implementation is not None and active != core_attn_implementation:
+            raise ValueError(f"core_attn_implementation={core_attn_implementation!r} does not match the model's "
+                             f"attn_implementation {active!r}; set both to the same value")
+        sp = setup_sequence_parallel(model, int(sequence_parallel_size))
+        return SequenceParallelMPU(sp)
+
+
+class UlyssesSPDataLoaderAdapter:
+    """DeepSpeed's adapter: each step gathers one batch from every SP rank's loader and yields them in
+    turn, each as this rank's sequence shard (``split_batch``: positions, ``shift_labels``)."""
+
+    def __init__(self, dl: Iterable[dict], sp_rank: int, sp_group: Any, sp_world_size: int,  # noqa: ARG002
+                 device: Any = None):
+        self.dl, self.sp, self.device = dl, current(), device
+        if self.sp.size != sp_world_size:
+            raise ValueError(f"UlyssesSPDataLoaderAdapter: sp_world_size {sp_world_size} but the model's SP group "
+                             f"has {self.sp.size} ranks")
+        self.iter = iter(dl)
+        self.pending: deque[dict] = deque()
+
+    def __len__(self) -> int:
+        return len(self.dl) * self.sp.size  # type: ignore[arg-type]
+
+    def __iter__(self) -> UlyssesSPDataLoaderAdapter:
+        return self
+
+    def __next__(self) -> dict:
+        if not self.pending:
+            self._refill()
+        return self.pending.popleft()
+
+    def _refill(self) -> None:
+        try:
+            batch = next(self.iter)
+        except StopIteration:
+            self.iter = iter(self.dl)
+            raise
+        local = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        everyone: list[Any] = [None] * self.sp.size
+        dist.all_gather_object(everyone, local, group=self.sp.group)
+        for b in everyone:
+            shard = split_batch(b, self.sp)
+            self.pending.append({k: v.to(self.device) if isinstance(v, torch.Tensor) and self.device is not None
+                                 else v for k, v in shard.items()})
+
+
+class TiledMLP:
+    """``TiledMLP.apply(fn, module, x, shards, compute_params)``: ``fn(module, x)`` over sequence tiles."""
+
+    @staticmethod
+    def apply(fn: Callable, module: nn.Module, x: torch.Tensor, shards: int,
+              compute_params: list[torch.Tensor] | None = None) -> torch.Tensor:
+        params = list(compute_params) if compute_params is not None else list(module.parameters())
+        return tiled_mlp(lambda t: fn(module, t), x, params, int(shards))
+
+
+class TiledFusedLogitsLoss:
+    """``TiledFusedLogitsLoss.apply(fn, module, x, y, mask, shards, compute_params, output_reduction)``."""
+
+    @staticmethod
+    def apply(fn: Callable, module: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
+              shards: int, compute_params: list[torch.Tensor] | None, output_reduction: str) -> torch.Tensor:
+        params = list(compute_params) if compute_params is not None else list(module.parameters())
+        if mask is not None and (mask.dim() != 2 or mask.shape != x.shape[:2]):
+            raise ValueError("TiledFusedLogitsLoss: mask must be [batch, seq] like x")
+        return tiled_reduce(lambda *a: fn(module, *a), x, y, mask, int(shards), params, output_reduction)
+
+
+def sequence_parallel_group() -> Any:
+    """DeepSpeed's ``groups._get_sequence_parallel_group()``: the torch group (None: the world)."""
+    return current().group
+
+
+def sequence_parallel_world_size() -> int:
+    """DeepSpeed's ``groups._get_sequence_parallel_world_size()``."""
+    return current().size
+
+
+def sequence_parallel_rank() -> int:
+    """DeepSpeed's ``groups._get_sequence_parallel_rank()``."""
+    return current().rank

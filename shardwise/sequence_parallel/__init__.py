@@ -1,0 +1,40 @@
+"""``shardwise.sequence_parallel``: Ulysses sequence parallelism for HF causal LMs.
+
+Each sample's sequence is split over an SP group of ranks; attention exchanges heads for tokens
+(all-to-all) so every rank attends over the whole sequence with ``heads / sp`` heads; the loss
+counts every token once; ZeRO (any stage) reduces over SP x DP ranks and averages over the DP
+replicas only. The pieces (docs/long_context.md):
+
+- ``SequenceParallel``: the group and the on/off rule (on whenever gradients are enabled);
+- ``register_attention(model, sp)``: the attention wrapper (sdpa or eager; GQA; refusals);
+- ``split_batch`` / ``SequenceSplitLoader``: a batch as this rank's shard (positions, shifted labels);
+- ``sequence_parallel_loss``: the loss of a split batch;
+- ``setup_sequence_parallel(model, sp_size)``: the groups plus the attention in one call;
+- ``SequenceParallelMPU``: the groups under Megatron/DeepSpeed names (``initialize(mpu=...)``);
+- ALST's tiling: ``tile_mlps(model)`` (each MLP over sequence tiles, recomputed in backward) and
+  ``tiled_causal_lm_loss`` (logits and loss tile by tile, never the whole ``[seq, vocab]``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.sequence_parallel.attention import head_split, register_attention
+from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch
+from shardwise.sequence_parallel.group import SequenceParallel, current
+from shardwise.sequence_parallel.loss import sequence_parallel_loss, share_of_loss, token_count
+from shardwise.sequence_parallel.mpu import SequenceParallelMPU
+from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
+
+__all__ = ["SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "current", "head_split",
+           "register_attention", "tiled_reduce",
+           "sequence_parallel_loss", "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps",
+           "tiled_causal_lm_loss", "tiled_loss_sum", "tiled_mlp", "token_count"]
+
+
+def setup_sequence_parallel(model: nn.Module, sp_size: int) -> SequenceParallel:
+    """Cut the SP groups (collective) and make ``model``'s attention Ulysses attention over them."""
+    sp = SequenceParallel.of_size(sp_size)
+    if sp.size > 1:
+        register_attention(model, sp)
+    return sp

@@ -1,0 +1,164 @@
+"""Ulysses attention for HF models: registered as an attention implementation that wraps sdpa or eager.
+
+Around the model's own attention function, q/k/v go from sequence-sharded to head-sharded by one
+all-to-all each (``exchange.SeqToHead``), the wrapped function attends over the whole sequence with
+``heads / sp`` heads, and the output comes back sequence-sharded by one more (``HeadToSeq``).
+Nothing else in the model changes: projections, rotary (from the shard's ``position_ids``), MLPs
+and norms act per token. Causality is applied over the whole sequence (the wrapped function gets no
+mask, or eager's full causal one): the data adapter removes right padding (harmless under a causal
+mask) and refuses any other mask, so there is no local mask to honour.
+
+GQA: key/value heads are split when the SP degree divides them; when the degree is a multiple of
+them each kv head is copied to the ranks whose query heads use it (``repeat_interleave``, whose
+backward sums the copies' gradients). Other head counts are refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.sequence_parallel.exchange import HeadToSeq, SeqToHead
+from shardwise.sequence_parallel.group import SequenceParallel, set_current
+
+PREFIX = "shardwise_sp_"
+WRAPPABLE = ("sdpa", "eager")
+_CURRENT: dict[str, SequenceParallel] = {}  # registered name -> the SP group its attention uses
+
+
+def head_split(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """How many copies of each kv head the exchange sends (1: kv heads split like query heads).
+
+    Raises ValueError, in one line, for head counts Ulysses cannot split."""
+    if num_heads % sp_size:
+        raise ValueError(f"sequence parallelism: {num_heads} attention heads cannot be split over "
+                         f"{sp_size} ranks (sequence_parallel_size must divide num_attention_heads)")
+    if num_kv_heads % sp_size == 0:
+        return 1
+    if sp_size % num_kv_heads == 0:
+        return sp_size // num_kv_heads
+    raise ValueError(f"sequence parallelism: {num_kv_heads} key/value heads cannot be split over or "
+                     f"replicated to {sp_size} ranks (sequence_parallel_size must divide "
+                     "num_key_value_heads or be a multiple of it)")
+
+
+class _Heads:
+    """The attention module as the wrapped function sees it after the exchange: the same module
+    with the local ratio of query to kv heads (HF's sdpa/eager read ``num_key_value_groups``)."""
+
+    def __init__(self, module: nn.Module, groups: int):
+        self._module = module
+        self.num_key_value_groups = groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _eager_of(module: nn.Module) -> Callable:
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"sequence parallelism over eager attention: {type(module).__name__}'s module has no "
+                         "eager_attention_forward; use attn_implementation='sdpa'")
+    return fn
+
+
+def _causal(n: int, like: torch.Tensor) -> torch.Tensor:
+    mask = torch.full((n, n), torch.finfo(like.dtype).min, dtype=like.dtype, device=like.device)
+    return mask.triu(1)[None, None]
+
+
+def _inner(name: str, module: nn.Module) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return _eager_of(module) if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _ulysses(inner_name: str, sp: SequenceParallel, module: nn.Module, query: torch.Tensor,
+             key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any):
+    inner = _inner(inner_name, module)
+    if not sp.active():
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    if inner_name == "sdpa" and attention_mask is not None:
+        raise ValueError("sequence parallelism: the model built an attention mask for a sequence-split batch "
+                         "(padding or packed sequences); split batches with shardwise.sequence_parallel."
+                         "split_batch, which removes right padding and refuses other masks")
+    copies = head_split(query.shape[1], key.shape[1], sp.size)
+    if copies > 1:
+        key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
+    q, k, v = (SeqToHead.apply(t, sp.comm) for t in (query, key, value))
+    mask = _causal(q.shape[2], q) if inner_name == "eager" else None
+    out, _ = inner(_Heads(module, q.shape[1] // k.shape[1]), q, k, v, mask, **kwargs)  # [b, S, h/sp, d]
+    out = HeadToSeq.apply(out.transpose(1, 2), sp.comm).transpose(1, 2).contiguous()
+    return out, None
+
+
+def _attention_for(inner_name: str) -> Callable:
+    name = PREFIX + inner_name
+
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs: Any):
+        return _ulysses(inner_name, _CURRENT[name], module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = name
+    return attention
+
+
+def _check_split_forward(sp: SequenceParallel) -> Callable:
+    """A forward pre-hook: a forward that will exchange heads must get equal shards with positions.
+
+    Why: with SP on, an unsplit batch (the same whole sequence on every rank) would be attended as
+    one sequence ``sp`` times as long, a silent wrong number; and shards of unequal length would
+    deadlock the all-to-all. ``split_batch`` gives ``position_ids`` and equal lengths; one tiny
+    all-reduce per forward checks the lengths."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG001
+        if not sp.active():
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = kwargs.get("inputs_embeds") if ids is None else ids
+        if ids is None or kwargs.get("position_ids") is None:
+            raise ValueError("sequence parallelism: a forward with gradients (SP on) got no position_ids; "
+                             "feed batches from shardwise.sequence_parallel.split_batch, or run whole "
+                             "sequences inside sp.disabled()")
+        lengths = torch.tensor([ids.shape[1], -ids.shape[1]], dtype=torch.int64)
+        sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX)
+        if int(lengths[0]) != -int(lengths[1]):
+            raise ValueError(f"sequence parallelism: the SP ranks' sequence shards differ in length "
+                             f"({-int(lengths[1])}..{int(lengths[0])} tokens); split_batch pads them equal")
+
+    return hook
+
+
+def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
+    """Make ``model``'s attention Ulysses attention over ``sp``; returns the registered name.
+
+    Checks the head counts first (one-line ValueError). Idempotent: registering a model again
+    rebinds it to ``sp``. Installs the shard check (``_check_split_forward``) on ``model``."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    current = config._attn_implementation or "eager"
+    inner_name = current[len(PREFIX):] if current.startswith(PREFIX) else current
+    if inner_name not in WRAPPABLE:
+        raise ValueError(f"sequence parallelism wraps attn_implementation 'sdpa' or 'eager', not {inner_name!r}")
+    heads = config.num_attention_heads
+    head_split(heads, getattr(config, "num_key_value_heads", None) or heads, sp.size)
+    name = PREFIX + inner_name
+    _CURRENT[name] = sp
+    set_current(sp)
+    AttentionInterface.register(name, _attention_for(inner_name))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner_name])
+    for cfg in {id(c): c for c in (model.config, config)}.values():
+        cfg._attn_implementation = name
+    old = model.__dict__.pop("_shardwise_sp_check", None)
+    if old is not None:
+        old.remove()
+    model.__dict__["_shardwise_sp_check"] = model.register_forward_pre_hook(_check_split_forward(sp),
+                                                                           with_kwargs=True)
+    return name

@@ -1,0 +1,104 @@
+"""The data side of sequence parallelism: split each batch's sequence over the SP ranks.
+
+Every SP rank reads the same samples (a data-parallel sampler over world / SP replicas) and keeps
+its contiguous shard of the sequence. Three things make the shards add up to the whole:
+- ``position_ids`` are the global positions, so rotary embeddings are right on every shard;
+- ``labels`` become ``shift_labels`` *before* the split (the target of token t is token t + 1, the
+  last one -100), so the target of each shard's last token, which lives on the next rank, is kept;
+- the sequence is padded to a multiple of the SP degree with ``-100`` labels (all-to-alls of equal
+  shards), and right padding given by ``attention_mask`` is removed the same way: under a causal
+  mask a real token never attends to a later pad, so dropping the mask changes no real token.
+Any other mask (left padding, holes, packed sequences) is refused: Ulysses attention applies one
+causal mask over the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from shardwise.sequence_parallel.group import SequenceParallel
+
+IGNORE = -100
+KNOWN = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
+
+
+def _right_padded(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as a bool tensor after checking every row is ones then zeros; one-line error otherwise."""
+    m = mask.bool()
+    if (m[:, 1:] & ~m[:, :-1]).any():
+        raise ValueError("sequence parallelism: attention_mask has a 0 before a 1 (left padding, holes or "
+                         "packing); only right padding can be split, pad on the right")
+    return m
+
+
+def _shift(batch: dict[str, Any], ids: torch.Tensor) -> torch.Tensor | None:
+    if "shift_labels" in batch:
+        if "labels" in batch:
+            raise ValueError("sequence parallelism: the batch has both labels and shift_labels; give one")
+        return batch["shift_labels"].clone()
+    if "labels" not in batch:
+        return None
+    labels = batch["labels"]
+    pad = torch.full_like(labels[:, :1], IGNORE)
+    return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def _pad_to(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    extra = length - t.shape[1]
+    if extra == 0:
+        return t
+    return torch.cat([t, torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)], dim=1)
+
+
+def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_token_id: int = 0) -> dict[str, Any]:
+    """This rank's shard of ``batch`` (a dict of ``[batch, seq]`` tensors, the same on every SP rank).
+
+    Returns ``input_ids``, ``position_ids``, ``shift_labels`` (when the batch has ``labels`` or
+    ``shift_labels``) and ``use_cache=False``; other non-tensor entries pass through.
+    """
+    ids = batch.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        raise ValueError("sequence parallelism: split_batch needs input_ids shaped [batch, seq]")
+    for k, v in batch.items():
+        if k not in KNOWN and isinstance(v, torch.Tensor):
+            raise ValueError(f"sequence parallelism: split_batch does not know how to split batch[{k!r}]")
+    seq = ids.shape[1]
+    shift = _shift(batch, ids)
+    if batch.get("attention_mask") is not None:
+        real = _right_padded(batch["attention_mask"])
+        if shift is not None:
+            shift = shift.masked_fill(~real, IGNORE)
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(seq, device=ids.device)
+    pos = pos.expand_as(ids)
+    n, r = sp.size, sp.rank
+    total = -(-seq // n) * n
+    length = total // n
+    extra_pos = torch.arange(seq, total, device=ids.device).expand(ids.shape[0], -1)
+    pos = torch.cat([pos, extra_pos.to(pos.dtype)], dim=1)
+    out: dict[str, Any] = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+    mine = slice(r * length, (r + 1) * length)  # contiguous copies: HF's loss .view()s the labels
+    out["input_ids"] = _pad_to(ids, total, pad_token_id)[:, mine].contiguous()
+    out["position_ids"] = pos[:, mine].contiguous()
+    if shift is not None:
+        out["shift_labels"] = _pad_to(shift, total, IGNORE)[:, mine].contiguous()
+    out["use_cache"] = False
+    return out
+
+
+class SequenceSplitLoader:
+    """Wrap a data loader: every batch it yields comes out as this rank's sequence shard."""
+
+    def __init__(self, loader: Iterable[dict[str, Any]], sp: SequenceParallel, pad_token_id: int = 0):
+        self.loader, self.sp, self.pad_token_id = loader, sp, pad_token_id
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.loader:
+            yield split_batch(batch, self.sp, self.pad_token_id)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]

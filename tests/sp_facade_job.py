@@ -1,0 +1,147 @@
+"""A stock HF Trainer with ``parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` run
+under ``shardwise launch --as-deepspeed`` (tests/test_sp_facade.py): the path transformers 5.24 and
+Accelerate 1.16 take for DeepSpeed's Ulysses SP (register_with_transformers, the data loader adapter,
+``deepspeed.utils.groups``, ``initialize(mpu=...)``, the Trainer's all-gathered SP loss). Rank 0 writes
+``results.json`` (per-step losses and gradient norms) into the folder given as the first argument.
+Also importable: the pytest process runs the same Trainer without SP as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_facade_job import cpu_state  # noqa: E402
+
+VOCAB, SEQ, SAMPLES, STEPS = 128, 15, 16, 6  # 15 tokens: not a multiple of the SP degree (padded)
+
+
+def tiny_llama(kv_heads: int = 1):
+    """kv heads 1 < SP 2: replicated to both ranks by the exchange."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def args(out: Path, deepspeed: dict | None = None, sp: int = 1, batch: int = 2, gas: int = 1):
+    from transformers import TrainingArguments
+
+    extra = {}
+    if sp > 1:
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        extra["parallelism_config"] = ParallelismConfig(
+            sp_size=sp, sp_backend="deepspeed",
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
+    return TrainingArguments(output_dir=str(out), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=gas, max_steps=STEPS, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], seed=0, deepspeed=deepspeed,
+                             dataloader_drop_last=True, disable_tqdm=True, max_grad_norm=1.0,
+                             accelerator_config={"use_configured_state": deepspeed is not None}, **extra)
+
+
+def history(trainer) -> dict[str, dict[int, float]]:
+    rows = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": {h["step"]: h["loss"] for h in rows}, "grad_norm": {h["step"]: h["grad_norm"] for h in rows}}
+
+
+def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1) -> dict:
+    from transformers import Trainer
+
+    deepspeed = None
+    if stage is not None:
+        cpu_state()
+        deepspeed = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                     "zero_optimization": {"stage": stage}}
+    trainer = Trainer(model=tiny_llama(), args=args(out, deepspeed, sp, batch, gas), train_dataset=dataset())
+    trainer.train()
+    return history(trainer)
+
+
+def accelerate_loop(stage: int) -> dict[int, float]:
+    """Accelerate's documented SP loop: prepare(model, optimizer, loader) wraps the loader in the SP
+    adapter; the loss is the SP ranks' token-weighted mean through a differentiable all-gather. The
+    model is left in eval mode, as from_pretrained returns it and the documented loop leaves it."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
+    from deepspeed.utils import groups
+
+    cpu_state()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": stage}}
+    pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed",
+                           sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+    model = tiny_llama().eval()  # before the stage-3 plugin exists: no zero.Init, the reference's initial weights
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), parallelism_config=pc)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=2, shuffle=False)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    group, world = groups._get_sequence_parallel_group(), groups._get_sequence_parallel_world_size()
+    seen = {}
+    for step, batch in enumerate(loader, start=1):
+        shift_labels = batch["shift_labels"]
+        logits = model(**batch).logits
+        loss = model.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=VOCAB)
+        losses = torch.distributed.nn.functional.all_gather(loss, group=group)
+        good = torch.distributed.nn.functional.all_gather((shift_labels != -100).sum(), group=group)
+        loss = sum(losses[r] * good[r] for r in range(world)) / max(sum(good), 1)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        seen[step] = float(loss.detach())
+        if step == STEPS:
+            break
+    return seen
+
+
+def reference_loop(split: int = 1) -> dict[int, float]:
+    """The Accelerate loop in plain PyTorch, one process: AdamW, clipping at 1.0, batches of 2 in order."""
+    model, data = tiny_llama(), dataset()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = {}
+    for step in range(1, STEPS + 1):
+        ids = torch.stack([d["input_ids"] for d in data[2 * (step - 1):2 * step]])
+        total = 0.0
+        for part in ids.chunk(split):
+            loss = model(input_ids=part, labels=part).loss / split
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out[step] = total
+    return out
+
+
+def main() -> None:
+    import deepspeed
+
+    assert deepspeed.__version__.endswith("+shardwise"), deepspeed
+    root = Path(sys.argv[1])
+    res = {f"z{stage}": run(root / f"z{stage}", stage, sp=2) for stage in (2, 3)}
+    res.update({f"acc{stage}": accelerate_loop(stage) for stage in (1, 3)})
+    if int(os.environ.get("RANK", "0")) == 0:
+        (root / "results.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
