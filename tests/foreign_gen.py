@@ -91,10 +91,12 @@ class DsDamage:
     step: float | None = None  # Adam's step
     global_steps: Any = 2
     dag: int = 0  # client state: a chain of lists each holding the next twice (2**dag paths)
+    nan_moment: bool = False  # one element of rank 0's exp_avg_sq is NaN
+    alias: bool = False  # every group's flat and states are group 0's tensors (shared references)
 
     def honest(self) -> bool:
-        return not (self.view or self.repeat or self.shape or self.dag) and self.step is None \
-            and self.global_steps == 2
+        damaged = self.view or self.repeat or self.shape or self.dag or self.nan_moment or self.alias
+        return not damaged and self.step is None and self.global_steps == 2
 
 
 def _flat_parts(shapes: list[dict[str, list[int]]], world: int, stage: int, values: dict[str, torch.Tensor]
@@ -143,8 +145,14 @@ def write_deepspeed(folder: Path, shapes: list[dict[str, list[int]]], world: int
         flats = [stored(t, damage.view.get((r, gi))) for gi, t in enumerate(parts["master"][r])]
         if r == 0 and damage.repeat:
             flats = [flats[0]] * (damage.repeat + 1) + flats[1:]
+        if damage.alias:
+            flats = [flats[0]] * len(flats)
         state = {gi: {"step": torch.tensor(step), "exp_avg": parts["exp_avg"][r][gi],
-                      "exp_avg_sq": parts["exp_avg_sq"][r][gi]} for gi in range(len(shapes))}
+                      "exp_avg_sq": parts["exp_avg_sq"][r][gi].clone()} for gi in range(len(shapes))}
+        if r == 0 and damage.nan_moment:
+            state[0]["exp_avg_sq"][0] = math.nan
+        if damage.alias:
+            state = dict.fromkeys(state, state[0])
         osd = {"zero_stage": stage, "partition_count": [world] * len(shapes), key: flats,
                base: {"state": state, "param_groups": [{"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8,
                                                         "weight_decay": 0.0, "params": [gi]}
@@ -169,11 +177,18 @@ def expected_deepspeed(shapes: list[dict[str, list[int]]], world: int, stage: in
     """The masters a correct reader returns from what the files really say (the stored views'
     values, cut by the saved ``param_shapes`` as DeepSpeed lays parameters out), or None when the
     files are inconsistent (it must refuse)."""
-    if damage.repeat or (damage.step is not None and not math.isfinite(damage.step)):
+    if damage.repeat or damage.nan_moment or (damage.step is not None and not math.isfinite(damage.step)):
         return None
     if not isinstance(damage.global_steps, int) or isinstance(damage.global_steps, bool) or damage.global_steps < 0:
         return None
     saved = [dict(grp) for grp in shapes]
+    if damage.shape is not None and stage < 3 and any(g.get(damage.shape[0]) not in (None, damage.shape[1])
+                                                        for g in shapes):
+        return None  # the module's own tensor has the true shape: a mismatch is refused
+    if damage.alias:
+        if any(list(g.values()) != list(shapes[0].values()) for g in shapes):
+            return None
+        want = {"master": {n: want["master"][n0] for g in shapes for n, n0 in zip(g, shapes[0], strict=True)}}
     if damage.shape is not None:
         for grp in saved:
             if damage.shape[0] in grp:
@@ -324,3 +339,37 @@ def expected_dcp(want: dict[str, torch.Tensor], parts: int, damage: DcpDamage) -
     out = dict(want)
     out[name] = torch.cat([got, t[hi:]])
     return out
+
+
+def deepspeed_from_shardwise(src: Path, folder: Path) -> None:
+    """Rewrite the shardwise checkpoint ``src`` (a tag folder) in DeepSpeed's ZeRO-2 layout at world 1
+    (what ``engine.save_checkpoint`` of DeepSpeed writes): the same masters, Adam moments, step,
+    param groups and counters; no client state (a plain DeepSpeed run saves none)."""
+    from shardwise.checkpoint.formats import open_checkpoint
+
+    meta, reader = open_checkpoint(src)
+    groups = meta["group_members"] or [list(meta["tensors"])]
+    shapes = [{n: meta["tensors"][n]["shape"] for n in g} for g in groups]
+
+    def flat(prefix: str, group: dict) -> torch.Tensor:
+        parts = []
+        for n in group:
+            buf = torch.empty(meta["tensors"][n]["numel"])
+            reader.read_range(f"{prefix}/{n}", meta["tensors"][n]["segments"], 0, buf.numel(), buf)
+            parts.append(buf)
+        out = torch.cat(parts)
+        return torch.cat([out, torch.zeros((-out.numel()) % 2)])  # DeepSpeed pads to 2 x world
+
+    step = next(iter(meta["scalars"].values()))["step"]["value"]
+    state = {gi: {"step": torch.tensor(float(step)), **{k: flat(k, g) for k in meta["states"]}}
+             for gi, g in enumerate(shapes)}
+    pgs = [{**pg, "params": [gi]} for gi, pg in enumerate(meta["param_groups"])]
+    osd = {"zero_stage": 2, "partition_count": [1] * len(shapes),
+           "single_partition_of_fp32_groups": [flat("master", g) for g in shapes],
+           "base_optimizer_state": {"state": state, "param_groups": pgs}}
+    folder.mkdir(parents=True)
+    torch.save({"optimizer_state_dict": osd}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    module = {n: torch.zeros(s) for g in shapes for n, s in g.items()}
+    torch.save({"module": module, "buffer_names": [], "param_shapes": shapes, "lr_scheduler": meta["lr_scheduler"],
+                "global_steps": meta["counters"]["global_steps"], "skipped_steps": 0},
+               folder / "mp_rank_00_model_states.pt")

@@ -112,7 +112,10 @@ def deepspeed_cases(draw):
     ngroups = 1 if stage == 3 else draw(st.integers(1, 2))
     shapes = [{f"g{g}.p{i}": draw(SHAPE) for i in range(draw(st.integers(1, 3)))} for g in range(ngroups)]
     d = DsDamage()
-    kind = draw(st.sampled_from(["none", "view", "repeat", "shape", "step", "global_steps", "dag", "mix"]))
+    kind = draw(st.sampled_from(["none", "view", "repeat", "shape", "step", "global_steps", "dag", "alias", "mix"]))
+    if kind == "alias" and ngroups > 1:
+        d.alias = True
+        shapes = [{f"g{g}.p{i}": s for i, s in enumerate(shapes[0].values())} for g in range(ngroups)]
     if kind in ("view", "mix"):
         for _ in range(draw(st.integers(1, 2))):
             d.view[(draw(st.integers(0, world - 1)), draw(st.integers(0, ngroups - 1)))] = draw(VIEW)

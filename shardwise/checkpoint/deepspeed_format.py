@@ -320,6 +320,10 @@ def read_deepspeed(path: Path) -> Foreign:
     cut = _cutter(stage, shapes, world, path)
     masters = cut(flats)
     module = _get(model, "module", model_files[0], dict)
+    for n, t in masters.items():  # stages 0-2 save each parameter in the module too: shapes must agree
+        if torch.is_tensor(module.get(n)) and module[n].numel() and module[n].shape != t.shape:
+            raise CheckpointError(f"{model_files[0]}: param_shapes gives {n} the shape {list(t.shape)}, its module "
+                                  f"tensor has {list(module[n].shape)}")
     compute = torch.bfloat16 if prefix == "bf16_" else None
     dtypes = {n: compute or (module[n].dtype if torch.is_tensor(module.get(n)) else torch.float32) for n in masters}
     if optims[0].get("dynamic_loss_scale"):
