@@ -348,7 +348,8 @@ def deepspeed_from_shardwise(src: Path, folder: Path) -> None:
     from shardwise.checkpoint.formats import open_checkpoint
 
     meta, reader = open_checkpoint(src)
-    groups = meta["group_members"] or [list(meta["tensors"])]
+    assert len(meta["param_groups"]) == 1, "one param group (shardwise metadata does not list members)"
+    groups = [[n for n in meta["order"] if n in meta["tensors"]]]
     shapes = [{n: meta["tensors"][n]["shape"] for n in g} for g in groups]
 
     def flat(prefix: str, group: dict) -> torch.Tensor:
