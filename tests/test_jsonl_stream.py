@@ -19,7 +19,7 @@ from shardwise.train.data import DataError, read_documents
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALE = int(os.environ.get("SHARDWISE_FUZZ_EXAMPLES", 100)) / 100
-FUZZ = settings(max_examples=max(1, int(150 * SCALE)), deadline=None, derandomize=SCALE <= 1,
+FUZZ = settings(max_examples=max(1, int(200 * SCALE)), deadline=None, derandomize=SCALE <= 1,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]) | st.sampled_from('"\\\n\t\x00/\u2028'),

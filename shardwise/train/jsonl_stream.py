@@ -44,14 +44,16 @@ class _Scanner:
     def fail(self, msg: str) -> Exception:
         return self.error(self.line, msg)
 
-    def fill(self) -> bool:
+    def fill(self, size: int = 0) -> bool:
         """Append the next decoded chunk; False at the end of the file. Bytes that are not UTF-8
         are refused when the reader reaches them, naming their line (the text before them is
         read first, as a line-by-line reader would)."""
-        while not self.eof:
+        while True:
             if self.bad_line:
                 raise self.error(self.bad_line, "not UTF-8 text")
-            raw = self.f.read(READ_BYTES)
+            if self.eof:
+                return False
+            raw = self.f.read(max(size, READ_BYTES))
             try:
                 text = self.decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as e:
@@ -61,7 +63,6 @@ class _Scanner:
             if text:
                 self.buf, self.pos = self.buf[self.pos:] + text, 0
                 return True
-        return False
 
     def peek(self) -> str:
         """The next character ("" at the end of the file), not consumed."""
@@ -72,8 +73,8 @@ class _Scanner:
 
     def need(self, n: int) -> str:
         """The next ``n`` characters (fewer only at the end of the file), not consumed."""
-        while len(self.buf) - self.pos < n and self.fill():
-            pass
+        while len(self.buf) - self.pos < n and not self.bad_line and self.fill(n - len(self.buf) + self.pos):
+            pass  # a read-ahead stops before bytes that are not UTF-8: they are refused when reached
         return self.buf[self.pos:self.pos + n]
 
     def ws(self) -> None:
