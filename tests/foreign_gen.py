@@ -56,6 +56,8 @@ class Strided:
         extent = 1 + sum((s - 1) * st for s, st in zip(self.size, self.stride, strict=True)) if all(self.size) else 0
         if self.offset + extent > base.numel() and extent:
             return None
+        if math.prod(self.size) > base.numel():  # claims more elements than stored: the reader refuses it
+            return None
         return base.as_strided(self.size, self.stride, self.offset)
 
 
@@ -67,7 +69,8 @@ def stored(t: torch.Tensor, view: tuple[int, int, int, int] | None) -> Any:
     extra, offset, stride, size = view
     n = t.numel() if size < 0 else size
     need = offset + (max(n - 1, 0) * stride + 1 if n else 0)
-    storage = torch.zeros(max(need, 0) + extra if extra >= 0 else max(need + extra, 0), dtype=t.dtype)
+    length = max(need + extra, 0)
+    storage = torch.zeros(min(length, offset + t.numel() * max(stride, 1) + 16), dtype=t.dtype)  # never huge
     flat = t.reshape(-1)
     if stride > 0:
         fill = min(n, flat.numel(), max((storage.numel() - offset + stride - 1) // stride, 0))

@@ -93,7 +93,7 @@ def test_huge_claims_are_refused_before_allocating(tmp_path, case):
         named = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     else:  # param_shapes claims 2**40 elements of a 42-element group
         write_deepspeed(folder, SHAPES, 1, 2, 0, DsDamage(shape=("a.weight", [2**20, 2**20])))
-        named = "ckpt"
+        named = "mp_rank_00_model_states.pt"
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     err, grew = _peak_growth(lambda: open_checkpoint(folder))
     assert err is not None and named in str(err) and "\n" not in str(err), err

@@ -317,7 +317,7 @@ def read_deepspeed(path: Path) -> Foreign:
     opt = [_optimizer(osd, base, ngroups, f) for f, osd in zip(optim_files, optims, strict=True)]
     for f, flat, (per, _) in zip(optim_files, flats, opt, strict=True):
         _check_rank(f, key, flat, per, ngroups)
-    cut = _cutter(stage, shapes, world, path)
+    cut = _cutter(stage, shapes, world, model_files[0])  # errors name the file holding param_shapes
     masters = cut(flats)
     module = _get(model, "module", model_files[0], dict)
     for n, t in masters.items():  # stages 0-2 save each parameter in the module too: shapes must agree
