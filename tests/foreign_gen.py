@@ -30,7 +30,16 @@ def vm_rss() -> int:
 
 
 def reset_hwm() -> bool:
-    """Reset the peak to the current RSS (Linux ``clear_refs`` 5); False where that is not possible."""
+    """Reset the peak to the current RSS (Linux ``clear_refs`` 5); False where that is not possible.
+
+    Freed heap memory is first handed back to the system (``malloc_trim``), so memory a later
+    allocation reuses counts as growth again instead of hiding in pages already resident."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:

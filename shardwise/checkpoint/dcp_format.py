@@ -19,6 +19,7 @@ declared shape and dtype, and the chunks must tile each tensor exactly. DCP save
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from shardwise.checkpoint.fileio import CheckpointError
 from shardwise.checkpoint.foreign import Foreign, require_finite
 from shardwise.checkpoint.unpickle import StandIn, safe_load, safe_load_pickle
 from shardwise.checkpoint.validate import confined_path
+from shardwise.safe_files import open_regular
 
 OPTIM_SECTIONS = ("optim", "optimizer")
 MAX_ITEM = 2**40
@@ -52,7 +54,6 @@ class _Files:
     def __init__(self, path: Path):
         self.path, self.src = path, path / ".metadata"
         self.ranges: dict[str, list[tuple[int, int]]] = {}
-        self.data: dict[str, bytes] = {}
 
     def claim(self, info: Any, key: str) -> tuple[str, int, int]:
         if getattr(info, "transform_descriptors", None):
@@ -81,14 +82,18 @@ class _Files:
                                           f"(in {self.src}); refused before reading")
 
     def read(self, item: tuple[str, int, int]) -> bytes:
+        """One item's bytes, read alone (``pread``): the files are never held in memory whole."""
         fname, off, length = item
-        if fname not in self.data:
-            self.data[fname] = confined_path(self.path, fname, self.src).read_bytes()
-        data = self.data[fname]
-        if off + length > len(data):
-            raise CheckpointError(f"{self.path / fname}: bytes [{off}, {off + length}) are past its end "
-                                  f"({len(data)})")
-        return data[off:off + length]
+        f = confined_path(self.path, fname, self.src)
+        fd = open_regular(f, CheckpointError, nofollow=True)
+        try:
+            data = os.pread(fd, length, off)
+        finally:
+            os.close(fd)
+        if len(data) != length:
+            raise CheckpointError(f"{f}: bytes [{off}, {off + length}) are past its end (it was cut short while "
+                                  "being read)")
+        return data
 
 
 def _plan_tensor(src: Path, key: str, md: Any, claims: list[tuple[Any, tuple[str, int, int]]]) -> None:
