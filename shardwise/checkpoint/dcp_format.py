@@ -120,15 +120,15 @@ def _plan_tensor(src: Path, key: str, md: Any, claims: list[tuple[Any, tuple[str
                               f"{math.prod(size)}")
 
 
-def _assemble(path: Path, key: str, md: Any, items: list[tuple[Any, bytes]]) -> torch.Tensor:
+def _assemble(path: Path, key: str, md: Any, items: list[tuple[Any, bytes, str]]) -> torch.Tensor:
     """A tensor from its chunks (already planned by :func:`_plan_tensor`), each checked against the
     metadata; the chunks must tile it."""
     src = path / ".metadata"
     dtype, size = md.properties.dtype, [int(s) for s in md.size]
     out = torch.zeros(size, dtype=dtype)
     covered = torch.zeros(size, dtype=torch.bool)
-    for chunk, blob in items:
-        t = safe_load(blob, path / f"{key} chunk")
+    for chunk, blob, fname in items:
+        t = safe_load(blob, path / f"{fname}[{key}]")  # errors name the file and the item
         offs, sizes = [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes]
         if not torch.is_tensor(t) or t.dtype != dtype or list(t.shape) != sizes:
             raise CheckpointError(f"{src}: a chunk of {key} does not match its metadata (dtype {dtype}, size "
@@ -187,9 +187,9 @@ def _read_all(path: Path, meta: Any) -> dict[tuple, Any]:
     out: dict[tuple, Any] = {}
     for where, key, md, claims in plan:
         if hasattr(md, "chunks"):
-            out[where] = _assemble(path, key, md, [(c, files.read(item)) for c, item in claims])
+            out[where] = _assemble(path, key, md, [(c, files.read(item), item[0]) for c, item in claims])
         else:
-            out[where] = safe_load(files.read(claims[0][1]), path / f"{key} item")
+            out[where] = safe_load(files.read(claims[0][1]), path / f"{claims[0][1][0]}[{key}]")
     return out
 
 

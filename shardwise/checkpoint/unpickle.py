@@ -209,7 +209,9 @@ def safe_load(data: Path | bytes, source: Path, mmap: bool = False) -> Any:
         what = f"global {found.group(1)!r}" if found else str(e).splitlines()[0][:300]
         raise CheckpointError(f"{source}: refused to unpickle: {what} is not a tensor, container or known "
                               "checkpoint class (nothing in the file was executed)") from None
-    except (RuntimeError, ValueError, EOFError, OSError, TypeError, KeyError, AttributeError) as e:
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever torch's reader raises on damaged bytes (IndexError too)
         raise CheckpointError(f"{source}: not a readable torch checkpoint file ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:300] if str(e) else ''})") from None
     _check_tensors(obj, source)
