@@ -11,7 +11,9 @@ other global. On top of it:
   method of theirs runs;
 - any other global is refused in a :class:`CheckpointError` naming the file and the global;
 - every tensor that comes back is checked to lie inside its storage (torch checks this too; a
-  tensor whose storage is shorter than its shape is refused by name either way).
+  tensor whose storage is shorter than its shape is refused by name either way) and to claim no
+  more bytes than its storage holds (no stride-0 giant), in one walk that visits each object once
+  (a pickle's shared references make a DAG; a tree walk of one can be exponential).
 """
 
 from __future__ import annotations
