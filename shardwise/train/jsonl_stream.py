@@ -44,20 +44,23 @@ class _Scanner:
     def fail(self, msg: str) -> Exception:
         return self.error(self.line, msg)
 
-    def fill(self, size: int = 0) -> bool:
+    def fill(self, size: int = 0, ahead: bool = False) -> bool:
         """Append the next decoded chunk; False at the end of the file. Bytes that are not UTF-8
         are refused when the reader reaches them, naming their line (the text before them is
         read first, as a line-by-line reader would)."""
         while True:
             if self.bad_line:
+                if ahead:  # a read-ahead stops before them: they are refused when the parser reaches them
+                    return False
                 raise self.error(self.bad_line, "not UTF-8 text")
             if self.eof:
                 return False
             raw = self.f.read(max(size, READ_BYTES))
+            pending = self.decoder.getstate()[0]  # a character cut by the previous read
             try:
                 text = self.decoder.decode(raw, final=not raw)
-            except UnicodeDecodeError as e:
-                text = raw[:e.start].decode("utf-8", errors="ignore")
+            except UnicodeDecodeError as e:  # e.start counts from the pending bytes
+                text = (pending + raw)[:e.start].decode("utf-8", errors="ignore")
                 self.bad_line = self.line + self.buf.count("\n", self.pos) + text.count("\n")
             self.eof = not raw
             if text:
@@ -73,8 +76,8 @@ class _Scanner:
 
     def need(self, n: int) -> str:
         """The next ``n`` characters (fewer only at the end of the file), not consumed."""
-        while len(self.buf) - self.pos < n and not self.bad_line and self.fill(n - len(self.buf) + self.pos):
-            pass  # a read-ahead stops before bytes that are not UTF-8: they are refused when reached
+        while len(self.buf) - self.pos < n and self.fill(n - len(self.buf) + self.pos, ahead=True):
+            pass
         return self.buf[self.pos:self.pos + n]
 
     def ws(self) -> None:
