@@ -21,6 +21,7 @@ from pathlib import Path
 
 from shardwise.cli_errors import UserError
 from shardwise.safe_files import check_folder, hub_roots, read_in
+from shardwise.safetensors_io import SafetensorsFile
 
 # config keys that count something: a zero, negative or non-integer value cannot build a model
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -66,7 +67,20 @@ def check_model_folder(folder: str | os.PathLike, flag: str = "--model") -> dict
         raise UserError(f"{flag} {folder}: no such folder")
     cfg = read_model_config(p, flag)
     check_folder(p)
+    check_weight_files(p, flag)
     return cfg
+
+
+def check_weight_files(folder: Path, flag: str = "--model") -> None:
+    """Every ``*.safetensors`` file of the folder has a header whose tensors lie inside the file
+    (``SafetensorsFile`` reads the header only): a file cut short is refused naming that file,
+    where transformers' own error names neither the file nor the cause."""
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            SafetensorsFile(f).close()
+        except (ValueError, OSError) as e:
+            text = " ".join(str(e).removeprefix(f"{f}: ").split())[:300]
+            raise UserError(f"{flag} {f}: damaged or cut short ({text})") from None
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint.fileio import CheckpointError
-from shardwise.checkpoint.foreign import Foreign
+from shardwise.checkpoint.foreign import Foreign, require_finite
 from shardwise.checkpoint.unpickle import safe_load
 from shardwise.checkpoint.validate import confined_path
 
@@ -119,22 +119,46 @@ def _optimizer(osd: dict, base_key: str, ngroups: int, source: Path) -> tuple[di
     """Per state name, this rank's flat tensors by group; and the scalar ``step`` (from group 0)."""
     base = _get(osd, base_key, source, dict)
     state = _get(base, "state", source, dict)
-    if sorted(state) != list(range(ngroups)):
-        raise CheckpointError(f"{source}: optimizer state for groups {sorted(state)}, expected 0..{ngroups - 1}")
+    if set(state) != set(range(ngroups)) or not all(isinstance(s, dict) for s in state.values()):
+        raise CheckpointError(f"{source}: optimizer state for groups {list(state)[:8]}, expected 0..{ngroups - 1} "
+                              "(each a dict)")
     names = {k for s in state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 1}
     per: dict[str, list[torch.Tensor]] = {k: [] for k in sorted(names)}
     scalars: dict[str, float] = {}
     for i in range(ngroups):
         for k, v in state[i].items():
+            where = f"{base_key}.state[{i}].{k}"
             if k in per:
+                require_finite(v, source, where)
                 per[k].append(v)
-            elif (torch.is_tensor(v) and v.numel() == 1) or isinstance(v, int | float):
+            elif (torch.is_tensor(v) and v.numel() == 1) or (isinstance(v, int | float) and not isinstance(v, bool)):
+                require_finite(v, source, where)
                 scalars.setdefault(k, float(v))
             else:
                 raise CheckpointError(f"{source}: optimizer state {k!r} is neither per element nor a number")
         if set(state[i]) - set(scalars) != set(per):
             raise CheckpointError(f"{source}: optimizer groups hold different states")
     return per, {"scalars": scalars, "param_groups": _get(base, "param_groups", source, list)}
+
+
+def fits_file(tensors: list[torch.Tensor], source: Path, what: str) -> None:
+    """The tensors the reader will copy out of one file (counted each time they are referenced)
+    must not claim more bytes than the file holds: a pickle may list one tensor many times, and
+    ``torch.cat`` would then allocate many times the file. Checked before any copy."""
+    claim = sum(t.numel() * t.element_size() for t in tensors)
+    have = source.stat().st_size
+    if claim > have:
+        raise CheckpointError(f"{source}: its {what} claim {claim} bytes of tensor data, the file holds {have}; "
+                              "refused before reading (shared or repeated tensors)")
+
+
+def _counter(model: dict, key: str, source: Path) -> int:
+    v = model.get(key, 0)
+    if torch.is_tensor(v) and v.numel() == 1 and not v.dtype.is_floating_point and not v.dtype.is_complex:
+        v = int(v.item())
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 2**62:
+        raise CheckpointError(f"{source}: {key!r} is {v!r}"[:200] + "; expected a whole number of steps >= 0")
+    return v
 
 
 def _param_groups(groups: list, source: Path) -> list[dict]:
@@ -150,30 +174,39 @@ def _cut_12(shapes: list[dict], flats: list[list[torch.Tensor]], world: int, sou
     """Stages 1-2: per group, the rank slices laid end to end; each parameter is a contiguous run."""
     out = []
     for gi, group in enumerate(shapes):
+        have = sum(f[gi].numel() for f in flats)
+        need = sum(math.prod(shape) for shape in group.values())
+        if need > have or have - need >= 2 * world:  # DeepSpeed pads to a multiple of 2 x world
+            raise CheckpointError(f"{source}: param group {gi} holds {have} elements over {world} ranks, "
+                                  f"its parameters need {need} (param_shapes {_few(group)}); the partitions do "
+                                  "not match param_shapes")
         full = torch.cat([f[gi] for f in flats])
         pos, cut = 0, {}
         for name, shape in group.items():
             n = math.prod(shape)
             cut[name] = full[pos:pos + n].view(shape)
             pos += n
-        if pos > full.numel() or full.numel() - pos >= 2 * world:  # DeepSpeed pads to a multiple of 2 x world
-            raise CheckpointError(f"{source}: param group {gi} holds {full.numel()} elements over {world} ranks, "
-                                  f"its parameters need {pos}; the partitions do not match param_shapes")
         out.append(cut)
     return out
 
 
+def _few(group: dict[str, list[int]]) -> str:
+    items = [f"{n}: {s}" for n, s in list(group.items())[:3]]
+    return "{" + ", ".join(items) + (", ..." if len(group) > 3 else "") + "}"
+
+
 def _cut_3(shapes: dict[str, list[int]], flats: list[torch.Tensor], world: int, source: Path) -> dict:
     """Stage 3: every parameter is ``ceil(numel / world)`` elements of each rank's flat buffer."""
+    need = sum(-(-math.prod(shape) // world) for shape in shapes.values())
+    if any(f.numel() != need for f in flats):
+        raise CheckpointError(f"{source}: rank partitions hold {[f.numel() for f in flats]} elements, the "
+                              f"parameters of param_shapes {_few(shapes)} need {need} each")
     pos, cut = 0, {}
     for name, shape in shapes.items():
         n = math.prod(shape)
-        part = math.ceil(n / world)
+        part = -(-n // world)
         cut[name] = torch.cat([f[pos:pos + part] for f in flats])[:n].view(shape)
         pos += part
-    if any(f.numel() != pos for f in flats):
-        raise CheckpointError(f"{source}: rank partitions hold {[f.numel() for f in flats]} elements, the "
-                              f"parameters of param_shapes need {pos} each")
     return cut
 
 
@@ -193,12 +226,19 @@ def _frozen(model: dict, model_files: list[Path], stage: int, trained: set[str],
     shared = set(model.get("shared_params") or {})
     module = _get(model, "module", source, dict)
     if stage < 3:
-        return {n: t for n, t in module.items() if n not in trained and n not in buffers and n not in shared}
+        out = {n: t for n, t in module.items() if n not in trained and n not in buffers and n not in shared}
+        fits_file([t for t in out.values() if torch.is_tensor(t) and not t.is_contiguous()], source,
+                  "non-contiguous frozen tensors (copied when read)")
+        return out
     shapes = model.get("frozen_param_shapes") or {}
     frags = [_get(safe_load(f, f) if i else model, "frozen_param_fragments", f) or {}
              for i, f in enumerate(model_files)]
+    if not isinstance(shapes, dict) or not all(isinstance(fr, dict) for fr in frags):
+        raise CheckpointError(f"{source}: 'frozen_param_shapes' / 'frozen_param_fragments' are not name maps")
+    for f, fr in zip(model_files, frags, strict=True):
+        fits_file([fr[n] for n in shapes if torch.is_tensor(fr.get(n))], f, "frozen_param_fragments")
     out = {}
-    for name, shape in shapes.items():
+    for name, shape in _shapes([shapes], source)[0].items():
         n = math.prod(shape)
         pieces = [fr.get(name) for fr in frags]
         if any(p is None or not torch.is_tensor(p) or p.numel() != math.ceil(n / world) for p in pieces):
@@ -244,6 +284,16 @@ def _model_files(path: Path, names: list[str], stage: int, world: int) -> list[P
     return files
 
 
+def _check_rank(source: Path, key: str, flat: list, per: dict[str, list[torch.Tensor]], ngroups: int) -> None:
+    """One rank file's flat masters and per-element states, before anything is copied out of them:
+    one 1-D tensor per group, finite, and together no more bytes than the file holds."""
+    if len(flat) != ngroups or not all(torch.is_tensor(t) and t.dim() == 1 for t in flat):
+        raise CheckpointError(f"{source}: {key} is not a list of {ngroups} 1-D tensors (one per param group)")
+    for gi, t in enumerate(flat):
+        require_finite(t, source, f"{key}[{gi}]")
+    fits_file([*flat, *(t for ts in per.values() for t in ts)], source, f"{key} and optimizer states")
+
+
 def _cutter(stage: int, shapes: list[dict], world: int, path: Path):
     """``cut(per_rank)``: name -> full tensor, from each rank's flat pieces (a list per group)."""
     if stage < 3:
@@ -265,9 +315,15 @@ def read_deepspeed(path: Path) -> Foreign:
     flats = [_get(osd, key, f, list) for f, osd in zip(optim_files, optims, strict=True)]
     ngroups = len(shapes) if stage < 3 else len(flats[0])
     opt = [_optimizer(osd, base, ngroups, f) for f, osd in zip(optim_files, optims, strict=True)]
-    cut = _cutter(stage, shapes, world, path)
+    for f, flat, (per, _) in zip(optim_files, flats, opt, strict=True):
+        _check_rank(f, key, flat, per, ngroups)
+    cut = _cutter(stage, shapes, world, model_files[0])  # errors name the file holding param_shapes
     masters = cut(flats)
     module = _get(model, "module", model_files[0], dict)
+    for n, t in masters.items():  # stages 0-2 save each parameter in the module too: shapes must agree
+        if torch.is_tensor(module.get(n)) and module[n].numel() and module[n].shape != t.shape:
+            raise CheckpointError(f"{model_files[0]}: param_shapes gives {n} the shape {list(t.shape)}, its module "
+                                  f"tensor has {list(module[n].shape)}")
     compute = torch.bfloat16 if prefix == "bf16_" else None
     dtypes = {n: compute or (module[n].dtype if torch.is_tensor(module.get(n)) else torch.float32) for n in masters}
     if optims[0].get("dynamic_loss_scale"):
@@ -281,5 +337,6 @@ def read_deepspeed(path: Path) -> Foreign:
                    extras=_frozen(model, model_files, stage, set(masters), world), order=list(module),
                    param_groups=_param_groups(groups, optim_files[0]), lr_scheduler=sched,
                    group_members=[list(g) for g in shapes] if len(shapes) == len(groups) else [],
-                   global_steps=int(model.get("global_steps", 0)), skipped_steps=int(model.get("skipped_steps", 0)),
+                   global_steps=_counter(model, "global_steps", model_files[0]),
+                   skipped_steps=_counter(model, "skipped_steps", model_files[0]),
                    client_state=client)

@@ -59,6 +59,15 @@ class MemoryReader:
         """Nothing is open: the tensors stay until the reader is dropped."""
 
 
+def require_finite(v: Any, source: Path, where: str) -> None:
+    """A loaded optimizer state or master must be finite: a NaN Adam ``step`` or moment would make
+    every later update NaN, so it is refused here, naming the file and the key."""
+    bad = not torch.isfinite(v).all() if torch.is_tensor(v) else not math.isfinite(v)
+    if bad:
+        raise CheckpointError(f"{source}: {where} holds a non-finite value (NaN or infinity); the run that "
+                              "wrote it diverged: load an earlier checkpoint")
+
+
 def _entry(shape: list[int], dtype: torch.dtype) -> dict:
     numel = math.prod(shape)
     segs = [{"file": VIRTUAL, "start": 0, "stop": numel}] if numel else []

@@ -106,20 +106,25 @@ def _write_config(cfg: dict | None, out: Path, dtype: torch.dtype) -> bool:
     return True
 
 
-def _model_config_for(path: Path, meta: dict, config: str | Path | None, weights_only: bool) -> dict | None:
+def _model_config_for(root: Path, path: Path, meta: dict, config: str | Path | None,
+                      weights_only: bool) -> dict | None:
     """The HF config to write next to the weights, checked before anything is written.
 
     ``from_pretrained`` needs ``config.json``: a checkpoint without one is refused unless the
-    caller gives ``config`` (a config.json path) or asks for ``weights_only``.
+    caller gives ``config`` (a config.json path) or asks for ``weights_only``. ``root`` is the
+    folder the caller gave, ``path`` the tag folder in it: the HF Trainer keeps ``config.json`` in
+    ``checkpoint-N/`` beside ``global_stepN/``, which is read only when ``checkpoint-N`` is the
+    folder given (never the parent of a tag folder given directly: reads stay in the given folder).
     """
+    in_root = path.resolve() != root.resolve()
     if config is not None:
         cfg, src = read_json(Path(config)), Path(config)
     elif (path / "config.json").is_file() or (path / "config.json").is_symlink():
         src = path / "config.json"
         cfg = read_json(confined_path(path, "config.json", src))
-    elif meta["format"] == FOREIGN and (path.parent / "config.json").is_file():  # the HF Trainer's checkpoint-N/
-        src = path.parent / "config.json"
-        cfg = read_json(confined_path(path.parent, "config.json", src))
+    elif meta["format"] == FOREIGN and in_root and (root / "config.json").is_file():  # HF Trainer's checkpoint-N/
+        src = root / "config.json"
+        cfg = read_json(confined_path(root, "config.json", src))
     elif meta["has_model_config"]:
         raise CheckpointError(f"{path / 'config.json'}: file is missing although metadata.json says the model "
                               "had an HF config; restore it or pass --config PATH")
@@ -214,7 +219,7 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
     path, meta, reader = _open_checked(ckpt_dir, tag, verify)
     side_dir, side_names = find_side_files(ckpt_dir, path)  # a user's own files in OUT are left alone:
     side_names = [n for n in side_names if n in guard.recorded or not (Path(out_dir) / n).exists()]
-    cfg = _model_config_for(path, meta, config, weights_only)
+    cfg = _model_config_for(Path(ckpt_dir), path, meta, config, weights_only)
     saved = _saved_specs(meta)
     specs: list[Spec] = [(n, out_dt if dt.is_floating_point else dt, shape) for n, dt, shape in saved]
     out = Path(out_dir)

@@ -11,7 +11,9 @@ other global. On top of it:
   method of theirs runs;
 - any other global is refused in a :class:`CheckpointError` naming the file and the global;
 - every tensor that comes back is checked to lie inside its storage (torch checks this too; a
-  tensor whose storage is shorter than its shape is refused by name either way).
+  tensor whose storage is shorter than its shape is refused by name either way) and to claim no
+  more bytes than its storage holds (no stride-0 giant), in one walk that visits each object once
+  (a pickle's shared references make a DAG; a tree walk of one can be exponential).
 """
 
 from __future__ import annotations
@@ -140,26 +142,56 @@ def safe_load_pickle(path: Path) -> Any:
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def _check_tensors(obj: Any, source: Path, depth: int = 0) -> None:
-    """Every tensor must lie within its storage (offset + extent <= storage size)."""
-    if depth > 64:
-        raise CheckpointError(f"{source}: nesting deeper than 64 levels")
-    if torch.is_tensor(obj):
-        if obj.numel() == 0:
-            return
-        extent = 1 + sum((s - 1) * st for s, st in zip(obj.shape, obj.stride(), strict=True))
-        need = (obj.storage_offset() + extent) * obj.element_size()
-        if any(st < 0 for st in obj.stride()) or need > obj.untyped_storage().nbytes():
-            raise CheckpointError(f"{source}: a tensor of shape {list(obj.shape)} needs {need} bytes, its storage "
-                                  f"holds {obj.untyped_storage().nbytes()}; refused")
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _check_tensors(v, source, depth + 1)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _check_tensors(v, source, depth + 1)
-    elif isinstance(obj, StandIn):
-        _check_tensors(obj.__dict__, source, depth + 1)
+def _children(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        return list(obj.values())
+    if isinstance(obj, list | tuple):
+        return list(obj)
+    if isinstance(obj, StandIn):
+        return list(obj.__dict__.values())
+    return []
+
+
+def check_tensor(t: torch.Tensor, source: Path) -> None:
+    """``t`` lies inside its storage and claims no more bytes than the storage holds.
+
+    The second rule bounds every later copy of ``t`` (``torch.cat``, ``reshape``, ``float``) by
+    bytes the file really holds: a stride-0 tensor that repeats one element ``2**30`` times is
+    legal to torch but is refused here (checkpoints save dense tensors).
+    """
+    if t.numel() == 0:
+        return
+    have = t.untyped_storage().nbytes()
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    need = (t.storage_offset() + extent) * t.element_size()
+    if any(st < 0 for st in t.stride()) or need > have:
+        raise CheckpointError(f"{source}: a tensor of shape {list(t.shape)} needs {need} bytes, its storage "
+                              f"holds {have}; refused")
+    if t.numel() * t.element_size() > have:
+        raise CheckpointError(f"{source}: a tensor of shape {list(t.shape)} and strides {list(t.stride())} "
+                              f"claims {t.numel() * t.element_size()} bytes, its storage holds {have}; refused")
+
+
+def _check_tensors(root: Any, source: Path) -> None:
+    """Every tensor reachable from ``root`` passes :func:`check_tensor`.
+
+    Each object is visited once (by identity): a pickle may share references, and a chain of
+    40 lists that each hold the next one twice is 2**40 paths but 40 objects. Nesting is bounded
+    at 64 levels (deeper is not a checkpoint).
+    """
+    seen: set[int] = set()
+    stack = [(root, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if depth > 64:
+            raise CheckpointError(f"{source}: nesting deeper than 64 levels")
+        if torch.is_tensor(obj):
+            check_tensor(obj, source)
+        else:
+            stack.extend((c, depth + 1) for c in _children(obj))
 
 
 def safe_load(data: Path | bytes, source: Path, mmap: bool = False) -> Any:
@@ -179,7 +211,9 @@ def safe_load(data: Path | bytes, source: Path, mmap: bool = False) -> Any:
         what = f"global {found.group(1)!r}" if found else str(e).splitlines()[0][:300]
         raise CheckpointError(f"{source}: refused to unpickle: {what} is not a tensor, container or known "
                               "checkpoint class (nothing in the file was executed)") from None
-    except (RuntimeError, ValueError, EOFError, OSError, TypeError, KeyError, AttributeError) as e:
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever torch's reader raises on damaged bytes (IndexError too)
         raise CheckpointError(f"{source}: not a readable torch checkpoint file ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:300] if str(e) else ''})") from None
     _check_tensors(obj, source)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from shardwise.safe_files import commit_temp, confine, hub_roots, open_regular, open_temp, write_atomic
+from shardwise.train.jsonl_stream import jsonl_texts
 from shardwise.train.tokenize_stream import READ_BYTES, encode_stream
 
 
@@ -69,9 +70,10 @@ def read_documents(path: Path, text_key: str = "text") -> Iterator[str]:
 
 def document_pieces(path: Path, text_key: str = "text") -> Iterator[Iterator[str]]:
     """The documents of one file, each as an iterator of text pieces of at most ``READ_BYTES``
-    (a JSONL line is one piece): memory is bounded by a piece, not by the largest document."""
+    (a JSONL record's text too, ``jsonl_stream``): memory is bounded by a piece, not by the
+    largest document or record."""
     if path.suffix == ".jsonl":
-        yield from ([text] for text in _jsonl_texts(path, text_key))
+        yield from _jsonl_texts(path, text_key)
     else:
         yield _text_pieces(path)
 
@@ -94,22 +96,15 @@ def _text_pieces(path: Path) -> Iterator[str]:
                 return
 
 
-def _jsonl_texts(path: Path, text_key: str) -> Iterator[str]:
+def _jsonl_texts(path: Path, text_key: str) -> Iterator[Iterator[str]]:
     with os.fdopen(open_regular(path, DataError), "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-                raise DataError(f"{path}:{lineno}: not a JSON object ({msg}); each line of a .jsonl file "
-                                f"must be {{\"{text_key}\": \"...\"}}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
-                have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise DataError(f"{path}:{lineno}: no string field \"{text_key}\" (found {have}); "
-                                "fix the line or pass --text-key")
-            yield obj[text_key]
+        yield from jsonl_texts(f, text_key, lambda line, msg: _jsonl_error(path, line, msg, text_key))
+
+
+def _jsonl_error(path: Path, line: int, msg: str, text_key: str) -> DataError:
+    if msg.startswith("not a JSON object") or msg == "not UTF-8 text":
+        msg += f"; each line of a .jsonl file must be {{\"{text_key}\": \"...\"}}"
+    return DataError(f"{path}:{line}: {msg}")
 
 
 def _cache_key(sources: list[Path], tokenizer_name: str, text_key: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.checkpoint.run_files import RUN_TOKENIZER
+from shardwise.checkpoint.formats import is_foreign
 from shardwise.cli_errors import UserError, one_line, user_error_types
 from shardwise.commands.units import human_counts
 from shardwise.config import ConfigError
@@ -155,10 +156,19 @@ def _lock_run_folder(run_dir: Path) -> RunLock | None:
 
 
 def _resume(job: Job) -> int:
-    """Load the latest checkpoint of the run folder (``--resume auto``); returns the step to start at."""
+    """Load the latest checkpoint of the run folder (``--resume auto``); returns the step to start at.
+
+    A DeepSpeed or DCP checkpoint placed in ``RUN/checkpoints/`` (its ``latest`` and tag folder)
+    continues at its own step counter (``global_steps``; DCP: Adam's step), as the docs promise.
+    """
     if job.args.resume != "auto" or not (job.ckpt_dir / "latest").is_file():
         return 0
-    _, client = job.engine.load_checkpoint(job.ckpt_dir)
+    path, client = job.engine.load_checkpoint(job.ckpt_dir)
+    if path is not None and is_foreign(Path(path)):
+        start = job.engine.global_steps
+        _log(f"resumed from {path}, a checkpoint another library wrote, at its step {start} of {job.args.steps}; "
+             "its data order was not this run's (from here batches follow --seed and the step)")
+        return start
     start = client.get("step") if isinstance(client, dict) else None
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise UserError(f"--resume auto: {job.ckpt_dir} holds a checkpoint that is not a shardwise train run's "
