@@ -16,8 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.checkpoint.formats import is_foreign
+from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.cli_errors import UserError, one_line, user_error_types
 from shardwise.commands.units import human_counts
 from shardwise.config import ConfigError
