@@ -31,6 +31,8 @@ def moe_config(kind: str, experts: int = 4, aux: float = 0.02):
                  "deepseek_v2": dict(n_routed_experts=experts, moe_intermediate_size=24, first_k_dense_replace=0,
                                      n_group=1, topk_group=1, q_lora_rank=None)}[kind]
         common.pop("output_router_logits"), common.pop("router_aux_loss_coef")
+        if kind.startswith("deepseek"):
+            common["num_key_value_heads"] = 4  # multi-head latent attention: one kv head per head
         cfg = AutoConfig.for_model(kind, **extra, **common)
     cfg._attn_implementation = "eager"
     return cfg
@@ -193,13 +195,25 @@ def reference(kind: str, world: int, steps: int = 3, lr: float = 0.5, micro: int
     losses, norms = [], []
     for s in range(steps):
         parts = [model(input_ids=data[s, r], labels=data[s, r]).loss for r in range(world)]
-        loss = torch.stack(parts).mean()
-        loss.backward()
+        torch.stack(parts).mean().backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append([float(x.detach()) for x in parts])
     return {"losses": losses, "norms": norms,
             "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
             "expert_numel": sum(p.numel() for p in experts)}
 
+
+
+def forward_logits(kind: str, ep: int) -> dict:
+    """Logits and loss of one forward under EP vs the same model unsplit (every family)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ids = batches(1, world, 2)[0, rank]
+    ref = build(kind)
+    want = ref(input_ids=ids, labels=ids)
+    model = build(kind)
+    apply_expert_parallel(model, ep)
+    got = model(input_ids=ids, labels=ids)
+    return {"logits_err": float((got.logits - want.logits).abs().max()),
+            "logits_scale": float(want.logits.abs().max()), "loss": (float(got.loss), float(want.loss))}

@@ -1,8 +1,24 @@
-"""Expert parallelism (shardwise.moe): dispatch / combine, layouts, EP x ZeRO against one process."""
+"""Expert parallelism (shardwise.moe): dispatch / combine, layouts, EP x ZeRO against one process.
+
+Equivalence is measured in fp32 with SGD against the same model trained in one process on the same
+global batch (the loss is the mean over the ranks' parts of each part's loss, aux loss included:
+what data parallelism computes). The tolerance is K times a measured noise floor: the reference
+trained again with transformers' other experts kernel (``eager`` instead of ``grouped_mm``: other
+matmul shapes and summation order, the same math), and the test checks that the bound is far
+below what doubled expert gradients do (the classic EP x ZeRO bug, pytorch #160285).
+"""
 
 from __future__ import annotations
 
+import functools
+
+import moe_cases
 import pytest
+import torch
+from tolerance import EPS32, K
+
+STEPS = 3
+CLIP = 1.0  # below the measured norms (~1.6-2.0): clipping is active, so the global norm must be right
 
 
 # -- dispatch / combine (Megatron's dispatcher test) --------------------------------------
@@ -30,3 +46,79 @@ def test_a_rank_with_no_tokens_does_not_hang(pool2):
 @pytest.mark.parametrize("experts", [4, 8])
 def test_rows_arrive_grouped_by_local_expert(pool2, experts):
     assert all(r["grouped"] for r in pool2.run("moe_cases:sorted_rows", experts))
+
+
+# -- layouts ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+def test_forward_under_ep_equals_the_unsplit_model(pool2, kind):
+    for r in pool2.run("moe_cases:forward_logits", kind, 2):
+        assert r["logits_err"] <= 4 * EPS32 * r["logits_scale"], r
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=4 * EPS32)
+
+
+def test_models_without_a_known_layout_are_refused():
+    from tiny_models import build
+
+    from shardwise.moe import UnsupportedMoEError, apply_expert_parallel
+
+    with pytest.raises(UnsupportedMoEError, match="model_type 'llama'") as e:
+        apply_expert_parallel(build("llama"), 1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UnsupportedMoEError, match="preset_model 'mixtral' does not match .*'qwen3_moe'"):
+        apply_expert_parallel(moe_cases.build("qwen3_moe"), 1, preset="mixtral")
+    with pytest.raises(UnsupportedMoEError, match="autoep_size 3 must divide the 4 experts"):
+        apply_expert_parallel(moe_cases.build("mixtral"), 3)
+
+
+# -- training: EP x ZeRO against one process -----------------------------------------------
+def _max_abs(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(kind: str, world: int, force: bool = False) -> dict:
+    """The reference, its noise floor (the other experts kernel) and the bounds derived from it."""
+    ref = moe_cases.reference(kind, world, STEPS, clip=CLIP, force=force)
+    other = moe_cases.reference(kind, world, STEPS, clip=CLIP, force=force, implementation="eager")
+    scale = max(float(w.abs().max()) for w in ref["weights"].values())
+    floor = 32 * EPS32 * STEPS
+    noise_w = _max_abs(other["weights"], ref["weights"])
+    noise_l = max(abs(a - b) / abs(b) for x, y in zip(other["losses"], ref["losses"]) for a, b in zip(x, y))
+    ref["tol_w"] = max(K * noise_w, floor * scale)
+    ref["tol_loss"] = max(K * noise_l, floor)
+    ref["noise"] = (noise_w, noise_l)
+    return ref
+
+
+def _check(res: list[dict], ref: dict, world: int, ep: int) -> None:
+    for r in range(world):
+        dp_rank = r  # every rank is a data-parallel rank: each trains its own part of the batch
+        for got, want in zip(res[r]["losses"], [step[dp_rank] for step in ref["losses"]], strict=True):
+            assert got == pytest.approx(want, rel=ref["tol_loss"]), (r, res[r]["losses"], ref["noise"])
+        assert res[r]["norms"] == pytest.approx(ref["norms"], rel=ref["tol_loss"])
+    diff = _max_abs(res[0]["weights"], ref["weights"])
+    assert diff < ref["tol_w"], f"weights differ by {diff:.3g} (tol {ref['tol_w']:.3g}, noise {ref['noise']})"
+    assert _max_abs(res[-1]["weights"], ref["weights"]) < ref["tol_w"]
+    full = ref["expert_numel"] * 4
+    for r in res:  # per-rank expert bytes are 1/EP of the experts' (1/world once ZeRO-3 shards over EDP too)
+        assert r["expert_bytes"]["held"] == full // ep or r["expert_bytes"]["held"] == full // world
+
+
+def test_the_tolerance_catches_doubled_expert_gradients():
+    ref = _reference("mixtral", 2)
+    doubled = moe_cases.reference("mixtral", 2, STEPS, clip=None, expert_lr_factor=2.0)
+    plain = moe_cases.reference("mixtral", 2, STEPS, clip=None)
+    assert _max_abs(doubled["weights"], plain["weights"]) > 10 * ref["tol_w"]
+
+
+@pytest.mark.parametrize("kind,stage", [("mixtral", 2), ("mixtral", 3), ("qwen3_moe", 2), ("qwen3_moe", 3)])
+def test_ep2_with_zero_matches_single_process(pool2, kind, stage):
+    res = pool2.run("moe_cases:train_ep", kind, stage, 2, steps=STEPS, clip=CLIP)
+    _check(res, _reference(kind, 2), 2, 2)
+
+
+def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):
+    # every token picks experts 0 and 1, both on EP rank 0: rank 1's experts receive nothing
+    res = pool2.run("moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, force=True)
+    _check(res, _reference("mixtral", 2, force=True), 2, 2)
