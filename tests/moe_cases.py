@@ -81,9 +81,11 @@ def roundtrip(num_experts: int, tokens: int | list[int], top_k: int, only_expert
     want = (x2.unsqueeze(1).expand(-1, top_k, -1) * w.unsqueeze(-1)).sum(1)
     (want * up).sum().backward()
     return {"rows": rows.shape[0], "expected_rows": int(per_rank[rank]), "counts": routed.counts,
-            "equal": torch.equal(out, want) and (top_k > 1 or torch.equal(out, x.detach())), "max_err": float((out - x).detach().abs().max()) if tokens else 0.0,
+            "equal": torch.equal(out, want) and (top_k > 1 or torch.equal(out, x.detach())),
+            "max_err": float((out - x).detach().abs().max()) if tokens else 0.0,
             # top-k: x's k gradient terms are summed in another order (sorted pairs): a few ulps
-            "grad_equal": torch.allclose(x.grad, x2.grad, rtol=4e-7, atol=1e-7) and (top_k > 1 or torch.equal(x.grad, up))}
+            "grad_equal": (torch.allclose(x.grad, x2.grad, rtol=4e-7, atol=1e-7)
+                           and (top_k > 1 or torch.equal(x.grad, up)))}
 
 
 def sorted_rows(num_experts: int) -> dict:
@@ -115,7 +117,7 @@ def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, mi
              clip: float | None = None, force: bool = False, use_config: bool = False) -> dict:
     """Train under EP ``ep`` at ZeRO ``stage`` on this rank's part of the global batch; return the
     losses, the full weights gathered on every rank, and the expert bytes held here."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, _rank = dist.get_world_size(), dist.get_rank()
     model = build(kind)
     if force:
         force_routing(model)
@@ -135,7 +137,7 @@ def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, mi
         losses.append(float(loss))
         norms.append(engine.get_global_grad_norm())
     return {"losses": losses, "norms": norms, "weights": full_weights(engine),
-            "expert_bytes": expert_bytes(engine), "counts": engine.comm_stats() if hasattr(engine, "comm_stats") else {}}
+            "expert_bytes": expert_bytes(engine)}
 
 
 def force_routing(model: torch.nn.Module, experts: tuple[int, ...] = (0, 1)) -> None:
@@ -217,3 +219,16 @@ def forward_logits(kind: str, ep: int) -> dict:
     got = model(input_ids=ids, labels=ids)
     return {"logits_err": float((got.logits - want.logits).abs().max()),
             "logits_scale": float(want.logits.abs().max()), "loss": (float(got.loss), float(want.loss))}
+
+
+def refused_by_config(kind: str, section: dict, extra: dict | None = None) -> str:
+    """initialize() with an ``expert_parallel`` section that must be refused: the one-line message."""
+    from tiny_models import build as build_dense
+
+    model = build_dense("llama") if kind == "llama" else build(kind)
+    cfg = {**_config(2, 0.1, 1, dist.get_world_size(), None), "expert_parallel": section, **(extra or {})}
+    try:
+        shardwise.initialize(model=model, config=cfg)
+    except (ValueError, shardwise.config.ConfigError) as e:
+        return str(e)
+    return "not refused"

@@ -11,10 +11,10 @@ below what doubled expert gradients do (the classic EP x ZeRO bug, pytorch #1602
 from __future__ import annotations
 
 import functools
+import re
 
 import moe_cases
 import pytest
-import torch
 from tolerance import EPS32, K
 
 STEPS = 3
@@ -76,7 +76,7 @@ def _max_abs(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(kind: str, world: int, force: bool = False) -> dict:
     """The reference, its noise floor (the other experts kernel) and the bounds derived from it."""
     ref = moe_cases.reference(kind, world, STEPS, clip=CLIP, force=force)
@@ -84,7 +84,8 @@ def _reference(kind: str, world: int, force: bool = False) -> dict:
     scale = max(float(w.abs().max()) for w in ref["weights"].values())
     floor = 32 * EPS32 * STEPS
     noise_w = _max_abs(other["weights"], ref["weights"])
-    noise_l = max(abs(a - b) / abs(b) for x, y in zip(other["losses"], ref["losses"]) for a, b in zip(x, y))
+    pairs = [(a, b) for x, y in zip(other["losses"], ref["losses"], strict=True) for a, b in zip(x, y, strict=True)]
+    noise_l = max(abs(a - b) / abs(b) for a, b in pairs)
     ref["tol_w"] = max(K * noise_w, floor * scale)
     ref["tol_loss"] = max(K * noise_l, floor)
     ref["noise"] = (noise_w, noise_l)
@@ -112,10 +113,40 @@ def test_the_tolerance_catches_doubled_expert_gradients():
     assert _max_abs(doubled["weights"], plain["weights"]) > 10 * ref["tol_w"]
 
 
-@pytest.mark.parametrize("kind,stage", [("mixtral", 2), ("mixtral", 3), ("qwen3_moe", 2), ("qwen3_moe", 3)])
-def test_ep2_with_zero_matches_single_process(pool2, kind, stage):
-    res = pool2.run("moe_cases:train_ep", kind, stage, 2, steps=STEPS, clip=CLIP)
+@pytest.mark.parametrize("kind,stage,use_config", [("mixtral", 2, False), ("mixtral", 3, True),
+                                                   ("qwen3_moe", 2, True), ("qwen3_moe", 3, False)])
+def test_ep2_with_zero_matches_single_process(pool2, kind, stage, use_config):
+    # use_config: through DeepSpeed AutoEP's keys in the config given to shardwise.initialize
+    res = pool2.run("moe_cases:train_ep", kind, stage, 2, steps=STEPS, clip=CLIP, use_config=use_config)
     _check(res, _reference(kind, 2), 2, 2)
+
+
+def test_ep2_times_dp2_on_four_ranks(pool4):
+    # EP groups {0,1} {2,3}; ranks 0 and 2 hold the same experts: their gradients meet over {0,2}
+    res = pool4.run("moe_cases:train_ep", "mixtral", 2, 2, steps=STEPS, clip=CLIP)
+    _check(res, _reference("mixtral", 4), 4, 2)
+
+
+def test_stage3_shards_experts_over_the_expert_data_parallel_group(pool4):
+    res = pool4.run("moe_cases:train_ep", "qwen3_moe", 3, 2, steps=STEPS, clip=CLIP, use_config=True)
+    _check(res, _reference("qwen3_moe", 4), 4, 2)
+    full = _reference("qwen3_moe", 4)["expert_numel"] * 4
+    assert all(r["expert_bytes"]["held"] == full // 4 for r in res)  # 1/EP of the experts, then 1/EDP
+
+
+@pytest.mark.parametrize("kind,section,extra,match", [
+    ("llama", {"enabled": True, "autoep_size": 2}, None, "no known MoE layout for model_type 'llama'"),
+    ("mixtral", {"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}, None,
+     "preset_model 'qwen3_moe' does not match the model .model_type 'mixtral'"),
+    ("mixtral", {"enabled": True, "autoep_size": 2, "comm_backend": "deepep"}, None, "DeepEP token exchange"),
+    ("mixtral", {"enabled": True, "autoep_size": 2}, {"tensor_parallel": {"autotp_size": 2}, "train_batch_size": 1},
+     "with tensor_parallel.autotp_size > 1 is not supported"),
+    ("mixtral", {"enabled": True, "autoep_size": 3}, None, "autoep_size 3 must divide"),
+])
+def test_expert_parallel_config_refusals(pool2, kind, section, extra, match):
+    for msg in pool2.run("moe_cases:refused_by_config", kind, section, extra):
+        assert re.search(match, msg), msg
+        assert "\n" not in msg
 
 
 def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):

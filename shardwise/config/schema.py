@@ -157,6 +157,14 @@ class TensorParallelConfig(_Section):
     tp: TPSizeConfig = Field(default_factory=TPSizeConfig)
 
 
+class ExpertParallelConfig(_Section):
+    """DeepSpeed AutoEP's keys, served by shardwise.moe (docs/moe.md)."""
+
+    enabled: Bool = False
+    autoep_size: int = Field(1, ge=1, le=2**16)
+    preset_model: str | None = None
+
+
 MAX_TIMEOUT_S = 7 * 86400
 
 
@@ -206,6 +214,7 @@ class ShardwiseConfig(_Section):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     # Free-form sections: kept as given, not checked deeply (we do not interpret them, or only a few keys).
     activation_checkpointing: FreeDict = Field(default_factory=dict)
     data_types: FreeDict = Field(default_factory=dict)
