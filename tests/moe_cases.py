@@ -158,18 +158,12 @@ def _forced(out: tuple, experts: tuple[int, ...]) -> tuple:
 
 def full_weights(engine) -> dict[str, torch.Tensor]:
     """Every parameter whole (experts gathered over the EP group), by name, on every rank."""
-    from shardwise.moe import expert_parallel_of
+    from shardwise.checkpoint import gather_experts
 
-    ep = expert_parallel_of(engine.module)
     out = {}
     with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
         for n, p in engine.module.named_parameters():
-            t = p.detach().clone()
-            if ep is not None and n.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                parts = [torch.empty_like(t) for _ in range(ep.ep_size)]
-                dist.all_gather(parts, t, group=ep.mesh.ep.group)
-                t = torch.cat(parts)
-            out[n] = t
+            out[n] = gather_experts(p.detach().clone(), p)
     return out
 
 
@@ -232,3 +226,31 @@ def refused_by_config(kind: str, section: dict, extra: dict | None = None) -> st
     except (ValueError, shardwise.config.ConfigError) as e:
         return str(e)
     return "not refused"
+
+
+def ckpt_run(kind: str, stage: int, ep: int | None, steps: int, first: int = 0, load_dir: str | None = None,
+             save_dir: str | None = None, export_dir: str | None = None) -> dict:
+    """Train steps ``first .. first + steps - 1`` (SGD with momentum: per-element optimizer state)
+    under EP ``ep`` (None: no EP, experts ZeRO-sharded over every rank), optionally loading a
+    checkpoint first and saving one / exporting HF weights after."""
+    world = dist.get_world_size()
+    cfg = _config(stage, 0.2, 2, world, 1.0)
+    cfg["optimizer"]["params"]["momentum"] = 0.9
+    if ep is not None:
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep}
+    engine, *_ = shardwise.initialize(model=build(kind), config=cfg)
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
+    data = batches(first + steps, world, 2)
+    losses = []
+    for s in range(first, first + steps):
+        ids = data[s, engine.dp_rank]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
+    if export_dir is not None:
+        engine.save_16bit_model(export_dir)
+    return {"losses": losses, "weights": full_weights(engine)}

@@ -15,6 +15,7 @@ import re
 
 import moe_cases
 import pytest
+import torch
 from tolerance import EPS32, K
 
 STEPS = 3
@@ -153,3 +154,42 @@ def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):
     # every token picks experts 0 and 1, both on EP rank 0: rank 1's experts receive nothing
     res = pool2.run("moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, force=True)
     _check(res, _reference("mixtral", 2, force=True), 2, 2)
+
+
+# -- checkpoints and export -----------------------------------------------------------------
+@pytest.mark.parametrize("save,load", [((2, 2), (3, None)), ((3, None), (2, 2)), ((3, 2), (2, 1))])
+def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, save, load):
+    """(stage, EP) when saving and when loading; EP None: none (experts ZeRO-sharded over every rank).
+    The resumed run's next step equals the uninterrupted run's, and the weights it loaded are
+    bit-exact; the checkpoint consolidates offline into the full HF experts."""
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.checkpoint import consolidate
+
+    ckpt = tmp_path / "ckpt"
+    first = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 2, save_dir=str(ckpt))
+    straight = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 3)
+    resumed = pool2.run("moe_cases:ckpt_run", "mixtral", load[0], load[1], 1, first=2, load_dir=str(ckpt))
+    for r in range(2):
+        assert resumed[r]["losses"] == pytest.approx(straight[r]["losses"][2:], rel=1e-5)
+    assert _max_abs(resumed[0]["weights"], straight[0]["weights"]) < 1e-5
+    out = tmp_path / "hf"
+    consolidate(str(ckpt), str(out))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), first[0]["weights"][n]), n
+
+
+def test_save_16bit_model_under_ep_gives_the_full_hf_model(pool2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf16"
+    res = pool2.run("moe_cases:ckpt_run", "qwen3_moe", 3, 2, 1, export_dir=str(out))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    assert model.config._experts_implementation != "shardwise_ep"
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), res[0]["weights"][n]), n
+    ref = moe_cases.build("qwen3_moe")
+    ref.load_state_dict(res[0]["weights"])
+    ids = moe_cases.batches(1, 1, 2)[0, 0]
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=4 * EPS32, atol=0)
