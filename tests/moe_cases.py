@@ -254,3 +254,27 @@ def ckpt_run(kind: str, stage: int, ep: int | None, steps: int, first: int = 0, 
     if export_dir is not None:
         engine.save_16bit_model(export_dir)
     return {"losses": losses, "weights": full_weights(engine)}
+
+
+def generate_ep(kind: str, stage: int, ep: int) -> list[list[int]]:
+    """Greedy tokens of engine.generate under EP; each rank its own prompt (different lengths of output
+    work too: synced_gpus keeps every rank in each forward's all-to-all)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {**_config(stage, 0.1, 1, world, None), "expert_parallel": {"enabled": True, "autoep_size": ep}}
+    engine, *_ = shardwise.initialize(model=build(kind, aux=0.0), config=cfg)
+    engine.eval()
+    prompt = batches(1, world, 1, seed=7)[0, rank]
+    with torch.no_grad():
+        out = engine.generate(input_ids=prompt, max_new_tokens=4 + 3 * rank, do_sample=False, pad_token_id=0)
+    return out.tolist()
+
+
+def generate_reference(kind: str, world: int) -> list[list[list[int]]]:
+    model = build(kind, aux=0.0).eval()
+    outs = []
+    for r in range(world):
+        prompt = batches(1, world, 1, seed=7)[0, r]
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=prompt, max_new_tokens=4 + 3 * r, do_sample=False,
+                                       pad_token_id=0).tolist())
+    return outs

@@ -193,3 +193,10 @@ def test_save_16bit_model_under_ep_gives_the_full_hf_model(pool2, tmp_path):
     ref.load_state_dict(res[0]["weights"])
     ids = moe_cases.batches(1, 1, 2)[0, 0]
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=4 * EPS32, atol=0)
+
+
+# -- inference ------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [0, 3])
+def test_generate_under_ep_gives_the_single_process_tokens(pool2, stage):
+    got = pool2.run("moe_cases:generate_ep", "mixtral", stage, 2)
+    assert got == moe_cases.generate_reference("mixtral", 2)
