@@ -200,3 +200,31 @@ def test_save_16bit_model_under_ep_gives_the_full_hf_model(pool2, tmp_path):
 def test_generate_under_ep_gives_the_single_process_tokens(pool2, stage):
     got = pool2.run("moe_cases:generate_ep", "mixtral", stage, 2)
     assert got == moe_cases.generate_reference("mixtral", 2)
+
+
+# -- shardwise train --ep -------------------------------------------------------------------
+def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
+    """`shardwise train --ep 2` on a Mixtral config: the same losses as without EP (experts then
+    ZeRO-sharded over both ranks), checkpoints, the sample and the hf/ export included; a dense model
+    is refused in one line naming its model type."""
+    from test_train_job import _losses, _train
+
+    cfg = moe_cases.moe_config("mixtral")
+    cfg.vocab_size = 256  # the byte tokenizer's
+    cfg.save_pretrained(tmp_path / "mixtral")
+    model = str(tmp_path / "mixtral" / "config.json")
+    ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+          "steps_per_print": 0, "optimizer": {"type": "SGD", "params": {"lr": 0.3}},
+          "zero_optimization": {"stage": 3}}
+    common = ("--model", model, "--steps", "4", "--eval-every", "0", "--save-every", "2", "--seq", "16")
+    ep, plain = tmp_path / "ep", tmp_path / "plain"
+    _train(tmp_path, ep, 2, *common, "--ep", "2", "--sample-tokens", "4", ds=ds, export=True)
+    _train(tmp_path, plain, 2, *common, ds=ds)
+    a, b = _losses(ep), _losses(plain)
+    assert a.keys() == b.keys() and len(a) >= 4
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-5), k
+    assert (ep / "hf" / "config.json").is_file()
+    r = _train(tmp_path, tmp_path / "dense", 2, "--model", "llama-micro", "--steps", "1", "--ep", "2", ds=ds,
+               check=False)
+    assert r.returncode == 2 and "model_type 'llama'" in r.stderr, r.stderr[-2000:]

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from shardwise.cli_errors import UserError
 from shardwise.moe.apply import ExpertParallel, apply_expert_parallel, expert_parallel_of
 
 
@@ -18,15 +19,15 @@ def _refuse_combinations(cfg: Any, mpu: Any) -> None:
     key = "expert_parallel.enabled"
     zero = cfg.zero_optimization
     if cfg.tp_size > 1:
-        raise ValueError(f"{key} with tensor_parallel.autotp_size > 1 is not supported yet; use one of them")
+        raise UserError(f"{key} with tensor_parallel.autotp_size > 1 is not supported yet; use one of them")
     if zero.mics_shard_size > 0:
-        raise ValueError(f"{key} with zero_optimization.mics_shard_size (hybrid sharding) is not supported yet")
+        raise UserError(f"{key} with zero_optimization.mics_shard_size (hybrid sharding) is not supported yet")
     if zero.zero_hpz_partition_size > 1:
-        raise ValueError(f"{key} with zero_optimization.zero_hpz_partition_size (ZeRO++ hpZ) is not supported yet")
+        raise UserError(f"{key} with zero_optimization.zero_hpz_partition_size (ZeRO++ hpZ) is not supported yet")
     if zero.zero_quantized_gradients or zero.zero_quantized_weights:
-        raise ValueError(f"{key} with ZeRO++ quantized collectives is not supported yet")
+        raise UserError(f"{key} with ZeRO++ quantized collectives is not supported yet")
     if mpu is not None:
-        raise ValueError(f"{key} with a Megatron mpu is not supported; let shardwise build the groups")
+        raise UserError(f"{key} with a Megatron mpu is not supported; let shardwise build the groups")
 
 
 def apply_from_config(model: nn.Module, cfg: Any, mpu: Any = None) -> ExpertParallel | None:
@@ -38,7 +39,7 @@ def apply_from_config(model: nn.Module, cfg: Any, mpu: Any = None) -> ExpertPara
     done = expert_parallel_of(model)
     if done is not None:  # initialize() again on a model an earlier engine split
         if done.ep_size != section.autoep_size:
-            raise ValueError(f"expert_parallel.autoep_size {section.autoep_size}: the model is split "
+            raise UserError(f"expert_parallel.autoep_size {section.autoep_size}: the model is split "
                              f"{done.ep_size}-way already")
         return done
     return apply_expert_parallel(model, section.autoep_size, preset=section.preset_model)

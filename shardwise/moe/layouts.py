@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from shardwise.cli_errors import UserError
+
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # sliced on dim 0 (the expert index)
 
 # model_type -> the config attribute holding the number of routed experts
@@ -36,7 +38,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 
 
-class UnsupportedMoEError(ValueError):
+class UnsupportedMoEError(UserError):
     """The model has no MoE layout expert parallelism knows (message: one line, naming it)."""
 
 

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prompt", default=None, help="prompt for the sample (default: the start of the held-out text)")
     a("--no-export", action="store_true", help="skip the hf/ export at the end")
     a("--overwrite", action="store_true", help="--out may hold files that are not a run's (they are left alone)")
+    a("--ep", type=int, default=None,
+      help="expert parallelism for an HF MoE model: split each MoE layer's experts over N ranks "
+           "(sets the config's expert_parallel section; docs/moe.md)")
     a("--timeout", type=float, default=None,
       help="seconds a collective may wait for the other ranks before failing (default: SHARDWISE_TIMEOUT or 600)")
     return p
@@ -135,6 +138,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except UserError as e:
         p.error(str(e))
     args.ds_config = read_ds_config(args.config, args.steps, p)
+    if args.ep is not None:  # DeepSpeed AutoEP's keys, as a config would give them
+        if args.ep < 1:
+            p.error(f"--ep must be >= 1, got {args.ep}")
+        args.ds_config["expert_parallel"] = {**(args.ds_config.get("expert_parallel") or {}),
+                                             "enabled": True, "autoep_size": args.ep}
     if args.timeout is None:  # the flag wins; else the config's shardwise.timeout_s, as initialize() reads it
         try:
             args.timeout = timeout_of(args.ds_config)
