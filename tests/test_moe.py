@@ -204,9 +204,9 @@ def test_generate_under_ep_gives_the_single_process_tokens(pool2, stage):
 
 # -- shardwise train --ep -------------------------------------------------------------------
 def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
-    """`shardwise train --ep 2` on a Mixtral config: the same losses as without EP (experts then
-    ZeRO-sharded over both ranks), checkpoints, the sample and the hf/ export included; a dense model
-    is refused in one line naming its model type."""
+    """`shardwise train --ep 2` on a Mixtral config at ZeRO-3: the same losses as without EP,
+    checkpoints, the sample and the hf/ export included; a dense model is refused in one line naming
+    its model type."""
     from test_train_job import _losses, _train
 
     cfg = moe_cases.moe_config("mixtral")
@@ -219,12 +219,15 @@ def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
     common = ("--model", model, "--steps", "4", "--eval-every", "0", "--save-every", "2", "--seq", "16")
     ep, plain = tmp_path / "ep", tmp_path / "plain"
     _train(tmp_path, ep, 2, *common, "--ep", "2", "--sample-tokens", "4", ds=ds, export=True)
-    _train(tmp_path, plain, 2, *common, ds=ds)
+    # without EP at stage 2: a stage-3 `train` builds its model under zero.Init (another init order);
+    # the EP run is built whole, and the stage does not change the numbers
+    _train(tmp_path, plain, 2, *common, ds={**ds, "zero_optimization": {"stage": 2}})
     a, b = _losses(ep), _losses(plain)
     assert a.keys() == b.keys() and len(a) >= 4
     for k in a:
         assert a[k] == pytest.approx(b[k], rel=1e-5), k
     assert (ep / "hf" / "config.json").is_file()
-    r = _train(tmp_path, tmp_path / "dense", 2, "--model", "llama-micro", "--steps", "1", "--ep", "2", ds=ds,
+    ds1 = {**ds, "train_batch_size": 2}
+    r = _train(tmp_path, tmp_path / "dense", None, "--model", "llama-micro", "--steps", "1", "--ep", "1", ds=ds1,
                check=False)
-    assert r.returncode == 2 and "model_type 'llama'" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "model_type 'llama'" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

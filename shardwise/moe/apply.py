@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, CommStats, make_comm
 from shardwise.mesh import ExpertMesh, get_expert_mesh
 from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, register, set_expert_shard
@@ -57,12 +58,12 @@ def is_expert_param(p: torch.Tensor) -> bool:
 
 def _check_model(model: nn.Module, ep_size: int) -> None:
     if expert_parallel_of(model) is not None:
-        raise ValueError(f"{type(model).__name__} is split over experts already; apply expert parallelism once")
+        raise UserError(f"{type(model).__name__} is split over experts already; apply expert parallelism once")
     if is_deferred(model):
-        raise ValueError("expert parallelism with a model built under zero.Init is not supported yet; "
+        raise UserError("expert parallelism with a model built under zero.Init is not supported yet; "
                          "build the model normally (its experts are split before ZeRO shards the rest)")
     if ep_size < 1:
-        raise ValueError(f"expert_parallel.autoep_size must be >= 1, got {ep_size}")
+        raise UserError(f"expert_parallel.autoep_size must be >= 1, got {ep_size}")
 
 
 @torch.no_grad()
