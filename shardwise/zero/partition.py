@@ -162,8 +162,8 @@ class _GroupMaker:
     def kind(self, p: nn.Parameter) -> tuple:
         """What must be equal inside one group: dtype, whether TP sliced it (for the grad norm), and
         the group it is sharded over (an expert's own, or the model's)."""
-        own = own_groups(p)
-        return p.dtype, self.tp_sharded(p), None if own is None else id(own)
+        own = own_groups(p)  # (described by sizes, not id(): the order of groups must agree across ranks)
+        return p.dtype, self.tp_sharded(p), None if own is None else ("own", own.shard.size, own.split.size)
 
     def __call__(self, ps: list[nn.Parameter], pol: ShardPolicy, trainable: bool = True) -> ShardedGroup:
         own = own_groups(ps[0])
