@@ -114,14 +114,16 @@ def _config(stage: int, lr: float, micro: int, world: int, clip: float | None) -
 
 
 def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, micro: int = 2,
-             clip: float | None = None, force: bool = False, use_config: bool = False) -> dict:
-    """Train under EP ``ep`` at ZeRO ``stage`` on this rank's part of the global batch; return the
-    losses, the full weights gathered on every rank, and the expert bytes held here."""
+             clip: float | None = None, force: bool = False, use_config: bool = False, gas: int = 1) -> dict:
+    """Train under EP ``ep`` at ZeRO ``stage`` on this rank's part of the global batch (``gas``
+    micro-batches of ``micro // gas`` sequences); return the losses (per micro-batch when gas > 1),
+    the full weights gathered on every rank, and the expert bytes held here."""
     world, _rank = dist.get_world_size(), dist.get_rank()
     model = build(kind)
     if force:
         force_routing(model)
-    cfg = _config(stage, lr, micro, world, clip)
+    cfg = _config(stage, lr, micro // gas, world, clip)
+    cfg.update(gradient_accumulation_steps=gas, train_batch_size=micro * world)
     if use_config:
         cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": kind}
     else:
@@ -129,12 +131,16 @@ def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, mi
     engine, *_ = shardwise.initialize(model=model, config=cfg)
     data = batches(steps, world, micro)
     losses, norms = [], []
+    mb = micro // gas
     for s in range(steps):
-        ids = data[s, engine.dp_rank]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+        part = []
+        for m in range(gas):
+            ids = data[s, engine.dp_rank, m * mb:(m + 1) * mb]
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            part.append(float(loss.detach()))
+        losses.append(part[0] if gas == 1 else part)
         norms.append(engine.get_global_grad_norm())
     return {"losses": losses, "norms": norms, "weights": full_weights(engine),
             "expert_bytes": expert_bytes(engine)}
@@ -175,7 +181,8 @@ def expert_bytes(engine) -> dict[str, int]:
 
 # -- the single-process reference -----------------------------------------------------
 def reference(kind: str, world: int, steps: int = 3, lr: float = 0.5, micro: int = 2, clip: float | None = None,
-              implementation: str | None = None, expert_lr_factor: float = 1.0, force: bool = False) -> dict:
+              implementation: str | None = None, expert_lr_factor: float = 1.0, force: bool = False,
+              gas: int = 1) -> dict:
     """One process, the same global batch: the loss is the mean over the ranks' parts of each part's
     loss (what data parallelism computes; the aux loss is per part), SGD, optional clipping.
     ``expert_lr_factor`` 2 equals doubled expert gradients (the bug a tolerance must catch)."""
@@ -190,7 +197,9 @@ def reference(kind: str, world: int, steps: int = 3, lr: float = 0.5, micro: int
     data = batches(steps, world, micro)
     losses, norms = [], []
     for s in range(steps):
-        parts = [model(input_ids=data[s, r], labels=data[s, r]).loss for r in range(world)]
+        mb = micro // gas  # parts: rank-major, then micro-batch
+        parts = [model(input_ids=x, labels=x).loss for r in range(world)
+                 for x in (data[s, r, m * mb:(m + 1) * mb] for m in range(gas))]
         torch.stack(parts).mean().backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
         opt.step()

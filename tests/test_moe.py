@@ -150,6 +150,18 @@ def test_expert_parallel_config_refusals(pool2, kind, section, extra, match):
         assert "\n" not in msg
 
 
+def test_gradient_accumulation_under_ep(pool2):
+    # 2 micro-batches of one sequence per rank and step; the reference averages the 4 parts' losses
+    res = pool2.run("moe_cases:train_ep", "qwen3_moe", 2, 2, steps=STEPS, clip=CLIP, gas=2)
+    ref = moe_cases.reference("qwen3_moe", 2, STEPS, clip=CLIP, gas=2)
+    tol = _reference("qwen3_moe", 2)
+    for r in range(2):
+        for got, want in zip(res[r]["losses"], ref["losses"], strict=True):
+            assert got == pytest.approx(want[2 * r:2 * r + 2], rel=tol["tol_loss"])
+        assert res[r]["norms"] == pytest.approx(ref["norms"], rel=tol["tol_loss"])
+    assert _max_abs(res[0]["weights"], ref["weights"]) < tol["tol_w"]
+
+
 def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):
     # every token picks experts 0 and 1, both on EP rank 0: rank 1's experts receive nothing
     res = pool2.run("moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, force=True)

@@ -289,8 +289,7 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
     todo = [where[id(p)] for _, p in engine.module.named_parameters() if id(p) in where]
     specs = [(name, dtype, tuple(logical_shape_of(saved_shape(p), spec_of(p)))) for _, name, p, _, _ in todo]
     specs += [(n, t.dtype, tuple(t.shape)) for n, t in extras.items()]
-    err: BaseException | None = None
-    w = None
+    err, w = None, None
     try:
         if rank0:
             w = ShardedHFWriter(Path(save_dir), specs, parse_bytes(max_shard_size))
@@ -309,8 +308,7 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
             if engine.policy.shard_optimizer:
                 _group_comm(g, dp).all_gather(full)
             cached = g
-        t = gather_full(full.narrow(0, off, n).view(full_shape(p)), spec_of(p), tp)
-        t = gather_experts(t, p)  # an expert parameter: every EP rank's experts
+        t = gather_experts(gather_full(full.narrow(0, off, n).view(full_shape(p)), spec_of(p), tp), p)
         if w is not None and err is None:
             try:
                 w.write(name, t.to(dtype))
