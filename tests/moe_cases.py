@@ -114,7 +114,8 @@ def _config(stage: int, lr: float, micro: int, world: int, clip: float | None) -
 
 
 def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, micro: int = 2,
-             clip: float | None = None, force: bool = False, use_config: bool = False, gas: int = 1) -> dict:
+             clip: float | None = None, force: bool = False, use_config: bool = False, gas: int = 1,
+             facade: bool = False) -> dict:
     """Train under EP ``ep`` at ZeRO ``stage`` on this rank's part of the global batch (``gas``
     micro-batches of ``micro // gas`` sequences); return the losses (per micro-batch when gas > 1),
     the full weights gathered on every rank, and the expert bytes held here."""
@@ -128,7 +129,13 @@ def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, mi
         cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": kind}
     else:
         apply_expert_parallel(model, ep, preset=kind)
-    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    init = shardwise.initialize
+    if facade:  # a DeepSpeed script: `import deepspeed` is shardwise's facade
+        shardwise.install_as_deepspeed()
+        import deepspeed
+
+        init = deepspeed.initialize
+    engine, *_ = init(model=model, config=cfg)
     data = batches(steps, world, micro)
     losses, norms = [], []
     mb = micro // gas

@@ -150,6 +150,16 @@ def test_expert_parallel_config_refusals(pool2, kind, section, extra, match):
         assert "\n" not in msg
 
 
+def test_deepspeed_script_through_the_facade():
+    # `deepspeed.initialize(config={"expert_parallel": ...})` with no DeepSpeed installed (own pool:
+    # the facade stays installed in its processes)
+    from rank_pool import run_fresh
+
+    res = run_fresh(2, "moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, use_config=True,
+                    facade=True, timeout_s=300)
+    _check(res, _reference("mixtral", 2), 2, 2)
+
+
 def test_gradient_accumulation_under_ep(pool2):
     # 2 micro-batches of one sequence per rank and step; the reference averages the 4 parts' losses
     res = pool2.run("moe_cases:train_ep", "qwen3_moe", 2, 2, steps=STEPS, clip=CLIP, gas=2)
@@ -173,10 +183,12 @@ def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):
 def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, save, load):
     """(stage, EP) when saving and when loading; EP None: none (experts ZeRO-sharded over every rank).
     The resumed run's next step equals the uninterrupted run's, and the weights it loaded are
-    bit-exact; the checkpoint consolidates offline into the full HF experts."""
+    bit-exact; the checkpoint consolidates offline (`shardwise consolidate`, zero_to_fp32) into the
+    full HF experts."""
     from transformers import AutoModelForCausalLM
 
     from shardwise.checkpoint import consolidate
+    from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     ckpt = tmp_path / "ckpt"
     first = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 2, save_dir=str(ckpt))
@@ -188,8 +200,10 @@ def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, save,
     out = tmp_path / "hf"
     consolidate(str(ckpt), str(out))
     model = AutoModelForCausalLM.from_pretrained(out)
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), first[0]["weights"][n]), n
+        assert torch.equal(fp32[n], first[0]["weights"][n]), n
 
 
 def test_save_16bit_model_under_ep_gives_the_full_hf_model(pool2, tmp_path):
