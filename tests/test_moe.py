@@ -257,3 +257,26 @@ def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
     r = _train(tmp_path, tmp_path / "dense", None, "--model", "llama-micro", "--steps", "1", "--ep", "1", ds=ds1,
                check=False)
     assert r.returncode == 2 and "model_type 'llama'" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_hf_trainer_with_expert_parallel_config(tmp_path):
+    """The HF Trainer (`--deepspeed` config with `expert_parallel`, shardwise's facade, no DeepSpeed):
+    the same losses as the same Trainer run without EP."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--as-deepspeed",
+           str(root / "tests" / "moe_trainer_job.py"), str(tmp_path)]
+    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["ep"]["ep_size"] == 2 and res["ep"]["local_experts"] == 2 and res["plain"]["ep_size"] is None
+    ep, plain = res["ep"]["losses"], res["plain"]["losses"]
+    assert len(ep) == 4 and ep.keys() == plain.keys()
+    for k in ep:
+        assert ep[k] == pytest.approx(plain[k], rel=1e-5), k
