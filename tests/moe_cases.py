@@ -115,7 +115,7 @@ def _config(stage: int, lr: float, micro: int, world: int, clip: float | None) -
 
 def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, micro: int = 2,
              clip: float | None = None, force: bool = False, use_config: bool = False, gas: int = 1,
-             facade: bool = False) -> dict:
+             facade: bool = False, bf16: bool = False) -> dict:
     """Train under EP ``ep`` at ZeRO ``stage`` on this rank's part of the global batch (``gas``
     micro-batches of ``micro // gas`` sequences); return the losses (per micro-batch when gas > 1),
     the full weights gathered on every rank, and the expert bytes held here."""
@@ -125,6 +125,8 @@ def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, mi
         force_routing(model)
     cfg = _config(stage, lr, micro // gas, world, clip)
     cfg.update(gradient_accumulation_steps=gas, train_batch_size=micro * world)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     if use_config:
         cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": kind}
     else:

@@ -172,6 +172,17 @@ def test_gradient_accumulation_under_ep(pool2):
     assert _max_abs(res[0]["weights"], ref["weights"]) < tol["tol_w"]
 
 
+def test_bf16_under_ep_stays_within_the_projects_bf16_bound(pool2):
+    # bf16 compute, fp32 masters: the update (weights after - before) within 15% of the fp32 one
+    # (the project's bf16 bound, docs/architecture.md "Correctness"); the aux loss and clipping on
+    res = pool2.run("moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, bf16=True)
+    ref = _reference("mixtral", 2)
+    init = dict(moe_cases.build("mixtral").named_parameters())
+    upd = sum(float((ref["weights"][n] - init[n].detach()).square().sum()) for n in init) ** 0.5
+    err = sum(float((res[0]["weights"][n].float() - ref["weights"][n]).square().sum()) for n in init) ** 0.5
+    assert err < 0.15 * upd, (err, upd)
+
+
 def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):
     # every token picks experts 0 and 1, both on EP rank 0: rank 1's experts receive nothing
     res = pool2.run("moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, force=True)
