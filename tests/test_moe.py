@@ -115,16 +115,19 @@ def test_the_tolerance_catches_doubled_expert_gradients():
 
 
 @pytest.mark.parametrize("kind,stage,use_config", [("mixtral", 2, False), ("mixtral", 3, True),
-                                                   ("qwen3_moe", 2, True), ("qwen3_moe", 3, False)])
+                                                   ("qwen3_moe", 2, True), ("qwen3_moe", 3, False),
+                                                   ("mixtral", 0, False), ("qwen3_moe", 1, True)])
 def test_ep2_with_zero_matches_single_process(pool2, kind, stage, use_config):
     # use_config: through DeepSpeed AutoEP's keys in the config given to shardwise.initialize
     res = pool2.run("moe_cases:train_ep", kind, stage, 2, steps=STEPS, clip=CLIP, use_config=use_config)
     _check(res, _reference(kind, 2), 2, 2)
 
 
-def test_ep2_times_dp2_on_four_ranks(pool4):
+@pytest.mark.parametrize("stage", [0, 2])
+def test_ep2_times_dp2_on_four_ranks(pool4, stage):
     # EP groups {0,1} {2,3}; ranks 0 and 2 hold the same experts: their gradients meet over {0,2}
-    res = pool4.run("moe_cases:train_ep", "mixtral", 2, 2, steps=STEPS, clip=CLIP)
+    # (stage 0: all-reduced, whole on both: the norm counts them once)
+    res = pool4.run("moe_cases:train_ep", "mixtral", stage, 2, steps=STEPS, clip=CLIP)
     _check(res, _reference("mixtral", 4), 4, 2)
 
 
