@@ -132,3 +132,30 @@ def get_sequence_mesh(sp_size: int, stats: CommStats | None = None) -> SequenceM
     sp_g, data_g = _GROUPS[key]
     stats = stats if stats is not None else CommStats()
     return SequenceMesh(sp=make_comm(sp_g, stats, scope="_sequence"), data=make_comm(data_g, stats))
+
+
+@dataclass
+class ExpertMesh:
+    """Expert parallelism's two groups, cut from the same rank grid as the others.
+
+    ``ep``: ``ep_size`` consecutive ranks, each holding 1/ep_size of every MoE layer's experts
+    (tokens move between them by all-to-all). ``edp``: the ranks ``ep_size`` apart, holding the
+    same experts (expert gradients are reduced, and expert parameters ZeRO-sharded, over it only).
+    """
+
+    ep: Comm
+    edp: Comm
+
+
+def get_expert_mesh(ep_size: int, stats: CommStats | None = None) -> ExpertMesh:
+    """The EP and expert-data-parallel groups for ``ep_size`` (collective: every rank, same argument)."""
+    world, rank = _world()
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"expert parallel size {ep_size} must divide the world size {world} "
+                         "(expert_parallel.autoep_size)")
+    key = ("expert", ep_size)
+    if key not in _GROUPS:
+        _GROUPS[key] = (_make(world, rank, ep_size, 1), _make(world, rank, world // ep_size, ep_size))
+    ep_g, edp_g = _GROUPS[key]
+    stats = stats if stats is not None else CommStats()
+    return ExpertMesh(ep=make_comm(ep_g, stats), edp=make_comm(edp_g, stats))

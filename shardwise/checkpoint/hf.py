@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardwise.checkpoint.experts import gather_experts, refuse_frozen_experts, saved_shape
 from shardwise.checkpoint.fileio import (
     CheckpointError,
     SafetensorsWriter,
@@ -254,6 +255,14 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _group_comm(g, dp: Comm) -> Comm:
+    """The comm a group's shards are gathered over: the data-parallel one, or an expert group's own
+    (uncounted; a group of one rank is its solo comm, whose process group is None, not the world)."""
+    if g.own_groups is None:
+        return dp
+    return g.comm if g.comm.size == 1 else Comm(g.comm.group, CommStats())
+
+
 def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torch.dtype | None = None,
                      max_shard_size: str | int = "5GB") -> None:
     """HF weights from a live engine (collective): masters are gathered group by group, rank 0 writes.
@@ -263,6 +272,7 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
     sharded parameter's local tensors are then all-gathered over the TP group into the full HF
     tensor (padding dropped). ``dtype`` defaults to the compute dtype.
     """
+    refuse_frozen_experts(engine.module)
     comm = world_comm()
     dp = engine.comm if engine.comm.size == 1 else Comm(engine.comm.group, CommStats())
     tp = engine.tp if engine.tp.size == 1 else Comm(engine.tp.group, CommStats())
@@ -277,10 +287,9 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
     where = {id(p): (g, name, p, off, n) for g in engine.groups + frozen_groups(engine)
              for name, p, off, n in zip(g.names, g.params, g.offsets, g.numels, strict=True)}
     todo = [where[id(p)] for _, p in engine.module.named_parameters() if id(p) in where]
-    specs = [(name, dtype, tuple(logical_shape_of(full_shape(p), spec_of(p)))) for _, name, p, _, _ in todo]
+    specs = [(name, dtype, tuple(logical_shape_of(saved_shape(p), spec_of(p)))) for _, name, p, _, _ in todo]
     specs += [(n, t.dtype, tuple(t.shape)) for n, t in extras.items()]
-    err: BaseException | None = None
-    w = None
+    err, w = None, None
     try:
         if rank0:
             w = ShardedHFWriter(Path(save_dir), specs, parse_bytes(max_shard_size))
@@ -297,9 +306,9 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
             full = torch.zeros(g.padded_numel, dtype=own.dtype, device=own.device)
             full.narrow(0, g.own_start, g.own_numel).copy_(own)
             if engine.policy.shard_optimizer:
-                dp.all_gather(full)
+                _group_comm(g, dp).all_gather(full)
             cached = g
-        t = gather_full(full.narrow(0, off, n).view(full_shape(p)), spec_of(p), tp)
+        t = gather_experts(gather_full(full.narrow(0, off, n).view(full_shape(p)), spec_of(p), tp), p)
         if w is not None and err is None:
             try:
                 w.write(name, t.to(dtype))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardwise.checkpoint.experts import saved_offset, saved_shape
 from shardwise.checkpoint.fileio import (
     CheckpointError,
     ShardReader,
@@ -127,7 +128,7 @@ def _match(engine: CheckpointTarget, meta: dict, strict: bool, source: Path) -> 
             if name not in tidx:
                 miss_t.add(name)
             else:
-                compare(name, tensors[tidx[name][0]], p, full_shape(p))
+                compare(name, tensors[tidx[name][0]], p, saved_shape(p))
     excluded = set(meta["excluded_frozen"])
     miss_x = {n for n in live_x if n not in xidx}
     for name in set(live_x) & set(xidx):
@@ -188,8 +189,9 @@ def _read_own(engine: CheckpointTarget, meta: dict, reader: ShardReader, states:
             first = first or key or index[name][0]
             for k, buf in bufs.items():
                 dst = buf.narrow(0, seg.offset, seg.length)
-                if key is not None:
-                    reader.read_range(f"{k}/{key}", tensors[key]["segments"], seg.start, seg.stop, dst)
+                if key is not None:  # (an expert's slice: its range of the full tensor)
+                    off = saved_offset(p)
+                    reader.read_range(f"{k}/{key}", tensors[key]["segments"], seg.start + off, seg.stop + off, dst)
                     continue
                 local = torch.zeros(full_shape(p), dtype=buf.dtype)
                 rebuild(name, local, spec, index[name], tensors,

@@ -15,6 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardwise.checkpoint.experts import (
+    refuse_frozen_experts,
+    saved_numel,
+    saved_offset,
+    saved_shape,
+    writes_group,
+)
 from shardwise.checkpoint.fileio import (
     FORMAT,
     VERSION,
@@ -25,7 +32,7 @@ from shardwise.checkpoint.fileio import (
     to_json,
     world_comm,
 )
-from shardwise.checkpoint.frozen import describe_frozen, full_shape, module_extras
+from shardwise.checkpoint.frozen import describe_frozen, module_extras
 from shardwise.checkpoint.recovery import write_recovery_script
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
 from shardwise.checkpoint.whole_tensor_state import SECTION, merge_whole_state, whole_state_pieces
@@ -70,6 +77,8 @@ def _write_rank(engine: CheckpointTarget, folder: Path, rank: int, exclude_froze
     parameters: see ``checkpoint/frozen.py``.
     """
     # stage 0: replicated, dp rank 0 writes; hybrid sharding: the first replica writes its shards
+    if not exclude_frozen:
+        refuse_frozen_experts(engine.module)
     first_replica = engine.replica.rank == 0
     writes = first_replica and (engine.policy.shard_optimizer or engine.comm.rank == 0)
     tp_rank = engine.tp.rank if engine.tp.size > 1 else 0
@@ -80,20 +89,22 @@ def _write_rank(engine: CheckpointTarget, folder: Path, rank: int, exclude_froze
     state_dtypes: dict[str, str] = {}
     for g in engine.groups:
         state = engine.optimizer.state.get(g.master, {}) if engine.optimizer is not None else {}  # None: eval engine
-        elem, sc = _split_state(g, state) if writes else ({}, {})
+        writes_g = writes_group(g, engine.policy.shard_optimizer, first_replica, engine.comm.rank)
+        elem, sc = _split_state(g, state) if writes_g else ({}, {})
         state_dtypes.update({k: dtype_name(v.dtype) for k, v in elem.items()})
         own = {s.index: s for s in g.owned}
-        for i, (name, p, n) in enumerate(zip(g.names, g.params, g.numels, strict=True)):
+        for i, (name, p) in enumerate(zip(g.names, g.params, strict=True)):
             spec = spec_of(p)
             if spec is None and tp_rank != 0:
                 continue  # replicated over TP: TP rank 0 saves it
-            key, shape = saved_name(name, spec), full_shape(p)
-            tensors[key] = {"shape": shape, "numel": n, "dtype": dtype_name(g.dtype),
+            key, shape = saved_name(name, spec), saved_shape(p)  # experts: the full tensor (checkpoint/experts.py)
+            tensors[key] = {"shape": shape, "numel": saved_numel(p), "dtype": dtype_name(g.dtype),
                             "tp": tp_meta(name, spec, shape), "segments": []}
             seg = own.get(i)
-            if not writes or seg is None:
+            if not writes_g or seg is None:
                 continue
-            segments[key] = [seg.start, seg.stop]
+            off = saved_offset(p)
+            segments[key] = [seg.start + off, seg.stop + off]
             scalars[key] = sc
             pieces.append((f"master/{key}", g.master.narrow(0, seg.offset, seg.length)))
             pieces += [(f"{k}/{key}", v.narrow(0, seg.offset, seg.length)) for k, v in elem.items()]

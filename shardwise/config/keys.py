@@ -89,6 +89,7 @@ def _off(key: str) -> Accepts:
 
 
 H, I, R = "honoured", "ignored", "refused"
+EP = "expert_parallel."
 Z, OO, OP, TP = "zero_optimization.", "zero_optimization.offload_optimizer.", "zero_optimization.offload_param.", \
     "tensor_parallel."
 _LOG = "logging or monitoring only"
@@ -227,7 +228,16 @@ KEYS: tuple[Key, ...] = (
     Key(TP + "kernel_inject", R, "kernel injection", default(False)),
     Key("sequence_parallel_size", H, "Ulysses sequence parallelism over groups of consecutive ranks "
         "(shardwise/sequence_parallel/, docs/long_context.md)"),
-    Key("expert_parallel", R, "expert parallelism (AutoEP)", disabled, subtree=True),
+    Key("expert_parallel", H, "section: expert parallelism for HF MoE models ([moe.md](moe.md))"),
+    Key(EP + "enabled", H, "expert parallelism on (DeepSpeed AutoEP's switch)"),
+    Key(EP + "autoep_size", H, "ranks each MoE layer's experts are split over (consecutive ranks)"),
+    Key(EP + "preset_model", H, "model family, checked against the model's model_type"),
+    Key(EP + "comm_backend", R, "DeepEP token exchange", default("comm")),
+    Key(EP + "load_balance_coeff", R, "auxiliary-loss-free load balancing (expert bias)", default()),
+    Key(EP + "gate_up_impl", I, "gate/up as one or two matmuls: same math; " + _PERF),
+    Key(EP + "row_weighting_impl", I, "a fused kernel for the routing weights: same math; " + _PERF),
+    *(Key(EP + k, I, "DeepEP tuning; " + _PERF) for k in ("comm_num_sm", "comm_qp_margin",
+                                                          "comm_max_tokens_per_rank")),
     Key("use_data_before_expert_parallelism", I, "used only with MoE"),
     Key("pipeline", I, "used only by DeepSpeed's PipelineModule, which shardwise does not provide",
         subtree=True),

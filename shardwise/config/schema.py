@@ -165,6 +165,14 @@ class TensorParallelConfig(_Section):
     tp: TPSizeConfig = Field(default_factory=TPSizeConfig)
 
 
+class ExpertParallelConfig(_Section):
+    """DeepSpeed AutoEP's keys, served by shardwise.moe (docs/moe.md)."""
+
+    enabled: Bool = False
+    autoep_size: int = Field(1, ge=1, le=2**16)
+    preset_model: str | None = None
+
+
 MAX_TIMEOUT_S = 7 * 86400
 
 
@@ -219,6 +227,7 @@ class ShardwiseConfig(_Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     sequence_parallel_size: int = Field(1, ge=1, le=2**16)  # Ulysses SP: shardwise/sequence_parallel/
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     # Free-form sections: kept as given, not checked deeply (we do not interpret them, or only a few keys).
     activation_checkpointing: FreeDict = Field(default_factory=dict)
     data_types: FreeDict = Field(default_factory=dict)

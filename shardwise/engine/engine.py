@@ -30,6 +30,7 @@ from shardwise.engine.nonfinite import skip_nonfinite_step
 from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
 from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
+from shardwise.moe import expert_parallel_of
 from shardwise.monitor import EngineMonitor
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
@@ -303,6 +304,8 @@ class Engine(EngineAccessors, nn.Module):
         prefetch and ``synced_gpus=True`` keeps every rank running the same number of forward
         calls even when its sequences finish early.
         """
+        if expert_parallel_of(self.module) is not None and self.comm.size > 1:
+            kwargs.setdefault("synced_gpus", True)  # every forward exchanges tokens between the EP ranks
         if self.fetcher is None:
             return self.module.generate(*args, **kwargs)
         if gather_whole_model is None:

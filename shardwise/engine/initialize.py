@@ -26,6 +26,7 @@ from shardwise.engine.mpu import mesh_from_mpu, mpu_sizes
 from shardwise.fsdp.module import is_sharded
 from shardwise.fsdp.unshard import unshard_module
 from shardwise.mesh import Mesh, get_mesh
+from shardwise.moe import apply_from_config
 from shardwise.sequence_parallel import SequenceParallelMPU
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
@@ -129,6 +130,7 @@ def initialize(
     cfg, mesh = _config_and_mesh(config, model, mpu)
     if is_sharded(model):  # initialize() again on a model an earlier engine wraps, as DeepSpeed allows
         unshard_module(model)
+    apply_from_config(model, cfg, mpu)  # expert_parallel: split the experts before ZeRO shards the rest
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate,
                     model_is_tp=mpu is not None, secondary=mesh.secondary)

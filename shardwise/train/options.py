@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--overwrite", action="store_true", help="--out may hold files that are not a run's (they are left alone)")
     a("--sp", type=int, default=None,
       help="Ulysses sequence parallelism over N consecutive ranks (the config's sequence_parallel_size)")
+    a("--ep", type=int, default=None,
+      help="expert parallelism for an HF MoE model: split each MoE layer's experts over N ranks "
+           "(sets the config's expert_parallel section; docs/moe.md)")
     a("--timeout", type=float, default=None,
       help="seconds a collective may wait for the other ranks before failing (default: SHARDWISE_TIMEOUT or 600)")
     return p
@@ -179,6 +182,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     config = default_config(args.steps) if args.config is None else args.config  # no --config: the defaults
     args.ds_config = read_ds_config(config, args.steps, p)
     _apply_sp(args, p)
+    if args.ep is not None:  # DeepSpeed AutoEP's keys, as a config would give them
+        if args.ep < 1:
+            p.error(f"--ep must be >= 1, got {args.ep}")
+        args.ds_config["expert_parallel"] = {**(args.ds_config.get("expert_parallel") or {}),
+                                             "enabled": True, "autoep_size": args.ep}
     if args.timeout is None:  # the flag wins; else the config's shardwise.timeout_s, as initialize() reads it
         from shardwise.config.read import timeout_of  # here, not at the top: `train --help` loads no torch
         from shardwise.config.schema import ConfigError

@@ -113,6 +113,8 @@ def _setup(args, shardwise) -> Job:
     tokenizer = load_tokenizer(src)
     data = TokenData.open(_prepare_data(args, tokenizer, run_dir), args.seq, args.eval_fraction, args.seed)
     stage = (args.ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if (args.ds_config.get("expert_parallel") or {}).get("enabled"):
+        stage = 0  # built whole (not under zero.Init): the experts are split before ZeRO shards the rest
     model = build_model(src, tokenizer.vocab_size, args.seq, args.seed, stage if isinstance(stage, int) else 0)
     size = n_params(model)
     if dist.get_rank() == 0:  # consolidate of a run stopped before its export still finds the tokenizer

@@ -75,6 +75,7 @@ class ShardedGroup(StageThreeGather):
         self.dtype = params[0].dtype
         self.grad_dtype = accumulation_dtype(self.dtype, options.precision.grad_dtype, names[0])
         self.tp_sharded = False  # a TP slice? set by the builder (zero/partition.py): ZeRO reads no TP specs
+        self.own_groups = None  # partition.OwnGroups when sharded over a group of its own (experts)
         self.device = options.device if options.device is not None else params[0].device
         self.layout = FlatLayout(tuple(p.numel() for p in params), comm.size)
         self.own_start, self.own_numel = (self.layout.shard_range(comm.rank) if policy.shard_optimizer

@@ -54,6 +54,31 @@ def _never(p: nn.Parameter) -> bool:  # noqa: ARG001
     return False
 
 
+@dataclass(frozen=True)
+class OwnGroups:
+    """A parameter sharded over a group of its own instead of the model's shard group.
+
+    Expert parallelism's experts: each rank holds a slice (some whole experts) that the ranks of
+    ``split`` do not hold, and the ranks of ``shard`` hold the same slice, so ZeRO shards and
+    reduces it over ``shard`` only, and the gradient norm sums its squares over ``split`` too.
+    """
+
+    shard: Comm
+    split: Comm
+
+
+_OWN_GROUPS = "shardwise_own_groups"
+
+
+def set_own_groups(p: nn.Parameter, groups: OwnGroups) -> None:
+    setattr(p, _OWN_GROUPS, groups)
+
+
+def own_groups(p: torch.Tensor) -> OwnGroups | None:
+    """The parameter's own groups (None: the model's shard group, as every other parameter)."""
+    return getattr(p, _OWN_GROUPS, None)
+
+
 def _buckets(params: list[nn.Parameter], bucket_numel: int, kind: Callable) -> list[list[nn.Parameter]]:
     """Consecutive runs of one kind, each at most ``bucket_numel`` elements (or one param)."""
     out: list[list[nn.Parameter]] = []
@@ -135,13 +160,18 @@ class _GroupMaker:
         self.options, self.inflight = options, InflightLimit()
 
     def kind(self, p: nn.Parameter) -> tuple:
-        """What must be equal inside one group: dtype, and whether TP sliced it (for the grad norm)."""
-        return p.dtype, self.tp_sharded(p)
+        """What must be equal inside one group: dtype, whether TP sliced it (for the grad norm), and
+        the group it is sharded over (an expert's own, or the model's)."""
+        own = own_groups(p)  # (described by sizes, not id(): the order of groups must agree across ranks)
+        return p.dtype, self.tp_sharded(p), None if own is None else ("own", own.shard.size, own.split.size)
 
     def __call__(self, ps: list[nn.Parameter], pol: ShardPolicy, trainable: bool = True) -> ShardedGroup:
-        g = ShardedGroup(ps, [self.names[id(p)] for p in ps], self.comm, pol, self.options, trainable=trainable,
+        own = own_groups(ps[0])
+        comm = self.comm if own is None else own.shard
+        g = ShardedGroup(ps, [self.names[id(p)] for p in ps], comm, pol, self.options, trainable=trainable,
                          store=self.store() if self.store is not None else None, inflight=self.inflight)
         g.tp_sharded = self.tp_sharded(ps[0])
+        g.own_groups = own
         return g
 
 
@@ -174,7 +204,7 @@ def broadcast_model(model: nn.Module, groups: list[ShardedGroup], comm: Comm) ->
     for g in groups:
         grouped.update(id(p) for p in g.params)
     for p in model.parameters():
-        if id(p) not in grouped:
+        if id(p) not in grouped and own_groups(p) is None:  # (own groups: each holds its own slice)
             comm.broadcast(p.data, src=0)
     for b in model.buffers():
         comm.broadcast(b.data, src=0)

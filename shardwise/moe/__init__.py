@@ -1,0 +1,22 @@
+"""Mixture-of-experts: expert parallelism for transformers-5 MoE models (see docs/moe.md).
+
+- ``apply_expert_parallel(model, ep_size, preset=None)``: split each MoE layer's experts over
+  ``ep_size`` consecutive ranks (before ``shard()`` / the engine shard the rest); the model's own
+  router, top-k, normalization and aux loss are kept.
+- ``dispatch`` / ``combine``: the variable-split all-to-all token exchange (autograd-correct).
+- ``expert_layout``, ``FAMILIES``, ``PRESETS``: which HF model families have a known layout.
+- ``apply_from_config(model, cfg)``: the config's ``expert_parallel`` section (DeepSpeed AutoEP's
+  keys), called by ``shardwise.initialize``.
+- ``get_expert_mesh``: the EP and expert-data-parallel groups (from ``shardwise.mesh``).
+"""
+
+from shardwise.mesh import ExpertMesh, get_expert_mesh
+from shardwise.moe.apply import ExpertParallel, apply_expert_parallel, expert_parallel_of, is_expert_param
+from shardwise.moe.dispatch import Routed, combine, dispatch
+from shardwise.moe.experts import IMPLEMENTATION, run_local_experts
+from shardwise.moe.from_config import apply_from_config
+from shardwise.moe.layouts import FAMILIES, PRESETS, ExpertLayout, UnsupportedMoEError, expert_layout
+
+__all__ = ["FAMILIES", "IMPLEMENTATION", "PRESETS", "ExpertLayout", "ExpertMesh", "ExpertParallel", "Routed",
+           "UnsupportedMoEError", "apply_expert_parallel", "apply_from_config", "combine", "dispatch", "expert_layout",
+           "expert_parallel_of", "get_expert_mesh", "is_expert_param", "run_local_experts"]

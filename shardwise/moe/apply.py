@@ -1,0 +1,102 @@
+"""Split a HF MoE model's experts over the EP ranks (before ZeRO shards the rest).
+
+:func:`apply_expert_parallel` keeps every parameter object (an optimizer built on
+``model.parameters()`` still holds them) and only narrows the two 3-D expert parameters of each
+MoE layer to this rank's ``E / ep`` experts on dim 0, every rank slicing rank 0's tensors. It marks
+them with their own groups (``zero.partition.OwnGroups``: sharded and reduced over the
+expert-data-parallel group, squares summed over the EP group for the norm), so ZeRO at any stage
+reduces each expert's gradient only among the ranks holding it and counts it once, and it switches
+the model's ``config._experts_implementation`` to the dispatching forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.cli_errors import UserError
+from shardwise.comm import Comm, CommStats, make_comm
+from shardwise.mesh import ExpertMesh, get_expert_mesh
+from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, register, set_expert_shard
+from shardwise.moe.layouts import EXPERT_PARAMS, UnsupportedMoEError, expert_layout
+from shardwise.zero.init import is_deferred
+from shardwise.zero.partition import OwnGroups, own_groups, set_own_groups
+
+log = logging.getLogger("shardwise")
+_SLOT = "_shardwise_expert_parallel"
+
+
+@dataclass
+class ExpertParallel:
+    """A model's expert parallelism: its groups and what each rank holds."""
+
+    mesh: ExpertMesh
+    model_type: str
+    num_experts: int
+    local_experts: int
+    first_expert: int
+    layers: int
+
+    @property
+    def ep_size(self) -> int:
+        return self.mesh.ep.size
+
+
+def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
+    """The model's :class:`ExpertParallel` (None without expert parallelism)."""
+    return model.__dict__.get(_SLOT)
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """A parameter holding this rank's slice of some experts."""
+    return own_groups(p) is not None
+
+
+def _check_model(model: nn.Module, ep_size: int) -> None:
+    if expert_parallel_of(model) is not None:
+        raise UserError(f"{type(model).__name__} is split over experts already; apply expert parallelism once")
+    if is_deferred(model):
+        raise UserError("expert parallelism with a model built under zero.Init is not supported yet; "
+                         "build the model normally (its experts are split before ZeRO shards the rest)")
+    if ep_size < 1:
+        raise UserError(f"expert_parallel.autoep_size must be >= 1, got {ep_size}")
+
+
+@torch.no_grad()
+def apply_expert_parallel(model: nn.Module, ep_size: int, *, preset: str | None = None,
+                          stats: CommStats | None = None) -> ExpertParallel:
+    """Split every MoE layer's experts of ``model`` over ``ep_size`` consecutive ranks; in place.
+
+    Collective (every rank, same arguments). ``preset``: DeepSpeed AutoEP's ``preset_model``,
+    checked against ``model.config.model_type``. A model without a known MoE layout is refused
+    (:class:`~shardwise.moe.layouts.UnsupportedMoEError`, one line naming its model type).
+    """
+    _check_model(model, ep_size)
+    layout = expert_layout(model, preset)
+    if layout.num_experts % ep_size:
+        raise UnsupportedMoEError(f"expert_parallel.autoep_size {ep_size} must divide the {layout.num_experts} "
+                                  f"experts of {layout.model_type!r}")
+    mesh = get_expert_mesh(ep_size, stats)
+    world = make_comm("world", mesh.ep.stats) if dist.is_initialized() else Comm(None, mesh.ep.stats, solo=True)
+    local = layout.num_experts // ep_size
+    first = mesh.ep.rank * local
+    groups = OwnGroups(shard=mesh.edp, split=mesh.ep)
+    for _, module in layout.modules:
+        for name in EXPERT_PARAMS:
+            p = getattr(module, name)
+            world.broadcast(p.data, src=0)  # every rank slices the same experts
+            p.data = p.data.narrow(0, first, local).clone()
+            set_own_groups(p, groups)
+        set_expert_shard(module, ExpertShard(mesh.ep, layout.num_experts, first, local))
+    register()
+    model.config._experts_implementation = IMPLEMENTATION
+    ep = ExpertParallel(mesh, layout.model_type, layout.num_experts, local, first, len(layout.modules))
+    model.__dict__[_SLOT] = ep
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info(f"expert parallel {ep_size}-way ({layout.model_type}): {local} of {layout.num_experts} experts "
+                 f"per rank in each of {len(layout.modules)} MoE layers")
+    return ep

@@ -1,0 +1,296 @@
+"""Expert parallelism (shardwise.moe): dispatch / combine, layouts, EP x ZeRO against one process.
+
+Equivalence is measured in fp32 with SGD against the same model trained in one process on the same
+global batch (the loss is the mean over the ranks' parts of each part's loss, aux loss included:
+what data parallelism computes). The tolerance is K times a measured noise floor: the reference
+trained again with transformers' other experts kernel (``eager`` instead of ``grouped_mm``: other
+matmul shapes and summation order, the same math), and the test checks that the bound is far
+below what doubled expert gradients do (the classic EP x ZeRO bug, pytorch #160285).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import moe_cases
+import pytest
+import torch
+from tolerance import EPS32, K
+
+STEPS = 3
+CLIP = 1.0  # below the measured norms (~1.6-2.0): clipping is active, so the global norm must be right
+
+
+# -- dispatch / combine (Megatron's dispatcher test) --------------------------------------
+@pytest.mark.parametrize("experts,tokens,top_k", [(4, 7, 2), (8, 13, 3), (2, 5, 1)])
+def test_dispatch_then_combine_restores_input_and_gradient(pool2, experts, tokens, top_k):
+    for r in pool2.run("moe_cases:roundtrip", experts, tokens, top_k):
+        assert r["rows"] == r["expected_rows"]
+        assert r["equal"], r["max_err"]
+        assert r["grad_equal"]
+
+
+def test_a_rank_receiving_nothing_does_not_hang(pool2):
+    # every token on both ranks goes to expert 1 (rank 0's): rank 1 receives no row
+    res = pool2.run("moe_cases:roundtrip", 4, 5, 1, only_expert=1)
+    assert res[1]["rows"] == 0 and res[0]["rows"] == 10
+    assert all(r["equal"] and r["grad_equal"] for r in res)
+
+
+def test_a_rank_with_no_tokens_does_not_hang(pool2):
+    for tokens in ([0, 0], [6, 0]):  # rank 1 routes nothing (an empty micro-batch)
+        res = pool2.run("moe_cases:roundtrip", 4, tokens, 2)
+        assert all(r["equal"] and r["grad_equal"] and r["rows"] == r["expected_rows"] for r in res)
+
+
+@pytest.mark.parametrize("experts", [4, 8])
+def test_rows_arrive_grouped_by_local_expert(pool2, experts):
+    assert all(r["grouped"] for r in pool2.run("moe_cases:sorted_rows", experts))
+
+
+# -- layouts ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+def test_forward_under_ep_equals_the_unsplit_model(pool2, kind):
+    for r in pool2.run("moe_cases:forward_logits", kind, 2):
+        assert r["logits_err"] <= 4 * EPS32 * r["logits_scale"], r
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=4 * EPS32)
+
+
+def test_models_without_a_known_layout_are_refused():
+    from tiny_models import build
+
+    from shardwise.moe import UnsupportedMoEError, apply_expert_parallel
+
+    with pytest.raises(UnsupportedMoEError, match="model_type 'llama'") as e:
+        apply_expert_parallel(build("llama"), 1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UnsupportedMoEError, match="preset_model 'mixtral' does not match .*'qwen3_moe'"):
+        apply_expert_parallel(moe_cases.build("qwen3_moe"), 1, preset="mixtral")
+    with pytest.raises(UnsupportedMoEError, match="autoep_size 3 must divide the 4 experts"):
+        apply_expert_parallel(moe_cases.build("mixtral"), 3)
+
+
+# -- training: EP x ZeRO against one process -----------------------------------------------
+def _max_abs(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@functools.cache
+def _reference(kind: str, world: int, force: bool = False) -> dict:
+    """The reference, its noise floor (the other experts kernel) and the bounds derived from it."""
+    ref = moe_cases.reference(kind, world, STEPS, clip=CLIP, force=force)
+    other = moe_cases.reference(kind, world, STEPS, clip=CLIP, force=force, implementation="eager")
+    scale = max(float(w.abs().max()) for w in ref["weights"].values())
+    floor = 32 * EPS32 * STEPS
+    noise_w = _max_abs(other["weights"], ref["weights"])
+    pairs = [(a, b) for x, y in zip(other["losses"], ref["losses"], strict=True) for a, b in zip(x, y, strict=True)]
+    noise_l = max(abs(a - b) / abs(b) for a, b in pairs)
+    ref["tol_w"] = max(K * noise_w, floor * scale)
+    ref["tol_loss"] = max(K * noise_l, floor)
+    ref["noise"] = (noise_w, noise_l)
+    return ref
+
+
+def _check(res: list[dict], ref: dict, world: int, ep: int) -> None:
+    for r in range(world):
+        dp_rank = r  # every rank is a data-parallel rank: each trains its own part of the batch
+        for got, want in zip(res[r]["losses"], [step[dp_rank] for step in ref["losses"]], strict=True):
+            assert got == pytest.approx(want, rel=ref["tol_loss"]), (r, res[r]["losses"], ref["noise"])
+        assert res[r]["norms"] == pytest.approx(ref["norms"], rel=ref["tol_loss"])
+    diff = _max_abs(res[0]["weights"], ref["weights"])
+    assert diff < ref["tol_w"], f"weights differ by {diff:.3g} (tol {ref['tol_w']:.3g}, noise {ref['noise']})"
+    assert _max_abs(res[-1]["weights"], ref["weights"]) < ref["tol_w"]
+    full = ref["expert_numel"] * 4
+    for r in res:  # per-rank expert bytes are 1/EP of the experts' (1/world once ZeRO-3 shards over EDP too)
+        assert r["expert_bytes"]["held"] == full // ep or r["expert_bytes"]["held"] == full // world
+
+
+def test_the_tolerance_catches_doubled_expert_gradients():
+    ref = _reference("mixtral", 2)
+    doubled = moe_cases.reference("mixtral", 2, STEPS, clip=None, expert_lr_factor=2.0)
+    plain = moe_cases.reference("mixtral", 2, STEPS, clip=None)
+    assert _max_abs(doubled["weights"], plain["weights"]) > 10 * ref["tol_w"]
+
+
+@pytest.mark.parametrize("kind,stage,use_config", [("mixtral", 2, False), ("mixtral", 3, True),
+                                                   ("qwen3_moe", 2, True), ("qwen3_moe", 3, False),
+                                                   ("mixtral", 0, False), ("qwen3_moe", 1, True)])
+def test_ep2_with_zero_matches_single_process(pool2, kind, stage, use_config):
+    # use_config: through DeepSpeed AutoEP's keys in the config given to shardwise.initialize
+    res = pool2.run("moe_cases:train_ep", kind, stage, 2, steps=STEPS, clip=CLIP, use_config=use_config)
+    _check(res, _reference(kind, 2), 2, 2)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_ep2_times_dp2_on_four_ranks(pool4, stage):
+    # EP groups {0,1} {2,3}; ranks 0 and 2 hold the same experts: their gradients meet over {0,2}
+    # (stage 0: all-reduced, whole on both: the norm counts them once)
+    res = pool4.run("moe_cases:train_ep", "mixtral", stage, 2, steps=STEPS, clip=CLIP)
+    _check(res, _reference("mixtral", 4), 4, 2)
+
+
+def test_stage3_shards_experts_over_the_expert_data_parallel_group(pool4):
+    res = pool4.run("moe_cases:train_ep", "qwen3_moe", 3, 2, steps=STEPS, clip=CLIP, use_config=True)
+    _check(res, _reference("qwen3_moe", 4), 4, 2)
+    full = _reference("qwen3_moe", 4)["expert_numel"] * 4
+    assert all(r["expert_bytes"]["held"] == full // 4 for r in res)  # 1/EP of the experts, then 1/EDP
+
+
+@pytest.mark.parametrize("kind,section,extra,match", [
+    ("llama", {"enabled": True, "autoep_size": 2}, None, "no known MoE layout for model_type 'llama'"),
+    ("mixtral", {"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}, None,
+     "preset_model 'qwen3_moe' does not match the model .model_type 'mixtral'"),
+    ("mixtral", {"enabled": True, "autoep_size": 2, "comm_backend": "deepep"}, None, "DeepEP token exchange"),
+    ("mixtral", {"enabled": True, "autoep_size": 2}, {"tensor_parallel": {"autotp_size": 2}, "train_batch_size": 1},
+     "with tensor_parallel.autotp_size > 1 is not supported"),
+    ("mixtral", {"enabled": True, "autoep_size": 3}, None, "autoep_size 3 must divide"),
+])
+def test_expert_parallel_config_refusals(pool2, kind, section, extra, match):
+    for msg in pool2.run("moe_cases:refused_by_config", kind, section, extra):
+        assert re.search(match, msg), msg
+        assert "\n" not in msg
+
+
+def test_deepspeed_script_through_the_facade():
+    # `deepspeed.initialize(config={"expert_parallel": ...})` with no DeepSpeed installed (own pool:
+    # the facade stays installed in its processes)
+    from rank_pool import run_fresh
+
+    res = run_fresh(2, "moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, use_config=True,
+                    facade=True, timeout_s=300)
+    _check(res, _reference("mixtral", 2), 2, 2)
+
+
+def test_gradient_accumulation_under_ep(pool2):
+    # 2 micro-batches of one sequence per rank and step; the reference averages the 4 parts' losses
+    res = pool2.run("moe_cases:train_ep", "qwen3_moe", 2, 2, steps=STEPS, clip=CLIP, gas=2)
+    ref = moe_cases.reference("qwen3_moe", 2, STEPS, clip=CLIP, gas=2)
+    tol = _reference("qwen3_moe", 2)
+    for r in range(2):
+        for got, want in zip(res[r]["losses"], ref["losses"], strict=True):
+            assert got == pytest.approx(want[2 * r:2 * r + 2], rel=tol["tol_loss"])
+        assert res[r]["norms"] == pytest.approx(ref["norms"], rel=tol["tol_loss"])
+    assert _max_abs(res[0]["weights"], ref["weights"]) < tol["tol_w"]
+
+
+def test_bf16_under_ep_stays_within_the_projects_bf16_bound(pool2):
+    # bf16 compute, fp32 masters: the update (weights after - before) within 15% of the fp32 one
+    # (the project's bf16 bound, docs/architecture.md "Correctness"); the aux loss and clipping on
+    res = pool2.run("moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, bf16=True)
+    ref = _reference("mixtral", 2)
+    init = dict(moe_cases.build("mixtral").named_parameters())
+    upd = sum(float((ref["weights"][n] - init[n].detach()).square().sum()) for n in init) ** 0.5
+    err = sum(float((res[0]["weights"][n].float() - ref["weights"][n]).square().sum()) for n in init) ** 0.5
+    assert err < 0.15 * upd, (err, upd)
+
+
+def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):
+    # every token picks experts 0 and 1, both on EP rank 0: rank 1's experts receive nothing
+    res = pool2.run("moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, force=True)
+    _check(res, _reference("mixtral", 2, force=True), 2, 2)
+
+
+# -- checkpoints and export -----------------------------------------------------------------
+@pytest.mark.parametrize("save,load", [((2, 2), (3, None)), ((3, None), (2, 2)), ((3, 2), (2, 1))])
+def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, save, load):
+    """(stage, EP) when saving and when loading; EP None: none (experts ZeRO-sharded over every rank).
+    The resumed run's next step equals the uninterrupted run's, and the weights it loaded are
+    bit-exact; the checkpoint consolidates offline (`shardwise consolidate`, zero_to_fp32) into the
+    full HF experts."""
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.checkpoint import consolidate
+    from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    first = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 2, save_dir=str(ckpt))
+    straight = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 3)
+    resumed = pool2.run("moe_cases:ckpt_run", "mixtral", load[0], load[1], 1, first=2, load_dir=str(ckpt))
+    for r in range(2):
+        assert resumed[r]["losses"] == pytest.approx(straight[r]["losses"][2:], rel=1e-5)
+    assert _max_abs(resumed[0]["weights"], straight[0]["weights"]) < 1e-5
+    out = tmp_path / "hf"
+    consolidate(str(ckpt), str(out))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), first[0]["weights"][n]), n
+        assert torch.equal(fp32[n], first[0]["weights"][n]), n
+
+
+def test_save_16bit_model_under_ep_gives_the_full_hf_model(pool2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf16"
+    res = pool2.run("moe_cases:ckpt_run", "qwen3_moe", 3, 2, 1, export_dir=str(out))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    assert model.config._experts_implementation != "shardwise_ep"
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), res[0]["weights"][n]), n
+    ref = moe_cases.build("qwen3_moe")
+    ref.load_state_dict(res[0]["weights"])
+    ids = moe_cases.batches(1, 1, 2)[0, 0]
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=4 * EPS32, atol=0)
+
+
+# -- inference ------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [0, 3])
+def test_generate_under_ep_gives_the_single_process_tokens(pool2, stage):
+    got = pool2.run("moe_cases:generate_ep", "mixtral", stage, 2)
+    assert got == moe_cases.generate_reference("mixtral", 2)
+
+
+# -- shardwise train --ep -------------------------------------------------------------------
+def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
+    """`shardwise train --ep 2` on a Mixtral config at ZeRO-3: the same losses as without EP,
+    checkpoints, the sample and the hf/ export included; a dense model is refused in one line naming
+    its model type."""
+    from test_train_job import _losses, _train
+
+    cfg = moe_cases.moe_config("mixtral")
+    cfg.vocab_size = 256  # the byte tokenizer's
+    cfg.save_pretrained(tmp_path / "mixtral")
+    model = str(tmp_path / "mixtral" / "config.json")
+    ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+          "steps_per_print": 0, "optimizer": {"type": "SGD", "params": {"lr": 0.3}},
+          "zero_optimization": {"stage": 3}}
+    common = ("--model", model, "--steps", "4", "--eval-every", "0", "--save-every", "2", "--seq", "16")
+    ep, plain = tmp_path / "ep", tmp_path / "plain"
+    _train(tmp_path, ep, 2, *common, "--ep", "2", "--sample-tokens", "4", ds=ds, export=True)
+    # without EP at stage 2: a stage-3 `train` builds its model under zero.Init (another init order);
+    # the EP run is built whole, and the stage does not change the numbers
+    _train(tmp_path, plain, 2, *common, ds={**ds, "zero_optimization": {"stage": 2}})
+    a, b = _losses(ep), _losses(plain)
+    assert a.keys() == b.keys() and len(a) >= 4
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-5), k
+    assert (ep / "hf" / "config.json").is_file()
+    ds1 = {**ds, "train_batch_size": 2}
+    r = _train(tmp_path, tmp_path / "dense", None, "--model", "llama-micro", "--steps", "1", "--ep", "1", ds=ds1,
+               check=False)
+    assert r.returncode == 2 and "model_type 'llama'" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_hf_trainer_with_expert_parallel_config(tmp_path):
+    """The HF Trainer (`--deepspeed` config with `expert_parallel`, shardwise's facade, no DeepSpeed):
+    the same losses as the same Trainer run without EP."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--as-deepspeed",
+           str(root / "tests" / "moe_trainer_job.py"), str(tmp_path)]
+    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["ep"]["ep_size"] == 2 and res["ep"]["local_experts"] == 2 and res["plain"]["ep_size"] is None
+    ep, plain = res["ep"]["losses"], res["plain"]["losses"]
+    assert len(ep) == 4 and ep.keys() == plain.keys()
+    for k in ep:
+        assert ep[k] == pytest.approx(plain[k], rel=1e-5), k
