@@ -103,6 +103,16 @@ def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: in
     return mesh
 
 
+def _inner_and_across(kind: str, size: int, what: str, key: str) -> tuple:
+    """Groups of ``size`` consecutive ranks, and the groups of ranks ``size`` apart (one rank of each
+    inner group): SP and its data replicas, EP and its expert-data-parallel ranks. Made once."""
+    world, rank = _world()
+    if size < 1 or world % size:
+        raise ValueError(f"{what} {size} must divide the world size {world} ({key})")
+    if (kind, size) not in _GROUPS:
+        _GROUPS[(kind, size)] = (_make(world, rank, size, 1), _make(world, rank, world // size, size))
+    return _GROUPS[(kind, size)]
+
 
 @dataclass
 class SequenceMesh:
@@ -122,15 +132,8 @@ def get_sequence_mesh(sp_size: int, stats: CommStats | None = None) -> SequenceM
     innermost, as TP is, because its all-to-alls run in every layer. Every rank must call this with
     the same ``sp_size``.
     """
-    world, rank = _world()
-    if sp_size < 1 or world % sp_size:
-        raise ValueError(f"sequence parallel size {sp_size} must divide the world size {world} "
-                         "(sequence_parallel_size)")
-    key = ("sp", sp_size)
-    if key not in _GROUPS:
-        _GROUPS[key] = (_make(world, rank, sp_size, 1), _make(world, rank, world // sp_size, sp_size))
-    sp_g, data_g = _GROUPS[key]
     stats = stats if stats is not None else CommStats()
+    sp_g, data_g = _inner_and_across("sp", sp_size, "sequence parallel size", "sequence_parallel_size")
     return SequenceMesh(sp=make_comm(sp_g, stats, scope="_sequence"), data=make_comm(data_g, stats))
 
 
@@ -149,13 +152,6 @@ class ExpertMesh:
 
 def get_expert_mesh(ep_size: int, stats: CommStats | None = None) -> ExpertMesh:
     """The EP and expert-data-parallel groups for ``ep_size`` (collective: every rank, same argument)."""
-    world, rank = _world()
-    if ep_size < 1 or world % ep_size:
-        raise ValueError(f"expert parallel size {ep_size} must divide the world size {world} "
-                         "(expert_parallel.autoep_size)")
-    key = ("expert", ep_size)
-    if key not in _GROUPS:
-        _GROUPS[key] = (_make(world, rank, ep_size, 1), _make(world, rank, world // ep_size, ep_size))
-    ep_g, edp_g = _GROUPS[key]
     stats = stats if stats is not None else CommStats()
+    ep_g, edp_g = _inner_and_across("expert", ep_size, "expert parallel size", "expert_parallel.autoep_size")
     return ExpertMesh(ep=make_comm(ep_g, stats), edp=make_comm(edp_g, stats))

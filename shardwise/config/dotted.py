@@ -47,6 +47,10 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "zero_optimization.stage3_max_live_parameters": lambda cfg: True,
     "zero_optimization.stage3_param_persistence_threshold": lambda cfg: not _zero(cfg).zero_quantized_weights,
 }
+# Logging and profiling sections: what they write never feeds back into training, so a dotted copy
+# DeepSpeed would ignore is dropped like a performance knob (the nested section still decides the logs).
+LOGGING_ONLY = ("tensorboard.", "csv_monitor.", "wandb.", "comet.", "comms_logger.", "flops_profiler.")
+
 _MISSING = object()
 
 
@@ -91,6 +95,8 @@ def _harmless(path: str, value: Any, cfg: BaseModel) -> bool:
     if row is not None and row.status == "ignored":
         return True
     if path in NEUTRAL and NEUTRAL[path](cfg):
+        return True
+    if path.startswith(LOGGING_ONLY):
         return True
     have = _effective(cfg, path)
     return have is not _MISSING and not isinstance(have, BaseModel) and have == value
