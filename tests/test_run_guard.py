@@ -85,7 +85,7 @@ def test_keep_holds_the_newest_saves_and_latest_after_resuming_an_earlier_step(t
                         "--resume", "auto"))
     assert r.returncode == 0, r.stderr[-3000:]
     ckpts = out / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["global_step3", "latest"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["global_step3", "latest", "zero_to_fp32.py"]
     assert (ckpts / "latest").read_text().strip() == "global_step3"
     assert [m["step"] for m in read_metrics(out) if m["kind"] == "train"] == [1, 2, 3]
 
@@ -151,7 +151,7 @@ def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path) -> None:
                                                                              "initial_scale_power": 24}})])
     _one_line(r_nan, 3, "diverged at step 2:", "gradient norm nan", "checkpoints/global_step1")
     assert (nan / "checkpoints" / "latest").read_text() == "global_step1" and not (nan / "hf").exists()
-    assert sorted(p.name for p in (nan / "checkpoints").iterdir()) == ["global_step1", "latest"]
+    assert sorted(p.name for p in (nan / "checkpoints").iterdir()) == ["global_step1", "latest", "zero_to_fp32.py"]
     rows = read_metrics(nan)
     assert [m["step"] for m in rows] == [1, 2] and rows[1]["grad_norm"] is None and "nonfinite" in rows[1]
 
