@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from shardwise.cli_errors import UserError
 from shardwise.comm.log import logged
+from shardwise.comm.process import let_worker_threads_settle, quiet_progress_bars
 from shardwise.net import address_in_use, free_port, port_taken
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -83,19 +84,6 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
     _register_teardown()  # atexit runs before the interpreter destroys anything
 
 
-def quiet_progress_bars() -> None:
-    """No Hugging Face progress bars in this process (transformers' "Loading weights", the Hub's
-    downloads): every rank but 0 calls it, so N ranks print one bar, not N interleaved ones.
-    Libraries not imported yet read the environment variable when they are; imported ones are told."""
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    hub = sys.modules.get("huggingface_hub.utils")
-    if hub is not None and hasattr(hub, "disable_progress_bars"):
-        hub.disable_progress_bars()
-    tf_logging = sys.modules.get("transformers.utils.logging")
-    if tf_logging is not None and hasattr(tf_logging, "disable_progress_bar"):
-        tf_logging.disable_progress_bar()
-
-
 def _attempt_store(timeout: datetime.timedelta) -> dict:
     """Under torchrun restarts: the rendezvous store with a prefix of this attempt's own.
 
@@ -133,11 +121,10 @@ def _teardown() -> None:
     SIGABRT) after a correct run: seen in gdb as ``~AsyncAllreduceWork`` in
     ``ProcessGroupGloo::runLoop`` -> ``take_gil`` -> ``pthread_exit``. So on a clean exit: wait
     for pending collectives, destroy the group shardwise created, then let worker threads run
-    until they are idle (:func:`_let_worker_threads_settle`). After an unhandled exception (its
+    until they are idle (:func:`let_worker_threads_settle`). After an unhandled exception (its
     traceback already printed) or a failed collective, waiting could block on a peer that will
     never answer, so the process ends at once with exit code 1, before any destructor runs.
     """
-    import sys
 
     failed = getattr(sys, "last_value", None) is not None or _DIVERGED[0]
     if not failed:
@@ -149,7 +136,7 @@ def _teardown() -> None:
     if not failed:
         if _OWN_GROUP[0] and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        _let_worker_threads_settle()
+        let_worker_threads_settle()
         return
     if getattr(sys, "last_value", None) is not None:  # exiting on an error anyway: skip the destructors
         import logging
@@ -161,40 +148,6 @@ def _teardown() -> None:
             except (OSError, ValueError):
                 pass
         os._exit(1)
-
-
-def _let_worker_threads_settle(limit_s: float = 1.0, step_s: float = 0.005, calm_polls: int = 3) -> None:
-    """Sleep (GIL released) until no other thread of this process is runnable, at most ``limit_s``.
-
-    A gloo worker still freeing its last collective is either runnable or waiting for the GIL,
-    which each sleep hands over; once it is done it blocks on its queue. ``calm_polls``
-    consecutive polls with no runnable thread mean no worker is left inside that window. Reads
-    thread states from ``/proc/self/task``; where that does not exist, the sleeps alone remain.
-    """
-    import threading
-    import time
-
-    me, calm = threading.get_native_id(), 0
-    deadline = time.monotonic() + limit_s
-    while calm < calm_polls and time.monotonic() < deadline:
-        time.sleep(step_s)
-        calm = 0 if _other_thread_runnable(me) else calm + 1
-
-
-def _other_thread_runnable(me: int) -> bool:
-    try:
-        tids = [t for t in os.listdir("/proc/self/task") if int(t) != me]
-    except OSError:
-        return False
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # the thread ended meanwhile
-        if state == "R":
-            return True
-    return False
 
 
 def _register_teardown() -> None:
