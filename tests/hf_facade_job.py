@@ -54,6 +54,25 @@ def training_args(out: Path, batch: int, gas: int = 1, steps: int = STEPS, deeps
                              accelerator_config={"use_configured_state": deepspeed is not None})
 
 
+def plain_adamw_losses(model, data, steps: int, batch: int, split: int) -> dict[int, float]:
+    """The plain PyTorch reference both facade jobs compare with: AdamW at 1e-3, clipping at 1.0,
+    ``batch`` samples of ``data`` per step in order, in ``split`` micro-batches (loss / split each)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = {}
+    for step in range(1, steps + 1):
+        ids = torch.stack([d["input_ids"] for d in data[batch * (step - 1):batch * step]])
+        total = 0.0
+        for part in ids.chunk(split):
+            loss = model(input_ids=part, labels=part).loss / split
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out[step] = total
+    return out
+
+
 def cpu_state() -> None:
     """The former CPU workaround (docs/hf_trainer.md, "CPU-only machines": no longer needed, still
     honoured): accelerate picks no process-group backend for its

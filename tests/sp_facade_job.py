@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_facade_job import cpu_state  # noqa: E402
+from hf_facade_job import cpu_state, plain_adamw_losses  # noqa: E402
 
 VOCAB, SEQ, SAMPLES, STEPS = 128, 15, 16, 6  # 15 tokens: not a multiple of the SP degree (padded)
 
@@ -116,20 +116,7 @@ def accelerate_loop(stage: int) -> dict[int, float]:
 def reference_loop(split: int = 1) -> dict[int, float]:
     """The Accelerate loop in plain PyTorch, one process: AdamW, clipping at 1.0, batches of 2 in order."""
     model, data = tiny_llama(), dataset()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out = {}
-    for step in range(1, STEPS + 1):
-        ids = torch.stack([d["input_ids"] for d in data[2 * (step - 1):2 * step]])
-        total = 0.0
-        for part in ids.chunk(split):
-            loss = model(input_ids=part, labels=part).loss / split
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        out[step] = total
-    return out
+    return plain_adamw_losses(model, data, STEPS, 2, split)
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_facade_job as job  # noqa: E402
@@ -60,20 +59,7 @@ def _trainer_reference(tmp: Path, batch: int, gas: int) -> dict[int, float]:
 def _torch_reference(split: int) -> dict[int, float]:
     """The Accelerate loop in plain PyTorch: AdamW, clipping at 1.0, batches of 4 in order."""
     model, data = job.tiny_llama(), job.dataset()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out = {}
-    for step in range(1, job.STEPS + 1):
-        ids = torch.stack([d["input_ids"] for d in data[4 * (step - 1):4 * step]])
-        total = 0.0
-        for part in ids.chunk(split):
-            loss = model(input_ids=part, labels=part).loss / split
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        out[step] = total
-    return out
+    return job.plain_adamw_losses(model, data, job.STEPS, 4, split)
 
 
 def test_trainer_stage2_matches_single_process(launched, tmp_path):
