@@ -93,7 +93,7 @@ def _reference(kind: str, world: int, force: bool = False) -> dict:
     return ref
 
 
-def _check(res: list[dict], ref: dict, world: int, ep: int) -> None:
+def _check(res: list[dict], ref: dict, world: int, ep: int, stage: int) -> None:
     for r in range(world):
         dp_rank = r  # every rank is a data-parallel rank: each trains its own part of the batch
         for got, want in zip(res[r]["losses"], [step[dp_rank] for step in ref["losses"]], strict=True):
@@ -104,13 +104,14 @@ def _check(res: list[dict], ref: dict, world: int, ep: int) -> None:
     assert _max_abs(res[-1]["weights"], ref["weights"]) < ref["tol_w"]
     full = ref["expert_numel"] * 4
     for r in res:  # per-rank expert bytes are 1/EP of the experts' (1/world once ZeRO-3 shards over EDP too)
-        assert r["expert_bytes"]["held"] == full // ep or r["expert_bytes"]["held"] == full // world
+        assert r["expert_bytes"]["held"] == full // (world if stage == 3 else ep), (stage, r["expert_bytes"])
 
 
 def test_the_tolerance_catches_doubled_expert_gradients():
     ref = _reference("mixtral", 2)
-    doubled = moe_cases.reference("mixtral", 2, STEPS, clip=None, expert_lr_factor=2.0)
-    plain = moe_cases.reference("mixtral", 2, STEPS, clip=None)
+    # with the clipping every equivalence test runs with (it shrinks a doubled gradient's effect)
+    doubled = moe_cases.reference("mixtral", 2, STEPS, clip=CLIP, expert_lr_factor=2.0)
+    plain = moe_cases.reference("mixtral", 2, STEPS, clip=CLIP)
     assert _max_abs(doubled["weights"], plain["weights"]) > 10 * ref["tol_w"]
 
 
@@ -120,7 +121,7 @@ def test_the_tolerance_catches_doubled_expert_gradients():
 def test_ep2_with_zero_matches_single_process(pool2, kind, stage, use_config):
     # use_config: through DeepSpeed AutoEP's keys in the config given to shardwise.initialize
     res = pool2.run("moe_cases:train_ep", kind, stage, 2, steps=STEPS, clip=CLIP, use_config=use_config)
-    _check(res, _reference(kind, 2), 2, 2)
+    _check(res, _reference(kind, 2), 2, 2, stage)
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -128,12 +129,12 @@ def test_ep2_times_dp2_on_four_ranks(pool4, stage):
     # EP groups {0,1} {2,3}; ranks 0 and 2 hold the same experts: their gradients meet over {0,2}
     # (stage 0: all-reduced, whole on both: the norm counts them once)
     res = pool4.run("moe_cases:train_ep", "mixtral", stage, 2, steps=STEPS, clip=CLIP)
-    _check(res, _reference("mixtral", 4), 4, 2)
+    _check(res, _reference("mixtral", 4), 4, 2, stage)
 
 
 def test_stage3_shards_experts_over_the_expert_data_parallel_group(pool4):
     res = pool4.run("moe_cases:train_ep", "qwen3_moe", 3, 2, steps=STEPS, clip=CLIP, use_config=True)
-    _check(res, _reference("qwen3_moe", 4), 4, 2)
+    _check(res, _reference("qwen3_moe", 4), 4, 2, 3)
     full = _reference("qwen3_moe", 4)["expert_numel"] * 4
     assert all(r["expert_bytes"]["held"] == full // 4 for r in res)  # 1/EP of the experts, then 1/EDP
 
@@ -160,7 +161,7 @@ def test_deepspeed_script_through_the_facade():
 
     res = run_fresh(2, "moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, use_config=True,
                     facade=True, timeout_s=300)
-    _check(res, _reference("mixtral", 2), 2, 2)
+    _check(res, _reference("mixtral", 2), 2, 2, 3)
 
 
 def test_gradient_accumulation_under_ep(pool2):
@@ -189,7 +190,7 @@ def test_bf16_under_ep_stays_within_the_projects_bf16_bound(pool2):
 def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):
     # every token picks experts 0 and 1, both on EP rank 0: rank 1's experts receive nothing
     res = pool2.run("moe_cases:train_ep", "mixtral", 3, 2, steps=STEPS, clip=CLIP, force=True)
-    _check(res, _reference("mixtral", 2, force=True), 2, 2)
+    _check(res, _reference("mixtral", 2, force=True), 2, 2, 3)
 
 
 # -- checkpoints and export -----------------------------------------------------------------
@@ -204,13 +205,14 @@ def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, save,
     from shardwise.checkpoint import consolidate
     from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    tol = _reference("mixtral", 2)  # another stage / EP degree sums in another order: the measured floor
     ckpt = tmp_path / "ckpt"
     first = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 2, save_dir=str(ckpt))
     straight = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 3)
     resumed = pool2.run("moe_cases:ckpt_run", "mixtral", load[0], load[1], 1, first=2, load_dir=str(ckpt))
     for r in range(2):
-        assert resumed[r]["losses"] == pytest.approx(straight[r]["losses"][2:], rel=1e-5)
-    assert _max_abs(resumed[0]["weights"], straight[0]["weights"]) < 1e-5
+        assert resumed[r]["losses"] == pytest.approx(straight[r]["losses"][2:], rel=tol["tol_loss"])
+    assert _max_abs(resumed[0]["weights"], straight[0]["weights"]) < tol["tol_w"]
     out = tmp_path / "hf"
     consolidate(str(ckpt), str(out))
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -264,8 +266,9 @@ def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
     _train(tmp_path, plain, 2, *common, ds={**ds, "zero_optimization": {"stage": 2}})
     a, b = _losses(ep), _losses(plain)
     assert a.keys() == b.keys() and len(a) >= 4
+    tol = _reference("mixtral", 2)["tol_loss"]  # EP sums in another order: the measured floor, not a CPU's
     for k in a:
-        assert a[k] == pytest.approx(b[k], rel=1e-5), k
+        assert a[k] == pytest.approx(b[k], rel=tol), k
     assert (ep / "hf" / "config.json").is_file()
     ds1 = {**ds, "train_batch_size": 2}
     r = _train(tmp_path, tmp_path / "dense", None, "--model", "llama-micro", "--steps", "1", "--ep", "1", ds=ds1,
@@ -292,5 +295,6 @@ def test_hf_trainer_with_expert_parallel_config(tmp_path):
     assert res["ep"]["ep_size"] == 2 and res["ep"]["local_experts"] == 2 and res["plain"]["ep_size"] is None
     ep, plain = res["ep"]["losses"], res["plain"]["losses"]
     assert len(ep) == 4 and ep.keys() == plain.keys()
+    tol = _reference("mixtral", 2)["tol_loss"]
     for k in ep:
-        assert ep[k] == pytest.approx(plain[k], rel=1e-5), k
+        assert ep[k] == pytest.approx(plain[k], rel=tol), k
