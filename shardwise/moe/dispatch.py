@@ -60,12 +60,11 @@ class Routed:
 
 def _arrival_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
     """``recv[src, e]`` pairs arrive source-major (then by expert); the index that puts them
-    expert-major (then by source), so each local expert's tokens form one block."""
+    expert-major (then by source), so each local expert's tokens form one block. One stable sort of
+    the arrivals by (expert, source), with no host read per block."""
     src_n, local = recv.shape
-    starts = torch.cumsum(recv.reshape(-1), 0) - recv.reshape(-1)
-    parts = [torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + recv[s, e]))
-             for e in range(local) for s in range(src_n)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    block = torch.repeat_interleave(torch.arange(src_n * local, device=recv.device), recv.reshape(-1))
+    return torch.argsort((block % local) * src_n + block // local, stable=True)
 
 
 def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int,
