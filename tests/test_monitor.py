@@ -282,3 +282,27 @@ def test_shardwise_train_honours_the_sections(tmp_path):
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[shardwise] step ")]
     assert [ln.split(":")[0] for ln in lines] == ["[shardwise] step 2", "[shardwise] step 4"]
     assert "\r" not in res.stderr  # no progress bar when the output is not a terminal
+
+
+def test_flops_profiler_alone_times_only_its_profile_step():
+    """Each timer edge synchronizes a GPU: with only the FLOPs profiler on, phases are timed in its
+    profile step and in no other; ``wall_clock_breakdown`` times every step."""
+    from types import SimpleNamespace
+
+    from shardwise.monitor import EngineMonitor
+    from shardwise.monitor.timers import PhaseTimers
+
+    mon = object.__new__(EngineMonitor)
+    mon.timers, mon.wall, mon.memory, mon._step_timed = PhaseTimers(), False, False, False
+    mon.profiler = SimpleNamespace(done=False, section=SimpleNamespace(profile_step=3))
+    mon.engine = SimpleNamespace(global_steps=2)
+    assert not mon._timed()
+    mon.engine.global_steps = 3
+    assert mon._timed()
+    with mon.phase("fwd"):
+        pass
+    assert mon.timers.ms["fwd"] > 0 and mon._step_timed  # the step's elapsed times are written
+    mon.profiler.done = True
+    assert not mon._timed()
+    mon.wall = True
+    assert mon._timed()

@@ -36,8 +36,12 @@ def _global_rank() -> int:
 
 
 def count_tokens(args: tuple, kwargs: dict) -> int:
-    """Tokens in a batch: the elements of ``input_ids`` (or the first integer tensor argument)."""
+    """Tokens in a batch: the elements of ``input_ids`` (or the first integer tensor argument), or
+    the rows of ``inputs_embeds``; 0 when none is found (the progress line then omits tokens/s)."""
     t = kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    if t is None and torch.is_tensor(embeds) and embeds.dim() >= 2:
+        return int(embeds.numel() // embeds.shape[-1])
     if t is None:
         t = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and not a.is_floating_point()), None)
     return int(t.numel()) if torch.is_tensor(t) else 0
@@ -63,6 +67,7 @@ class EngineMonitor:
         self.last_profile: dict[str, Any] | None = None
         self._losses: list[torch.Tensor] = []
         self._tokens = 0  # this rank's tokens since the last progress line
+        self._step_timed = False  # whether a phase of the current optimizer step was timed
         self._window = (time.perf_counter(), 0)  # (start, global_steps) of the progress line's window
 
     # -- phases --------------------------------------------------------------------------------
@@ -70,16 +75,27 @@ class EngineMonitor:
         if self.rank0:
             self.printer("\n".join([lines] if isinstance(lines, str) else lines))
 
+    def _timed(self) -> bool:
+        """Whether phases are timed now: always with ``wall_clock_breakdown``; for the FLOPs profiler
+        alone only during its profile step, since each timer edge synchronizes the device."""
+        if self.timers is None:
+            return False
+        prof = self.profiler
+        return self.wall or (prof is not None and not prof.done
+                             and self.engine.global_steps == prof.section.profile_step)
+
     @contextlib.contextmanager
     def phase(self, name: str, memory_label: str | None = None) -> Iterator[None]:
         """Time ``name`` (a DeepSpeed timer: fwd, bwd, bwd_inner, bwd_allreduce, step) and print the
         memory lines before and after it (``memory_label``: "forward", "backward", "step")."""
         if self.memory and memory_label:
             self._say(memory_lines(f"Engine before {memory_label}"))
-        if self.timers is not None:
+        timed = self._timed()
+        if timed:
+            self._step_timed = True
             self.timers.start(name)
         yield
-        if self.timers is not None:
+        if timed:
             self.timers.stop(name)
         if self.memory and memory_label:
             self._say(memory_lines(f"Engine after {memory_label}"))
@@ -131,7 +147,7 @@ class EngineMonitor:
     # -- reports -------------------------------------------------------------------------------
     def _after_step(self, boundary: bool) -> None:
         eng = self.engine
-        if self.timers is not None:
+        if self._step_timed:  # an untimed step leaves the last timed step's values, never zeros
             self.wall_clock_cache = {n: self.timers.ms[n] for n in (MICRO + GLOBAL if self.wall else GLOBAL)}
         if self.wall:
             self._say(f"[Rank 0] {self.timers.line(MICRO)}")
@@ -149,6 +165,7 @@ class EngineMonitor:
             self._say(f"[Rank 0] {self.timers.line(GLOBAL)}")
         if self.timers is not None:
             self.timers.reset(GLOBAL)
+        self._step_timed = False
         if printing:
             self._progress(stats)
         self._losses = []
@@ -159,8 +176,7 @@ class EngineMonitor:
         total = torch.stack(self._losses).double().sum() if self._losses else torch.zeros((), dtype=torch.float64)
         t = torch.tensor([float(total), len(self._losses), self._tokens], dtype=torch.float64, device=eng.device)
         for comm in (eng.comm, eng.replica):  # the shard group, then the replicas (hybrid sharding)
-            if comm.size > 1:
-                dist.all_reduce(t, group=comm.group)
+            comm.all_reduce(t)  # through Comm, so comm_stats() and the comms logger count it
         return (float(t[0] / t[1]) if t[1] > 0 else None), int(t[2])
 
     def _events(self, stats: tuple[float | None, int]) -> list[tuple[str, float, int]]:
@@ -170,7 +186,7 @@ class EngineMonitor:
         events.append(("Train/Samples/lr", eng.get_lr()[0], x))
         if eng.fp16_enabled():
             events.append(("Train/Samples/loss_scale", eng.cur_scale, x))
-        if self.timers is not None:
+        if self._step_timed:
             events += [(f"Train/Samples/elapsed_time_ms_{TAGS[n]}", self.timers.ms[n], x) for n in GLOBAL]
         return events
 
@@ -201,9 +217,10 @@ class EngineMonitor:
         mem = memory_now()
         scale = f" | loss scale {eng.cur_scale:g}" if eng.fp16_enabled() else ""
         norm = eng.get_global_grad_norm()
+        tokens = f" | {stats[1] / seconds:,.0f} tokens/s" if stats and stats[1] > 0 else ""
         self._say(f"[shardwise] step {eng.global_steps}: loss {loss} | lr {eng.get_lr()[0]:.3e} | grad norm "
                   f"{norm if norm is None else f'{norm:.3f}'}{scale} | {steps * eng.train_batch_size() / seconds:.2f} "
-                  f"samples/s | {stats[1] / seconds:,.0f} tokens/s | memory {mem['MA']:.2f} GiB (peak "
+                  f"samples/s{tokens} | memory {mem['MA']:.2f} GiB (peak "
                   f"{mem['Max_MA']:.2f} GiB, rank 0)")
 
     def close(self) -> None:
