@@ -33,7 +33,7 @@ run: setup
 	$(VENV)/bin/shardwise launch --nproc $(NPROC) -- train --run-config examples/sonnets.toml --resume auto
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 lint: setup
 	$(VENV)/bin/ruff check .
