@@ -22,12 +22,12 @@ from torch import nn
 from shardwise.sequence_parallel.attention import head_split, register_attention
 from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch
 from shardwise.sequence_parallel.group import SequenceParallel, current
-from shardwise.sequence_parallel.loss import sequence_parallel_loss, share_of_loss, token_count
+from shardwise.sequence_parallel.loss import loss_of_shard_means, sequence_parallel_loss, share_of_loss, token_count
 from shardwise.sequence_parallel.mpu import SequenceParallelMPU
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
 
 __all__ = ["SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "current", "head_split",
-           "register_attention", "tiled_reduce",
+           "loss_of_shard_means", "register_attention", "tiled_reduce",
            "sequence_parallel_loss", "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps",
            "tiled_causal_lm_loss", "tiled_loss_sum", "tiled_mlp", "token_count"]
 
