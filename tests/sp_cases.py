@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from shardwise.sequence_parallel import (
     SequenceParallel,
+    offload_checkpoints,
     register_attention,
     sequence_parallel_loss,
     split_batch,
@@ -80,8 +81,23 @@ def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = 
         g /= sp.size
     want = _grads(ref_model)
     assert got.keys() == want.keys()
-    return {"loss": abs(float(loss.detach()) - float(ref)) / abs(float(ref)),
-            "grad": max(_rel(got[n], want[n]) for n in want)}
+    out = {"loss": abs(float(loss.detach()) - float(ref)) / abs(float(ref)),
+           "grad": max(_rel(got[n], want[n]) for n in want)}
+    if checkpointing:  # the same SP step with the checkpoint inputs offloaded: bit-exact (copies move bits)
+        out["offload_bit_exact"] = _offloaded_equal(model, shard, labels, sp, loss)
+    return out
+
+
+def _offloaded_equal(model: torch.nn.Module, shard: dict, labels: torch.Tensor, sp: SequenceParallel,
+                     loss: torch.Tensor) -> bool:
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    store = offload_checkpoints(model)
+    again = sequence_parallel_loss(model(**shard).logits, labels, sp)
+    again.backward()
+    moved = store.packed_bytes == 2 * shard["input_ids"].numel() * 64 * 4  # 2 layers' [b, s/2, 64] fp32 inputs
+    same = all(torch.equal(p.grad, plain[n]) for n, p in model.named_parameters())
+    return moved and same and torch.equal(again, loss)
 
 
 # -- ZeRO composition: SP (x DP) training against one process on the same global data ----------------

@@ -44,7 +44,7 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 
 
 def args(out: Path, deepspeed: dict | None = None, sp: int = 1, batch: int = 2, gas: int = 1, steps: int = STEPS,
-         sampling: str = "random"):
+         sampling: str = "random", checkpointing: bool = False):
     from transformers import TrainingArguments
 
     extra = {}
@@ -60,7 +60,7 @@ def args(out: Path, deepspeed: dict | None = None, sp: int = 1, batch: int = 2, 
                              gradient_accumulation_steps=gas, max_steps=steps, learning_rate=1e-3,
                              logging_steps=1, save_strategy="no", report_to=[], seed=0, deepspeed=deepspeed,
                              dataloader_drop_last=True, disable_tqdm=True, max_grad_norm=1.0,
-                             train_sampling_strategy=sampling,
+                             train_sampling_strategy=sampling, activation_checkpointing=checkpointing,
                              accelerator_config={"use_configured_state": deepspeed is not None}, **extra)
 
 
@@ -70,8 +70,10 @@ def history(trainer) -> dict[str, dict[int, float]]:
 
 
 def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1, steps: int = STEPS,
-        order: list[int] | None = None) -> dict:
-    """The Trainer at ``stage`` (None: no DeepSpeed); ``order``: the samples in this order, not shuffled."""
+        order: list[int] | None = None, offload: bool = False) -> dict:
+    """The Trainer at ``stage`` (None: no DeepSpeed); ``order``: the samples in this order, not shuffled;
+    ``offload``: activation checkpointing with its inputs offloaded (``shardwise.offload_activation_checkpoints``
+    in the DeepSpeed config), and the bytes the offload moved in the result."""
     from transformers import Trainer
 
     deepspeed = None
@@ -80,11 +82,15 @@ def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1,
         deepspeed = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                      "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
                      "zero_optimization": {"stage": stage}}
+        if offload:
+            deepspeed["shardwise"] = {"offload_activation_checkpoints": True}
     data = dataset() if order is None else [dataset()[i] for i in order]
     sampling = "random" if order is None else "sequential"
-    trainer = Trainer(model=tiny_llama(), args=args(out, deepspeed, sp, batch, gas, steps, sampling),
+    trainer = Trainer(model=tiny_llama(), args=args(out, deepspeed, sp, batch, gas, steps, sampling, offload),
                       train_dataset=data)
     trainer.train()
+    if offload:
+        return {**history(trainer), "offloaded_bytes": trainer.model_wrapped.checkpoint_offload.packed_bytes}
     return history(trainer)
 
 
@@ -140,6 +146,7 @@ def main() -> None:
         res = {"spdp": run(root / "spdp", 2, sp=2, steps=SPDP_STEPS, order=list(range(SAMPLES)))}
     else:
         res = {f"z{stage}": run(root / f"z{stage}", stage, sp=2) for stage in (2, 3)}
+        res["z3_offload"] = run(root / "z3_offload", 3, sp=2, offload=True)
         res.update({f"acc{stage}": accelerate_loop(stage) for stage in (1, 3)})
     if int(os.environ.get("RANK", "0")) == 0:
         (root / "results.json").write_text(json.dumps(res, indent=1))

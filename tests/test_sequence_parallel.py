@@ -30,8 +30,10 @@ ROUND_OFF = 1e-5
     ("sdpa", 1, 16, None, True),  # activation checkpointing: the exchanges run again in backward
 ])
 def test_forward_backward_equal_whole_sequence(pool2, impl, kv_heads, seq, pad_from, checkpointing):
+    """With checkpointing, also its inputs offloaded (offload_checkpoints): bit-exact against no offload."""
     for r in pool2.run("sp_cases:sp_matches_whole", impl, kv_heads, seq, pad_from, checkpointing):
         assert r["loss"] < ROUND_OFF and r["grad"] < ROUND_OFF, r
+        assert r.get("offload_bit_exact", not checkpointing), r
 
 
 def _noise(ref: dict, others: list[dict]) -> dict:
