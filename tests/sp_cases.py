@@ -271,6 +271,31 @@ def eval_mode_keeps_sp_and_generate_is_local() -> dict:
             "unsplit": unsplit}
 
 
+def unequal_shards_refused_then_new_length() -> dict:
+    """Eager attention: shards of unequal length (rank 0 keeps 8 tokens, rank 1 6) are refused on every
+    rank before any exchange (the shard check, in flight from the pre-hook, awaited at the first
+    attention), the group stays usable, and a new length then equals the whole batch (eager's causal
+    mask, cached per length, rebuilt for it)."""
+    sp = SequenceParallel.of_size(dist.get_world_size())
+    model = llama("eager")
+    ref_model = copy.deepcopy(model)
+    register_attention(model, sp)
+    shard = split_batch(sample_batch(2, 16), sp)
+    shard.pop("shift_labels")
+    cut = 8 if sp.rank == 0 else 6
+    refused = None
+    try:
+        model(**{k: v[:, :cut] if isinstance(v, torch.Tensor) else v for k, v in shard.items()})
+    except ValueError as e:
+        refused = str(e)
+    batch = sample_batch(2, 12, seed=3)
+    ref = reference_loss(ref_model, batch)
+    shard = split_batch(batch, sp)
+    labels = shard.pop("shift_labels")
+    loss = sequence_parallel_loss(model(**shard).logits, labels, sp)
+    return {"refused": refused, "loss": abs(float(loss.detach()) - float(ref)) / float(ref)}
+
+
 def sp_shard_api(stage: int) -> dict:
     """The functional front end with SP: setup_sequence_parallel + shard() + ShardedOptimizer +
     clip_grad_norm_ and a plain loss.backward(); every rank is one SP rank (one data replica)."""

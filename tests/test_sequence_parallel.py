@@ -109,6 +109,12 @@ def test_eval_mode_keeps_sp_generate_is_local_unsplit_refused(pool2):
         assert r["unsplit"] is not None and "no position_ids" in r["unsplit"], r
 
 
+def test_unequal_shards_refused_on_every_rank_then_a_new_length_trains(pool2):
+    for r in pool2.run("sp_cases:unequal_shards_refused_then_new_length"):
+        assert r["refused"] is not None and "differ in length (6..8 tokens)" in r["refused"], r
+        assert r["loss"] < ROUND_OFF, r
+
+
 @pytest.mark.parametrize("heads,kv,sp,words", [
     (3, 3, 2, "3 attention heads cannot be split over 2 ranks"),
     (6, 3, 2, "3 key/value heads cannot be split over or replicated to 2 ranks"),
