@@ -46,8 +46,8 @@ def _run(shape: dict, batch: int, seq: int, offload: bool, device: str, dtype: t
     row = {"offload": offload, "seq": seq, "batch": batch, "s_fwd_bwd": round(time.perf_counter() - t0, 3),
            "kept_after_forward_MiB": None if kept is None else round(kept / 2**20, 1),
            "peak_MiB": round(torch.cuda.max_memory_allocated() / 2**20, 1) if on_gpu else None,
-           "moved_to_host_MiB": round(store.packed_bytes / 2**20, 2) if store else 0.0}
-    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+           "moved_to_host_MiB": round(store.packed_bytes / 2**20, 4) if store else 0.0}
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
     return row, {"loss": loss.detach().float().cpu(), "grads": grads}
 
 
@@ -66,7 +66,7 @@ def checkpoint_offload(smoke: bool, workdir: str, limit_s: float) -> dict:  # no
     exact = torch.equal(plain["loss"], off["loss"]) and rel == 0.0
     inputs_mib = shape["num_hidden_layers"] * batch * seq * shape["hidden_size"] * (2 if on_gpu else 4) / 2**20
     for row in rows:
-        row.update(bit_exact=exact, max_grad_rel=rel, checkpoint_inputs_MiB=round(inputs_mib, 2))
+        row.update(bit_exact=exact, max_grad_rel=rel, checkpoint_inputs_MiB=round(inputs_mib, 4))
     notes = ["kept_after_forward: device bytes allocated by the forward and held for backward; with the offload "
              "it should drop by about checkpoint_inputs_MiB (the layers' input hidden states)"]
     return {"status": "ok", "rows": rows, "notes": notes}
