@@ -35,6 +35,7 @@ from gpu_check_common import (
     save_partial,
     skip,
 )
+from gpu_check_long_context import checkpoint_offload
 from gpu_check_perf import step_vs_fsdp2, step_worker, zero_inference
 
 
@@ -148,8 +149,8 @@ def offload_bandwidth(smoke: bool, workdir: str, limit_s: float) -> dict:  # noq
 
 
 SECTIONS: dict[str, Callable[[bool, str, float], dict]] = {
-    "stages": stages, "offload_bandwidth": offload_bandwidth, "step_vs_fsdp2": step_vs_fsdp2,
-    "zero_inference": zero_inference}
+    "stages": stages, "offload_bandwidth": offload_bandwidth, "checkpoint_offload": checkpoint_offload,
+    "step_vs_fsdp2": step_vs_fsdp2, "zero_inference": zero_inference}
 
 
 def main(argv: list[str] | None = None) -> int:

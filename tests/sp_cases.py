@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from shardwise.sequence_parallel import (
     SequenceParallel,
+    offload_checkpoints,
     register_attention,
     sequence_parallel_loss,
     split_batch,
@@ -80,8 +81,23 @@ def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = 
         g /= sp.size
     want = _grads(ref_model)
     assert got.keys() == want.keys()
-    return {"loss": abs(float(loss.detach()) - float(ref)) / abs(float(ref)),
-            "grad": max(_rel(got[n], want[n]) for n in want)}
+    out = {"loss": abs(float(loss.detach()) - float(ref)) / abs(float(ref)),
+           "grad": max(_rel(got[n], want[n]) for n in want)}
+    if checkpointing:  # the same SP step with the checkpoint inputs offloaded: bit-exact (copies move bits)
+        out["offload_bit_exact"] = _offloaded_equal(model, shard, labels, sp, loss)
+    return out
+
+
+def _offloaded_equal(model: torch.nn.Module, shard: dict, labels: torch.Tensor, sp: SequenceParallel,
+                     loss: torch.Tensor) -> bool:
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    store = offload_checkpoints(model)
+    again = sequence_parallel_loss(model(**shard).logits, labels, sp)
+    again.backward()
+    moved = store.packed_bytes == 2 * shard["input_ids"].numel() * 64 * 4  # 2 layers' [b, s/2, 64] fp32 inputs
+    same = all(torch.equal(p.grad, plain[n]) for n, p in model.named_parameters())
+    return moved and same and torch.equal(again, loss)
 
 
 # -- ZeRO composition: SP (x DP) training against one process on the same global data ----------------
@@ -253,6 +269,31 @@ def eval_mode_keeps_sp_and_generate_is_local() -> dict:
         unsplit = str(e)
     return {"loss": abs(float(loss.detach()) - float(ref)) / float(ref), "generate_equal": bool(torch.equal(got, want)),
             "unsplit": unsplit}
+
+
+def unequal_shards_refused_then_new_length() -> dict:
+    """Eager attention: shards of unequal length (rank 0 keeps 8 tokens, rank 1 6) are refused on every
+    rank before any exchange (the shard check, in flight from the pre-hook, awaited at the first
+    attention), the group stays usable, and a new length then equals the whole batch (eager's causal
+    mask, cached per length, rebuilt for it)."""
+    sp = SequenceParallel.of_size(dist.get_world_size())
+    model = llama("eager")
+    ref_model = copy.deepcopy(model)
+    register_attention(model, sp)
+    shard = split_batch(sample_batch(2, 16), sp)
+    shard.pop("shift_labels")
+    cut = 8 if sp.rank == 0 else 6
+    refused = None
+    try:
+        model(**{k: v[:, :cut] if isinstance(v, torch.Tensor) else v for k, v in shard.items()})
+    except ValueError as e:
+        refused = str(e)
+    batch = sample_batch(2, 12, seed=3)
+    ref = reference_loss(ref_model, batch)
+    shard = split_batch(batch, sp)
+    labels = shard.pop("shift_labels")
+    loss = sequence_parallel_loss(model(**shard).logits, labels, sp)
+    return {"refused": refused, "loss": abs(float(loss.detach()) - float(ref)) / float(ref)}
 
 
 def sp_shard_api(stage: int) -> dict:

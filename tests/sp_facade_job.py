@@ -18,7 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_facade_job import cpu_state, plain_adamw_losses  # noqa: E402
 
-VOCAB, SEQ, SAMPLES, STEPS = 128, 15, 16, 6  # 15 tokens: not a multiple of the SP degree (padded)
+VOCAB, SEQ, SAMPLES, STEPS, SPDP_STEPS = 128, 15, 16, 6, 3  # 15 tokens: not a multiple of the SP degree (padded)
+# SP 2 x DP 2, sequential sampling: the loader gives rank r batch r of each 4; the SP adapter of
+# group [0, 1] trains rank 0's batch, then rank 1's, and group [2, 3] rank 2's, then rank 3's, so
+# step 1 sees samples 0, 1 and 4, 5, step 2 samples 2, 3 and 6, 7: one process reads them in this order.
+SPDP_ORDER = [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15]
 
 
 def tiny_llama(kv_heads: int = 1):
@@ -39,7 +43,8 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": x, "labels": x.clone()} for x in ids]
 
 
-def args(out: Path, deepspeed: dict | None = None, sp: int = 1, batch: int = 2, gas: int = 1):
+def args(out: Path, deepspeed: dict | None = None, sp: int = 1, batch: int = 2, gas: int = 1, steps: int = STEPS,
+         sampling: str = "random", checkpointing: bool = False):
     from transformers import TrainingArguments
 
     extra = {}
@@ -47,13 +52,15 @@ def args(out: Path, deepspeed: dict | None = None, sp: int = 1, batch: int = 2, 
         from accelerate.parallelism_config import ParallelismConfig
         from accelerate.utils import DeepSpeedSequenceParallelConfig
 
+        dp = int(os.environ.get("WORLD_SIZE", "1")) // sp  # the data-parallel replicas, as accelerate's docs set them
         extra["parallelism_config"] = ParallelismConfig(
-            sp_size=sp, sp_backend="deepspeed",
+            sp_size=sp, sp_backend="deepspeed", dp_shard_size=dp,
             sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
     return TrainingArguments(output_dir=str(out), per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=gas, max_steps=STEPS, learning_rate=1e-3,
+                             gradient_accumulation_steps=gas, max_steps=steps, learning_rate=1e-3,
                              logging_steps=1, save_strategy="no", report_to=[], seed=0, deepspeed=deepspeed,
                              dataloader_drop_last=True, disable_tqdm=True, max_grad_norm=1.0,
+                             train_sampling_strategy=sampling, activation_checkpointing=checkpointing,
                              accelerator_config={"use_configured_state": deepspeed is not None}, **extra)
 
 
@@ -62,7 +69,11 @@ def history(trainer) -> dict[str, dict[int, float]]:
     return {"loss": {h["step"]: h["loss"] for h in rows}, "grad_norm": {h["step"]: h["grad_norm"] for h in rows}}
 
 
-def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1) -> dict:
+def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1, steps: int = STEPS,
+        order: list[int] | None = None, offload: bool = False) -> dict:
+    """The Trainer at ``stage`` (None: no DeepSpeed); ``order``: the samples in this order, not shuffled;
+    ``offload``: activation checkpointing with its inputs offloaded (``shardwise.offload_activation_checkpoints``
+    in the DeepSpeed config), and the bytes the offload moved in the result."""
     from transformers import Trainer
 
     deepspeed = None
@@ -71,8 +82,15 @@ def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1)
         deepspeed = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                      "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
                      "zero_optimization": {"stage": stage}}
-    trainer = Trainer(model=tiny_llama(), args=args(out, deepspeed, sp, batch, gas), train_dataset=dataset())
+        if offload:
+            deepspeed["shardwise"] = {"offload_activation_checkpoints": True}
+    data = dataset() if order is None else [dataset()[i] for i in order]
+    sampling = "random" if order is None else "sequential"
+    trainer = Trainer(model=tiny_llama(), args=args(out, deepspeed, sp, batch, gas, steps, sampling, offload),
+                      train_dataset=data)
     trainer.train()
+    if offload:
+        return {**history(trainer), "offloaded_bytes": trainer.model_wrapped.checkpoint_offload.packed_bytes}
     return history(trainer)
 
 
@@ -124,8 +142,12 @@ def main() -> None:
 
     assert deepspeed.__version__.endswith("+shardwise"), deepspeed
     root = Path(sys.argv[1])
-    res = {f"z{stage}": run(root / f"z{stage}", stage, sp=2) for stage in (2, 3)}
-    res.update({f"acc{stage}": accelerate_loop(stage) for stage in (1, 3)})
+    if sys.argv[2:] == ["spdp"]:  # 4 ranks: SP 2 x DP 2, the SP groups [0, 1] and [2, 3]
+        res = {"spdp": run(root / "spdp", 2, sp=2, steps=SPDP_STEPS, order=list(range(SAMPLES)))}
+    else:
+        res = {f"z{stage}": run(root / f"z{stage}", stage, sp=2) for stage in (2, 3)}
+        res["z3_offload"] = run(root / "z3_offload", 3, sp=2, offload=True)
+        res.update({f"acc{stage}": accelerate_loop(stage) for stage in (1, 3)})
     if int(os.environ.get("RANK", "0")) == 0:
         (root / "results.json").write_text(json.dumps(res, indent=1))
 

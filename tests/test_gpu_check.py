@@ -21,7 +21,7 @@ def test_smoke_writes_json_and_markdown(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["stages", "offload_bandwidth", "step_vs_fsdp2", "zero_inference"]
+    assert list(sections) == ["stages", "offload_bandwidth", "checkpoint_offload", "step_vs_fsdp2", "zero_inference"]
     for name, sec in sections.items():
         assert sec["status"] in ("ok", "skipped"), (name, sec)
     if not torch.cuda.is_available():
@@ -33,6 +33,9 @@ def test_smoke_writes_json_and_markdown(tmp_path):
     assert {r["impl"] for r in steps} == {"shardwise", "fsdp2"} and all(r["s_per_step"] > 0 for r in steps)
     assert abs(steps[0]["last_loss"] - steps[1]["last_loss"]) < 1e-2  # same model, batches and optimizer
     assert sections["zero_inference"]["rows"][0]["new_tokens"] == 4
+    offload = sections["checkpoint_offload"]["rows"]  # tiny on CPU: bit-exact, the 2 layers' inputs moved
+    assert all(r["bit_exact"] for r in offload)
+    assert offload[1]["moved_to_host_MiB"] == offload[1]["checkpoint_inputs_MiB"] > 0
     md = (tmp_path / "gpu_check_smoke.md").read_text()
     assert report["environment"]["cpu"] in md and "## zero_inference: ok" in md and "| tokens_per_s |" in md
 

@@ -30,8 +30,10 @@ ROUND_OFF = 1e-5
     ("sdpa", 1, 16, None, True),  # activation checkpointing: the exchanges run again in backward
 ])
 def test_forward_backward_equal_whole_sequence(pool2, impl, kv_heads, seq, pad_from, checkpointing):
+    """With checkpointing, also its inputs offloaded (offload_checkpoints): bit-exact against no offload."""
     for r in pool2.run("sp_cases:sp_matches_whole", impl, kv_heads, seq, pad_from, checkpointing):
         assert r["loss"] < ROUND_OFF and r["grad"] < ROUND_OFF, r
+        assert r.get("offload_bit_exact", not checkpointing), r
 
 
 def _noise(ref: dict, others: list[dict]) -> dict:
@@ -105,6 +107,12 @@ def test_eval_mode_keeps_sp_generate_is_local_unsplit_refused(pool2):
         assert r["loss"] < ROUND_OFF, r
         assert r["generate_equal"], r
         assert r["unsplit"] is not None and "no position_ids" in r["unsplit"], r
+
+
+def test_unequal_shards_refused_on_every_rank_then_a_new_length_trains(pool2):
+    for r in pool2.run("sp_cases:unequal_shards_refused_then_new_length"):
+        assert r["refused"] is not None and "differ in length (6..8 tokens)" in r["refused"], r
+        assert r["loss"] < ROUND_OFF, r
 
 
 @pytest.mark.parametrize("heads,kv,sp,words", [

@@ -294,6 +294,9 @@ KEYS: tuple[Key, ...] = (
         "stops training (NonFiniteError); N: the first N such steps are skipped instead"),
     Key("shardwise.peak_tflops", H, "the accelerator's peak TFLOPS for the FLOPs profiler's MFU (known GPUs "
         "need none)"),
+    Key("shardwise.offload_activation_checkpoints", H, "true: the inputs HF activation checkpointing keeps for "
+        "each layer's recompute are held in host memory (pinned) until backward; needs checkpointing on "
+        "(docs/long_context.md)"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

@@ -196,6 +196,8 @@ class ShardwiseSection(_Section):
     max_nonfinite_steps: StrictInt = Field(0, ge=0, le=10**9)
     # the accelerator's peak in TFLOPS for the FLOPs profiler's MFU (None: shardwise/monitor/flops.py's table)
     peak_tflops: float | None = Field(None, gt=0)
+    # ALST's activation-checkpoint offload: checkpoint inputs held in host memory (sequence_parallel/offload.py)
+    offload_activation_checkpoints: Bool = False
 
 
 class ShardwiseConfig(_Section):

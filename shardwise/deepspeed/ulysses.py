@@ -8,11 +8,14 @@ enabled (``disable_in_eval`` is accepted and not needed: a no-grad forward, as e
 is built over the gathered sequence); sequences whose length is not a multiple of the SP degree are
 padded with -100 labels instead of refused; ``TiledFusedLogitsLoss`` computes the head's gradient in
 backward, so a scale applied to its output reaches it; gradients come out at their true scale at
-every ZeRO stage.
+every ZeRO stage; on a gloo SP group the HF Trainer's SP loss is served by shardwise's
+(``serve_trainer_sp_loss``: transformers' own one goes through torch's differentiable ``all_gather``,
+whose gloo backward fails for SP groups without rank 0).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,6 +27,7 @@ from torch import nn
 from shardwise.sequence_parallel import (
     SequenceParallelMPU,
     current,
+    loss_of_shard_means,
     setup_sequence_parallel,
     split_batch,
     tiled_mlp,
@@ -52,7 +56,41 @@ class UlyssesSPAttentionHF:
             raise ValueError(f"core_attn_implementation={core_attn_implementation!r} does not match the model's "
                              f"attn_implementation {active!r}; set both to the same value")
         sp = setup_sequence_parallel(model, int(sequence_parallel_size))
+        serve_trainer_sp_loss()
         return SequenceParallelMPU(sp)
+
+
+_TRAINER_LOSS = "deepspeed_sp_compute_loss"
+
+
+def serve_trainer_sp_loss() -> None:
+    """Replace the HF Trainer's SP loss (``transformers.trainer.deepspeed_sp_compute_loss``, the name
+    ``Trainer.compute_loss`` looks up at call time) by one that, on a gloo SP group, combines the shards'
+    losses with ``loss_of_shard_means`` (same value, same gradient) and elsewhere calls transformers' own.
+
+    Why: transformers' combines them with torch's differentiable ``all_gather``, whose backward on gloo
+    scatters with ``src=`` the group rank where torch expects a global rank, so it fails for every SP
+    group that does not contain rank 0 (SP x DP). Idempotent; a no-op when the Trainer is not loaded."""
+    for name in ("transformers.trainer", "transformers.integrations.deepspeed"):
+        module = sys.modules.get(name)
+        plain = getattr(module, _TRAINER_LOSS, None)
+        if plain is not None and not getattr(plain, "_shardwise", False):
+            setattr(module, _TRAINER_LOSS, _trainer_sp_loss(plain))
+
+
+def _trainer_sp_loss(plain: Callable) -> Callable:
+    def loss(accelerator: Any, model: nn.Module, inputs: dict, return_outputs: bool, pc: Any) -> Any:
+        sp = current()
+        if dist.get_backend(sp.group) != "gloo":  # torch's all_gather backward is right on this backend
+            return plain(accelerator, model, inputs, return_outputs, pc)
+        if "labels" not in inputs and "shift_labels" in inputs:
+            inputs["labels"] = inputs["shift_labels"]  # as transformers': the model computes the shard's loss
+        outputs = model(**inputs)
+        total = loss_of_shard_means(outputs.loss, inputs["shift_labels"], sp)
+        return (total, outputs) if return_outputs else total
+
+    loss._shardwise = True  # type: ignore[attr-defined]
+    return loss
 
 
 class UlyssesSPDataLoaderAdapter:

@@ -34,7 +34,7 @@ from shardwise.moe import expert_parallel_of
 from shardwise.monitor import EngineMonitor
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
-from shardwise.sequence_parallel import setup_sequence_parallel
+from shardwise.sequence_parallel import setup_long_context
 from shardwise.zero.bucket_step import step_and_publish
 from shardwise.zero.builder import ShardOptions
 from shardwise.zero.whole_tensor import build_on_sharding, whole_tensor_of
@@ -105,8 +105,8 @@ class Engine(EngineAccessors, nn.Module):
         # data-parallel replicas (sampler, batch rule): ZeRO shards over SP x DP ranks; one SP group, one sample set
         sp = config.sequence_parallel_size
         self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
-        # Ulysses SP (None without): the groups and the model's attention, docs/long_context.md
-        self.sequence_parallel = setup_sequence_parallel(model, sp) if sp > 1 else None
+        # Ulysses SP and ALST's checkpoint offload (None without each), docs/long_context.md
+        self.sequence_parallel, self.checkpoint_offload = setup_long_context(model, sp, config.shardwise)
         # gradient_allreduce_op: "mean" averages gradients over data-parallel ranks, "sum" adds them
         self.gradient_average = config.gradient_allreduce_op == "mean"
         self.tp_report, self.policy, self.units, self.fetcher = sh.tp_report, sh.policy, sh.units, sh.fetcher

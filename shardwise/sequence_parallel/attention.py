@@ -23,12 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.comm import Work, compute_device
 from shardwise.sequence_parallel.exchange import HeadToSeq, SeqToHead
 from shardwise.sequence_parallel.group import SequenceParallel, set_current
 
 PREFIX = "shardwise_sp_"
 WRAPPABLE = ("sdpa", "eager")
 _CURRENT: dict[str, SequenceParallel] = {}  # registered name -> the SP group its attention uses
+_CHECKS: dict[int, tuple[Work | None, torch.Tensor]] = {}  # id(sp) -> this forward's shard check, in flight
+_MASK: dict[tuple, torch.Tensor] = {}  # (length, dtype, device) -> eager's causal mask; one entry
 
 
 def head_split(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
@@ -68,8 +71,17 @@ def _eager_of(module: nn.Module) -> Callable:
 
 
 def _causal(n: int, like: torch.Tensor) -> torch.Tensor:
-    mask = torch.full((n, n), torch.finfo(like.dtype).min, dtype=like.dtype, device=like.device)
-    return mask.triu(1)[None, None]
+    """Eager's additive causal mask over the gathered sequence, built once per length (a pure function of
+    ``n``, dtype and device, so reusing it across layers, recomputes and steps is exact); one entry
+    kept: a new length replaces it, so at most one ``n x n`` mask lives between forwards."""
+    key = (n, like.dtype, like.device)
+    mask = _MASK.get(key)
+    if mask is None:
+        mask = torch.full((n, n), torch.finfo(like.dtype).min, dtype=like.dtype, device=like.device)
+        mask = mask.triu(1)[None, None]
+        _MASK.clear()
+        _MASK[key] = mask
+    return mask
 
 
 def _inner(name: str, module: nn.Module) -> Callable:
@@ -87,6 +99,7 @@ def _ulysses(inner_name: str, sp: SequenceParallel, module: nn.Module, query: to
         raise ValueError("sequence parallelism: the model built an attention mask for a sequence-split batch "
                          "(padding or packed sequences); split batches with shardwise.sequence_parallel."
                          "split_batch, which removes right padding and refuses other masks")
+    _await_shard_check(sp)
     copies = head_split(query.shape[1], key.shape[1], sp.size)
     if copies > 1:
         key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
@@ -108,13 +121,33 @@ def _attention_for(inner_name: str) -> Callable:
     return attention
 
 
+def _await_shard_check(sp: SequenceParallel) -> None:
+    """Before this forward's first exchange: finish the shard check the pre-hook started; refuse unequal
+    lengths in one line (later layers and the recompute in backward find nothing pending)."""
+    pending = _CHECKS.pop(id(sp), None)
+    if pending is None:
+        return
+    work, lengths = pending
+    if work is not None:
+        work.wait()
+    high, low = int(lengths[0]), -int(lengths[1])
+    if high != low:
+        raise ValueError(f"sequence parallelism: the SP ranks' sequence shards differ in length "
+                         f"({low}..{high} tokens); split_batch pads them equal")
+
+
 def _check_split_forward(sp: SequenceParallel) -> Callable:
     """A forward pre-hook: a forward that will exchange heads must get equal shards with positions.
 
     Why: with SP on, an unsplit batch (the same whole sequence on every rank) would be attended as
     one sequence ``sp`` times as long, a silent wrong number; and shards of unequal length would
-    deadlock the all-to-all. ``split_batch`` gives ``position_ids`` and equal lengths; one tiny
-    all-reduce per forward checks the lengths."""
+    deadlock the all-to-all (or, on NCCL, exchange wrong bytes). ``split_batch`` gives
+    ``position_ids`` and equal lengths; one tiny all-reduce per forward checks the lengths, started
+    here without waiting and finished before the first exchange (``_await_shard_check``), so its
+    latency overlaps the embeddings and the first projections. It is not cached by length: a rank
+    whose length is cached would skip the collective while a rank with a new (unequal) length runs
+    it, the very mismatch it is there to catch; a skip must be decided alike on every rank, and
+    only a collective can tell the ranks' lengths apart."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG001
         if not sp.active():
@@ -125,11 +158,12 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
             raise ValueError("sequence parallelism: a forward with gradients (SP on) got no position_ids; "
                              "feed batches from shardwise.sequence_parallel.split_batch, or run whole "
                              "sequences inside sp.disabled()")
-        lengths = torch.tensor([ids.shape[1], -ids.shape[1]], dtype=torch.int64)
-        sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX)
-        if int(lengths[0]) != -int(lengths[1]):
-            raise ValueError(f"sequence parallelism: the SP ranks' sequence shards differ in length "
-                             f"({-int(lengths[1])}..{int(lengths[0])} tokens); split_batch pads them equal")
+        stale = _CHECKS.pop(id(sp), None)  # a forward that failed before its first exchange
+        if stale is not None and stale[0] is not None:
+            stale[0].wait()
+        # on the compute device: an NCCL group reduces no CPU tensor
+        lengths = torch.tensor([ids.shape[1], -ids.shape[1]], dtype=torch.int64, device=compute_device())
+        _CHECKS[id(sp)] = (sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX, async_op=True), lengths)
 
     return hook
 

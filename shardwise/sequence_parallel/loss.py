@@ -36,3 +36,18 @@ def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, sp:
     loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
                                ignore_index=IGNORE, reduction="sum")
     return share_of_loss(loss_sum, token_count(shift_labels, sp), sp)
+
+
+def loss_of_shard_means(mean_loss: torch.Tensor, shift_labels: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """The SP group's loss from each shard's *mean* loss over its real tokens (what an HF model returns
+    as ``outputs.loss`` for ``shift_labels``): ``sum_r mean_r * n_r / max(sum_r n_r, 1)`` on every rank.
+
+    The value and the gradient convention of transformers' ``deepspeed_sp_compute_loss`` (a shard with
+    no real token, whose mean is NaN, weighs nothing; the backward all-reduces over the SP group, as
+    ``sequence_parallel_loss``'s does), built on ``SumForward`` instead of torch's differentiable
+    ``all_gather``, whose backward on gloo fails for SP groups that do not contain rank 0."""
+    good = (shift_labels != IGNORE).sum()
+    weighted = torch.where(good > 0, mean_loss * good, torch.zeros_like(mean_loss))
+    total = good.reshape(1).clone()
+    sp.comm.all_reduce(total)
+    return SumForward.apply(weighted, sp.comm) / total.squeeze(0).clamp(min=1)
