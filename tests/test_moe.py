@@ -196,22 +196,23 @@ def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):
 
 
 # -- checkpoints and export -----------------------------------------------------------------
-@pytest.mark.parametrize("save,load", [((2, 2), (3, None)), ((3, None), (2, 2)), ((3, 2), (2, 1))])
-def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, save, load):
+@pytest.mark.parametrize("kind,save,load", [("mixtral", (2, 2), (3, None)), ("mixtral", (3, None), (2, 2)),
+                                           ("mixtral", (3, 2), (2, 1)), ("gpt_oss", (3, 2), (2, None))])
+def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, kind, save, load):
     """(stage, EP) when saving and when loading; EP None: none (experts ZeRO-sharded over every rank).
     The resumed run's next step equals the uninterrupted run's, and the weights it loaded are
     bit-exact; the checkpoint consolidates offline (`shardwise consolidate`, zero_to_fp32) into the
-    full HF experts."""
+    full HF experts (gpt_oss: their biases too)."""
     from transformers import AutoModelForCausalLM
 
     from shardwise.checkpoint import consolidate
     from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    tol = _reference("mixtral", 2)  # another stage / EP degree sums in another order: the measured floor
+    tol = _reference(kind, 2)  # another stage / EP degree sums in another order: the measured floor
     ckpt = tmp_path / "ckpt"
-    first = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 2, save_dir=str(ckpt))
-    straight = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 3)
-    resumed = pool2.run("moe_cases:ckpt_run", "mixtral", load[0], load[1], 1, first=2, load_dir=str(ckpt))
+    first = pool2.run("moe_cases:ckpt_run", kind, save[0], save[1], 2, save_dir=str(ckpt))
+    straight = pool2.run("moe_cases:ckpt_run", kind, save[0], save[1], 3)
+    resumed = pool2.run("moe_cases:ckpt_run", kind, load[0], load[1], 1, first=2, load_dir=str(ckpt))
     for r in range(2):
         assert resumed[r]["losses"] == pytest.approx(straight[r]["losses"][2:], rel=tol["tol_loss"])
     assert _max_abs(resumed[0]["weights"], straight[0]["weights"]) < tol["tol_w"]
