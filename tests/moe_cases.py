@@ -308,16 +308,17 @@ def generate_reference(kind: str, world: int) -> list[list[list[int]]]:
 
 # -- sequence parallelism x expert parallelism ------------------------------------------------
 def train_sp_ep(kind: str, stage: int, sp: int, ep: int, steps: int = 3, lr: float = 0.5, micro: int = 2,
-                clip: float | None = None) -> dict:
+                clip: float | None = None, train_loop: bool = False) -> dict:
     """Ulysses SP ``sp`` and EP ``ep`` on the same ranks (sdpa): each SP group reads one sample set,
     splits it with ``split_batch``; the loss is ``sequence_parallel_loss`` (the whole batch's token
-    mean) plus the router's aux loss of this rank's shard (``coef * out.aux_loss``, added locally:
-    the engine's average over the SP ranks makes it the mean of the shards' aux losses)."""
-    from shardwise.sequence_parallel import sequence_parallel_loss, split_batch
+    mean) plus the router's aux loss of this rank's shard (``router_aux_loss``, added locally: the
+    engine's average over the SP ranks makes it the mean of the shards' aux losses). ``train_loop``:
+    the loss ``shardwise train`` computes (``train.loop.micro_loss``) instead of the plain-loop recipe."""
+    from shardwise.sequence_parallel import router_aux_loss, sequence_parallel_loss, split_batch
+    from shardwise.train.loop import micro_loss
 
     world = dist.get_world_size()
     model = build(kind, attn="sdpa")
-    coef = model.config.router_aux_loss_coef
     cfg = _config(stage, lr, micro, world // sp, clip)
     cfg.update(sequence_parallel_size=sp, expert_parallel={"enabled": True, "autoep_size": ep, "preset_model": kind})
     engine, *_ = shardwise.initialize(model=model, config=cfg)
@@ -325,10 +326,13 @@ def train_sp_ep(kind: str, stage: int, sp: int, ep: int, steps: int = 3, lr: flo
     losses, norms = [], []
     for s in range(steps):
         ids = data[s, engine.dp_rank]
-        shard = split_batch({"input_ids": ids, "labels": ids}, engine.sequence_parallel)
-        labels = shard.pop("shift_labels")
-        out = engine(**shard)
-        loss = sequence_parallel_loss(out.logits, labels, engine.sequence_parallel) + coef * out.aux_loss
+        if train_loop:
+            loss = micro_loss(engine, ids)
+        else:
+            shard = split_batch({"input_ids": ids, "labels": ids}, engine.sequence_parallel)
+            labels = shard.pop("shift_labels")
+            out = engine(**shard)
+            loss = sequence_parallel_loss(out.logits, labels, engine.sequence_parallel) + router_aux_loss(out, model)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))

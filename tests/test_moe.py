@@ -320,15 +320,16 @@ def _reference_sp(kind: str) -> dict:
     return ref
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_sp2_with_ep2_on_the_same_ranks_matches_single_process(pool2, stage):
+@pytest.mark.parametrize("stage,train_loop", [(2, False), (3, True)])
+def test_sp2_with_ep2_on_the_same_ranks_matches_single_process(pool2, stage, train_loop):
     """Ulysses SP 2 and EP 2 on the same 2 ranks (Qwen3-MoE, sdpa, aux loss on): both ranks hold halves
     of the same sequences and halves of the experts. Dense gradients (each SP rank back-propagates N
     times its share) and expert gradients (summed over the ranks whose tokens reached the expert by the
     all-to-all's backward) are both divided by the same SP x DP rank count, so losses, gradient norms
-    and weights equal one process on the whole batch."""
+    and weights equal one process on the whole batch. The aux loss is each rank's shard's, added as
+    `router_aux_loss`; `train_loop`: through `shardwise train`'s loss (train.loop.micro_loss)."""
     ref = _reference_sp("qwen3_moe")
-    res = pool2.run("moe_cases:train_sp_ep", "qwen3_moe", stage, 2, 2, steps=STEPS, clip=CLIP)
+    res = pool2.run("moe_cases:train_sp_ep", "qwen3_moe", stage, 2, 2, steps=STEPS, clip=CLIP, train_loop=train_loop)
     for r in range(2):
         assert res[r]["sp_rank"] == r and res[r]["dp_world"] == 1
         assert res[r]["losses"] == pytest.approx([step[r] for step in ref["losses"]], rel=ref["tol_loss"])
