@@ -242,10 +242,10 @@ def test_save_16bit_model_under_ep_gives_the_full_hf_model(pool2, tmp_path, kind
 
 
 # -- inference ------------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", [0, 3])
-def test_generate_under_ep_gives_the_single_process_tokens(pool2, stage):
-    got = pool2.run("moe_cases:generate_ep", "mixtral", stage, 2)
-    assert got == moe_cases.generate_reference("mixtral", 2)
+@pytest.mark.parametrize("kind,stage", [("mixtral", 0), ("mixtral", 3), ("gpt_oss", 3)])
+def test_generate_under_ep_gives_the_single_process_tokens(pool2, kind, stage):
+    got = pool2.run("moe_cases:generate_ep", kind, stage, 2)
+    assert got == moe_cases.generate_reference(kind, 2)
 
 
 # -- shardwise train --ep -------------------------------------------------------------------
