@@ -13,7 +13,7 @@ VOCAB = 97
 SEQ = 8
 
 
-def moe_config(kind: str, experts: int = 4, aux: float = 0.02):
+def moe_config(kind: str, experts: int = 4, aux: float = 0.02, attn: str = "eager"):
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   tie_word_embeddings=False, output_router_logits=aux > 0, router_aux_loss_coef=aux,
@@ -23,6 +23,12 @@ def moe_config(kind: str, experts: int = 4, aux: float = 0.02):
     elif kind == "qwen3_moe":
         cfg = AutoConfig.for_model("qwen3_moe", num_experts=experts, moe_intermediate_size=24, norm_topk_prob=True,
                                    decoder_sparse_step=1, mlp_only_layers=[], **common)
+    elif kind == "gpt_oss":  # transposed experts with biases, clamped SwiGLU; sliding-window layers, sinks
+        common.pop("intermediate_size")
+        cfg = AutoConfig.for_model("gpt_oss", num_local_experts=experts, intermediate_size=24, head_dim=8,
+                                   sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                   swiglu_limit=0.5, rope_parameters=dict(rope_type="yarn", factor=2.0, beta_fast=32.0,
+                                   beta_slow=1.0, truncate=False, original_max_position_embeddings=32), **common)
     else:  # other families: forward checks only
         extra = {"qwen2_moe": dict(num_experts=experts, moe_intermediate_size=24, shared_expert_intermediate_size=24),
                  "olmoe": dict(num_experts=experts),
@@ -34,17 +40,19 @@ def moe_config(kind: str, experts: int = 4, aux: float = 0.02):
         if kind.startswith("deepseek"):
             common["num_key_value_heads"] = 4  # multi-head latent attention: one kv head per head
         cfg = AutoConfig.for_model(kind, **extra, **common)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     return cfg
 
 
-def build(kind: str, seed: int = 0, experts: int = 4, aux: float = 0.02) -> torch.nn.Module:
+def build(kind: str, seed: int = 0, experts: int = 4, aux: float = 0.02, attn: str = "eager") -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(moe_config(kind, experts, aux))
+    model = AutoModelForCausalLM.from_config(moe_config(kind, experts, aux, attn))
     with torch.no_grad():  # routers start at zero in some families: give every router a spread
         for n, p in model.named_parameters():
             if n.endswith("gate.weight") and p.abs().sum() == 0:
                 p.normal_(0, 0.5)
+            if n.endswith("_proj_bias"):  # GPT-OSS's expert biases start at zero: make each expert's its own,
+                p.normal_(0, 0.5)  # large enough that the SwiGLU's clamps (limit 0.5) act on some units
     model.train()
     return model
 
@@ -296,3 +304,72 @@ def generate_reference(kind: str, world: int) -> list[list[list[int]]]:
             outs.append(model.generate(input_ids=prompt, max_new_tokens=4 + 3 * r, do_sample=False,
                                        pad_token_id=0).tolist())
     return outs
+
+
+# -- sequence parallelism x expert parallelism ------------------------------------------------
+def train_sp_ep(kind: str, stage: int, sp: int, ep: int, steps: int = 3, lr: float = 0.5, micro: int = 2,
+                clip: float | None = None, train_loop: bool = False) -> dict:
+    """Ulysses SP ``sp`` and EP ``ep`` on the same ranks (sdpa): each SP group reads one sample set,
+    splits it with ``split_batch``; the loss is ``sequence_parallel_loss`` (the whole batch's token
+    mean) plus the router's aux loss of this rank's shard (``router_aux_loss``, added locally: the
+    engine's average over the SP ranks makes it the mean of the shards' aux losses). ``train_loop``:
+    the loss ``shardwise train`` computes (``train.loop.micro_loss``) instead of the plain-loop recipe."""
+    from shardwise.sequence_parallel import router_aux_loss, sequence_parallel_loss, split_batch
+    from shardwise.train.loop import micro_loss
+
+    world = dist.get_world_size()
+    model = build(kind, attn="sdpa")
+    cfg = _config(stage, lr, micro, world // sp, clip)
+    cfg.update(sequence_parallel_size=sp, expert_parallel={"enabled": True, "autoep_size": ep, "preset_model": kind})
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    data = batches(steps, world // sp, micro)
+    losses, norms = [], []
+    for s in range(steps):
+        ids = data[s, engine.dp_rank]
+        if train_loop:
+            loss = micro_loss(engine, ids)
+        else:
+            shard = split_batch({"input_ids": ids, "labels": ids}, engine.sequence_parallel)
+            labels = shard.pop("shift_labels")
+            out = engine(**shard)
+            loss = sequence_parallel_loss(out.logits, labels, engine.sequence_parallel) + router_aux_loss(out, model)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        norms.append(engine.get_global_grad_norm())
+    return {"losses": losses, "norms": norms, "weights": full_weights(engine),
+            "sp_rank": engine.sequence_parallel.rank, "dp_world": engine.dp_world}
+
+
+def reference_sp(kind: str, sp: int, steps: int = 3, lr: float = 0.5, micro: int = 2, clip: float | None = None,
+                 implementation: str | None = None) -> dict:
+    """One process, the whole batch: the objective SP x EP trains is the batch's token-mean loss plus
+    ``coef`` times the mean over the ``sp`` contiguous sequence shards of each shard's aux loss
+    (transformers' own ``load_balancing_loss_func`` on that shard's router logits). ``losses[s][r]``:
+    what SP rank r reports (the whole loss plus its own shard's aux term)."""
+    import sys
+
+    model = build(kind, attn="sdpa")
+    if implementation is not None:
+        model.config._experts_implementation = implementation
+    aux_fn = sys.modules[type(model).__module__].load_balancing_loss_func
+    cfg = model.config
+    num, top_k, coef = int(getattr(cfg, "num_local_experts", None) or cfg.num_experts), cfg.num_experts_per_tok, \
+        cfg.router_aux_loss_coef
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    data = batches(steps, 1, micro)
+    losses, norms = [], []
+    for s in range(steps):
+        ids = data[s, 0]
+        out = model(input_ids=ids)
+        ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        per = ids.shape[1] // sp
+        aux = [aux_fn(tuple(g.view(*ids.shape, num)[:, r * per:(r + 1) * per].reshape(-1, num)
+                            for g in out.router_logits), num, top_k) for r in range(sp)]
+        (ce + coef * torch.stack(aux).mean()).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
+        opt.step()
+        opt.zero_grad()
+        losses.append([float((ce + coef * a).detach()) for a in aux])
+    return {"losses": losses, "norms": norms,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}

@@ -320,3 +320,37 @@ def sp_shard_api(stage: int) -> dict:
     with GatheredParameters(model.parameters()):
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def refused_windows_and_sinks() -> list[str]:
+    """A forward under SP 2 that the whole-sequence attention would get wrong, each refused in one
+    line: a Mistral whose sliding window (12) is shorter than the sequence (16) though longer than a
+    shard (8: the mask HF builds for the shard masks nothing), and GPT-OSS's
+    per-head attention sinks (its windows made longer than the sequence, so the sinks are what is
+    left). A window as long as the sequence masks nothing: that Mistral runs."""
+    import moe_cases
+    from transformers import MistralConfig
+
+    sp = SequenceParallel.of_size(dist.get_world_size())
+    batch = sample_batch(1, 16)
+    msgs = []
+    for window in (12, 16):
+        torch.manual_seed(0)
+        cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, sliding_window=window)
+        cfg._attn_implementation = "sdpa"
+        msgs.append(_sp_forward_error(AutoModelForCausalLM.from_config(cfg), batch, sp))
+    oss = moe_cases.moe_config("gpt_oss")
+    oss.sliding_window = 64
+    msgs.append(_sp_forward_error(AutoModelForCausalLM.from_config(oss), sample_batch(1, 16, pad_from=None), sp))
+    return msgs
+
+
+def _sp_forward_error(model: torch.nn.Module, batch: dict, sp: SequenceParallel) -> str:
+    register_attention(model, sp)
+    shard = split_batch({"input_ids": batch["input_ids"] % model.config.vocab_size}, sp)
+    try:
+        model(**shard)
+    except ValueError as e:
+        return str(e)
+    return "ran"

@@ -50,7 +50,8 @@ def test_rows_arrive_grouped_by_local_expert(pool2, experts):
 
 
 # -- layouts ----------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+                                  "gpt_oss"])
 def test_forward_under_ep_equals_the_unsplit_model(pool2, kind):
     for r in pool2.run("moe_cases:forward_logits", kind, 2):
         assert r["logits_err"] <= 4 * EPS32 * r["logits_scale"], r
@@ -117,7 +118,8 @@ def test_the_tolerance_catches_doubled_expert_gradients():
 
 @pytest.mark.parametrize("kind,stage,use_config", [("mixtral", 2, False), ("mixtral", 3, True),
                                                    ("qwen3_moe", 2, True), ("qwen3_moe", 3, False),
-                                                   ("mixtral", 0, False), ("qwen3_moe", 1, True)])
+                                                   ("mixtral", 0, False), ("qwen3_moe", 1, True),
+                                                   ("gpt_oss", 2, False), ("gpt_oss", 3, True)])
 def test_ep2_with_zero_matches_single_process(pool2, kind, stage, use_config):
     # use_config: through DeepSpeed AutoEP's keys in the config given to shardwise.initialize
     res = pool2.run("moe_cases:train_ep", kind, stage, 2, steps=STEPS, clip=CLIP, use_config=use_config)
@@ -194,22 +196,23 @@ def test_routing_onto_one_rank_neither_hangs_nor_differs(pool2):
 
 
 # -- checkpoints and export -----------------------------------------------------------------
-@pytest.mark.parametrize("save,load", [((2, 2), (3, None)), ((3, None), (2, 2)), ((3, 2), (2, 1))])
-def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, save, load):
+@pytest.mark.parametrize("kind,save,load", [("mixtral", (2, 2), (3, None)), ("mixtral", (3, None), (2, 2)),
+                                           ("mixtral", (3, 2), (2, 1)), ("gpt_oss", (3, 2), (2, None))])
+def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, kind, save, load):
     """(stage, EP) when saving and when loading; EP None: none (experts ZeRO-sharded over every rank).
     The resumed run's next step equals the uninterrupted run's, and the weights it loaded are
     bit-exact; the checkpoint consolidates offline (`shardwise consolidate`, zero_to_fp32) into the
-    full HF experts."""
+    full HF experts (gpt_oss: their biases too)."""
     from transformers import AutoModelForCausalLM
 
     from shardwise.checkpoint import consolidate
     from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    tol = _reference("mixtral", 2)  # another stage / EP degree sums in another order: the measured floor
+    tol = _reference(kind, 2)  # another stage / EP degree sums in another order: the measured floor
     ckpt = tmp_path / "ckpt"
-    first = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 2, save_dir=str(ckpt))
-    straight = pool2.run("moe_cases:ckpt_run", "mixtral", save[0], save[1], 3)
-    resumed = pool2.run("moe_cases:ckpt_run", "mixtral", load[0], load[1], 1, first=2, load_dir=str(ckpt))
+    first = pool2.run("moe_cases:ckpt_run", kind, save[0], save[1], 2, save_dir=str(ckpt))
+    straight = pool2.run("moe_cases:ckpt_run", kind, save[0], save[1], 3)
+    resumed = pool2.run("moe_cases:ckpt_run", kind, load[0], load[1], 1, first=2, load_dir=str(ckpt))
     for r in range(2):
         assert resumed[r]["losses"] == pytest.approx(straight[r]["losses"][2:], rel=tol["tol_loss"])
     assert _max_abs(resumed[0]["weights"], straight[0]["weights"]) < tol["tol_w"]
@@ -222,26 +225,27 @@ def test_checkpoint_saved_under_ep_loads_at_any_ep_degree(pool2, tmp_path, save,
         assert torch.equal(fp32[n], first[0]["weights"][n]), n
 
 
-def test_save_16bit_model_under_ep_gives_the_full_hf_model(pool2, tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])  # gpt_oss: the expert biases gathered too
+def test_save_16bit_model_under_ep_gives_the_full_hf_model(pool2, tmp_path, kind):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "hf16"
-    res = pool2.run("moe_cases:ckpt_run", "qwen3_moe", 3, 2, 1, export_dir=str(out))
+    res = pool2.run("moe_cases:ckpt_run", kind, 3, 2, 1, export_dir=str(out))
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
     assert model.config._experts_implementation != "shardwise_ep"
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), res[0]["weights"][n]), n
-    ref = moe_cases.build("qwen3_moe")
+    ref = moe_cases.build(kind)
     ref.load_state_dict(res[0]["weights"])
     ids = moe_cases.batches(1, 1, 2)[0, 0]
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=4 * EPS32, atol=0)
 
 
 # -- inference ------------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", [0, 3])
-def test_generate_under_ep_gives_the_single_process_tokens(pool2, stage):
-    got = pool2.run("moe_cases:generate_ep", "mixtral", stage, 2)
-    assert got == moe_cases.generate_reference("mixtral", 2)
+@pytest.mark.parametrize("kind,stage", [("mixtral", 0), ("mixtral", 3), ("gpt_oss", 3)])
+def test_generate_under_ep_gives_the_single_process_tokens(pool2, kind, stage):
+    got = pool2.run("moe_cases:generate_ep", kind, stage, 2)
+    assert got == moe_cases.generate_reference(kind, 2)
 
 
 # -- shardwise train --ep -------------------------------------------------------------------
@@ -298,3 +302,37 @@ def test_hf_trainer_with_expert_parallel_config(tmp_path):
     tol = _reference("mixtral", 2)["tol_loss"]
     for k in ep:
         assert ep[k] == pytest.approx(plain[k], rel=tol), k
+
+
+# -- sequence parallelism x expert parallelism ------------------------------------------------
+@functools.cache
+def _reference_sp(kind: str) -> dict:
+    """SP x EP's reference (the whole batch in one process, the aux loss per sequence shard) and its
+    bounds: K times its noise floor (trained again with the `eager` experts kernel), never below
+    32 ulps per step."""
+    ref = moe_cases.reference_sp(kind, 2, STEPS, clip=CLIP)
+    other = moe_cases.reference_sp(kind, 2, STEPS, clip=CLIP, implementation="eager")
+    scale = max(float(w.abs().max()) for w in ref["weights"].values())
+    floor = 32 * EPS32 * STEPS
+    pairs = [(a, b) for x, y in zip(other["losses"], ref["losses"], strict=True) for a, b in zip(x, y, strict=True)]
+    ref["tol_w"] = max(K * _max_abs(other["weights"], ref["weights"]), floor * scale)
+    ref["tol_loss"] = max(K * max(abs(a - b) / abs(b) for a, b in pairs), floor)
+    return ref
+
+
+@pytest.mark.parametrize("stage,train_loop", [(2, False), (3, True)])
+def test_sp2_with_ep2_on_the_same_ranks_matches_single_process(pool2, stage, train_loop):
+    """Ulysses SP 2 and EP 2 on the same 2 ranks (Qwen3-MoE, sdpa, aux loss on): both ranks hold halves
+    of the same sequences and halves of the experts. Dense gradients (each SP rank back-propagates N
+    times its share) and expert gradients (summed over the ranks whose tokens reached the expert by the
+    all-to-all's backward) are both divided by the same SP x DP rank count, so losses, gradient norms
+    and weights equal one process on the whole batch. The aux loss is each rank's shard's, added as
+    `router_aux_loss`; `train_loop`: through `shardwise train`'s loss (train.loop.micro_loss)."""
+    ref = _reference_sp("qwen3_moe")
+    res = pool2.run("moe_cases:train_sp_ep", "qwen3_moe", stage, 2, 2, steps=STEPS, clip=CLIP, train_loop=train_loop)
+    for r in range(2):
+        assert res[r]["sp_rank"] == r and res[r]["dp_world"] == 1
+        assert res[r]["losses"] == pytest.approx([step[r] for step in ref["losses"]], rel=ref["tol_loss"])
+        assert res[r]["norms"] == pytest.approx(ref["norms"], rel=ref["tol_loss"])
+        diff = _max_abs(res[r]["weights"], ref["weights"])
+        assert diff < ref["tol_w"], f"weights differ by {diff:.3g} (tol {ref['tol_w']:.3g})"

@@ -257,3 +257,12 @@ def test_facade_tiled_names_equal_untiled(reduction):
     assert abs(got_loss - want_loss) / abs(want_loss) < TILED_ROUND_OFF
     for n, g in want.items():
         assert float((got[n] - g).norm() / g.norm()) < TILED_ROUND_OFF, n
+
+
+def test_sliding_windows_and_sinks_are_refused_not_dropped(pool2):
+    # the whole-sequence causal attention would ignore a window shorter than the sequence and the
+    # per-head sinks: refused in one line; a window as long as the sequence masks nothing and runs
+    for short, whole, sinks in pool2.run("sp_cases:refused_windows_and_sinks"):
+        assert "sliding window of 12 tokens, shorter than the 16-token sequence" in short and "\n" not in short
+        assert whole == "ran"
+        assert "GptOssAttention has attention sinks" in sinks and "\n" not in sinks

@@ -290,9 +290,6 @@ def _check_sequence_parallel(cfg: ShardwiseConfig, world_size: int) -> None:
     if sp > 1 and cfg.tp_size > 1:
         raise ConfigError("sequence_parallel_size with tensor_parallel.autotp_size > 1 is not implemented "
                           "by shardwise; use one of them")
-    if sp > 1 and cfg.expert_parallel.enabled:
-        raise ConfigError("sequence_parallel_size with expert_parallel.enabled is not implemented by shardwise "
-                          "(not proven together); use one of them")
     if world_size % sp:
         raise ConfigError(f"sequence_parallel_size: {sp} does not divide the world size {world_size}; "
                           f"choose a divisor of {world_size}")

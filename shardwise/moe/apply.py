@@ -1,8 +1,9 @@
 """Split a HF MoE model's experts over the EP ranks (before ZeRO shards the rest).
 
 :func:`apply_expert_parallel` keeps every parameter object (an optimizer built on
-``model.parameters()`` still holds them) and only narrows the two 3-D expert parameters of each
-MoE layer to this rank's ``E / ep`` experts on dim 0, every rank slicing rank 0's tensors. It marks
+``model.parameters()`` still holds them) and only narrows the expert parameters of each MoE layer
+(the two 3-D projections, and their biases where the family has them) to this rank's ``E / ep``
+experts on dim 0, every rank slicing rank 0's tensors. It marks
 them with their own groups (``zero.partition.OwnGroups``: sharded and reduced over the
 expert-data-parallel group, squares summed over the EP group for the norm), so ZeRO at any stage
 reduces each expert's gradient only among the ranks holding it and counts it once, and it switches
@@ -22,7 +23,7 @@ from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, CommStats, make_comm
 from shardwise.mesh import ExpertMesh, get_expert_mesh
 from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, register, set_expert_shard
-from shardwise.moe.layouts import EXPERT_PARAMS, UnsupportedMoEError, expert_layout
+from shardwise.moe.layouts import UnsupportedMoEError, expert_layout, expert_params
 from shardwise.zero.init import is_deferred
 from shardwise.zero.partition import OwnGroups, own_groups, set_own_groups
 
@@ -86,7 +87,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, *, preset: str | None 
     first = mesh.ep.rank * local
     groups = OwnGroups(shard=mesh.edp, split=mesh.ep)
     for _, module in layout.modules:
-        for name in EXPERT_PARAMS:
+        for name in expert_params(module):
             p = getattr(module, name)
             world.broadcast(p.data, src=0)  # every rank slices the same experts
             p.data = p.data.narrow(0, first, local).clone()

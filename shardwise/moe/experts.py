@@ -42,16 +42,27 @@ def set_expert_shard(module: nn.Module, shard: ExpertShard) -> None:
     setattr(module, _STATE, shard)
 
 
+def _project(module: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Local expert ``e``'s projection ``name`` of ``x``, as transformers' experts functions compute it:
+    ``x @ W[e]`` when the module stores its weights transposed (GPT-OSS), else ``x @ W[e].T``, plus
+    the expert's bias ``<name>_bias[e]`` when the module has biases."""
+    w = getattr(module, name)[e]
+    out = x @ w if module.is_transposed else F.linear(x, w)
+    return out + getattr(module, f"{name}_bias")[e] if module.has_bias else out
+
+
 def run_local_experts(module: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Expert e of this rank on rows ``counts[e]`` of ``x`` (grouped by expert), one matmul each.
+    """Expert e of this rank on rows ``counts[e]`` of ``x`` (grouped by expert), one matmul each:
+    gate-up, the module's own gate (``_apply_gate``: its activation, its gate/up interleaving, GPT-OSS's
+    clamps), down.
 
     Every local expert runs, with an empty block when it got no token: its weights stay in the
     autograd graph, so their gradient is a zero tensor rather than missing on some ranks only.
     """
     outs = []
     for e, block in enumerate(x.split(counts)):
-        h = module._apply_gate(F.linear(block, module.gate_up_proj[e]))
-        outs.append(F.linear(h, module.down_proj[e]))
+        h = module._apply_gate(_project(module, "gate_up_proj", e, block))
+        outs.append(_project(module, "down_proj", e, h))
     return torch.cat(outs) if outs else x
 
 

@@ -90,11 +90,27 @@ def _inner(name: str, module: nn.Module) -> Callable:
     return _eager_of(module) if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
 
 
+def _refuse_local_windows_and_sinks(module: nn.Module, seq: int, kwargs: dict) -> None:
+    """Refuse (one line) what the whole-sequence causal attention would silently drop: a sliding
+    window shorter than the gathered sequence (Mistral, Qwen2, Gemma, GPT-OSS layers; a window at
+    least as long as the sequence masks nothing), and per-head attention sinks (GPT-OSS's ``s_aux``,
+    one per head, while a rank holds ``heads / N`` of them)."""
+    window = kwargs.get("sliding_window")
+    if window is not None and seq > window:
+        raise ValueError(f"sequence parallelism: {type(module).__name__} has a sliding window of {window} tokens, "
+                         f"shorter than the {seq}-token sequence; sliding-window attention under SP is not "
+                         "supported yet (train without sequence_parallel_size, or with sequences <= the window)")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"sequence parallelism: {type(module).__name__} has attention sinks (s_aux); attention "
+                         "with sinks under SP is not supported yet (train without sequence_parallel_size)")
+
+
 def _ulysses(inner_name: str, sp: SequenceParallel, module: nn.Module, query: torch.Tensor,
              key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any):
     inner = _inner(inner_name, module)
     if not sp.active():
         return inner(module, query, key, value, attention_mask, **kwargs)
+    _refuse_local_windows_and_sinks(module, query.shape[2] * sp.size, kwargs)
     if inner_name == "sdpa" and attention_mask is not None:
         raise ValueError("sequence parallelism: the model built an attention mask for a sequence-split batch "
                          "(padding or packed sequences); split batches with shardwise.sequence_parallel."

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine import NonFiniteError
-from shardwise.sequence_parallel import sequence_parallel_loss, split_batch
+from shardwise.sequence_parallel import router_aux_loss, sequence_parallel_loss, split_batch
 from shardwise.train.data import TokenData
 from shardwise.train.run_folder import prune_checkpoints
 
@@ -54,14 +54,16 @@ class StepResult:
     loss_scaler_skipped: bool
 
 
-def _micro_loss(engine, mb: torch.Tensor) -> torch.Tensor:
-    """The micro-batch's causal-LM loss; under SP this rank's sequence shard, every token counted once."""
+def micro_loss(engine, mb: torch.Tensor) -> torch.Tensor:
+    """The micro-batch's causal-LM loss; under SP this rank's sequence shard, every token counted once,
+    plus an MoE model's aux loss for the shard (which HF adds itself when it gets the labels)."""
     sp = engine.sequence_parallel
     if sp is None:
         return engine(input_ids=mb, labels=mb).loss
     shard = split_batch({"input_ids": mb, "labels": mb}, sp)
     labels = shard.pop("shift_labels")
-    return sequence_parallel_loss(engine(**shard).logits, labels, sp)
+    out = engine(**shard)
+    return sequence_parallel_loss(out.logits, labels, sp) + router_aux_loss(out, engine.module)
 
 
 def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepResult:
@@ -81,7 +83,7 @@ def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepRes
     total, norm = 0.0, None
     for mb in micro:
         mb = mb.to(engine.device)
-        loss = _micro_loss(engine, mb)
+        loss = micro_loss(engine, mb)
         engine.backward(loss)
         try:
             engine.step()
