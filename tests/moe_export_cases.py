@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import moe_cases
@@ -41,8 +42,17 @@ def state_dict_under_ep(stage: int, out: str) -> dict:
         res["reloaded_equal"] = all(torch.equal(a, b) for a, b in zip(full_weights(engine).values(), live.values(),
                                                                       strict=True))
     res["live"] = live if rank == 0 else None
+    res["copy_equal"] = _deep_copy_equal(plain)
     res["alone"] = _alone(rank)
     return res
+
+
+def _deep_copy_equal(plain: dict) -> bool:
+    """A deep copy of a split model (TRL's reference model) still exports the full experts."""
+    model = build("mixtral")
+    apply_expert_parallel(model, 2)
+    sd = copy.deepcopy(model).state_dict()
+    return sd.keys() == plain.keys() and all(torch.equal(sd[k], plain[k]) for k in plain)
 
 
 class _Nothing:

@@ -86,6 +86,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, *, preset: str | None 
     local = layout.num_experts // ep_size
     first = mesh.ep.rank * local
     groups = OwnGroups(shard=mesh.edp, split=mesh.ep)
+    join = get_expert_join_group(ep_size, join_timeout_s)
     for _, module in layout.modules:
         params = [getattr(module, name) for name in EXPERT_PARAMS]
         if not materialize_local_experts(params, first, local, world):  # zero.Init: this rank's only
@@ -94,8 +95,8 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, *, preset: str | None 
                 p.data = p.data.narrow(0, first, local).clone()
         for p in params:
             set_own_groups(p, groups)
-        set_expert_shard(module, ExpertShard(mesh.ep, layout.num_experts, first, local))
-    install([m for _, m in layout.modules], get_expert_join_group(ep_size, join_timeout_s), join_timeout_s)
+        set_expert_shard(module, ExpertShard(mesh.ep, layout.num_experts, first, local, join, join_timeout_s))
+    install([m for _, m in layout.modules])
     register()
     model.config._experts_implementation = IMPLEMENTATION
     ep = ExpertParallel(mesh, layout.model_type, layout.num_experts, local, first, len(layout.modules))

@@ -20,14 +20,13 @@ one line saying so instead of hanging.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint import gather_experts
+from shardwise.checkpoint import gather_rows
 from shardwise.moe.experts import expert_shard_of
 from shardwise.moe.layouts import EXPERT_PARAMS
 from shardwise.zero.flat_group import owner_of
@@ -60,20 +59,21 @@ def _join(join: Any, timeout_s: float, prefix: str) -> None:
             "state_dict() / save_pretrained(dir, is_main_process=rank == 0) on every rank") from e
 
 
-def _full_experts(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *,
-                  join: Any, timeout_s: float) -> None:
-    """State-dict post-hook: this module's expert slices -> the full tensors (collective over EP)."""
+def _full_experts(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """State-dict post-hook: this module's expert slices -> the full tensors (collective over EP).
+    Read from the module's ``ExpertShard``, which a deep copy keeps (a copied Parameter loses its
+    own attributes)."""
     shard = expert_shard_of(module)
     if shard is None or shard.comm.size == 1:
         return
     _refuse_released(module, prefix)
-    if join is not None:
-        _join(join, timeout_s, prefix)
+    if shard.join is not None:
+        _join(shard.join, shard.join_timeout_s, prefix)
     with torch.no_grad():
         for n in EXPERT_PARAMS:
             p = getattr(module, n)
             if prefix + n in state_dict:
-                state_dict[prefix + n] = gather_experts(p.detach(), p)
+                state_dict[prefix + n] = gather_rows(p.detach(), shard.comm)
 
 
 def _local_experts(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
@@ -91,8 +91,9 @@ def _local_experts(module: nn.Module, state_dict: dict[str, Any], prefix: str, *
         state_dict[prefix + n] = t.narrow(0, shard.first, shard.local)
 
 
-def install(modules: list[nn.Module], join: Any, timeout_s: float) -> None:
-    """Give each split experts module the gathering state-dict hook and the slicing load hook."""
+def install(modules: list[nn.Module]) -> None:
+    """Give each split experts module the gathering state-dict hook and the slicing load hook (plain
+    functions reading the module's ``ExpertShard``, so a deep-copied model keeps working hooks)."""
     for m in modules:
-        m.register_state_dict_post_hook(functools.partial(_full_experts, join=join, timeout_s=timeout_s))
+        m.register_state_dict_post_hook(_full_experts)
         m.register_load_state_dict_pre_hook(_local_experts)
