@@ -24,9 +24,10 @@ def test_state_dict_and_save_pretrained_give_the_full_experts(pool2, tmp_path, s
         assert r["before_equal"] and r["after_equal"], r  # the unsplit model's tensors; the engine's full weights
         assert r["expert_shape"] == [4, 96, 32]
         assert r.get("reloaded_equal", True) and r["copy_equal"]
-    assert res[0]["alone"] == "rank 0 did not call it"
-    assert "state_dict() under expert parallelism is collective" in res[1]["alone"], res[1]["alone"]
-    assert "\n" not in res[1]["alone"]
+    if stage == 2:  # rank 1 alone: refused in one line after the join timeout, not a hang
+        assert res[0]["alone"] == "rank 0 did not call it"
+        assert "state_dict() under expert parallelism is collective" in res[1]["alone"], res[1]["alone"]
+        assert "\n" not in res[1]["alone"]
     live = res[0]["live"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, attn_implementation="eager")
     assert model.config._experts_implementation != "shardwise_ep"

@@ -53,8 +53,9 @@ def _join(join: Any, timeout_s: float, prefix: str) -> None:
     try:
         dist.barrier(group=join)
     except RuntimeError as e:
+        where = prefix.rstrip(".") or "the model"
         raise StateDictNotCollectiveError(
-            f"state_dict() under expert parallelism is collective (it gathers the experts of {prefix or 'the model'}) "
+            f"state_dict() under expert parallelism is collective (it gathers the experts of {where}) "
             f"but not every rank of this rank's expert-parallel group called it within {timeout_s:g} s: call "
             "state_dict() / save_pretrained(dir, is_main_process=rank == 0) on every rank") from e
 
