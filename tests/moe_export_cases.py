@@ -118,3 +118,11 @@ def zero_init_from_config() -> dict:
     return {"was_deferred": deferred, "loss": float(loss), "std": float(experts.std()),
             "halves_differ": not torch.equal(experts[:2], experts[2:]), "shape": list(experts.shape),
             "init_range": model.config.initializer_range}
+
+
+def deep_copy_trains(stage: int) -> dict:
+    """A deep copy of a split model (a copied Parameter loses its own groups) handed to the engine
+    with the config's ``expert_parallel`` section trains as the split model does."""
+    model = build("mixtral")
+    apply_expert_parallel(model, 2, preset="mixtral")
+    return moe_cases.train_ep("mixtral", stage, 2, clip=1.0, use_config=True, model=copy.deepcopy(model))

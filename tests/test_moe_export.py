@@ -56,3 +56,8 @@ def test_a_zero_init_from_config_model_gets_its_experts_from_the_models_init(poo
         assert r["std"] == pytest.approx(r["init_range"], rel=0.1)  # normal(0, initializer_range), 12k draws
         assert torch.isfinite(torch.tensor(r["loss"]))
     assert res[0]["loss"] != res[1]["loss"]  # each rank its own part of the batch, same model
+
+
+def test_a_deep_copy_of_a_split_model_trains_as_the_split_model(pool2):
+    res = pool2.run("moe_export_cases:deep_copy_trains", 2)
+    _check(res, _reference("mixtral", 2), 2, 2, 2)

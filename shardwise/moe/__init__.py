@@ -12,10 +12,17 @@
   returns the full experts; it is collective over the EP group, and a rank calling it alone raises
   ``StateDictNotCollectiveError`` after the join timeout (``export.py``). A model built under
   ``zero.Init`` gets only its own experts materialized (``deferred.py``).
+- ``restore_expert_groups(model)``: a deep copy's experts marked again (``fsdp.shard_module`` calls it).
 """
 
 from shardwise.mesh import ExpertMesh, get_expert_mesh
-from shardwise.moe.apply import ExpertParallel, apply_expert_parallel, expert_parallel_of, is_expert_param
+from shardwise.moe.apply import (
+    ExpertParallel,
+    apply_expert_parallel,
+    expert_parallel_of,
+    is_expert_param,
+    restore_expert_groups,
+)
 from shardwise.moe.dispatch import Routed, combine, dispatch
 from shardwise.moe.experts import IMPLEMENTATION, run_local_experts
 from shardwise.moe.export import StateDictNotCollectiveError
@@ -25,4 +32,4 @@ from shardwise.moe.layouts import FAMILIES, PRESETS, ExpertLayout, UnsupportedMo
 __all__ = ["FAMILIES", "IMPLEMENTATION", "PRESETS", "ExpertLayout", "ExpertMesh", "ExpertParallel", "Routed",
            "StateDictNotCollectiveError", "UnsupportedMoEError", "apply_expert_parallel", "apply_from_config",
            "combine", "dispatch", "expert_layout", "expert_parallel_of", "get_expert_mesh", "is_expert_param",
-           "run_local_experts"]
+           "restore_expert_groups", "run_local_experts"]

@@ -22,7 +22,7 @@ from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, CommStats, make_comm
 from shardwise.mesh import ExpertMesh, get_expert_join_group, get_expert_mesh
 from shardwise.moe.deferred import materialize_local_experts
-from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, register, set_expert_shard
+from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, expert_shard_of, register, set_expert_shard
 from shardwise.moe.export import JOIN_TIMEOUT_S, install
 from shardwise.moe.layouts import EXPERT_PARAMS, UnsupportedMoEError, expert_layout
 from shardwise.zero.partition import OwnGroups, own_groups, set_own_groups
@@ -45,6 +45,30 @@ class ExpertParallel:
     @property
     def ep_size(self) -> int:
         return self.mesh.ep.size
+
+    def __deepcopy__(self, memo: dict) -> ExpertParallel:
+        return self  # a deep-copied model holds the same experts and talks over the same groups
+
+
+def restore_expert_groups(model: nn.Module) -> None:
+    """Mark a split model's expert parameters again where the marks are missing.
+
+    ``copy.deepcopy`` of a Parameter keeps none of its attributes, so a deep copy of a split model
+    (TRL's reference model) holds local ``[E/ep, ...]`` experts that ZeRO would take for ordinary
+    parameters: sharded over every rank with rank 0's values broadcast, a silently wrong model.
+    The copy keeps each experts module's ``ExpertShard`` and the model's :class:`ExpertParallel`,
+    which say what the parameters are. Called by the sharding construction (``fsdp.shard_module``).
+    """
+    ep = expert_parallel_of(model)
+    if ep is None:
+        return
+    marked = [own_groups(p) for p in model.parameters() if own_groups(p) is not None]
+    groups = marked[0] if marked else OwnGroups(shard=ep.mesh.edp, split=ep.mesh.ep)
+    for m in model.modules():
+        if expert_shard_of(m) is not None:
+            for name in EXPERT_PARAMS:
+                if own_groups(getattr(m, name)) is None:
+                    set_own_groups(getattr(m, name), groups)
 
 
 def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
