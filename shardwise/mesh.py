@@ -13,6 +13,8 @@ This is the one place that builds process groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -155,3 +157,21 @@ def get_expert_mesh(ep_size: int, stats: CommStats | None = None) -> ExpertMesh:
     stats = stats if stats is not None else CommStats()
     ep_g, edp_g = _inner_and_across("expert", ep_size, "expert parallel size", "expert_parallel.autoep_size")
     return ExpertMesh(ep=make_comm(ep_g, stats), edp=make_comm(edp_g, stats))
+
+
+def get_expert_join_group(ep_size: int, timeout_s: float) -> Any:
+    """The EP groups again, on gloo with a ``timeout_s`` timeout (None for EP 1), made once per
+    (size, timeout). Expert parallelism's state dict joins its EP peers on it before gathering the
+    experts, so a call on one rank fails after ``timeout_s`` instead of hanging (moe/export.py).
+    Collective: every rank, same arguments."""
+    world, rank = _world()
+    key = ("expert_join", ep_size, timeout_s)
+    if key not in _GROUPS:
+        mine = None
+        if ep_size > 1:
+            for ranks in _groups_of(world, ep_size, 1):
+                g = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+                if rank in ranks:
+                    mine = g
+        _GROUPS[key] = (mine,)
+    return _GROUPS[key][0]

@@ -110,7 +110,7 @@ def sorted_rows(num_experts: int) -> dict:
 
 
 # -- training -------------------------------------------------------------------------
-def _config(stage: int, lr: float, micro: int, world: int, clip: float | None) -> dict:
+def ds_config(stage: int, lr: float, micro: int, world: int, clip: float | None) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
            "train_batch_size": micro * world,
            "optimizer": {"type": "SGD", "params": {"lr": lr}},
@@ -123,15 +123,16 @@ def _config(stage: int, lr: float, micro: int, world: int, clip: float | None) -
 
 def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, micro: int = 2,
              clip: float | None = None, force: bool = False, use_config: bool = False, gas: int = 1,
-             facade: bool = False, bf16: bool = False) -> dict:
+             facade: bool = False, bf16: bool = False, model: torch.nn.Module | None = None) -> dict:
     """Train under EP ``ep`` at ZeRO ``stage`` on this rank's part of the global batch (``gas``
     micro-batches of ``micro // gas`` sequences); return the losses (per micro-batch when gas > 1),
-    the full weights gathered on every rank, and the expert bytes held here."""
+    the full weights gathered on every rank, and the expert bytes held here. ``model``: one built
+    elsewhere (with ``build(kind)``'s weights) instead of ``build(kind)``."""
     world, _rank = dist.get_world_size(), dist.get_rank()
-    model = build(kind)
+    model = build(kind) if model is None else model
     if force:
         force_routing(model)
-    cfg = _config(stage, lr, micro // gas, world, clip)
+    cfg = ds_config(stage, lr, micro // gas, world, clip)
     cfg.update(gradient_accumulation_steps=gas, train_batch_size=micro * world)
     if bf16:
         cfg["bf16"] = {"enabled": True}
@@ -246,7 +247,7 @@ def refused_by_config(kind: str, section: dict, extra: dict | None = None) -> st
     from tiny_models import build as build_dense
 
     model = build_dense("llama") if kind == "llama" else build(kind)
-    cfg = {**_config(2, 0.1, 1, dist.get_world_size(), None), "expert_parallel": section, **(extra or {})}
+    cfg = {**ds_config(2, 0.1, 1, dist.get_world_size(), None), "expert_parallel": section, **(extra or {})}
     try:
         shardwise.initialize(model=model, config=cfg)
     except (ValueError, shardwise.config.ConfigError) as e:
@@ -260,7 +261,7 @@ def ckpt_run(kind: str, stage: int, ep: int | None, steps: int, first: int = 0, 
     under EP ``ep`` (None: no EP, experts ZeRO-sharded over every rank), optionally loading a
     checkpoint first and saving one / exporting HF weights after."""
     world = dist.get_world_size()
-    cfg = _config(stage, 0.2, 2, world, 1.0)
+    cfg = ds_config(stage, 0.2, 2, world, 1.0)
     cfg["optimizer"]["params"]["momentum"] = 0.9
     if ep is not None:
         cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep}
@@ -286,7 +287,7 @@ def generate_ep(kind: str, stage: int, ep: int) -> list[list[int]]:
     """Greedy tokens of engine.generate under EP; each rank its own prompt (different lengths of output
     work too: synced_gpus keeps every rank in each forward's all-to-all)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = {**_config(stage, 0.1, 1, world, None), "expert_parallel": {"enabled": True, "autoep_size": ep}}
+    cfg = {**ds_config(stage, 0.1, 1, world, None), "expert_parallel": {"enabled": True, "autoep_size": ep}}
     engine, *_ = shardwise.initialize(model=build(kind, aux=0.0), config=cfg)
     engine.eval()
     prompt = batches(1, world, 1, seed=7)[0, rank]
@@ -319,7 +320,7 @@ def train_sp_ep(kind: str, stage: int, sp: int, ep: int, steps: int = 3, lr: flo
 
     world = dist.get_world_size()
     model = build(kind, attn="sdpa")
-    cfg = _config(stage, lr, micro, world // sp, clip)
+    cfg = ds_config(stage, lr, micro, world // sp, clip)
     cfg.update(sequence_parallel_size=sp, expert_parallel={"enabled": True, "autoep_size": ep, "preset_model": kind})
     engine, *_ = shardwise.initialize(model=model, config=cfg)
     data = batches(steps, world // sp, micro)

@@ -281,13 +281,18 @@ def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
 
 
 def test_hf_trainer_with_expert_parallel_config(tmp_path):
-    """The HF Trainer (`--deepspeed` config with `expert_parallel`, shardwise's facade, no DeepSpeed):
-    the same losses as the same Trainer run without EP."""
+    """The HF Trainer (`--deepspeed` config with `expert_parallel`, shardwise's facade, no DeepSpeed),
+    at ZeRO-2 (model built first) and ZeRO-3 (model made by `from_pretrained` after the
+    TrainingArguments, so under transformers' zero.Init): the same losses as the same Trainer run
+    without EP, and `save_model` writes the full model: `from_pretrained` loads the trained engine's
+    full weights bit for bit (logits equal), and the no-EP run's within the measured bound."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
 
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
@@ -296,12 +301,27 @@ def test_hf_trainer_with_expert_parallel_config(tmp_path):
     r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     res = json.loads((tmp_path / "results.json").read_text())
-    assert res["ep"]["ep_size"] == 2 and res["ep"]["local_experts"] == 2 and res["plain"]["ep_size"] is None
-    ep, plain = res["ep"]["losses"], res["plain"]["losses"]
-    assert len(ep) == 4 and ep.keys() == plain.keys()
-    tol = _reference("mixtral", 2)["tol_loss"]
-    for k in ep:
-        assert ep[k] == pytest.approx(plain[k], rel=tol), k
+    tol = _reference("mixtral", 2)
+    ids = moe_cases.batches(1, 1, 2)[0, 0]
+    for stage in (2, 3):
+        ep, plain = res[f"ep{stage}"], res[f"plain{stage}"]
+        assert ep["ep_size"] == 2 and ep["local_experts"] == 2 and plain["ep_size"] is None
+        assert len(ep["losses"]) == 4 and ep["losses"].keys() == plain["losses"].keys()
+        for k in ep["losses"]:
+            assert ep["losses"][k] == pytest.approx(plain["losses"][k], rel=tol["tol_loss"]), (stage, k)
+        saved = {}
+        for run in (f"ep{stage}", f"plain{stage}"):
+            model = AutoModelForCausalLM.from_pretrained(tmp_path / run / "model", dtype=torch.float32,
+                                                         attn_implementation="eager")
+            live = torch.load(tmp_path / run / "live.pt")
+            weights = {n: p.detach() for n, p in model.named_parameters()}
+            assert weights.keys() == live.keys()
+            for n, w in weights.items():
+                assert torch.equal(w, live[n]), (run, n)
+            saved[run] = (weights, model(input_ids=ids).logits.detach())
+        (w_ep, l_ep), (w_plain, l_plain) = saved[f"ep{stage}"], saved[f"plain{stage}"]
+        assert _max_abs(w_ep, w_plain) < tol["tol_w"], stage
+        assert float((l_ep - l_plain).abs().max()) <= tol["tol_loss"] * float(l_plain.abs().max()), stage
 
 
 # -- sequence parallelism x expert parallelism ------------------------------------------------

@@ -51,9 +51,17 @@ def gather_experts(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     own = own_groups(p)
     if own is None or own.split.size == 1:
         return t
+    return gather_rows(t, own.split)
+
+
+def gather_rows(t: torch.Tensor, comm) -> torch.Tensor:
+    """Every rank's ``t`` stacked on dim 0 in rank order (all-gather over ``comm``, a ``Comm``; not
+    counted as training traffic)."""
+    if comm.size == 1:
+        return t
     from shardwise.comm import Comm, CommStats
 
-    ep = Comm(own.split.group, CommStats())  # not counted as training traffic
+    ep = Comm(comm.group, CommStats())
     buf = t.new_empty((ep.size, t.numel()))
     buf[ep.rank].copy_(t.reshape(-1))
     ep.all_gather(buf.view(-1))

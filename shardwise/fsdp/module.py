@@ -26,6 +26,7 @@ from torch import nn
 
 from shardwise.comm import Comm, compute_device
 from shardwise.mesh import Mesh, get_mesh
+from shardwise.moe import restore_expert_groups
 from shardwise.optim import client_param_groups
 from shardwise.tensor_parallel.plan import is_tp_sharded
 from shardwise.zero.builder import Sharding, ShardOptions, build_sharding
@@ -183,6 +184,7 @@ def shard_module(model: nn.Module, options: ShardOptions, comm: Comm, replica: C
     if model.__dict__.get(_SLOT) is not None:
         raise ValueError(f"{type(model).__name__} is sharded already; shard a model once")
     _check(options, replica, secondary)
+    restore_expert_groups(model)  # a deep copy of a split model lost its experts' marks
     device = compute_device()
     deferred = is_deferred(model)
     model_parameters = _place(model, device, options.stage, model_parameters, optimizer)

@@ -19,14 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint import gather_experts
 from shardwise.checkpoint import load_checkpoint as load_engine_checkpoint
 from shardwise.checkpoint import save_checkpoint as save_engine_checkpoint
 from shardwise.fsdp.module import sharding_of
 from shardwise.fsdp.optim import ShardedOptimizer
 from shardwise.tensor_parallel.plan import gather_param
 from shardwise.zero.gathered import GatheredParameters
-from shardwise.zero.partition import own_groups
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
@@ -35,13 +33,10 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True)
     sh.wait_for_params()
     mine = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     with GatheredParameters(list(model.parameters())):
-        sd = model.state_dict()
+        sd = model.state_dict()  # expert parallelism: the full experts (shardwise.moe's hook, collective)
         if sh.tp.size > 1:  # TP slices become the HF tensors (every TP rank takes part)
             for name, p in model.named_parameters(remove_duplicate=False):
                 sd[name] = gather_param(p, sh.tp)
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if own_groups(p) is not None:  # this rank's experts -> every EP rank's (collective over EP)
-                sd[name] = gather_experts(p.detach(), p)
         out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in sd.items()} if mine else {}
     return out
 

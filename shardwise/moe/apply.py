@@ -21,10 +21,11 @@ from torch import nn
 
 from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, CommStats, make_comm
-from shardwise.mesh import ExpertMesh, get_expert_mesh
-from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, register, set_expert_shard
+from shardwise.mesh import ExpertMesh, get_expert_join_group, get_expert_mesh
+from shardwise.moe.deferred import materialize_local_experts
+from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, expert_shard_of, register, set_expert_shard
+from shardwise.moe.export import JOIN_TIMEOUT_S, install
 from shardwise.moe.layouts import UnsupportedMoEError, expert_layout, expert_params
-from shardwise.zero.init import is_deferred
 from shardwise.zero.partition import OwnGroups, own_groups, set_own_groups
 
 log = logging.getLogger("shardwise")
@@ -46,6 +47,30 @@ class ExpertParallel:
     def ep_size(self) -> int:
         return self.mesh.ep.size
 
+    def __deepcopy__(self, memo: dict) -> ExpertParallel:
+        return self  # a deep-copied model holds the same experts and talks over the same groups
+
+
+def restore_expert_groups(model: nn.Module) -> None:
+    """Mark a split model's expert parameters again where the marks are missing.
+
+    ``copy.deepcopy`` of a Parameter keeps none of its attributes, so a deep copy of a split model
+    (TRL's reference model) holds local ``[E/ep, ...]`` experts that ZeRO would take for ordinary
+    parameters: sharded over every rank with rank 0's values broadcast, a silently wrong model.
+    The copy keeps each experts module's ``ExpertShard`` and the model's :class:`ExpertParallel`,
+    which say what the parameters are. Called by the sharding construction (``fsdp.shard_module``).
+    """
+    ep = expert_parallel_of(model)
+    if ep is None:
+        return
+    marked = [own_groups(p) for p in model.parameters() if own_groups(p) is not None]
+    groups = marked[0] if marked else OwnGroups(shard=ep.mesh.edp, split=ep.mesh.ep)
+    for m in model.modules():
+        if expert_shard_of(m) is not None:
+            for name in expert_params(m):
+                if own_groups(getattr(m, name)) is None:
+                    set_own_groups(getattr(m, name), groups)
+
 
 def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
     """The model's :class:`ExpertParallel` (None without expert parallelism)."""
@@ -60,21 +85,21 @@ def is_expert_param(p: torch.Tensor) -> bool:
 def _check_model(model: nn.Module, ep_size: int) -> None:
     if expert_parallel_of(model) is not None:
         raise UserError(f"{type(model).__name__} is split over experts already; apply expert parallelism once")
-    if is_deferred(model):
-        raise UserError("expert parallelism with a model built under zero.Init is not supported yet; "
-                         "build the model normally (its experts are split before ZeRO shards the rest)")
     if ep_size < 1:
         raise UserError(f"expert_parallel.autoep_size must be >= 1, got {ep_size}")
 
 
 @torch.no_grad()
 def apply_expert_parallel(model: nn.Module, ep_size: int, *, preset: str | None = None,
-                          stats: CommStats | None = None) -> ExpertParallel:
+                          stats: CommStats | None = None, join_timeout_s: float = JOIN_TIMEOUT_S) -> ExpertParallel:
     """Split every MoE layer's experts of ``model`` over ``ep_size`` consecutive ranks; in place.
 
     Collective (every rank, same arguments). ``preset``: DeepSpeed AutoEP's ``preset_model``,
     checked against ``model.config.model_type``. A model without a known MoE layout is refused
-    (:class:`~shardwise.moe.layouts.UnsupportedMoEError`, one line naming its model type).
+    (:class:`~shardwise.moe.layouts.UnsupportedMoEError`, one line naming its model type). A model
+    built under ``zero.Init`` gets only this rank's experts materialized (``moe/deferred.py``).
+    Afterwards ``model.state_dict()`` returns the full experts and is collective over the EP group
+    (``moe/export.py``; a rank calling it alone fails after ``join_timeout_s``).
     """
     _check_model(model, ep_size)
     layout = expert_layout(model, preset)
@@ -86,13 +111,17 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, *, preset: str | None 
     local = layout.num_experts // ep_size
     first = mesh.ep.rank * local
     groups = OwnGroups(shard=mesh.edp, split=mesh.ep)
+    join = get_expert_join_group(ep_size, join_timeout_s)
     for _, module in layout.modules:
-        for name in expert_params(module):
-            p = getattr(module, name)
-            world.broadcast(p.data, src=0)  # every rank slices the same experts
-            p.data = p.data.narrow(0, first, local).clone()
+        params = [getattr(module, name) for name in expert_params(module)]
+        if not materialize_local_experts(params, first, local, world):  # zero.Init: this rank's only
+            for p in params:
+                world.broadcast(p.data, src=0)  # every rank slices the same experts
+                p.data = p.data.narrow(0, first, local).clone()
+        for p in params:
             set_own_groups(p, groups)
-        set_expert_shard(module, ExpertShard(mesh.ep, layout.num_experts, first, local))
+        set_expert_shard(module, ExpertShard(mesh.ep, layout.num_experts, first, local, join, join_timeout_s))
+    install([m for _, m in layout.modules])
     register()
     model.config._experts_implementation = IMPLEMENTATION
     ep = ExpertParallel(mesh, layout.model_type, layout.num_experts, local, first, len(layout.modules))

@@ -9,6 +9,7 @@ the contiguous block of its tokens (gate-up, the module's own gate, down) and co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,8 @@ class ExpertShard:
     num_experts: int
     first: int
     local: int
+    join: Any = None  # the EP ranks' gloo group with a timeout (moe/export.py: state_dict's join check)
+    join_timeout_s: float = 0.0
 
     def __deepcopy__(self, memo: dict) -> ExpertShard:
         return self  # a deep-copied model holds the same slices and talks over the same group
