@@ -100,6 +100,24 @@ def test_sp2_x_dp2_four_ranks(pool4):
             _check(got, ref)
 
 
+def test_tp2_x_sp2_four_ranks(pool4, pool2, tmp_path):
+    """TP 2 x SP 2: TP groups {0,1} {2,3}, SP groups {0,2} {1,3} (the ranks with the same TP rank),
+    ZeRO over the same {0,2} {1,3}. 4 heads and 2 kv heads: 2 and 1 per TP rank, the kv head copied
+    to both SP ranks. At stages 2 and 3, equal to one process on the same global data; the stage-3
+    checkpoint resumes on 2 plain data-parallel ranks (no TP, no SP) with the reference's losses."""
+    ref = sp_cases.reference_training(dp=1, kv_heads=2)
+    others = [sp_cases.reference_training(dp=1, variant=v, kv_heads=2) for v in ("rows", "flip")]
+    ref["tol"] = equivalence_tol(_noise(ref, others), len(sp_cases.SEQS) + len(sp_cases.RESUME_SEQS))
+    for stage, save in ((2, None), (3, str(tmp_path))):
+        for rank, got in enumerate(pool4.run("sp_cases:sp_training", stage, 2, tp=2, kv_heads=2, save_dir=save)):
+            assert got["dp_world"] == 1 and got["sp"] == 2 and got["sp_ranks"] == [rank % 2, rank % 2 + 2]
+            _check(got, ref)
+    first = len(sp_cases.SEQS)
+    for got in pool2.run("sp_cases:resume_without_sp", 3, str(tmp_path), kv_heads=2):
+        for a, b in zip(got["losses"], ref["losses"][first:], strict=True):
+            assert abs(a - b) / abs(b) <= ref["tol"]["loss"], (got["losses"], ref["losses"])
+
+
 def test_eval_mode_keeps_sp_generate_is_local_unsplit_refused(pool2):
     for r in pool2.run("sp_cases:eval_mode_keeps_sp_and_generate_is_local"):
         assert r["loss"] < ROUND_OFF, r

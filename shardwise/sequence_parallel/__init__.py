@@ -9,7 +9,8 @@ replicas only. The pieces (docs/long_context.md):
 - ``register_attention(model, sp)``: the attention wrapper (sdpa or eager; GQA; refusals);
 - ``split_batch`` / ``SequenceSplitLoader``: a batch as this rank's shard (positions, shifted labels);
 - ``sequence_parallel_loss``: the loss of a split batch;
-- ``setup_sequence_parallel(model, sp_size)``: the groups plus the attention in one call;
+- ``setup_sequence_parallel(model, sp_size)``: the groups plus the attention in one call (under TP,
+  groups of the ranks with the same TP rank);
 - ``SequenceParallelMPU``: the groups under Megatron/DeepSpeed names (``initialize(mpu=...)``);
 - ALST's tiling: ``tile_mlps(model)`` (each MLP over sequence tiles, recomputed in backward) and
   ``tiled_causal_lm_loss`` (logits and loss tile by tile, never the whole ``[seq, vocab]``).
@@ -25,6 +26,7 @@ from shardwise.sequence_parallel.group import SequenceParallel, current
 from shardwise.sequence_parallel.loss import sequence_parallel_loss, share_of_loss, token_count
 from shardwise.sequence_parallel.mpu import SequenceParallelMPU
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
+from shardwise.tensor_parallel import tp_state_of
 
 __all__ = ["SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "current", "head_split",
            "register_attention", "tiled_reduce",
@@ -32,9 +34,15 @@ __all__ = ["SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "cu
            "tiled_causal_lm_loss", "tiled_loss_sum", "tiled_mlp", "token_count"]
 
 
-def setup_sequence_parallel(model: nn.Module, sp_size: int) -> SequenceParallel:
-    """Cut the SP groups (collective) and make ``model``'s attention Ulysses attention over them."""
-    sp = SequenceParallel.of_size(sp_size)
+def setup_sequence_parallel(model: nn.Module, sp_size: int, tp_size: int | None = None) -> SequenceParallel:
+    """Cut the SP groups (collective) and make ``model``'s attention Ulysses attention over them.
+
+    ``tp_size``: the tensor-parallel degree the model is (or will be) split over; None reads it from a
+    model already split (``tensor_parallel.tp_state_of``), else 1."""
+    if tp_size is None:
+        state = tp_state_of(model)
+        tp_size = state.comm.size if state is not None else 1
+    sp = SequenceParallel.of_size(sp_size, tp_size)
     if sp.size > 1:
         register_attention(model, sp)
     return sp
