@@ -291,3 +291,18 @@ def sp_shard_api(stage: int) -> dict:
     with GatheredParameters(model.parameters()):
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def facade_sp_with_tp_refused() -> str:
+    """register_with_transformers' mpu (groups cut without TP) with tensor_parallel in the config: refused."""
+    import shardwise
+    from shardwise.deepspeed.ulysses import UlyssesSPAttentionHF
+    from shardwise.engine.compat import UsageError
+
+    model = llama(kv_heads=2)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 2)
+    try:
+        shardwise.initialize(model=model, config=sp_config(2, 2, dist.get_world_size(), tp=2), mpu=mpu)
+    except UsageError as e:
+        return str(e)
+    return "not refused"

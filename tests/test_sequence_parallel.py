@@ -116,6 +116,38 @@ def test_tp2_x_sp2_four_ranks(pool4, pool2, tmp_path):
     for got in pool2.run("sp_cases:resume_without_sp", 3, str(tmp_path), kv_heads=2):
         for a, b in zip(got["losses"], ref["losses"][first:], strict=True):
             assert abs(a - b) / abs(b) <= ref["tol"]["loss"], (got["losses"], ref["losses"])
+    for words in pool4.run("sp_cases:facade_sp_with_tp_refused"):  # its mpu's groups were cut without TP
+        assert "register_with_transformers' sequence parallelism with tensor_parallel" in words, words
+
+
+@pytest.mark.parametrize("heads,kv,sp,tp,copies_or_words", [
+    (8, 4, 2, 2, 1),  # 4 heads, 2 kv heads per TP rank: the kv heads split over SP 2
+    (8, 4, 4, 2, 2),  # 4 and 2 per TP rank: each kv head copied to 2 SP ranks
+    (8, 8, 4, 4, "2 attention heads per tensor-parallel rank \\(8 and 8 over tensor parallel 4\\) cannot"),
+    (12, 6, 2, 2, "3 key/value heads per tensor-parallel rank"),  # 6 kv heads split over SP 2; 3 do not
+])
+def test_head_counts_under_tensor_parallelism(heads, kv, sp, tp, copies_or_words):
+    from shardwise.sequence_parallel import head_split
+
+    if isinstance(copies_or_words, int):
+        assert head_split(heads, kv, sp, tp) == copies_or_words
+    else:
+        with pytest.raises(ValueError, match=copies_or_words):
+            head_split(heads, kv, sp, tp)
+
+
+def test_sp_groups_cut_without_tp_refused_on_a_tp_model(monkeypatch):
+    """Groups of consecutive ranks on a TP-split model would exchange heads between TP ranks."""
+    from types import SimpleNamespace
+
+    from shardwise.sequence_parallel import SequenceParallel, attention, register_attention
+
+    model = sp_cases.llama(kv_heads=2)
+    monkeypatch.setattr(attention, "tp_state_of", lambda m: SimpleNamespace(comm=SimpleNamespace(size=2)))
+    sp = SequenceParallel(SimpleNamespace(sp=SimpleNamespace(size=2, rank=0), tp_size=1))
+    with pytest.raises(ValueError, match="split over tensor parallel 2 but the SP groups were cut for tensor "
+                                         "parallel 1"):
+        register_attention(model, sp)
 
 
 def test_eval_mode_keeps_sp_generate_is_local_unsplit_refused(pool2):
