@@ -192,12 +192,13 @@ def resume_without_sp(stage: int, save_dir: str, kv_heads: int = 1) -> dict:
 
 
 def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: str | None = None,
-                tiles: int | None = None, tp: int = 1, kv_heads: int = 1, **zero: object) -> dict:
+                tiles: int | None = None, tp: int = 1, kv_heads: int = 1, tiled_loss: bool = True,
+                **zero: object) -> dict:
     """Train through shardwise.initialize with sequence_parallel_size; losses as every rank reports them.
 
     ``inject`` a known error, to show the test catches it: 'local' (each rank attends only to its
     own shard: SP off on split batches) or 'double' (gradients 2x, DeepSpeed's ZeRO-1/2 SP bug).
-    ``tiles``: ALST's tiled MLPs and tiled logits + loss, with that many tiles. ``tp``: tensor
+    ``tiles``: ALST's tiled MLPs and (``tiled_loss``) tiled logits + loss, with that many tiles. ``tp``: tensor
     parallelism too (TP x SP x DP = world). ``zero``: more zero_optimization keys (hybrid sharding)."""
     import contextlib
 
@@ -215,7 +216,7 @@ def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: s
         shard = split_batch(replicas[engine.dp_rank], sp)
         labels = shard.pop("shift_labels")
         with sp.disabled() if inject == "local" else contextlib.nullcontext():
-            if tiles is None:
+            if tiles is None or not tiled_loss:
                 loss = sequence_parallel_loss(engine(**shard).logits, labels, sp)
             else:
                 loss = tiled_causal_lm_loss(engine, shard, labels, sp, tiles=tiles)

@@ -103,13 +103,14 @@ def test_sp2_x_dp2_four_ranks(pool4):
 def test_tp2_x_sp2_four_ranks(pool4, pool2, tmp_path):
     """TP 2 x SP 2: TP groups {0,1} {2,3}, SP groups {0,2} {1,3} (the ranks with the same TP rank),
     ZeRO over the same {0,2} {1,3}. 4 heads and 2 kv heads: 2 and 1 per TP rank, the kv head copied
-    to both SP ranks. At stages 2 and 3, equal to one process on the same global data; the stage-3
-    checkpoint resumes on 2 plain data-parallel ranks (no TP, no SP) with the reference's losses."""
+    to both SP ranks. At stage 3, and at stage 2 with tiled MLPs (their TP all-reduces run per tile,
+    again in backward), equal to one process on the same global data; the stage-3 checkpoint
+    resumes on 2 plain data-parallel ranks (no TP, no SP) with the reference's losses."""
     ref = sp_cases.reference_training(dp=1, kv_heads=2)
     others = [sp_cases.reference_training(dp=1, variant=v, kv_heads=2) for v in ("rows", "flip")]
     ref["tol"] = equivalence_tol(_noise(ref, others), len(sp_cases.SEQS) + len(sp_cases.RESUME_SEQS))
-    for stage, save in ((2, None), (3, str(tmp_path))):
-        for rank, got in enumerate(pool4.run("sp_cases:sp_training", stage, 2, tp=2, kv_heads=2, save_dir=save)):
+    for stage, more in ((2, {"tiles": 3, "tiled_loss": False}), (3, {"save_dir": str(tmp_path)})):
+        for rank, got in enumerate(pool4.run("sp_cases:sp_training", stage, 2, tp=2, kv_heads=2, **more)):
             assert got["dp_world"] == 1 and got["sp"] == 2 and got["sp_ranks"] == [rank % 2, rank % 2 + 2]
             _check(got, ref)
     first = len(sp_cases.SEQS)
