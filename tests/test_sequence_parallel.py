@@ -138,17 +138,34 @@ def test_head_counts_under_tensor_parallelism(heads, kv, sp, tp, copies_or_words
 
 
 def test_sp_groups_cut_without_tp_refused_on_a_tp_model(monkeypatch):
-    """Groups of consecutive ranks on a TP-split model would exchange heads between TP ranks."""
+    """Groups of consecutive ranks on a TP-split model would exchange heads between TP ranks: refused
+    when registering on a split model, and at the first forward when TP was applied afterwards."""
     from types import SimpleNamespace
 
-    from shardwise.sequence_parallel import SequenceParallel, attention, register_attention
+    from shardwise.sequence_parallel import SequenceParallel, attention, group, register_attention
 
-    model = sp_cases.llama(kv_heads=2)
-    monkeypatch.setattr(attention, "tp_state_of", lambda m: SimpleNamespace(comm=SimpleNamespace(size=2)))
+    monkeypatch.setattr(attention, "_CURRENT", {})  # the fake group leaves no process-wide trace
+    monkeypatch.setattr(group, "_CURRENT", [])
+    words = "split over tensor parallel 2 but the SP groups were cut for tensor parallel 1"
+    split = SimpleNamespace(comm=SimpleNamespace(size=2))
     sp = SequenceParallel(SimpleNamespace(sp=SimpleNamespace(size=2, rank=0), tp_size=1))
-    with pytest.raises(ValueError, match="split over tensor parallel 2 but the SP groups were cut for tensor "
-                                         "parallel 1"):
+    model = sp_cases.llama(kv_heads=2)
+    monkeypatch.setattr(attention, "tp_state_of", lambda m: split)
+    with pytest.raises(ValueError, match=words):
         register_attention(model, sp)
+    monkeypatch.setattr(attention, "tp_state_of", lambda m: None)
+    register_attention(model, sp)  # not split yet: accepted
+    monkeypatch.setattr(attention, "tp_state_of", lambda m: split)  # then split, as shard(tp_plan=...) does
+    with pytest.raises(ValueError, match=words):
+        model(**split_batch_of(sp))
+
+
+def split_batch_of(sp) -> dict:
+    from shardwise.sequence_parallel import split_batch
+
+    shard = split_batch(sp_cases.sample_batch(1, 8), sp)
+    shard.pop("shift_labels")
+    return shard
 
 
 def test_eval_mode_keeps_sp_generate_is_local_unsplit_refused(pool2):

@@ -128,11 +128,13 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
     Why: with SP on, an unsplit batch (the same whole sequence on every rank) would be attended as
     one sequence ``sp`` times as long, a silent wrong number; and shards of unequal length would
     deadlock the all-to-all. ``split_batch`` gives ``position_ids`` and equal lengths; one tiny
-    all-reduce per forward checks the lengths."""
+    all-reduce per forward checks the lengths. A model split over TP after registration must match
+    the TP degree the groups were cut for (``_check_tp``)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG001
         if not sp.active():
             return
+        _check_tp(module, sp)  # TP applied after registration (shard(tp_plan=...)) with groups cut for another degree
         ids = kwargs.get("input_ids", args[0] if args else None)
         ids = kwargs.get("inputs_embeds") if ids is None else ids
         if ids is None or kwargs.get("position_ids") is None:
@@ -156,7 +158,7 @@ def _check_tp(model: nn.Module, sp: SequenceParallel) -> None:
     if tp > 1 and tp != sp.tp_size:
         raise ValueError(f"sequence parallelism: the model is split over tensor parallel {tp} but the SP groups "
                          f"were cut for tensor parallel {sp.tp_size}; pass tp_size={tp} to "
-                         "setup_sequence_parallel / SequenceParallel.of_size")
+                         "setup_sequence_parallel or SequenceParallel.of_size")
 
 
 def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
