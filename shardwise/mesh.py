@@ -7,6 +7,13 @@ crosses nodes. With world 8, t = 2, k = 2: TP groups {0,1} {2,3} ..., shard grou
 {4,6} {5,7}, replica groups {0,4} {1,5} {2,6} {3,7}. Without hybrid sharding k is the whole
 data-parallel degree and the replica groups are single ranks (plain ZeRO).
 
+Sequence parallelism cuts the data-parallel ranks of that grid once more: rank
+``(dp * n + sp) * t + tp`` for SP degree ``n`` (TP innermost, then SP, then the data replicas, as
+Megatron and DeepSpeed order them). An SP group is the ``n`` ranks with the same TP rank and replica
+(``t`` apart); ZeRO's shard group above is unchanged (every rank with the same TP rank), so SP ranks
+are data-parallel ranks to ZeRO. With world 8, t = 2, n = 2: TP {0,1} {2,3} ..., SP {0,2} {1,3}
+{4,6} {5,7}, SP replicas {0,4} {1,5} {2,6} {3,7}.
+
 This is the one place that builds process groups.
 """
 
@@ -105,38 +112,44 @@ def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: in
     return mesh
 
 
-def _inner_and_across(kind: str, size: int, what: str, key: str) -> tuple:
-    """Groups of ``size`` consecutive ranks, and the groups of ranks ``size`` apart (one rank of each
-    inner group): SP and its data replicas, EP and its expert-data-parallel ranks. Made once."""
+def _inner_and_across(kind: str, size: int, what: str, key: str, stride: int = 1) -> tuple:
+    """Groups of ``size`` ranks ``stride`` apart (consecutive for stride 1), and the groups of ranks
+    ``size * stride`` apart (one rank of each inner group with the same offset): SP and its data
+    replicas (stride: the TP degree), EP and its expert-data-parallel ranks. Made once."""
     world, rank = _world()
-    if size < 1 or world % size:
-        raise ValueError(f"{what} {size} must divide the world size {world} ({key})")
-    if (kind, size) not in _GROUPS:
-        _GROUPS[(kind, size)] = (_make(world, rank, size, 1), _make(world, rank, world // size, size))
-    return _GROUPS[(kind, size)]
+    if size < 1 or world % (size * stride):
+        inner = f" x tensor parallel size {stride}" if stride > 1 else ""
+        raise ValueError(f"{what} {size}{inner} must divide the world size {world} ({key})")
+    if (kind, size, stride) not in _GROUPS:
+        _GROUPS[(kind, size, stride)] = (_make(world, rank, size, stride),
+                                         _make(world, rank, world // (size * stride), size * stride))
+    return _GROUPS[(kind, size, stride)]
 
 
 @dataclass
 class SequenceMesh:
     """Sequence parallelism's two groups (``get_sequence_mesh``)."""
 
-    sp: Comm  # the ranks holding the shards of one sequence: consecutive ranks, like TP
-    data: Comm  # the ranks with the same sequence-parallel rank: one per data-parallel replica
+    sp: Comm  # the ranks holding the shards of one sequence: same TP rank and replica, TP size apart
+    data: Comm  # the ranks with the same TP and sequence-parallel rank: one per data-parallel replica
+    tp_size: int = 1  # the TP degree the groups were cut for (each rank holds heads / tp_size heads)
 
 
-def get_sequence_mesh(sp_size: int, stats: CommStats | None = None) -> SequenceMesh:
-    """Cut the ranks into sequence-parallel groups of ``sp_size`` consecutive ranks.
+def get_sequence_mesh(sp_size: int, stats: CommStats | None = None, tp_size: int = 1) -> SequenceMesh:
+    """Cut the ranks into sequence-parallel groups of ``sp_size`` ranks, ``tp_size`` apart (module docstring).
 
     ZeRO keeps sharding and averaging over every data-parallel rank (``get_mesh``); SP ranks are
     data-parallel ranks to it that hold different tokens of the same samples, and the SP loss makes
     each of their gradients ``sp_size`` times its share (sequence_parallel/exchange.SumForward), so
     the average over all ranks is the samples' gradient. The SP group is
-    innermost, as TP is, because its all-to-alls run in every layer. Every rank must call this with
-    the same ``sp_size``.
+    innermost after TP, because its all-to-alls run in every layer (TP's all-reduces run twice as
+    often). Every rank must call this with the same ``sp_size`` and ``tp_size``.
     """
     stats = stats if stats is not None else CommStats()
-    sp_g, data_g = _inner_and_across("sp", sp_size, "sequence parallel size", "sequence_parallel_size")
-    return SequenceMesh(sp=make_comm(sp_g, stats, scope="_sequence"), data=make_comm(data_g, stats))
+    sp_g, data_g = _inner_and_across("sp", sp_size, "sequence parallel size", "sequence_parallel_size",
+                                     stride=tp_size)
+    return SequenceMesh(sp=make_comm(sp_g, stats, scope="_sequence"), data=make_comm(data_g, stats),
+                        tp_size=tp_size)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from shardwise.sequence_parallel import (
     tile_mlps,
     tiled_causal_lm_loss,
 )
+from shardwise.tensor_parallel import gather_state_dict
 
 VOCAB = 509
 
@@ -119,9 +120,10 @@ def step_batches(dp: int, micro: int = 2, seqs: tuple[int, ...] = SEQS, first: i
     return out
 
 
-def sp_config(stage: int, sp: int, world: int, micro: int = 2, **zero: object) -> dict:
-    dp = world // sp
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+def sp_config(stage: int, sp: int, world: int, micro: int = 2, tp: int = 1, **zero: object) -> dict:
+    dp = world // (sp * tp)
+    return {"tensor_parallel": {"autotp_size": tp},
+            "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "train_batch_size": micro * dp, "gradient_clipping": CLIP, "steps_per_print": 0,
             "sequence_parallel_size": sp,
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000,
@@ -143,12 +145,12 @@ def _row_sum_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return total / count
 
 
-def reference_training(dp: int, variant: str = "plain") -> dict:
+def reference_training(dp: int, variant: str = "plain", kv_heads: int = 1) -> dict:
     """One process, plain AdamW, the whole global batch; ``variant`` 'rows' or 'flip' are the same
     training in exact arithmetic with other summation orders (the measured noise floor)."""
     from tolerance import flip_mlp
 
-    model = llama()
+    model = llama(kv_heads=kv_heads)
     if variant == "flip":
         flip_mlp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -167,15 +169,15 @@ def reference_training(dp: int, variant: str = "plain") -> dict:
         losses.append(step_loss)
     if variant == "flip":
         flip_mlp(model)
-        flip_mlp_weights(weights)
+        flip_mlp_weights(weights, kv_heads)
     return {"losses": losses, "norms": norms, "weights": weights}
 
 
-def flip_mlp_weights(weights: dict[str, torch.Tensor]) -> None:
+def flip_mlp_weights(weights: dict[str, torch.Tensor], kv_heads: int = 1) -> None:
     """tests/tolerance.flip_mlp on a dict of tensors (weights saved while the model was flipped)."""
     from tolerance import flip_mlp
 
-    holder = llama()
+    holder = llama(kv_heads=kv_heads)
     with torch.no_grad():
         for n, p in holder.named_parameters():
             p.copy_(weights[n])
@@ -183,13 +185,15 @@ def flip_mlp_weights(weights: dict[str, torch.Tensor]) -> None:
     weights.update({n: p.detach().clone() for n, p in holder.named_parameters()})
 
 
-def resume_without_sp(stage: int, save_dir: str) -> dict:
-    """Load a checkpoint saved under SP 2 into a plain data-parallel engine (no SP) and train on."""
+def resume_without_sp(stage: int, save_dir: str, kv_heads: int = 1) -> dict:
+    """Load a checkpoint saved under SP 2 (or TP x SP) into a plain data-parallel engine (no SP, no TP)
+    and train on."""
     import shardwise
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = sp_config(stage, 1, world, micro=1)
-    engine, *_ = shardwise.initialize(model=llama(seed=7), config=cfg)  # other initial weights: the load must win
+    model = llama(kv_heads=kv_heads, seed=7)  # other initial weights: the load must win
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
     engine.load_checkpoint(save_dir, tag="sp")
     losses = []
     for (batch,) in step_batches(1, micro=world, seqs=RESUME_SEQS, first=len(SEQS)):
@@ -204,30 +208,31 @@ def resume_without_sp(stage: int, save_dir: str) -> dict:
 
 
 def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: str | None = None,
-                tiles: int | None = None, **zero: object) -> dict:
+                tiles: int | None = None, tp: int = 1, kv_heads: int = 1, tiled_loss: bool = True,
+                **zero: object) -> dict:
     """Train through shardwise.initialize with sequence_parallel_size; losses as every rank reports them.
 
     ``inject`` a known error, to show the test catches it: 'local' (each rank attends only to its
     own shard: SP off on split batches) or 'double' (gradients 2x, DeepSpeed's ZeRO-1/2 SP bug).
-    ``tiles``: ALST's tiled MLPs and tiled logits + loss, with that many tiles. ``zero``: more
-    zero_optimization keys (hybrid sharding)."""
+    ``tiles``: ALST's tiled MLPs and (``tiled_loss``) tiled logits + loss, with that many tiles. ``tp``: tensor
+    parallelism too (TP x SP x DP = world). ``zero``: more zero_optimization keys (hybrid sharding)."""
     import contextlib
 
     import shardwise
     from shardwise.zero import GatheredParameters
 
     world = dist.get_world_size()
-    model = llama()
+    model = llama(kv_heads=kv_heads)
     if tiles is not None:
         tile_mlps(model, tiles)
-    engine, *_ = shardwise.initialize(model=model, config=sp_config(stage, sp_size, world, **zero))
+    engine, *_ = shardwise.initialize(model=model, config=sp_config(stage, sp_size, world, tp=tp, **zero))
     sp = engine.sequence_parallel
     losses, norms = [], []
     for replicas in step_batches(engine.dp_world):
         shard = split_batch(replicas[engine.dp_rank], sp)
         labels = shard.pop("shift_labels")
         with sp.disabled() if inject == "local" else contextlib.nullcontext():
-            if tiles is None:
+            if tiles is None or not tiled_loss:
                 loss = sequence_parallel_loss(engine(**shard).logits, labels, sp)
             else:
                 loss = tiled_causal_lm_loss(engine, shard, labels, sp, tiles=tiles)
@@ -240,9 +245,17 @@ def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: s
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="sp")
     with GatheredParameters(engine.module.parameters()):
-        weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        weights = gather_state_dict(engine.module, engine.tp)  # whole tensors (TP slices gathered)
     return {"losses": (t / engine.dp_world).tolist(), "norms": norms, "weights": weights,
-            "dp_world": engine.dp_world, "sp": sp.size}
+            "dp_world": engine.dp_world, "sp": sp.size, "sp_ranks": _group_ranks(sp)}
+
+
+def _group_ranks(sp: SequenceParallel) -> list[int]:
+    """The global ranks of this rank's SP group, in group order."""
+    mine = torch.tensor([dist.get_rank()])
+    out = [torch.zeros_like(mine) for _ in range(sp.size)]
+    dist.all_gather(out, mine, group=sp.group)
+    return [int(t) for t in out]
 
 
 def eval_mode_keeps_sp_and_generate_is_local() -> dict:
@@ -354,3 +367,18 @@ def _sp_forward_error(model: torch.nn.Module, batch: dict, sp: SequenceParallel)
     except ValueError as e:
         return str(e)
     return "ran"
+
+
+def facade_sp_with_tp_refused() -> str:
+    """register_with_transformers' mpu (groups cut without TP) with tensor_parallel in the config: refused."""
+    import shardwise
+    from shardwise.deepspeed.ulysses import UlyssesSPAttentionHF
+    from shardwise.engine.compat import UsageError
+
+    model = llama(kv_heads=2)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 2)
+    try:
+        shardwise.initialize(model=model, config=sp_config(2, 2, dist.get_world_size(), tp=2), mpu=mpu)
+    except UsageError as e:
+        return str(e)
+    return "not refused"

@@ -294,7 +294,8 @@ def test_initialize_applies_the_timeout_key(tmp_path):
 
 @pytest.mark.parametrize("config,world,words", [
     ({"sequence_parallel_size": 3}, 4, "does not divide the world size 4"),
-    ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 4, "use one of them"),
+    ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 6,
+     "2 x tensor_parallel.autotp_size 2 does not divide the world size 6"),
 ])
 def test_sequence_parallel_size_checked(config, world, words):
     with pytest.raises(ConfigError, match=words) as err:
@@ -307,3 +308,7 @@ def test_sequence_parallel_divides_the_batch_rule_by_sp():
     cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                        "sequence_parallel_size": 2}, world_size=4)
     assert cfg.dp_world == 2 and cfg.train_batch_size == 4
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                       "sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, world_size=8,
+                      supported=SupportedFeatures.everything())
+    assert cfg.dp_world == 2 and cfg.train_batch_size == 4  # TP x SP x DP = world

@@ -102,6 +102,74 @@ def test_sp2_x_dp2_four_ranks(pool4):
             _check(got, ref)
 
 
+def test_tp2_x_sp2_four_ranks(pool4, pool2, tmp_path):
+    """TP 2 x SP 2: TP groups {0,1} {2,3}, SP groups {0,2} {1,3} (the ranks with the same TP rank),
+    ZeRO over the same {0,2} {1,3}. 4 heads and 2 kv heads: 2 and 1 per TP rank, the kv head copied
+    to both SP ranks. At stage 3, and at stage 2 with tiled MLPs (their TP all-reduces run per tile,
+    again in backward), equal to one process on the same global data; the stage-3 checkpoint
+    resumes on 2 plain data-parallel ranks (no TP, no SP) with the reference's losses."""
+    ref = sp_cases.reference_training(dp=1, kv_heads=2)
+    others = [sp_cases.reference_training(dp=1, variant=v, kv_heads=2) for v in ("rows", "flip")]
+    ref["tol"] = equivalence_tol(_noise(ref, others), len(sp_cases.SEQS) + len(sp_cases.RESUME_SEQS))
+    for stage, more in ((2, {"tiles": 3, "tiled_loss": False}), (3, {"save_dir": str(tmp_path)})):
+        for rank, got in enumerate(pool4.run("sp_cases:sp_training", stage, 2, tp=2, kv_heads=2, **more)):
+            assert got["dp_world"] == 1 and got["sp"] == 2 and got["sp_ranks"] == [rank % 2, rank % 2 + 2]
+            _check(got, ref)
+    first = len(sp_cases.SEQS)
+    for got in pool2.run("sp_cases:resume_without_sp", 3, str(tmp_path), kv_heads=2):
+        for a, b in zip(got["losses"], ref["losses"][first:], strict=True):
+            assert abs(a - b) / abs(b) <= ref["tol"]["loss"], (got["losses"], ref["losses"])
+    for words in pool4.run("sp_cases:facade_sp_with_tp_refused"):  # its mpu's groups were cut without TP
+        assert "register_with_transformers' sequence parallelism with tensor_parallel" in words, words
+
+
+@pytest.mark.parametrize("heads,kv,sp,tp,copies_or_words", [
+    (8, 4, 2, 2, 1),  # 4 heads, 2 kv heads per TP rank: the kv heads split over SP 2
+    (8, 4, 4, 2, 2),  # 4 and 2 per TP rank: each kv head copied to 2 SP ranks
+    (8, 8, 4, 4, "2 attention heads per tensor-parallel rank \\(8 and 8 over tensor parallel 4\\) cannot"),
+    (12, 6, 2, 2, "3 key/value heads per tensor-parallel rank"),  # 6 kv heads split over SP 2; 3 do not
+])
+def test_head_counts_under_tensor_parallelism(heads, kv, sp, tp, copies_or_words):
+    from shardwise.sequence_parallel import head_split
+
+    if isinstance(copies_or_words, int):
+        assert head_split(heads, kv, sp, tp) == copies_or_words
+    else:
+        with pytest.raises(ValueError, match=copies_or_words):
+            head_split(heads, kv, sp, tp)
+
+
+def test_sp_groups_cut_without_tp_refused_on_a_tp_model(monkeypatch):
+    """Groups of consecutive ranks on a TP-split model would exchange heads between TP ranks: refused
+    when registering on a split model, and at the first forward when TP was applied afterwards."""
+    from types import SimpleNamespace
+
+    from shardwise.sequence_parallel import SequenceParallel, attention, group, register_attention
+
+    monkeypatch.setattr(attention, "_CURRENT", {})  # the fake group leaves no process-wide trace
+    monkeypatch.setattr(group, "_CURRENT", [])
+    words = "split over tensor parallel 2 but the SP groups were cut for tensor parallel 1"
+    split = SimpleNamespace(comm=SimpleNamespace(size=2))
+    sp = SequenceParallel(SimpleNamespace(sp=SimpleNamespace(size=2, rank=0), tp_size=1))
+    model = sp_cases.llama(kv_heads=2)
+    monkeypatch.setattr(attention, "tp_state_of", lambda m: split)
+    with pytest.raises(ValueError, match=words):
+        register_attention(model, sp)
+    monkeypatch.setattr(attention, "tp_state_of", lambda m: None)
+    register_attention(model, sp)  # not split yet: accepted
+    monkeypatch.setattr(attention, "tp_state_of", lambda m: split)  # then split, as shard(tp_plan=...) does
+    with pytest.raises(ValueError, match=words):
+        model(**split_batch_of(sp))
+
+
+def split_batch_of(sp) -> dict:
+    from shardwise.sequence_parallel import split_batch
+
+    shard = split_batch(sp_cases.sample_batch(1, 8), sp)
+    shard.pop("shift_labels")
+    return shard
+
+
 def test_eval_mode_keeps_sp_generate_is_local_unsplit_refused(pool2):
     for r in pool2.run("sp_cases:eval_mode_keeps_sp_and_generate_is_local"):
         assert r["loss"] < ROUND_OFF, r

@@ -227,7 +227,8 @@ KEYS: tuple[Key, ...] = (
     Key(TP + "replace_with_kernel_inject", R, "kernel injection", default(False)),
     Key(TP + "kernel_inject", R, "kernel injection", default(False)),
     Key("sequence_parallel_size", H, "Ulysses sequence parallelism over groups of consecutive ranks "
-        "(shardwise/sequence_parallel/, docs/long_context.md)"),
+        "(with tensor_parallel, ranks of one TP rank: TP x SP x DP; shardwise/sequence_parallel/, "
+        "docs/long_context.md)"),
     Key("expert_parallel", H, "section: expert parallelism for HF MoE models ([moe.md](moe.md))"),
     Key(EP + "enabled", H, "expert parallelism on (DeepSpeed AutoEP's switch)"),
     Key(EP + "autoep_size", H, "ranks each MoE layer's experts are split over (consecutive ranks)"),

@@ -286,13 +286,11 @@ def _resolve_batch(cfg: ShardwiseConfig) -> None:
 
 
 def _check_sequence_parallel(cfg: ShardwiseConfig, world_size: int) -> None:
-    sp = cfg.sequence_parallel_size
-    if sp > 1 and cfg.tp_size > 1:
-        raise ConfigError("sequence_parallel_size with tensor_parallel.autotp_size > 1 is not implemented "
-                          "by shardwise; use one of them")
-    if world_size % sp:
-        raise ConfigError(f"sequence_parallel_size: {sp} does not divide the world size {world_size}; "
-                          f"choose a divisor of {world_size}")
+    sp, tp = cfg.sequence_parallel_size, cfg.tp_size  # TP x SP x DP = world (shardwise/mesh.py)
+    if world_size % (sp * tp):
+        with_tp = f" x tensor_parallel.autotp_size {tp}" if tp > 1 else ""
+        raise ConfigError(f"sequence_parallel_size: {sp}{with_tp} does not divide the world size {world_size}; "
+                          f"choose a divisor of {world_size // tp if world_size % tp == 0 else world_size}")
 
 
 def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world_size: int = 1,

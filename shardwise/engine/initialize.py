@@ -128,6 +128,9 @@ def initialize(
     _join(dist_init_required, distributed_port, timeout_of(config))
     _setup_logging()
     cfg, mesh = _config_and_mesh(config, model, mpu)
+    if sp_mpu is not None and cfg.tp_size > 1:  # its groups were cut without TP, and scripts hold them
+        raise UsageError("register_with_transformers' sequence parallelism with tensor_parallel.autotp_size > 1 "
+                         "is not implemented by shardwise; set sequence_parallel_size in the config instead")
     if is_sharded(model):  # initialize() again on a model an earlier engine wraps, as DeepSpeed allows
         unshard_module(model)
     apply_from_config(model, cfg, mpu)  # expert_parallel: split the experts before ZeRO shards the rest

@@ -10,7 +10,8 @@ replicas only. The pieces (docs/long_context.md):
 - ``split_batch`` / ``SequenceSplitLoader``: a batch as this rank's shard (positions, shifted labels);
 - ``sequence_parallel_loss``: the loss of a split batch; ``router_aux_loss``: an MoE model's aux
   load-balancing term for this rank's shard, to add to it;
-- ``setup_sequence_parallel(model, sp_size)``: the groups plus the attention in one call;
+- ``setup_sequence_parallel(model, sp_size)``: the groups plus the attention in one call (under TP,
+  groups of the ranks with the same TP rank);
 - ``SequenceParallelMPU``: the groups under Megatron/DeepSpeed names (``initialize(mpu=...)``);
 - ALST's tiling: ``tile_mlps(model)`` (each MLP over sequence tiles, recomputed in backward) and
   ``tiled_causal_lm_loss`` (logits and loss tile by tile, never the whole ``[seq, vocab]``);
@@ -36,6 +37,7 @@ from shardwise.sequence_parallel.loss import (
 from shardwise.sequence_parallel.mpu import SequenceParallelMPU
 from shardwise.sequence_parallel.offload import HostStore, offload_checkpoints
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
+from shardwise.tensor_parallel import tp_state_of
 
 __all__ = ["HostStore", "SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "current", "head_split",
            "loss_of_shard_means", "offload_checkpoints", "register_attention", "router_aux_loss",
@@ -43,9 +45,15 @@ __all__ = ["HostStore", "SequenceParallel", "SequenceParallelMPU", "SequenceSpli
            "tile_mlps", "tiled_causal_lm_loss", "tiled_loss_sum", "tiled_mlp", "tiled_reduce", "token_count"]
 
 
-def setup_sequence_parallel(model: nn.Module, sp_size: int) -> SequenceParallel:
-    """Cut the SP groups (collective) and make ``model``'s attention Ulysses attention over them."""
-    sp = SequenceParallel.of_size(sp_size)
+def setup_sequence_parallel(model: nn.Module, sp_size: int, tp_size: int | None = None) -> SequenceParallel:
+    """Cut the SP groups (collective) and make ``model``'s attention Ulysses attention over them.
+
+    ``tp_size``: the tensor-parallel degree the model is (or will be) split over; None reads it from a
+    model already split (``tensor_parallel.tp_state_of``), else 1."""
+    if tp_size is None:
+        state = tp_state_of(model)
+        tp_size = state.comm.size if state is not None else 1
+    sp = SequenceParallel.of_size(sp_size, tp_size)
     if sp.size > 1:
         register_attention(model, sp)
     return sp

@@ -11,6 +11,10 @@ mask) and refuses any other mask, so there is no local mask to honour.
 GQA: key/value heads are split when the SP degree divides them; when the degree is a multiple of
 them each kv head is copied to the ranks whose query heads use it (``repeat_interleave``, whose
 backward sums the copies' gradients). Other head counts are refused.
+
+Under tensor parallelism the attention module already holds ``heads / tp`` query and kv heads (the
+TP plan cut q/k/v by heads); the SP group is the ranks with the same TP rank, so the exchange splits
+those local heads by the SP degree, and the rules above apply to the TP-local counts.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 from shardwise.comm import Work, compute_device
 from shardwise.sequence_parallel.exchange import HeadToSeq, SeqToHead
 from shardwise.sequence_parallel.group import SequenceParallel, set_current
+from shardwise.tensor_parallel import tp_state_of
 
 PREFIX = "shardwise_sp_"
 WRAPPABLE = ("sdpa", "eager")
@@ -34,20 +39,29 @@ _CHECKS: dict[int, tuple[Work | None, torch.Tensor]] = {}  # id(sp) -> this forw
 _MASK: dict[tuple, torch.Tensor] = {}  # (length, dtype, device) -> eager's causal mask; one entry
 
 
-def head_split(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+def head_split(num_heads: int, num_kv_heads: int, sp_size: int, tp_size: int = 1) -> int:
     """How many copies of each kv head the exchange sends (1: kv heads split like query heads).
 
+    ``num_heads`` / ``num_kv_heads``: the model's; under tensor parallelism (``tp_size`` > 1) each
+    rank holds ``1 / tp_size`` of both, and the rule applies to those TP-local counts.
     Raises ValueError, in one line, for head counts Ulysses cannot split."""
-    if num_heads % sp_size:
-        raise ValueError(f"sequence parallelism: {num_heads} attention heads cannot be split over "
-                         f"{sp_size} ranks (sequence_parallel_size must divide num_attention_heads)")
-    if num_kv_heads % sp_size == 0:
+    if num_heads % tp_size or num_kv_heads % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} must divide the attention heads: "
+                         f"num_attention_heads={num_heads}, num_key_value_heads={num_kv_heads}")
+    heads, kv = num_heads // tp_size, num_kv_heads // tp_size
+    per_tp = (f" per tensor-parallel rank ({num_heads} and {num_kv_heads} over tensor parallel {tp_size})"
+              if tp_size > 1 else "")
+    if heads % sp_size:
+        raise ValueError(f"sequence parallelism: {heads} attention heads{per_tp} cannot be split over "
+                         f"{sp_size} ranks (sequence_parallel_size must divide num_attention_heads"
+                         f"{' / autotp_size' if tp_size > 1 else ''})")
+    if kv % sp_size == 0:
         return 1
-    if sp_size % num_kv_heads == 0:
-        return sp_size // num_kv_heads
-    raise ValueError(f"sequence parallelism: {num_kv_heads} key/value heads cannot be split over or "
-                     f"replicated to {sp_size} ranks (sequence_parallel_size must divide "
-                     "num_key_value_heads or be a multiple of it)")
+    if sp_size % kv == 0:
+        return sp_size // kv
+    raise ValueError(f"sequence parallelism: {kv} key/value heads{per_tp} cannot be split over or "
+                     f"replicated to {sp_size} ranks (sequence_parallel_size must divide num_key_value_heads"
+                     f"{' / autotp_size' if tp_size > 1 else ''} or be a multiple of it)")
 
 
 class _Heads:
@@ -163,11 +177,13 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
     latency overlaps the embeddings and the first projections. It is not cached by length: a rank
     whose length is cached would skip the collective while a rank with a new (unequal) length runs
     it, the very mismatch it is there to catch; a skip must be decided alike on every rank, and
-    only a collective can tell the ranks' lengths apart."""
+    only a collective can tell the ranks' lengths apart. A model split over TP after registration must match
+    the TP degree the groups were cut for (``_check_tp``)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG001
         if not sp.active():
             return
+        _check_tp(module, sp)  # TP applied after registration (shard(tp_plan=...)) with groups cut for another degree
         ids = kwargs.get("input_ids", args[0] if args else None)
         ids = kwargs.get("inputs_embeds") if ids is None else ids
         if ids is None or kwargs.get("position_ids") is None:
@@ -184,6 +200,17 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
     return hook
 
 
+def _check_tp(model: nn.Module, sp: SequenceParallel) -> None:
+    """A TP-sliced model needs SP groups cut for its TP degree: groups of consecutive ranks would
+    exchange heads between TP ranks that hold different heads (a silent wrong attention)."""
+    state = tp_state_of(model)
+    tp = state.comm.size if state is not None else 1
+    if tp > 1 and tp != sp.tp_size:
+        raise ValueError(f"sequence parallelism: the model is split over tensor parallel {tp} but the SP groups "
+                         f"were cut for tensor parallel {sp.tp_size}; pass tp_size={tp} to "
+                         "setup_sequence_parallel or SequenceParallel.of_size")
+
+
 def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
     """Make ``model``'s attention Ulysses attention over ``sp``; returns the registered name.
 
@@ -197,8 +224,9 @@ def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
     inner_name = current[len(PREFIX):] if current.startswith(PREFIX) else current
     if inner_name not in WRAPPABLE:
         raise ValueError(f"sequence parallelism wraps attn_implementation 'sdpa' or 'eager', not {inner_name!r}")
+    _check_tp(model, sp)
     heads = config.num_attention_heads
-    head_split(heads, getattr(config, "num_key_value_heads", None) or heads, sp.size)
+    head_split(heads, getattr(config, "num_key_value_heads", None) or heads, sp.size, sp.tp_size)
     name = PREFIX + inner_name
     _CURRENT[name] = sp
     set_current(sp)

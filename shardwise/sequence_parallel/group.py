@@ -29,9 +29,15 @@ class SequenceParallel:
         self._forced: bool | None = None  # None: follow torch.is_grad_enabled()
 
     @classmethod
-    def of_size(cls, sp_size: int) -> SequenceParallel:
-        """Groups of ``sp_size`` consecutive ranks (collective: every rank calls it)."""
-        return cls(get_sequence_mesh(sp_size))
+    def of_size(cls, sp_size: int, tp_size: int = 1) -> SequenceParallel:
+        """Groups of ``sp_size`` ranks ``tp_size`` apart: consecutive without tensor parallelism, the
+        ranks with the same TP rank with it (shardwise/mesh.py; collective: every rank calls it)."""
+        return cls(get_sequence_mesh(sp_size, tp_size=tp_size))
+
+    @property
+    def tp_size(self) -> int:
+        """The TP degree the groups were cut for: each rank's attention holds heads / tp_size heads."""
+        return self.mesh.tp_size
 
     @property
     def size(self) -> int:
