@@ -294,6 +294,9 @@ KEYS: tuple[Key, ...] = (
         "stops training (NonFiniteError); N: the first N such steps are skipped instead"),
     Key("shardwise.peak_tflops", H, "the accelerator's peak TFLOPS for the FLOPs profiler's MFU (known GPUs "
         "need none)"),
+    Key("shardwise.sequence_parallel_attention", H, "\"auto\" (default): Ulysses when it can split the "
+        "heads over `sequence_parallel_size`, ring attention otherwise; \"ulysses\" or \"ring\" to choose "
+        "([long_context.md](long_context.md))"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

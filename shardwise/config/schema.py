@@ -196,6 +196,8 @@ class ShardwiseSection(_Section):
     max_nonfinite_steps: StrictInt = Field(0, ge=0, le=10**9)
     # the accelerator's peak in TFLOPS for the FLOPs profiler's MFU (None: shardwise/monitor/flops.py's table)
     peak_tflops: float | None = Field(None, gt=0)
+    # sequence-parallel attention: Ulysses when it can split the heads, else ring ("auto"), or one of them
+    sequence_parallel_attention: Literal["auto", "ulysses", "ring"] = "auto"
 
 
 class ShardwiseConfig(_Section):

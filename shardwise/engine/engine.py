@@ -105,8 +105,9 @@ class Engine(EngineAccessors, nn.Module):
         # data-parallel replicas (sampler, batch rule): ZeRO shards over SP x DP ranks; one SP group, one sample set
         sp = config.sequence_parallel_size
         self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
-        # Ulysses SP (None without): the groups and the model's attention, docs/long_context.md
-        self.sequence_parallel = setup_sequence_parallel(model, sp) if sp > 1 else None
+        # SP (None without): the groups and the model's attention (Ulysses or ring), docs/long_context.md
+        self.sequence_parallel = (setup_sequence_parallel(model, sp, config.shardwise.sequence_parallel_attention)
+                                  if sp > 1 else None)
         # gradient_allreduce_op: "mean" averages gradients over data-parallel ranks, "sum" adds them
         self.gradient_average = config.gradient_allreduce_op == "mean"
         self.tp_report, self.policy, self.units, self.fetcher = sh.tp_report, sh.policy, sh.units, sh.fetcher

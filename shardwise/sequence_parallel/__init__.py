@@ -1,4 +1,4 @@
-"""``shardwise.sequence_parallel``: Ulysses sequence parallelism for HF causal LMs.
+"""``shardwise.sequence_parallel``: Ulysses sequence parallelism (and ring attention) for HF causal LMs.
 
 Each sample's sequence is split over an SP group of ranks; attention exchanges heads for tokens
 (all-to-all) so every rank attends over the whole sequence with ``heads / sp`` heads; the loss
@@ -6,7 +6,8 @@ counts every token once; ZeRO (any stage) reduces over SP x DP ranks and average
 replicas only. The pieces (docs/long_context.md):
 
 - ``SequenceParallel``: the group and the on/off rule (on whenever gradients are enabled);
-- ``register_attention(model, sp)``: the attention wrapper (sdpa or eager; GQA; refusals);
+- ``register_attention(model, sp)``: the attention wrapper (sdpa or eager; GQA; refusals), Ulysses
+  or, for head counts Ulysses cannot split, ring attention (``ring.py``; ``choose_attention``);
 - ``split_batch`` / ``SequenceSplitLoader``: a batch as this rank's shard (positions, shifted labels);
 - ``sequence_parallel_loss``: the loss of a split batch;
 - ``setup_sequence_parallel(model, sp_size)``: the groups plus the attention in one call;
@@ -19,22 +20,24 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.sequence_parallel.attention import head_split, register_attention
+from shardwise.sequence_parallel.attention import choose_attention, head_split, register_attention
 from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch
 from shardwise.sequence_parallel.group import SequenceParallel, current
 from shardwise.sequence_parallel.loss import sequence_parallel_loss, share_of_loss, token_count
 from shardwise.sequence_parallel.mpu import SequenceParallelMPU
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
 
-__all__ = ["SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "current", "head_split",
+__all__ = ["SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "choose_attention", "current",
+           "head_split",
            "register_attention", "tiled_reduce",
            "sequence_parallel_loss", "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps",
            "tiled_causal_lm_loss", "tiled_loss_sum", "tiled_mlp", "token_count"]
 
 
-def setup_sequence_parallel(model: nn.Module, sp_size: int) -> SequenceParallel:
-    """Cut the SP groups (collective) and make ``model``'s attention Ulysses attention over them."""
+def setup_sequence_parallel(model: nn.Module, sp_size: int, attention: str = "auto") -> SequenceParallel:
+    """Cut the SP groups (collective) and make ``model``'s attention sequence-parallel over them
+    (``attention``: "auto", "ulysses" or "ring"; see ``choose_attention``)."""
     sp = SequenceParallel.of_size(sp_size)
     if sp.size > 1:
-        register_attention(model, sp)
+        register_attention(model, sp, attention)
     return sp

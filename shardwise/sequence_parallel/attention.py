@@ -10,7 +10,9 @@ mask) and refuses any other mask, so there is no local mask to honour.
 
 GQA: key/value heads are split when the SP degree divides them; when the degree is a multiple of
 them each kv head is copied to the ranks whose query heads use it (``repeat_interleave``, whose
-backward sums the copies' gradients). Other head counts are refused.
+backward sums the copies' gradients). Other head counts are served by ring attention
+(``ring.py``): ``choose_attention`` picks Ulysses when it can split the heads and the ring otherwise
+(``shardwise.sequence_parallel_attention: "auto"``), or the one asked for.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from torch import nn
 
 from shardwise.sequence_parallel.exchange import HeadToSeq, SeqToHead
 from shardwise.sequence_parallel.group import SequenceParallel, set_current
+from shardwise.sequence_parallel.ring import ring_attention
 
 PREFIX = "shardwise_sp_"
+MODES = ("auto", "ulysses", "ring")
 WRAPPABLE = ("sdpa", "eager")
 _CURRENT: dict[str, SequenceParallel] = {}  # registered name -> the SP group its attention uses
 
@@ -45,6 +49,23 @@ def head_split(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     raise ValueError(f"sequence parallelism: {num_kv_heads} key/value heads cannot be split over or "
                      f"replicated to {sp_size} ranks (sequence_parallel_size must divide "
                      "num_key_value_heads or be a multiple of it)")
+
+
+def choose_attention(mode: str, num_heads: int, num_kv_heads: int, sp_size: int) -> str:
+    """``"ulysses"`` or ``"ring"`` for the requested ``mode``: "auto" takes Ulysses when it can split
+    the heads (fewer, larger messages per layer) and the ring otherwise; "ulysses" refuses, in one
+    line, head counts it cannot split."""
+    if mode not in MODES:
+        raise ValueError(f"shardwise.sequence_parallel_attention must be one of {MODES}, not {mode!r}")
+    if mode == "ring":
+        return "ring"
+    try:
+        head_split(num_heads, num_kv_heads, sp_size)
+    except ValueError:
+        if mode == "ulysses":
+            raise
+        return "ring"
+    return "ulysses"
 
 
 class _Heads:
@@ -83,6 +104,9 @@ def _ulysses(inner_name: str, sp: SequenceParallel, module: nn.Module, query: to
     inner = _inner(inner_name, module)
     if not sp.active():
         return inner(module, query, key, value, attention_mask, **kwargs)
+    if sp.attention == "ring":  # the ring masks by global token index; the model's mask comes from the
+        # shard's zigzag position_ids alone (the forward pre-hook refuses an attention_mask)
+        return ring_attention(module, query, key, value, sp.comm, sp.layout, **kwargs), None
     if inner_name == "sdpa" and attention_mask is not None:
         raise ValueError("sequence parallelism: the model built an attention mask for a sequence-split batch "
                          "(padding or packed sequences); split batches with shardwise.sequence_parallel."
@@ -125,6 +149,9 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
             raise ValueError("sequence parallelism: a forward with gradients (SP on) got no position_ids; "
                              "feed batches from shardwise.sequence_parallel.split_batch, or run whole "
                              "sequences inside sp.disabled()")
+        if sp.attention == "ring" and kwargs.get("attention_mask") is not None:
+            raise ValueError("ring attention: a forward got an attention_mask; split_batch removes right padding "
+                             "(and refuses other masks), feed its shards without a mask")
         lengths = torch.tensor([ids.shape[1], -ids.shape[1]], dtype=torch.int64)
         sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX)
         if int(lengths[0]) != -int(lengths[1]):
@@ -134,11 +161,13 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
     return hook
 
 
-def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
-    """Make ``model``'s attention Ulysses attention over ``sp``; returns the registered name.
+def register_attention(model: nn.Module, sp: SequenceParallel, attention: str = "auto") -> str:
+    """Make ``model``'s attention sequence-parallel over ``sp``; returns the registered name.
 
-    Checks the head counts first (one-line ValueError). Idempotent: registering a model again
-    rebinds it to ``sp``. Installs the shard check (``_check_split_forward``) on ``model``."""
+    ``attention``: "auto", "ulysses" or "ring" (``choose_attention``; sets ``sp.attention`` and the
+    shard layout ``sp.layout`` that ``split_batch`` follows). Checks the head counts first (one-line
+    ValueError). Idempotent: registering a model again rebinds it to ``sp``. Installs the shard
+    check (``_check_split_forward``) on ``model``."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
@@ -148,7 +177,8 @@ def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
     if inner_name not in WRAPPABLE:
         raise ValueError(f"sequence parallelism wraps attn_implementation 'sdpa' or 'eager', not {inner_name!r}")
     heads = config.num_attention_heads
-    head_split(heads, getattr(config, "num_key_value_heads", None) or heads, sp.size)
+    sp.attention = choose_attention(attention, heads, getattr(config, "num_key_value_heads", None) or heads, sp.size)
+    sp.layout = "zigzag" if sp.attention == "ring" else "contiguous"
     name = PREFIX + inner_name
     _CURRENT[name] = sp
     set_current(sp)
