@@ -34,7 +34,7 @@ from shardwise.moe import expert_parallel_of
 from shardwise.monitor import EngineMonitor
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
-from shardwise.sequence_parallel import setup_sequence_parallel
+from shardwise.sequence_parallel import sequence_parallel_from_config
 from shardwise.zero.bucket_step import step_and_publish
 from shardwise.zero.builder import ShardOptions
 from shardwise.zero.whole_tensor import build_on_sharding, whole_tensor_of
@@ -106,8 +106,7 @@ class Engine(EngineAccessors, nn.Module):
         sp = config.sequence_parallel_size
         self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
         # SP (None without): the groups and the model's attention (Ulysses or ring), docs/long_context.md
-        self.sequence_parallel = (setup_sequence_parallel(model, sp, config.shardwise.sequence_parallel_attention)
-                                  if sp > 1 else None)
+        self.sequence_parallel = sequence_parallel_from_config(model, config)
         # gradient_allreduce_op: "mean" averages gradients over data-parallel ranks, "sum" adds them
         self.gradient_average = config.gradient_allreduce_op == "mean"
         self.tp_report, self.policy, self.units, self.fetcher = sh.tp_report, sh.policy, sh.units, sh.fetcher

@@ -18,6 +18,8 @@ replicas only. The pieces (docs/long_context.md):
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from shardwise.sequence_parallel.attention import choose_attention, head_split, register_attention
@@ -28,10 +30,9 @@ from shardwise.sequence_parallel.mpu import SequenceParallelMPU
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
 
 __all__ = ["SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "choose_attention", "current",
-           "head_split",
-           "register_attention", "tiled_reduce",
-           "sequence_parallel_loss", "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps",
-           "tiled_causal_lm_loss", "tiled_loss_sum", "tiled_mlp", "token_count"]
+           "head_split", "register_attention", "sequence_parallel_from_config", "sequence_parallel_loss",
+           "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps", "tiled_causal_lm_loss",
+           "tiled_loss_sum", "tiled_mlp", "tiled_reduce", "token_count"]
 
 
 def setup_sequence_parallel(model: nn.Module, sp_size: int, attention: str = "auto") -> SequenceParallel:
@@ -41,3 +42,10 @@ def setup_sequence_parallel(model: nn.Module, sp_size: int, attention: str = "au
     if sp.size > 1:
         register_attention(model, sp, attention)
     return sp
+
+
+def sequence_parallel_from_config(model: nn.Module, config: Any) -> SequenceParallel | None:
+    """The engine's SP from its validated config: ``sequence_parallel_size`` ranks per group and the
+    attention ``shardwise.sequence_parallel_attention`` asks for; None without SP."""
+    size = config.sequence_parallel_size
+    return setup_sequence_parallel(model, size, config.shardwise.sequence_parallel_attention) if size > 1 else None
