@@ -35,6 +35,14 @@ def test_ring_kernel_equals_plain_attention(pool2, causal, seq, heads, kv_heads,
         assert max(errors.values()) < ROUND_OFF, errors
 
 
+def test_ring_kernel_sp4_beyond_the_head_count(pool4):
+    """4 ranks, 2 query heads and 1 kv head (an SP degree Ulysses cannot reach), 24 tokens in 2N = 8
+    chunks of 3: every rank's k/v travel three hops (the ring's direction matters, unlike at 2 ranks),
+    their gradients four, back home."""
+    for errors in pool4.run("ring_cases:ring_matches_plain", True, 24, 2, 1):
+        assert max(errors.values()) < ROUND_OFF, errors
+
+
 def test_ring_kernel_check_catches_a_dropped_block(pool2):
     """The same comparison with the block received after the first rotation left out of the merge."""
     for errors in pool2.run("ring_cases:ring_matches_plain", True, 12, 3, 1, inject="drop"):

@@ -23,6 +23,7 @@ q, k, v of the shard, the fp32 output and the log-sum-exp (no ``seq²`` scores, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,17 +35,30 @@ from shardwise.sequence_parallel.data import chunks_per_shard, shard_indices
 NEG = float("-inf")
 
 
-def rotate(t: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """``t`` from rank r - 1 of the SP group (this rank's ``t`` goes to r + 1): one all-to-all whose
-    only non-empty splits are the two ring neighbours (gloo serves uneven splits)."""
+def start_rotation(t: torch.Tensor, comm: Comm) -> Callable[[], torch.Tensor]:
+    """Start sending ``t`` to rank r + 1 of the SP group and receiving rank r - 1's; the returned
+    function waits and gives the received tensor. One asynchronous all-to-all whose only non-empty
+    splits are the two ring neighbours (gloo serves uneven splits), so the transfer overlaps the
+    block computed meanwhile. ``t`` must not change until the wait."""
     n, r = comm.size, comm.rank
     flat = t.contiguous().reshape(-1)
     send, recv = [0] * n, [0] * n
     send[(r + 1) % n], recv[(r - 1) % n] = flat.numel(), flat.numel()
     out = torch.empty_like(flat)
     comm.stats.add("ring" + comm.scope, flat.numel() * flat.element_size())
-    dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=comm.group)
-    return out.view_as(t)
+    work = dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=comm.group,
+                                  async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out.view_as(t)
+
+    return wait
+
+
+def rotate(t: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """``t`` from rank r - 1 of the SP group (this rank's goes to r + 1), waited for."""
+    return start_rotation(t, comm)()
 
 
 def _pairs(qpos: list[torch.Tensor], kpos: list[torch.Tensor], causal: bool) -> list[tuple]:
@@ -114,11 +128,12 @@ class RingAttention(torch.autograd.Function):
         kv = torch.cat([k, v], dim=1)
         for step in range(comm.size):
             src = (comm.rank - step) % comm.size
+            arriving = start_rotation(kv, comm) if step < comm.size - 1 else None  # overlaps this block
             ks, vs = _chunks(kv[:, :kvh], count), _chunks(kv[:, kvh:], count)
             for a, c, mask in _pairs(qpos, _positions(src, comm, s, layout), causal):
                 outs[a], lses[a] = merge(outs[a], lses[a], *block_attention(qc[a], ks[c], vs[c], mask, scale))
-            if step < comm.size - 1:
-                kv = rotate(kv, comm)
+            if arriving is not None:
+                kv = arriving()
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.layout, ctx.scale, ctx.causal = comm, layout, scale, causal
@@ -158,6 +173,7 @@ def ring_backward(comm: Comm, layout: str, scale: float, causal: bool, q: torch.
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for step in range(comm.size):
         src = (comm.rank - step) % comm.size
+        arriving = start_rotation(kv, comm) if step < comm.size - 1 else None  # overlaps this block
         ks, vs = _chunks(kv[:, :kvh], count), _chunks(kv[:, kvh:], count)
         dks, dvs = _chunks(dkv[:, :kvh], count), _chunks(dkv[:, kvh:], count)
         for a, c, mask in _pairs(qpos, _positions(src, comm, s, layout), causal):
@@ -165,9 +181,9 @@ def ring_backward(comm: Comm, layout: str, scale: float, causal: bool, q: torch.
             dq[a] += gq
             dks[c] += gk  # views of dkv: the accumulator that travels with this block
             dvs[c] += gv
-        if step < comm.size - 1:
-            kv = rotate(kv, comm)
-        dkv = rotate(dkv, comm)
+        dkv = rotate(dkv, comm)  # after this block's gradients are in it
+        if arriving is not None:
+            kv = arriving()
     dq_all = torch.cat(dq, dim=-2).reshape(b, h, s, d).to(q.dtype)
     return dq_all, dkv[:, :kvh].to(k.dtype), dkv[:, kvh:].to(v.dtype)
 
