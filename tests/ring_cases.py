@@ -56,3 +56,26 @@ def ring_matches_plain(causal: bool, seq: int, heads: int, kv_heads: int, layout
     for name, full, part in zip("qkv", (q, k, v), local, strict=True):
         errors[name] = _rel(part.grad, full.grad[:, :, mine])
     return errors
+
+
+def contiguous_shards_refused() -> str:
+    """A ring-attention model fed contiguous shards (not split_batch's zigzag ones): the one-line error."""
+    import sp_cases
+
+    from shardwise.sequence_parallel import register_attention, split_batch
+
+    sp = SequenceParallel.of_size(dist.get_world_size())
+    model = sp_cases.llama(heads=3)
+    register_attention(model, sp)
+    assert sp.layout == "zigzag"
+
+    class Contiguous:
+        size, rank, layout = sp.size, sp.rank, "contiguous"
+
+    shard = split_batch(sp_cases.sample_batch(2, 16), Contiguous())
+    shard.pop("shift_labels")
+    try:
+        model(**shard)
+    except ValueError as e:
+        return str(e)
+    return "not refused"

@@ -61,6 +61,12 @@ def test_ring_forward_backward_equals_whole_sequence(pool2, impl, kv_heads, seq,
         assert r["loss"] < ROUND_OFF and r["grad"] < ROUND_OFF, r
 
 
+def test_ring_refuses_shards_not_in_its_layout(pool2):
+    """Contiguous shards given to a ring-attention model would be masked as the wrong tokens: refused."""
+    for message in pool2.run("ring_cases:contiguous_shards_refused"):
+        assert message.startswith("ring attention: rank ") and "zigzag shard" in message, message
+
+
 @pytest.fixture(scope="module")
 def reference():
     ref = sp_cases.reference_training(dp=1, heads=HEADS)

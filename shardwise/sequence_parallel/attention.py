@@ -27,7 +27,7 @@ from torch import nn
 
 from shardwise.sequence_parallel.exchange import HeadToSeq, SeqToHead
 from shardwise.sequence_parallel.group import SequenceParallel, set_current
-from shardwise.sequence_parallel.ring import ring_attention
+from shardwise.sequence_parallel.ring import layout_problem, ring_attention
 
 PREFIX = "shardwise_sp_"
 MODES = ("auto", "ulysses", "ring")
@@ -138,7 +138,8 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
     Why: with SP on, an unsplit batch (the same whole sequence on every rank) would be attended as
     one sequence ``sp`` times as long, a silent wrong number; and shards of unequal length would
     deadlock the all-to-all. ``split_batch`` gives ``position_ids`` and equal lengths; one tiny
-    all-reduce per forward checks the lengths."""
+    all-reduce per forward checks the lengths (and, for ring attention, that every rank's shard is
+    in the zigzag layout: contiguous shards would be masked as the wrong tokens, silently)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG001
         if not sp.active():
@@ -149,14 +150,15 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
             raise ValueError("sequence parallelism: a forward with gradients (SP on) got no position_ids; "
                              "feed batches from shardwise.sequence_parallel.split_batch, or run whole "
                              "sequences inside sp.disabled()")
-        if sp.attention == "ring" and kwargs.get("attention_mask") is not None:
-            raise ValueError("ring attention: a forward got an attention_mask; split_batch removes right padding "
-                             "(and refuses other masks), feed its shards without a mask")
-        lengths = torch.tensor([ids.shape[1], -ids.shape[1]], dtype=torch.int64)
-        sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX)
+        problem = layout_problem(kwargs, sp.rank, sp.size, ids.shape[1]) if sp.attention == "ring" else None
+        lengths = torch.tensor([ids.shape[1], -ids.shape[1], problem is not None], dtype=torch.int64)
+        sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX)  # every rank learns of a problem on any rank
         if int(lengths[0]) != -int(lengths[1]):
             raise ValueError(f"sequence parallelism: the SP ranks' sequence shards differ in length "
                              f"({-int(lengths[1])}..{int(lengths[0])} tokens); split_batch pads them equal")
+        if int(lengths[2]):
+            raise ValueError(problem or "ring attention: another SP rank's shard does not fit the zigzag layout; "
+                             "feed batches from shardwise.sequence_parallel.split_batch")
 
     return hook
 

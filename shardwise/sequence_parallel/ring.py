@@ -61,8 +61,9 @@ def rotate(t: torch.Tensor, comm: Comm) -> torch.Tensor:
     return start_rotation(t, comm)()
 
 
-def _pairs(qpos: list[torch.Tensor], kpos: list[torch.Tensor], causal: bool) -> list[tuple]:
-    """(query chunk, key chunk, mask or None) for every pair with something to attend."""
+def _pairs(qpos: list[torch.Tensor], kpos: list[torch.Tensor], causal: bool, device: torch.device) -> list[tuple]:
+    """(query chunk, key chunk, mask or None) for every pair with something to attend (the indices
+    live on the CPU, so deciding costs no device sync; a partial mask is moved to ``device``)."""
     out = []
     for a, qp in enumerate(qpos):
         for c, kp in enumerate(kpos):
@@ -73,7 +74,7 @@ def _pairs(qpos: list[torch.Tensor], kpos: list[torch.Tensor], causal: bool) -> 
             if bool(mask.all()):
                 out.append((a, c, None))
             elif bool(mask.any()):
-                out.append((a, c, mask))
+                out.append((a, c, mask.to(device)))
     return out
 
 
@@ -130,7 +131,7 @@ class RingAttention(torch.autograd.Function):
             src = (comm.rank - step) % comm.size
             arriving = start_rotation(kv, comm) if step < comm.size - 1 else None  # overlaps this block
             ks, vs = _chunks(kv[:, :kvh], count), _chunks(kv[:, kvh:], count)
-            for a, c, mask in _pairs(qpos, _positions(src, comm, s, layout), causal):
+            for a, c, mask in _pairs(qpos, _positions(src, comm, s, layout), causal, q.device):
                 outs[a], lses[a] = merge(outs[a], lses[a], *block_attention(qc[a], ks[c], vs[c], mask, scale))
             if arriving is not None:
                 kv = arriving()
@@ -176,7 +177,7 @@ def ring_backward(comm: Comm, layout: str, scale: float, causal: bool, q: torch.
         arriving = start_rotation(kv, comm) if step < comm.size - 1 else None  # overlaps this block
         ks, vs = _chunks(kv[:, :kvh], count), _chunks(kv[:, kvh:], count)
         dks, dvs = _chunks(dkv[:, :kvh], count), _chunks(dkv[:, kvh:], count)
-        for a, c, mask in _pairs(qpos, _positions(src, comm, s, layout), causal):
+        for a, c, mask in _pairs(qpos, _positions(src, comm, s, layout), causal, q.device):
             gq, gk, gv = _block_grads(qc[a], ks[c], vs[c], mask, scale, lc[a], doc[a], dc[a])
             dq[a] += gq
             dks[c] += gk  # views of dkv: the accumulator that travels with this block
@@ -186,6 +187,22 @@ def ring_backward(comm: Comm, layout: str, scale: float, causal: bool, q: torch.
             kv = arriving()
     dq_all = torch.cat(dq, dim=-2).reshape(b, h, s, d).to(q.dtype)
     return dq_all, dkv[:, :kvh].to(k.dtype), dkv[:, kvh:].to(v.dtype)
+
+
+def layout_problem(kwargs: dict[str, Any], rank: int, size: int, length: int) -> str | None:
+    """Why a model forward's inputs are not a zigzag shard (None: they are): the ring masks by the
+    tokens' global indices, so a shard cut another way (contiguous, shifted positions) would be
+    attended as the wrong tokens. ``split_batch`` gives ``position_ids`` = the global indices."""
+    if kwargs.get("attention_mask") is not None:
+        return ("ring attention: a forward got an attention_mask; split_batch removes right padding (and refuses "
+                "other masks): feed its shards without a mask")
+    pos = kwargs["position_ids"]
+    want = shard_indices(rank, size, length, "zigzag").to(pos.device)
+    if length % 2 or not bool((pos.reshape(-1, pos.shape[-1]) == want).all()):
+        return (f"ring attention: rank {rank}'s position_ids are not its zigzag shard of the sequence (chunks "
+                f"{rank} and {2 * size - 1 - rank} of {2 * size}); feed batches from "
+                "shardwise.sequence_parallel.split_batch, whose shards follow sp.layout")
+    return None
 
 
 UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
