@@ -1,8 +1,9 @@
 """Ring attention: sequence parallelism for any head count, by rotating key/value blocks.
 
 Every rank keeps the queries of its own tokens; the key/value shards travel around the SP group
-(rank r sends to r + 1 and receives from r - 1, ``N - 1`` times), and each rank attends its queries
-to every block as it passes. The partial results are merged exactly by the online-softmax rule: a
+(rank r sends to r + 1 and receives from r - 1, ``N - 1`` times, each transfer started before the
+block in hand is computed so that the two overlap), and each rank attends its queries to every
+block as it passes. The partial results are merged exactly by the online-softmax rule: a
 block's output ``o_b`` and log-sum-exp ``l_b`` combine with the running ``(o, l)`` as
 ``l' = logaddexp(l, l_b)``, ``o' = o·exp(l - l') + o_b·exp(l_b - l')``, in fp32. Unlike Ulysses,
 nothing is split by heads, so head counts the SP degree does not divide (3 heads on 2 ranks, one
