@@ -23,9 +23,10 @@ VOCAB = 509
 
 
 def llama(impl: str = "sdpa", kv_heads: int = 1, heads: int = 4, seed: int = 0) -> torch.nn.Module:
-    """A tiny HF Llama, dropout off; kv_heads 1 < SP 2 exercises kv replication."""
+    """A tiny HF Llama (head dim 16), dropout off; kv_heads 1 < SP 2 exercises kv replication; heads 3
+    cannot be split over 2 ranks (ring attention)."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16 * heads, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
                       tie_word_embeddings=False)
     cfg._attn_implementation = impl
@@ -60,16 +61,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = None,
-                     checkpointing: bool = False) -> dict:
+                     checkpointing: bool = False, heads: int = 4, attention: str = "auto") -> dict:
     """SP 2 forward + backward (gradients averaged over the SP group, as ZeRO does) against the whole batch
-    in one process."""
+    in one process. ``attention``: the SP attention asked for (the one used is returned)."""
     sp = SequenceParallel.of_size(dist.get_world_size())
-    model = llama(impl, kv_heads)
+    model = llama(impl, kv_heads, heads)
     batch = sample_batch(2, seq, pad_from=pad_from)
     ref_model = copy.deepcopy(model)
     ref = reference_loss(ref_model, batch)
     ref.backward()
-    register_attention(model, sp)
+    register_attention(model, sp, attention)
     if checkpointing:  # HF activation checkpointing: attention (and its all-to-alls) recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard = split_batch(batch, sp)
@@ -83,7 +84,7 @@ def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = 
     want = _grads(ref_model)
     assert got.keys() == want.keys()
     out = {"loss": abs(float(loss.detach()) - float(ref)) / abs(float(ref)),
-           "grad": max(_rel(got[n], want[n]) for n in want)}
+           "grad": max(_rel(got[n], want[n]) for n in want), "attention": sp.attention}
     if checkpointing:  # the same SP step with the checkpoint inputs offloaded: bit-exact (copies move bits)
         out["offload_bit_exact"] = _offloaded_equal(model, shard, labels, sp, loss)
     return out
@@ -145,12 +146,12 @@ def _row_sum_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return total / count
 
 
-def reference_training(dp: int, variant: str = "plain", kv_heads: int = 1) -> dict:
+def reference_training(dp: int, variant: str = "plain", kv_heads: int = 1, heads: int = 4) -> dict:
     """One process, plain AdamW, the whole global batch; ``variant`` 'rows' or 'flip' are the same
     training in exact arithmetic with other summation orders (the measured noise floor)."""
     from tolerance import flip_mlp
 
-    model = llama(kv_heads=kv_heads)
+    model = llama(kv_heads=kv_heads, heads=heads)
     if variant == "flip":
         flip_mlp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -169,15 +170,15 @@ def reference_training(dp: int, variant: str = "plain", kv_heads: int = 1) -> di
         losses.append(step_loss)
     if variant == "flip":
         flip_mlp(model)
-        flip_mlp_weights(weights, kv_heads)
+        flip_mlp_weights(weights, kv_heads, heads)
     return {"losses": losses, "norms": norms, "weights": weights}
 
 
-def flip_mlp_weights(weights: dict[str, torch.Tensor], kv_heads: int = 1) -> None:
+def flip_mlp_weights(weights: dict[str, torch.Tensor], kv_heads: int = 1, heads: int = 4) -> None:
     """tests/tolerance.flip_mlp on a dict of tensors (weights saved while the model was flipped)."""
     from tolerance import flip_mlp
 
-    holder = llama(kv_heads=kv_heads)
+    holder = llama(kv_heads=kv_heads, heads=heads)
     with torch.no_grad():
         for n, p in holder.named_parameters():
             p.copy_(weights[n])
@@ -209,23 +210,28 @@ def resume_without_sp(stage: int, save_dir: str, kv_heads: int = 1) -> dict:
 
 def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: str | None = None,
                 tiles: int | None = None, tp: int = 1, kv_heads: int = 1, tiled_loss: bool = True,
-                **zero: object) -> dict:
+                heads: int = 4, attention: str | None = None, **zero: object) -> dict:
     """Train through shardwise.initialize with sequence_parallel_size; losses as every rank reports them.
 
     ``inject`` a known error, to show the test catches it: 'local' (each rank attends only to its
     own shard: SP off on split batches) or 'double' (gradients 2x, DeepSpeed's ZeRO-1/2 SP bug).
     ``tiles``: ALST's tiled MLPs and (``tiled_loss``) tiled logits + loss, with that many tiles. ``tp``: tensor
-    parallelism too (TP x SP x DP = world). ``zero``: more zero_optimization keys (hybrid sharding)."""
+    parallelism too (TP x SP x DP = world). ``zero``: more zero_optimization keys (hybrid sharding).
+    ``heads``: the model's attention heads (3: Ulysses cannot split them over 2 ranks); ``attention``:
+    shardwise.sequence_parallel_attention (None: the default)."""
     import contextlib
 
     import shardwise
     from shardwise.zero import GatheredParameters
 
     world = dist.get_world_size()
-    model = llama(kv_heads=kv_heads)
+    model = llama(kv_heads=kv_heads, heads=heads)
     if tiles is not None:
         tile_mlps(model, tiles)
-    engine, *_ = shardwise.initialize(model=model, config=sp_config(stage, sp_size, world, tp=tp, **zero))
+    config = sp_config(stage, sp_size, world, tp=tp, **zero)
+    if attention is not None:
+        config["shardwise"] = {"sequence_parallel_attention": attention}
+    engine, *_ = shardwise.initialize(model=model, config=config)
     sp = engine.sequence_parallel
     losses, norms = [], []
     for replicas in step_batches(engine.dp_world):
@@ -247,7 +253,7 @@ def sp_training(stage: int, sp_size: int, save_dir: str | None = None, inject: s
     with GatheredParameters(engine.module.parameters()):
         weights = gather_state_dict(engine.module, engine.tp)  # whole tensors (TP slices gathered)
     return {"losses": (t / engine.dp_world).tolist(), "norms": norms, "weights": weights,
-            "dp_world": engine.dp_world, "sp": sp.size, "sp_ranks": _group_ranks(sp)}
+            "dp_world": engine.dp_world, "sp": sp.size, "sp_ranks": _group_ranks(sp), "attention": sp.attention}
 
 
 def _group_ranks(sp: SequenceParallel) -> list[int]:

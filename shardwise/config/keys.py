@@ -298,6 +298,9 @@ KEYS: tuple[Key, ...] = (
     Key("shardwise.offload_activation_checkpoints", H, "true: the inputs HF activation checkpointing keeps for "
         "each layer's recompute are held in host memory (pinned) until backward; needs checkpointing on "
         "(docs/long_context.md)"),
+    Key("shardwise.sequence_parallel_attention", H, "\"auto\" (default): Ulysses when it can split the "
+        "heads over `sequence_parallel_size`, ring attention otherwise; \"ulysses\" or \"ring\" to choose "
+        "([long_context.md](long_context.md))"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

@@ -198,6 +198,8 @@ class ShardwiseSection(_Section):
     peak_tflops: float | None = Field(None, gt=0)
     # ALST's activation-checkpoint offload: checkpoint inputs held in host memory (sequence_parallel/offload.py)
     offload_activation_checkpoints: Bool = False
+    # sequence-parallel attention: Ulysses when it can split the heads, else ring ("auto"), or one of them
+    sequence_parallel_attention: Literal["auto", "ulysses", "ring"] = "auto"
 
 
 class ShardwiseConfig(_Section):

@@ -105,7 +105,7 @@ class Engine(EngineAccessors, nn.Module):
         # data-parallel replicas (sampler, batch rule): ZeRO shards over SP x DP ranks; one SP group, one sample set
         sp = config.sequence_parallel_size
         self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
-        # Ulysses SP and ALST's checkpoint offload (None without each), docs/long_context.md
+        # SP (Ulysses or ring attention) and ALST's checkpoint offload (None without each), docs/long_context.md
         self.sequence_parallel, self.checkpoint_offload = setup_long_context(model, sp, config.shardwise)
         # gradient_allreduce_op: "mean" averages gradients over data-parallel ranks, "sum" adds them
         self.gradient_average = config.gradient_allreduce_op == "mean"

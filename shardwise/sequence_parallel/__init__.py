@@ -1,4 +1,4 @@
-"""``shardwise.sequence_parallel``: Ulysses sequence parallelism for HF causal LMs.
+"""``shardwise.sequence_parallel``: Ulysses sequence parallelism (and ring attention) for HF causal LMs.
 
 Each sample's sequence is split over an SP group of ranks; attention exchanges heads for tokens
 (all-to-all) so every rank attends over the whole sequence with ``heads / sp`` heads; the loss
@@ -6,7 +6,8 @@ counts every token once; ZeRO (any stage) reduces over SP x DP ranks and average
 replicas only. The pieces (docs/long_context.md):
 
 - ``SequenceParallel``: the group and the on/off rule (on whenever gradients are enabled);
-- ``register_attention(model, sp)``: the attention wrapper (sdpa or eager; GQA; refusals);
+- ``register_attention(model, sp)``: the attention wrapper (sdpa or eager; GQA; refusals), Ulysses
+  or, for head counts Ulysses cannot split, ring attention (``ring.py``; ``choose_attention``);
 - ``split_batch`` / ``SequenceSplitLoader``: a batch as this rank's shard (positions, shifted labels);
 - ``sequence_parallel_loss``: the loss of a split batch; ``router_aux_loss``: an MoE model's aux
   load-balancing term for this rank's shard, to add to it;
@@ -24,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from shardwise.sequence_parallel.attention import head_split, register_attention
+from shardwise.sequence_parallel.attention import choose_attention, head_split, register_attention
 from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch
 from shardwise.sequence_parallel.group import SequenceParallel, current
 from shardwise.sequence_parallel.loss import (
@@ -39,29 +40,34 @@ from shardwise.sequence_parallel.offload import HostStore, offload_checkpoints
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
 from shardwise.tensor_parallel import tp_state_of
 
-__all__ = ["HostStore", "SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "current", "head_split",
-           "loss_of_shard_means", "offload_checkpoints", "register_attention", "router_aux_loss",
-           "sequence_parallel_loss", "setup_long_context", "setup_sequence_parallel", "share_of_loss", "split_batch",
-           "tile_mlps", "tiled_causal_lm_loss", "tiled_loss_sum", "tiled_mlp", "tiled_reduce", "token_count"]
+__all__ = ["HostStore", "SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "choose_attention",
+           "current", "head_split", "loss_of_shard_means", "offload_checkpoints", "register_attention",
+           "router_aux_loss", "sequence_parallel_loss", "setup_long_context", "setup_sequence_parallel",
+           "share_of_loss", "split_batch", "tile_mlps", "tiled_causal_lm_loss", "tiled_loss_sum", "tiled_mlp",
+           "tiled_reduce", "token_count"]
 
 
-def setup_sequence_parallel(model: nn.Module, sp_size: int, tp_size: int | None = None) -> SequenceParallel:
-    """Cut the SP groups (collective) and make ``model``'s attention Ulysses attention over them.
+def setup_sequence_parallel(model: nn.Module, sp_size: int, tp_size: int | None = None,
+                            attention: str = "auto") -> SequenceParallel:
+    """Cut the SP groups (collective) and make ``model``'s attention sequence-parallel over them.
 
     ``tp_size``: the tensor-parallel degree the model is (or will be) split over; None reads it from a
-    model already split (``tensor_parallel.tp_state_of``), else 1."""
+    model already split (``tensor_parallel.tp_state_of``), else 1. ``attention``: "auto", "ulysses"
+    or "ring" (``choose_attention``)."""
     if tp_size is None:
         state = tp_state_of(model)
         tp_size = state.comm.size if state is not None else 1
     sp = SequenceParallel.of_size(sp_size, tp_size)
     if sp.size > 1:
-        register_attention(model, sp)
+        register_attention(model, sp, attention)
     return sp
 
 
 def setup_long_context(model: nn.Module, sp_size: int,
                        section: Any) -> tuple[SequenceParallel | None, HostStore | None]:
-    """What the engine sets up from the config: SP over ``sp_size`` ranks (None at 1) and, when the
-    ``shardwise`` section's ``offload_activation_checkpoints`` is on, the checkpoint offload's store."""
-    sp = setup_sequence_parallel(model, sp_size) if sp_size > 1 else None
+    """What the engine sets up from the config: SP over ``sp_size`` ranks (None at 1) with the attention
+    ``shardwise.sequence_parallel_attention`` asks for and, when the ``shardwise`` section's
+    ``offload_activation_checkpoints`` is on, the checkpoint offload's store."""
+    sp = (setup_sequence_parallel(model, sp_size, attention=section.sequence_parallel_attention)
+          if sp_size > 1 else None)
     return sp, offload_checkpoints(model) if section.offload_activation_checkpoints else None

@@ -10,7 +10,9 @@ mask) and refuses any other mask, so there is no local mask to honour.
 
 GQA: key/value heads are split when the SP degree divides them; when the degree is a multiple of
 them each kv head is copied to the ranks whose query heads use it (``repeat_interleave``, whose
-backward sums the copies' gradients). Other head counts are refused.
+backward sums the copies' gradients). Other head counts are served by ring attention
+(``ring.py``): ``choose_attention`` picks Ulysses when it can split the heads and the ring otherwise
+(``shardwise.sequence_parallel_attention: "auto"``), or the one asked for.
 
 Under tensor parallelism the attention module already holds ``heads / tp`` query and kv heads (the
 TP plan cut q/k/v by heads); the SP group is the ranks with the same TP rank, so the exchange splits
@@ -30,12 +32,14 @@ from torch import nn
 from shardwise.comm import Work, compute_device
 from shardwise.sequence_parallel.exchange import HeadToSeq, SeqToHead
 from shardwise.sequence_parallel.group import SequenceParallel, set_current
+from shardwise.sequence_parallel.ring import layout_problem, ring_attention
 from shardwise.tensor_parallel import tp_state_of
 
 PREFIX = "shardwise_sp_"
+MODES = ("auto", "ulysses", "ring")
 WRAPPABLE = ("sdpa", "eager")
 _CURRENT: dict[str, SequenceParallel] = {}  # registered name -> the SP group its attention uses
-_CHECKS: dict[int, tuple[Work | None, torch.Tensor]] = {}  # id(sp) -> this forward's shard check, in flight
+_CHECKS: dict[int, tuple[Work | None, torch.Tensor, str | None]] = {}  # id(sp) -> this forward's shard check, in flight
 _MASK: dict[tuple, torch.Tensor] = {}  # (length, dtype, device) -> eager's causal mask; one entry
 
 
@@ -62,6 +66,30 @@ def head_split(num_heads: int, num_kv_heads: int, sp_size: int, tp_size: int = 1
     raise ValueError(f"sequence parallelism: {kv} key/value heads{per_tp} cannot be split over or "
                      f"replicated to {sp_size} ranks (sequence_parallel_size must divide num_key_value_heads"
                      f"{' / autotp_size' if tp_size > 1 else ''} or be a multiple of it)")
+
+
+def choose_attention(mode: str, num_heads: int, num_kv_heads: int, sp_size: int, tp_size: int = 1) -> str:
+    """``"ulysses"`` or ``"ring"`` for the requested ``mode``: "auto" takes Ulysses when it can split
+    the heads (fewer, larger messages per layer) and the ring otherwise; "ulysses" refuses, in one
+    line, head counts it cannot split."""
+    if mode not in MODES:
+        raise ValueError(f"shardwise.sequence_parallel_attention must be one of {MODES}, not {mode!r}")
+    if mode == "ring" or (mode == "auto" and _ulysses_refuses(num_heads, num_kv_heads, sp_size, tp_size)):
+        if tp_size > 1:  # not proven together: refused rather than trusted
+            raise ValueError(f"ring attention with tensor parallelism ({tp_size}) is not implemented by shardwise; "
+                             f"choose head counts Ulysses splits ({num_heads} heads, {num_kv_heads} kv heads "
+                             f"over tensor parallel {tp_size} x sequence parallel {sp_size})")
+        return "ring"
+    head_split(num_heads, num_kv_heads, sp_size, tp_size)  # "ulysses": its one-line refusal
+    return "ulysses"
+
+
+def _ulysses_refuses(num_heads: int, num_kv_heads: int, sp_size: int, tp_size: int) -> bool:
+    try:
+        head_split(num_heads, num_kv_heads, sp_size, tp_size)
+    except ValueError:
+        return True
+    return False
 
 
 class _Heads:
@@ -125,6 +153,10 @@ def _ulysses(inner_name: str, sp: SequenceParallel, module: nn.Module, query: to
     if not sp.active():
         return inner(module, query, key, value, attention_mask, **kwargs)
     _refuse_local_windows_and_sinks(module, query.shape[2] * sp.size, kwargs)
+    if sp.attention == "ring":  # the ring masks by global token index; the model's mask comes from the
+        # shard's zigzag position_ids alone (the forward pre-hook refuses an attention_mask)
+        _await_shard_check(sp)
+        return ring_attention(module, query, key, value, sp.comm, sp.layout, **kwargs), None
     if inner_name == "sdpa" and attention_mask is not None:
         raise ValueError("sequence parallelism: the model built an attention mask for a sequence-split batch "
                          "(padding or packed sequences); split batches with shardwise.sequence_parallel."
@@ -157,13 +189,16 @@ def _await_shard_check(sp: SequenceParallel) -> None:
     pending = _CHECKS.pop(id(sp), None)
     if pending is None:
         return
-    work, lengths = pending
+    work, lengths, problem = pending
     if work is not None:
         work.wait()
     high, low = int(lengths[0]), -int(lengths[1])
     if high != low:
         raise ValueError(f"sequence parallelism: the SP ranks' sequence shards differ in length "
                          f"({low}..{high} tokens); split_batch pads them equal")
+    if int(lengths[2]):
+        raise ValueError(problem or "ring attention: another SP rank's shard does not fit the zigzag layout; "
+                         "feed batches from shardwise.sequence_parallel.split_batch")
 
 
 def _check_split_forward(sp: SequenceParallel) -> Callable:
@@ -172,13 +207,15 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
     Why: with SP on, an unsplit batch (the same whole sequence on every rank) would be attended as
     one sequence ``sp`` times as long, a silent wrong number; and shards of unequal length would
     deadlock the all-to-all (or, on NCCL, exchange wrong bytes). ``split_batch`` gives
-    ``position_ids`` and equal lengths; one tiny all-reduce per forward checks the lengths, started
-    here without waiting and finished before the first exchange (``_await_shard_check``), so its
-    latency overlaps the embeddings and the first projections. It is not cached by length: a rank
-    whose length is cached would skip the collective while a rank with a new (unequal) length runs
-    it, the very mismatch it is there to catch; a skip must be decided alike on every rank, and
-    only a collective can tell the ranks' lengths apart. A model split over TP after registration must match
-    the TP degree the groups were cut for (``_check_tp``)."""
+    ``position_ids`` and equal lengths; one tiny all-reduce per forward checks the lengths (and, for
+    ring attention, that every rank's shard is in the zigzag layout: contiguous shards would be masked
+    as the wrong tokens, silently), started here without waiting and finished before the first
+    exchange (``_await_shard_check``), so its latency overlaps the embeddings and the first
+    projections. It is not cached by length: a rank whose length is cached would skip the collective
+    while a rank with a new (unequal) length runs it, the very mismatch it is there to catch; a skip
+    must be decided alike on every rank, and only a collective can tell the ranks' lengths apart. A
+    model split over TP after registration must match the TP degree the groups were cut for
+    (``_check_tp``)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG001
         if not sp.active():
@@ -193,9 +230,12 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
         stale = _CHECKS.pop(id(sp), None)  # a forward that failed before its first exchange
         if stale is not None and stale[0] is not None:
             stale[0].wait()
+        problem = layout_problem(kwargs, sp.rank, sp.size, ids.shape[1]) if sp.attention == "ring" else None
         # on the compute device: an NCCL group reduces no CPU tensor
-        lengths = torch.tensor([ids.shape[1], -ids.shape[1]], dtype=torch.int64, device=compute_device())
-        _CHECKS[id(sp)] = (sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX, async_op=True), lengths)
+        lengths = torch.tensor([ids.shape[1], -ids.shape[1], problem is not None], dtype=torch.int64,
+                               device=compute_device())
+        work = sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX, async_op=True)  # any rank's problem, on all
+        _CHECKS[id(sp)] = (work, lengths, problem)
 
     return hook
 
@@ -211,11 +251,13 @@ def _check_tp(model: nn.Module, sp: SequenceParallel) -> None:
                          "setup_sequence_parallel or SequenceParallel.of_size")
 
 
-def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
-    """Make ``model``'s attention Ulysses attention over ``sp``; returns the registered name.
+def register_attention(model: nn.Module, sp: SequenceParallel, attention: str = "auto") -> str:
+    """Make ``model``'s attention sequence-parallel over ``sp``; returns the registered name.
 
-    Checks the head counts first (one-line ValueError). Idempotent: registering a model again
-    rebinds it to ``sp``. Installs the shard check (``_check_split_forward``) on ``model``."""
+    ``attention``: "auto", "ulysses" or "ring" (``choose_attention``; sets ``sp.attention`` and the
+    shard layout ``sp.layout`` that ``split_batch`` follows). Checks the head counts first (one-line
+    ValueError). Idempotent: registering a model again rebinds it to ``sp``. Installs the shard
+    check (``_check_split_forward``) on ``model``."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
@@ -226,7 +268,9 @@ def register_attention(model: nn.Module, sp: SequenceParallel) -> str:
         raise ValueError(f"sequence parallelism wraps attn_implementation 'sdpa' or 'eager', not {inner_name!r}")
     _check_tp(model, sp)
     heads = config.num_attention_heads
-    head_split(heads, getattr(config, "num_key_value_heads", None) or heads, sp.size, sp.tp_size)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    sp.attention = choose_attention(attention, heads, kv_heads, sp.size, sp.tp_size)
+    sp.layout = "zigzag" if sp.attention == "ring" else "contiguous"
     name = PREFIX + inner_name
     _CURRENT[name] = sp
     set_current(sp)

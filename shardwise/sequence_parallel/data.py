@@ -10,6 +10,12 @@ its contiguous shard of the sequence. Three things make the shards add up to the
   mask a real token never attends to a later pad, so dropping the mask changes no real token.
 Any other mask (left padding, holes, packed sequences) is refused: Ulysses attention applies one
 causal mask over the whole sequence.
+
+Layouts (``sp.layout``): ``"contiguous"`` (Ulysses: rank r holds tokens ``[r·s/N, (r+1)·s/N)``, so
+the all-to-all's concatenation in rank order is the sequence) and ``"zigzag"`` (ring attention's
+load balance under a causal mask: the sequence in ``2N`` chunks, rank r holding chunks r and
+``2N-1-r``, padded to a multiple of ``2N``). The loss is a sum over tokens, so it is the same in
+either layout; ``position_ids`` are the global ones, gathered with the tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +29,24 @@ from shardwise.sequence_parallel.group import SequenceParallel
 
 IGNORE = -100
 KNOWN = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def chunks_per_shard(layout: str) -> int:
+    """How many contiguous pieces of the sequence one rank's shard is made of."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"sequence parallelism: unknown shard layout {layout!r} (one of {LAYOUTS})")
+    return 2 if layout == "zigzag" else 1
+
+
+def shard_indices(rank: int, size: int, length: int, layout: str) -> torch.Tensor:
+    """The indices, in the padded whole sequence, of the ``length`` tokens rank ``rank`` holds."""
+    count = chunks_per_shard(layout)
+    chunk = length // count
+    if count == 1:
+        return torch.arange(rank * length, (rank + 1) * length)
+    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
 def _right_padded(mask: torch.Tensor) -> torch.Tensor:
@@ -54,7 +78,8 @@ def _pad_to(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
 
 
 def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_token_id: int = 0) -> dict[str, Any]:
-    """This rank's shard of ``batch`` (a dict of ``[batch, seq]`` tensors, the same on every SP rank).
+    """This rank's shard of ``batch`` (a dict of ``[batch, seq]`` tensors, the same on every SP rank),
+    in ``sp.layout`` (contiguous for Ulysses, zigzag for ring attention).
 
     Returns ``input_ids``, ``position_ids``, ``shift_labels`` (when the batch has ``labels`` or
     ``shift_labels``) and ``use_cache=False``; other non-tensor entries pass through.
@@ -76,12 +101,14 @@ def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_token_id: int =
         pos = torch.arange(seq, device=ids.device)
     pos = pos.expand_as(ids)
     n, r = sp.size, sp.rank
-    total = -(-seq // n) * n
+    layout = getattr(sp, "layout", "contiguous")  # a SequenceParallel has one; a bare (size, rank) is contiguous
+    unit = n * chunks_per_shard(layout)
+    total = -(-seq // unit) * unit
     length = total // n
     extra_pos = torch.arange(seq, total, device=ids.device).expand(ids.shape[0], -1)
     pos = torch.cat([pos, extra_pos.to(pos.dtype)], dim=1)
     out: dict[str, Any] = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
-    mine = slice(r * length, (r + 1) * length)  # contiguous copies: HF's loss .view()s the labels
+    mine = shard_indices(r, n, length, layout).to(ids.device)  # index copies: HF's loss .view()s the labels
     out["input_ids"] = _pad_to(ids, total, pad_token_id)[:, mine].contiguous()
     out["position_ids"] = pos[:, mine].contiguous()
     if shift is not None:

@@ -27,6 +27,9 @@ class SequenceParallel:
         self.mesh = mesh
         self.comm: Comm = mesh.sp
         self._forced: bool | None = None  # None: follow torch.is_grad_enabled()
+        # set by register_attention: "ulysses" or "ring", and the shard layout split_batch must use
+        self.attention = "ulysses"
+        self.layout = "contiguous"
 
     @classmethod
     def of_size(cls, sp_size: int, tp_size: int = 1) -> SequenceParallel:
