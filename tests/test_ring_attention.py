@@ -136,3 +136,15 @@ def test_split_batch_zigzag_layout():
     assert shards[0]["shift_labels"].tolist() == [[11, 12, -100, -100]]
     assert shards[1]["input_ids"].tolist() == [[12, 13, 14, 15]]
     assert shards[1]["shift_labels"].tolist() == [[13, 14, 15, 16]]
+
+
+def test_ring_with_tensor_parallelism_refused_ulysses_kept():
+    """Ring attention is not proven with TP: refused in one line, whether asked for or picked by
+    "auto"; Ulysses under TP applies its rules to the TP-local heads (4 / 2 = 2 over SP 2)."""
+    from shardwise.sequence_parallel import choose_attention
+
+    assert choose_attention("auto", 4, 2, 2, tp_size=2) == "ulysses"
+    for mode, heads in (("ring", 4), ("auto", 6)):  # 6 / 2 = 3 local heads: Ulysses cannot split over 2
+        with pytest.raises(ValueError, match="ring attention with tensor parallelism") as e:
+            choose_attention(mode, heads, 2, 2, tp_size=2)
+        assert "\n" not in str(e.value)
