@@ -94,10 +94,12 @@ def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1,
     return history(trainer)
 
 
-def accelerate_loop(stage: int) -> dict[int, float]:
+def accelerate_loop(stage: int, steps: int = STEPS) -> dict[int, float]:
     """Accelerate's documented SP loop: prepare(model, optimizer, loader) wraps the loader in the SP
-    adapter; the loss is the SP ranks' token-weighted mean through a differentiable all-gather. The
-    model is left in eval mode, as from_pretrained returns it and the documented loop leaves it."""
+    adapter; the loss is the SP ranks' token-weighted mean through torch's differentiable all-gather
+    (whose gloo backward fails for SP groups without rank 0 unless the facade serves it: at 4 ranks,
+    SP 2 x DP 2, the samples of ``SPDP_ORDER``). The model is left in eval mode, as from_pretrained
+    returns it and the documented loop leaves it. Each step's loss is the mean over the replicas."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
@@ -106,7 +108,8 @@ def accelerate_loop(stage: int) -> dict[int, float]:
     cpu_state()
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "zero_optimization": {"stage": stage}}
-    pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed",
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed", dp_shard_size=world // 2,
                            sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
     model = tiny_llama().eval()  # before the stage-3 plugin exists: no zero.Init, the reference's initial weights
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), parallelism_config=pc)
@@ -125,16 +128,21 @@ def accelerate_loop(stage: int) -> dict[int, float]:
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
-        seen[step] = float(loss.detach())
-        if step == STEPS:
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)  # every rank holds its replica's loss: the mean over replicas
+        seen[step] = float(mean) / torch.distributed.get_world_size()
+        if step == steps:
             break
     return seen
 
 
-def reference_loop(split: int = 1) -> dict[int, float]:
-    """The Accelerate loop in plain PyTorch, one process: AdamW, clipping at 1.0, batches of 2 in order."""
-    model, data = tiny_llama(), dataset()
-    return plain_adamw_losses(model, data, STEPS, 2, split)
+def reference_loop(split: int = 1, replicas: int = 1) -> dict[int, float]:
+    """The Accelerate loop in plain PyTorch, one process: AdamW, clipping at 1.0, batches of 2 in order
+    (``replicas`` 2: batches of 4 in ``SPDP_ORDER``, what SP 2 x DP 2 trains per step)."""
+    if replicas == 1:
+        return plain_adamw_losses(tiny_llama(), dataset(), STEPS, 2, split)
+    data = [dataset()[i] for i in SPDP_ORDER]
+    return plain_adamw_losses(tiny_llama(), data, SPDP_STEPS, 2 * replicas, split)
 
 
 def main() -> None:
@@ -143,7 +151,8 @@ def main() -> None:
     assert deepspeed.__version__.endswith("+shardwise"), deepspeed
     root = Path(sys.argv[1])
     if sys.argv[2:] == ["spdp"]:  # 4 ranks: SP 2 x DP 2, the SP groups [0, 1] and [2, 3]
-        res = {"spdp": run(root / "spdp", 2, sp=2, steps=SPDP_STEPS, order=list(range(SAMPLES)))}
+        res = {"spdp": run(root / "spdp", 2, sp=2, steps=SPDP_STEPS, order=list(range(SAMPLES))),
+               "acc_spdp": accelerate_loop(2, steps=SPDP_STEPS)}
     else:
         res = {f"z{stage}": run(root / f"z{stage}", stage, sp=2) for stage in (2, 3)}
         res["z3_offload"] = run(root / "z3_offload", 3, sp=2, offload=True)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.deepspeed.gloo_all_gather import serve_gloo_all_gather
 from shardwise.sequence_parallel import (
     SequenceParallelMPU,
     current,
@@ -57,6 +58,7 @@ class UlyssesSPAttentionHF:
                              f"attn_implementation {active!r}; set both to the same value")
         sp = setup_sequence_parallel(model, int(sequence_parallel_size))
         serve_trainer_sp_loss()
+        serve_gloo_all_gather()  # Accelerate's documented SP loop all-gathers the losses itself
         return SequenceParallelMPU(sp)
 
 
