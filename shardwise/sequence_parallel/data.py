@@ -102,3 +102,23 @@ class SequenceSplitLoader:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+
+def token_mask(batch: dict[str, Any], sp: SequenceParallel) -> torch.Tensor | None:
+    """The real tokens of ``batch`` (unsplit, as given to ``split_batch``) laid out as the SP ranks'
+    shards concatenated: ``[batch, seq rounded up to a multiple of sp]``, 1 for a token the no-SP run
+    sees unmasked, 0 for right padding and for the padding ``split_batch`` appends; None when every
+    position is a real token (no ``attention_mask`` and ``seq`` a multiple of ``sp``).
+
+    What the router's aux loss over the whole sequence needs: the shards carry no attention mask
+    (Ulysses attention needs none for right padding), but the no-SP run's aux loss leaves its
+    masked tokens out."""
+    ids = batch.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        raise ValueError("sequence parallelism: token_mask needs input_ids shaped [batch, seq]")
+    seq, mask = ids.shape[1], batch.get("attention_mask")
+    total = -(-seq // sp.size) * sp.size
+    if mask is None and total == seq:
+        return None
+    real = torch.ones_like(ids, dtype=torch.long) if mask is None else _right_padded(mask).long()
+    return _pad_to(real, total, 0)
