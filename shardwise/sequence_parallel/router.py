@@ -25,19 +25,29 @@ from shardwise.sequence_parallel.group import SequenceParallel, current
 _ATTRS = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")  # what the models' forward reads
 
 
+def _aux_function(lm: object) -> Any:
+    return getattr(sys.modules.get(type(lm).__module__), "load_balancing_loss_func", None)
+
+
 def moe_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The HF MoE causal LM inside ``model`` (an engine, a DDP or PEFT wrapper): the object whose
-    forward adds the aux loss, holding ``router_aux_loss_coef``, ``num_experts``, ``num_experts_per_tok``."""
-    seen = model
+    forward adds the aux loss, holding ``router_aux_loss_coef``, ``num_experts``, ``num_experts_per_tok``,
+    whose modeling module has ``load_balancing_loss_func`` (a wrapper may forward the attributes)."""
+    seen, holder = model, None
     for _ in range(8):
         if all(hasattr(seen, a) for a in _ATTRS):
-            return seen
+            holder = seen
+            if _aux_function(seen) is not None:
+                return seen
         inner = next((getattr(seen, a) for a in ("module", "base_model", "model") if hasattr(seen, a)), None)
         if not isinstance(inner, torch.nn.Module) or inner is seen:
             break
         seen = inner
-    raise ValueError(f"{type(model).__name__} returned an aux_loss but holds no MoE causal LM with "
-                     f"{', '.join(_ATTRS)} to compute it over the whole sequence")
+    if holder is None:
+        raise ValueError(f"{type(model).__name__} returned an aux_loss but holds no MoE causal LM with "
+                         f"{', '.join(_ATTRS)} to compute it over the whole sequence")
+    raise ValueError(f"{type(holder).__name__} returned an aux_loss but its modeling module has no "
+                     "load_balancing_loss_func; sequence parallelism cannot compute it over the whole sequence")
 
 
 def whole_sequence_aux(router_logits: tuple[torch.Tensor, ...], model: torch.nn.Module,
@@ -46,10 +56,7 @@ def whole_sequence_aux(router_logits: tuple[torch.Tensor, ...], model: torch.nn.
     rank. ``router_logits``: this shard's, ``[batch * shard length, experts]`` per layer; ``mask``:
     ``token_mask``'s ``[batch, sp * shard length]`` (None: every gathered token counts)."""
     lm = moe_causal_lm(model)
-    fn = getattr(sys.modules.get(type(lm).__module__), "load_balancing_loss_func", None)
-    if fn is None:
-        raise ValueError(f"{type(lm).__name__} returned an aux_loss but its modeling module has no "
-                         "load_balancing_loss_func; sequence parallelism cannot compute it over the whole sequence")
+    fn = _aux_function(lm)
     layers = torch.stack(tuple(router_logits))  # [layers, batch * s, experts]: one gather for all layers
     gathered = GatherShards.apply(layers, sp.comm)  # [sp, layers, batch * s, experts]
     n_layers, experts = layers.shape[0], layers.shape[-1]
