@@ -5,7 +5,7 @@ Accelerate's documented SP loop at ZeRO 1 and 3 against the same loop in plain P
 
 What it proves: Accelerate's and the Trainer's calls (``register_with_transformers`` -> mpu,
 ``UlyssesSPDataLoaderAdapter``, ``deepspeed.utils.groups._get_sequence_parallel_*``,
-``initialize(mpu=...)``, the Trainer's SP loss, served on gloo by the facade's ``serve_trainer_sp_loss``) give the
+``initialize(mpu=...)``, the Trainer's SP loss, served by the facade's ``serve_trainer_sp_loss``) give the
 no-SP losses and the no-SP gradient norms: DeepSpeed 0.19.8 reports 2x norms at ZeRO-1/2 here.
 Tolerance: tests/tolerance.py's rule from the reference trained again as 2 accumulated micro-batches
 of 1 (equal in exact arithmetic).
