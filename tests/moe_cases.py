@@ -11,6 +11,7 @@ from shardwise.moe import apply_expert_parallel, combine, dispatch, get_expert_m
 
 VOCAB = 97
 SEQ = 8
+SP_AUX = 0.1  # router_aux_loss_coef of the SP x EP case: large enough that the mean of the shards' aux losses fails it
 
 
 def moe_config(kind: str, experts: int = 4, aux: float = 0.02, attn: str = "eager"):
@@ -309,20 +310,21 @@ def generate_reference(kind: str, world: int) -> list[list[list[int]]]:
 
 # -- sequence parallelism x expert parallelism ------------------------------------------------
 def train_sp_ep(kind: str, stage: int, sp: int, ep: int, steps: int = 3, lr: float = 0.5, micro: int = 2,
-                clip: float | None = None, train_loop: bool = False) -> dict:
+                clip: float | None = None, train_loop: bool = False, aux: float = SP_AUX) -> dict:
     """Ulysses SP ``sp`` and EP ``ep`` on the same ranks (sdpa): each SP group reads one sample set,
     splits it with ``split_batch``; the loss is ``sequence_parallel_loss`` (the whole batch's token
-    mean) plus the router's aux loss of this rank's shard (``router_aux_loss``, added locally: the
-    engine's average over the SP ranks makes it the mean of the shards' aux losses). ``train_loop``:
-    the loss ``shardwise train`` computes (``train.loop.micro_loss``) instead of the plain-loop recipe."""
+    mean) plus ``router_aux_loss`` (the aux loss over the whole sequence, from the SP ranks' router
+    logits gathered). ``train_loop``: the loss ``shardwise train`` computes (``train.loop.micro_loss``)
+    instead of the plain-loop recipe."""
     from shardwise.sequence_parallel import router_aux_loss, sequence_parallel_loss, split_batch
     from shardwise.train.loop import micro_loss
 
     world = dist.get_world_size()
-    model = build(kind, attn="sdpa")
+    model = build(kind, attn="sdpa", aux=aux)
     cfg = ds_config(stage, lr, micro, world // sp, clip)
     cfg.update(sequence_parallel_size=sp, expert_parallel={"enabled": True, "autoep_size": ep, "preset_model": kind})
     engine, *_ = shardwise.initialize(model=model, config=cfg)
+    sp_group = engine.sequence_parallel
     data = batches(steps, world // sp, micro)
     losses, norms = [], []
     for s in range(steps):
@@ -330,10 +332,11 @@ def train_sp_ep(kind: str, stage: int, sp: int, ep: int, steps: int = 3, lr: flo
         if train_loop:
             loss = micro_loss(engine, ids)
         else:
-            shard = split_batch({"input_ids": ids, "labels": ids}, engine.sequence_parallel)
+            batch = {"input_ids": ids, "labels": ids}
+            shard = split_batch(batch, sp_group)
             labels = shard.pop("shift_labels")
             out = engine(**shard)
-            loss = sequence_parallel_loss(out.logits, labels, engine.sequence_parallel) + router_aux_loss(out, model)
+            loss = sequence_parallel_loss(out.logits, labels, sp_group) + router_aux_loss(out, model, batch, sp_group)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
@@ -342,35 +345,73 @@ def train_sp_ep(kind: str, stage: int, sp: int, ep: int, steps: int = 3, lr: flo
             "sp_rank": engine.sequence_parallel.rank, "dp_world": engine.dp_world}
 
 
-def reference_sp(kind: str, sp: int, steps: int = 3, lr: float = 0.5, micro: int = 2, clip: float | None = None,
-                 implementation: str | None = None) -> dict:
-    """One process, the whole batch: the objective SP x EP trains is the batch's token-mean loss plus
-    ``coef`` times the mean over the ``sp`` contiguous sequence shards of each shard's aux loss
-    (transformers' own ``load_balancing_loss_func`` on that shard's router logits). ``losses[s][r]``:
-    what SP rank r reports (the whole loss plus its own shard's aux term)."""
-    import sys
-
-    model = build(kind, attn="sdpa")
+def reference_sp(kind: str, steps: int = 3, lr: float = 0.5, micro: int = 2, clip: float | None = None,
+                 implementation: str | None = None, aux: float = SP_AUX) -> dict:
+    """One process, the whole batch, no SP: the model's own ``outputs.loss`` (labels given: the token-mean
+    loss plus ``router_aux_loss_coef`` times its aux loss over the whole batch), SGD, optional clipping."""
+    model = build(kind, attn="sdpa", aux=aux)
     if implementation is not None:
         model.config._experts_implementation = implementation
-    aux_fn = sys.modules[type(model).__module__].load_balancing_loss_func
-    cfg = model.config
-    num, top_k, coef = int(getattr(cfg, "num_local_experts", None) or cfg.num_experts), cfg.num_experts_per_tok, \
-        cfg.router_aux_loss_coef
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     data = batches(steps, 1, micro)
     losses, norms = [], []
     for s in range(steps):
         ids = data[s, 0]
-        out = model(input_ids=ids)
-        ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        per = ids.shape[1] // sp
-        aux = [aux_fn(tuple(g.view(*ids.shape, num)[:, r * per:(r + 1) * per].reshape(-1, num)
-                            for g in out.router_logits), num, top_k) for r in range(sp)]
-        (ce + coef * torch.stack(aux).mean()).backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
         opt.step()
         opt.zero_grad()
-        losses.append([float((ce + coef * a).detach()) for a in aux])
+        losses.append(float(loss.detach()))
     return {"losses": losses, "norms": norms,
             "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def sp_aux_matches_whole(kind: str, seq: int, pad_from: int | None) -> dict:
+    """One forward + backward with SP over every rank (no engine) against the model's own no-SP loss on
+    the whole batch, labels and ``attention_mask`` given: ``seq`` not a multiple of the SP degree (the
+    tail ``split_batch`` appends) and the last sample right padded from ``pad_from`` (the shards carry no
+    mask): the pad tokens must be left out of the aux loss as the no-SP run's mask leaves them out.
+    Gradients are summed over the SP ranks and divided by their count, as the engine does. Also the
+    mean of the shards' own aux losses (the objective before), to show the bound tells them apart."""
+    import copy
+
+    from shardwise.sequence_parallel import (
+        SequenceParallel,
+        register_attention,
+        router_aux_loss,
+        sequence_parallel_loss,
+        split_batch,
+    )
+
+    sp = SequenceParallel.of_size(dist.get_world_size())
+    model = build(kind, attn="sdpa", aux=SP_AUX)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, seq), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    if pad_from is not None:
+        batch["attention_mask"][-1, pad_from:] = 0
+        batch["labels"][-1, pad_from:] = -100
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(**batch)
+    ref.loss.backward()
+    register_attention(model, sp)
+    shard = split_batch(batch, sp)
+    labels = shard.pop("shift_labels")
+    out = model(**shard)
+    aux = router_aux_loss(out, model, batch, sp)
+    loss = sequence_parallel_loss(out.logits, labels, sp) + aux
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    for t in grads.values():
+        dist.all_reduce(t, group=sp.group)
+        t /= sp.size
+    want = {n: p.grad for n, p in ref_model.named_parameters() if p.grad is not None}
+    assert grads.keys() == want.keys()
+    shard_aux = out.aux_loss.detach().clone()
+    dist.all_reduce(shard_aux, group=sp.group)
+    whole_aux = float(ref.aux_loss)
+    return {"loss": abs(float(loss.detach()) - float(ref.loss)) / abs(float(ref.loss)),
+            "aux": abs(float(aux.detach()) / SP_AUX - whole_aux) / whole_aux,
+            "grad": max(float((grads[n] - want[n]).norm() / want[n].norm()) for n in want),
+            "mean_of_shards_aux": abs(float(shard_aux) / sp.size - whole_aux) / whole_aux}

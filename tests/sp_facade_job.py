@@ -37,6 +37,33 @@ def tiny_llama(kv_heads: int = 1):
     return AutoModelForCausalLM.from_config(cfg)
 
 
+def tiny_moe(experts: str = "default"):
+    """Qwen3-MoE (tests/moe_cases.py, sdpa, router aux loss at ``moe_cases.SP_AUX``); ``experts``: its
+    experts kernel (``"eager"``: the reference again with other summation orders, the noise floor)."""
+    import moe_cases
+
+    model = moe_cases.build("qwen3_moe", attn="sdpa", aux=moe_cases.SP_AUX)
+    if experts != "default":
+        model.config._experts_implementation = experts
+    return model
+
+
+def moe_dataset() -> list[dict[str, torch.Tensor]]:
+    """Samples for the MoE model, every other one right padded from token 9 (mask 0, labels -100): the
+    no-SP run leaves the pads out of the aux loss through its attention_mask, SP through the adapter's
+    token mask."""
+    import moe_cases
+
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for i, x in enumerate(torch.randint(0, moe_cases.VOCAB, (SAMPLES, SEQ), generator=g)):
+        mask, labels = torch.ones_like(x), x.clone()
+        if i % 2:
+            mask[9:], labels[9:] = 0, -100
+        rows.append({"input_ids": x, "attention_mask": mask, "labels": labels})
+    return rows
+
+
 def dataset() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
@@ -70,10 +97,11 @@ def history(trainer) -> dict[str, dict[int, float]]:
 
 
 def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1, steps: int = STEPS,
-        order: list[int] | None = None, offload: bool = False) -> dict:
+        order: list[int] | None = None, offload: bool = False, moe: str | None = None) -> dict:
     """The Trainer at ``stage`` (None: no DeepSpeed); ``order``: the samples in this order, not shuffled;
     ``offload``: activation checkpointing with its inputs offloaded (``shardwise.offload_activation_checkpoints``
-    in the DeepSpeed config), and the bytes the offload moved in the result."""
+    in the DeepSpeed config), and the bytes the offload moved in the result; ``moe``: ``tiny_moe`` on
+    ``moe_dataset`` instead of Llama (``"default"`` or ``"eager"``: its experts kernel)."""
     from transformers import Trainer
 
     deepspeed = None
@@ -84,9 +112,11 @@ def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1,
                      "zero_optimization": {"stage": stage}}
         if offload:
             deepspeed["shardwise"] = {"offload_activation_checkpoints": True}
-    data = dataset() if order is None else [dataset()[i] for i in order]
+    rows = dataset() if moe is None else moe_dataset()
+    data = rows if order is None else [rows[i] for i in order]
     sampling = "random" if order is None else "sequential"
-    trainer = Trainer(model=tiny_llama(), args=args(out, deepspeed, sp, batch, gas, steps, sampling, offload),
+    model = tiny_llama() if moe is None else tiny_moe(moe)
+    trainer = Trainer(model=model, args=args(out, deepspeed, sp, batch, gas, steps, sampling, offload),
                       train_dataset=data)
     trainer.train()
     if offload:
@@ -156,6 +186,7 @@ def main() -> None:
     else:
         res = {f"z{stage}": run(root / f"z{stage}", stage, sp=2) for stage in (2, 3)}
         res["z3_offload"] = run(root / "z3_offload", 3, sp=2, offload=True)
+        res["moe"] = run(root / "moe", 2, sp=2, moe="default")
         res.update({f"acc{stage}": accelerate_loop(stage) for stage in (1, 3)})
     if int(os.environ.get("RANK", "0")) == 0:
         (root / "results.json").write_text(json.dumps(res, indent=1))

@@ -148,3 +148,20 @@ def test_ring_with_tensor_parallelism_refused_ulysses_kept():
         with pytest.raises(ValueError, match="ring attention with tensor parallelism") as e:
             choose_attention(mode, heads, 2, 2, tp_size=2)
         assert "\n" not in str(e.value)
+
+
+def test_token_mask_follows_the_zigzag_layout():
+    """The MoE aux loss under SP masks the gathered router logits with ``token_mask``: with ring
+    attention's zigzag shards the mask must be laid out as the shards are concatenated, not in
+    sequence order (11 tokens, SP 2: 4 chunks of 3, rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2)."""
+    from types import SimpleNamespace
+
+    from shardwise.sequence_parallel import token_mask
+
+    ids = torch.zeros(2, 11, dtype=torch.long)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, 7:] = 0
+    got = token_mask({"input_ids": ids, "attention_mask": mask}, SimpleNamespace(size=2, layout="zigzag"))
+    assert got.tolist() == [[1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 0, 0]]
+    plain = token_mask({"input_ids": ids, "attention_mask": mask}, SimpleNamespace(size=2, layout="contiguous"))
+    assert plain.tolist() == [[1] * 11 + [0], [1] * 7 + [0] * 5]

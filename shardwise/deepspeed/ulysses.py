@@ -8,9 +8,11 @@ enabled (``disable_in_eval`` is accepted and not needed: a no-grad forward, as e
 is built over the gathered sequence); sequences whose length is not a multiple of the SP degree are
 padded with -100 labels instead of refused; ``TiledFusedLogitsLoss`` computes the head's gradient in
 backward, so a scale applied to its output reaches it; gradients come out at their true scale at
-every ZeRO stage; on a gloo SP group the HF Trainer's SP loss is served by shardwise's
-(``serve_trainer_sp_loss``: transformers' own one goes through torch's differentiable ``all_gather``,
-whose gloo backward fails for SP groups without rank 0).
+every ZeRO stage; the HF Trainer's SP loss is served by shardwise's (``serve_trainer_sp_loss``:
+transformers' own one goes through torch's differentiable ``all_gather``, whose gloo backward fails
+for SP groups without rank 0, and adds an MoE model's aux loss per shard, not over the whole
+sequence); the data loader adapter's shards carry ``shardwise_token_mask`` when the batch has
+padding (HF models ignore an unknown keyword; the Trainer's loss takes it out).
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ from shardwise.sequence_parallel import (
     SequenceParallelMPU,
     current,
     loss_of_shard_means,
+    moe_causal_lm,
     setup_sequence_parallel,
     split_batch,
     tiled_mlp,
     tiled_reduce,
+    token_mask,
+    whole_sequence_aux,
 )
+
+TOKEN_MASK = "shardwise_token_mask"  # a shard's key: the batch's real tokens as the shards lie (token_mask)
 
 
 class UlyssesSPAttentionHF:
@@ -67,37 +74,44 @@ _TRAINER_LOSS = "deepspeed_sp_compute_loss"
 
 def serve_trainer_sp_loss() -> None:
     """Replace the HF Trainer's SP loss (``transformers.trainer.deepspeed_sp_compute_loss``, the name
-    ``Trainer.compute_loss`` looks up at call time) by one that, on a gloo SP group, combines the shards'
-    losses with ``loss_of_shard_means`` (same value, same gradient) and elsewhere calls transformers' own.
+    ``Trainer.compute_loss`` looks up at call time) by :func:`trainer_sp_loss`, on every backend.
 
-    Why: transformers' combines them with torch's differentiable ``all_gather``, whose backward on gloo
-    scatters with ``src=`` the group rank where torch expects a global rank, so it fails for every SP
-    group that does not contain rank 0 (SP x DP). Idempotent; a no-op when the Trainer is not loaded."""
+    Why: transformers' combines the shards' losses with torch's differentiable ``all_gather``, whose
+    backward on gloo scatters with ``src=`` the group rank where torch expects a global rank, so it fails
+    for every SP group that does not contain rank 0 (SP x DP); and it weights each shard's
+    ``outputs.loss``, which for an MoE model holds that shard's aux loss, so the objective is not the
+    no-SP run's. Idempotent; a no-op when the Trainer is not loaded."""
     for name in ("transformers.trainer", "transformers.integrations.deepspeed"):
         module = sys.modules.get(name)
-        plain = getattr(module, _TRAINER_LOSS, None)
-        if plain is not None and not getattr(plain, "_shardwise", False):
-            setattr(module, _TRAINER_LOSS, _trainer_sp_loss(plain))
+        if getattr(module, _TRAINER_LOSS, None) is not None:
+            setattr(module, _TRAINER_LOSS, trainer_sp_loss)
 
 
-def _trainer_sp_loss(plain: Callable) -> Callable:
-    def loss(accelerator: Any, model: nn.Module, inputs: dict, return_outputs: bool, pc: Any) -> Any:
-        sp = current()
-        if dist.get_backend(sp.group) != "gloo":  # torch's all_gather backward is right on this backend
-            return plain(accelerator, model, inputs, return_outputs, pc)
-        if "labels" not in inputs and "shift_labels" in inputs:
-            inputs["labels"] = inputs["shift_labels"]  # as transformers': the model computes the shard's loss
-        outputs = model(**inputs)
-        total = loss_of_shard_means(outputs.loss, inputs["shift_labels"], sp)
-        return (total, outputs) if return_outputs else total
-
-    loss._shardwise = True  # type: ignore[attr-defined]
-    return loss
+def trainer_sp_loss(accelerator: Any, model: nn.Module, inputs: dict, return_outputs: bool, pc: Any) -> Any:  # noqa: ARG001
+    """transformers' ``deepspeed_sp_compute_loss`` with the no-SP objective: the shards' token-mean
+    cross entropy combined by ``loss_of_shard_means`` (transformers' value and gradient convention),
+    and for an MoE model the shard's aux term the model put in ``outputs.loss`` taken out and the aux
+    loss over the whole sequence (``whole_sequence_aux``, masked by the adapter's ``TOKEN_MASK``) added
+    once, ``router_aux_loss_coef`` times, as the model adds it without SP."""
+    sp = current()
+    mask = inputs.pop(TOKEN_MASK, None)
+    if "labels" not in inputs and "shift_labels" in inputs:
+        inputs["labels"] = inputs["shift_labels"]  # as transformers': the model computes the shard's loss
+    outputs = model(**inputs)
+    shard_loss, aux = outputs.loss, getattr(outputs, "aux_loss", None)
+    if aux is not None:
+        lm = moe_causal_lm(model)
+        shard_loss = shard_loss - lm.router_aux_loss_coef * aux.to(shard_loss.device)
+    total = loss_of_shard_means(shard_loss, inputs["shift_labels"], sp)
+    if aux is not None:
+        total = total + lm.router_aux_loss_coef * whole_sequence_aux(outputs.router_logits, lm, mask, sp)
+    return (total, outputs) if return_outputs else total
 
 
 class UlyssesSPDataLoaderAdapter:
     """DeepSpeed's adapter: each step gathers one batch from every SP rank's loader and yields them in
-    turn, each as this rank's sequence shard (``split_batch``: positions, ``shift_labels``)."""
+    turn, each as this rank's sequence shard (``split_batch``: positions, ``shift_labels``; and
+    ``TOKEN_MASK`` when the batch has padding, for the Trainer's MoE aux loss)."""
 
     def __init__(self, dl: Iterable[dict], sp_rank: int, sp_group: Any, sp_world_size: int,  # noqa: ARG002
                  device: Any = None):
@@ -130,6 +144,9 @@ class UlyssesSPDataLoaderAdapter:
         dist.all_gather_object(everyone, local, group=self.sp.group)
         for b in everyone:
             shard = split_batch(b, self.sp)
+            mask = token_mask(b, self.sp)
+            if mask is not None:
+                shard[TOKEN_MASK] = mask
             self.pending.append({k: v.to(self.device) if isinstance(v, torch.Tensor) and self.device is not None
                                  else v for k, v in shard.items()})
 

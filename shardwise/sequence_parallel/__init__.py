@@ -10,7 +10,7 @@ replicas only. The pieces (docs/long_context.md):
   or, for head counts Ulysses cannot split, ring attention (``ring.py``; ``choose_attention``);
 - ``split_batch`` / ``SequenceSplitLoader``: a batch as this rank's shard (positions, shifted labels);
 - ``sequence_parallel_loss``: the loss of a split batch; ``router_aux_loss``: an MoE model's aux
-  load-balancing term for this rank's shard, to add to it;
+  load-balancing term over the whole sequence (the shards' router logits gathered), to add to it;
 - ``setup_sequence_parallel(model, sp_size)``: the groups plus the attention in one call (under TP,
   groups of the ranks with the same TP rank);
 - ``SequenceParallelMPU``: the groups under Megatron/DeepSpeed names (``initialize(mpu=...)``);
@@ -26,25 +26,25 @@ from typing import Any
 from torch import nn
 
 from shardwise.sequence_parallel.attention import choose_attention, head_split, register_attention
-from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch
+from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch, token_mask
 from shardwise.sequence_parallel.group import SequenceParallel, current
 from shardwise.sequence_parallel.loss import (
     loss_of_shard_means,
-    router_aux_loss,
     sequence_parallel_loss,
     share_of_loss,
     token_count,
 )
 from shardwise.sequence_parallel.mpu import SequenceParallelMPU
 from shardwise.sequence_parallel.offload import HostStore, offload_checkpoints
+from shardwise.sequence_parallel.router import moe_causal_lm, router_aux_loss, whole_sequence_aux
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
 from shardwise.tensor_parallel import tp_state_of
 
 __all__ = ["HostStore", "SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "choose_attention",
-           "current", "head_split", "loss_of_shard_means", "offload_checkpoints", "register_attention",
-           "router_aux_loss", "sequence_parallel_loss", "setup_long_context", "setup_sequence_parallel",
-           "share_of_loss", "split_batch", "tile_mlps", "tiled_causal_lm_loss", "tiled_loss_sum", "tiled_mlp",
-           "tiled_reduce", "token_count"]
+           "current", "head_split", "loss_of_shard_means", "moe_causal_lm", "offload_checkpoints",
+           "register_attention", "router_aux_loss", "sequence_parallel_loss", "setup_long_context",
+           "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps", "tiled_causal_lm_loss",
+           "tiled_loss_sum", "tiled_mlp", "tiled_reduce", "token_count", "token_mask", "whole_sequence_aux"]
 
 
 def setup_sequence_parallel(model: nn.Module, sp_size: int, tp_size: int | None = None,

@@ -129,3 +129,29 @@ class SequenceSplitLoader:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+
+def token_mask(batch: dict[str, Any], sp: SequenceParallel) -> torch.Tensor | None:
+    """The real tokens of ``batch`` (unsplit, as given to ``split_batch``) laid out as the SP ranks'
+    shards concatenated (in ``sp.layout``: ring attention's zigzag shards are not in sequence order):
+    ``[batch, seq rounded up as split_batch pads it]``, 1 for a token the no-SP run
+    sees unmasked, 0 for right padding and for the padding ``split_batch`` appends; None when every
+    position is a real token (no ``attention_mask`` and ``seq`` a multiple of ``sp``).
+
+    What the router's aux loss over the whole sequence needs: the shards carry no attention mask
+    (Ulysses attention needs none for right padding), but the no-SP run's aux loss leaves its
+    masked tokens out."""
+    ids = batch.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        raise ValueError("sequence parallelism: token_mask needs input_ids shaped [batch, seq]")
+    seq, mask = ids.shape[1], batch.get("attention_mask")
+    layout = getattr(sp, "layout", "contiguous")
+    total = -(-seq // (sp.size * chunks_per_shard(layout))) * sp.size * chunks_per_shard(layout)
+    if mask is None and total == seq:
+        return None
+    real = _pad_to(torch.ones_like(ids, dtype=torch.long) if mask is None else _right_padded(mask).long(), total, 0)
+    if layout == "contiguous":
+        return real
+    # zigzag: the shards' tokens are not in sequence order; lay the mask out as they are concatenated
+    order = torch.cat([shard_indices(r, sp.size, total // sp.size, layout) for r in range(sp.size)])
+    return real[:, order.to(real.device)]

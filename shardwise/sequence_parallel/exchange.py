@@ -82,3 +82,30 @@ class SumForward(torch.autograd.Function):
         out = grad.contiguous().clone()
         ctx.comm.all_reduce(out)
         return out, None
+
+
+class GatherShards(torch.autograd.Function):
+    """All-gather over the SP group: ``x`` (the same shape on every rank) -> ``[sp, *x.shape]``, rank order.
+
+    Backward: each rank gets the sum over the ranks of the gradient for its slice (a reduce-scatter),
+    i.e. ``sp`` times its share when every rank computes the same function of the gathered tensor:
+    ``SumForward``'s convention, so a term computed whole on every rank (the router's aux loss over
+    the whole sequence) reaches the parameters at the scale the engine's SP x DP average expects.
+    Built on ``Comm`` (not torch's differentiable ``all_gather``, whose gloo backward fails for SP
+    groups without rank 0)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
+        ctx.comm, ctx.shape = comm, x.shape
+        flat = x.detach().contiguous().reshape(-1)
+        full = flat.new_empty(comm.size * flat.numel())
+        full.narrow(0, comm.rank * flat.numel(), flat.numel()).copy_(flat)
+        comm.all_gather(full)
+        return full.view(comm.size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        full = grad.contiguous().reshape(-1).clone()
+        out = full.new_empty(full.numel() // ctx.comm.size)
+        ctx.comm.reduce_scatter(full, out)
+        return out.view(ctx.shape), None

@@ -52,21 +52,3 @@ def loss_of_shard_means(mean_loss: torch.Tensor, shift_labels: torch.Tensor, sp:
     sp.comm.all_reduce(total)
     return SumForward.apply(weighted, sp.comm) / total.squeeze(0).clamp(min=1)
 
-
-def router_aux_loss(output: object, model: torch.nn.Module) -> torch.Tensor | float:
-    """The MoE router's load-balancing term for this rank's shard: ``router_aux_loss_coef *
-    output.aux_loss``, what an HF MoE model adds to its loss when it is given labels (0.0 when the
-    output has no aux loss: a dense model, or ``output_router_logits`` off).
-
-    Why: under SP the shard goes in without labels (the loss is :func:`sequence_parallel_loss`'s),
-    so the model does not add it. Added on each rank as is (not through ``SumForward``), the
-    engine's average over the SP ranks makes it the mean of the shards' aux losses, as data
-    parallelism averages each part's (the aux loss is not linear in the tokens)."""
-    aux = getattr(output, "aux_loss", None)
-    if aux is None:
-        return 0.0
-    coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
-    if coef is None:
-        raise ValueError(f"{type(model).__name__} returned an aux_loss but its config has no "
-                         "router_aux_loss_coef to weight it by")
-    return coef * aux

@@ -56,14 +56,15 @@ class StepResult:
 
 def micro_loss(engine, mb: torch.Tensor) -> torch.Tensor:
     """The micro-batch's causal-LM loss; under SP this rank's sequence shard, every token counted once,
-    plus an MoE model's aux loss for the shard (which HF adds itself when it gets the labels)."""
+    plus an MoE model's aux loss over the whole sequence (which HF adds itself when it gets the labels)."""
     sp = engine.sequence_parallel
     if sp is None:
         return engine(input_ids=mb, labels=mb).loss
-    shard = split_batch({"input_ids": mb, "labels": mb}, sp)
+    batch = {"input_ids": mb, "labels": mb}
+    shard = split_batch(batch, sp)
     labels = shard.pop("shift_labels")
     out = engine(**shard)
-    return sequence_parallel_loss(out.logits, labels, sp) + router_aux_loss(out, engine.module)
+    return sequence_parallel_loss(out.logits, labels, sp) + router_aux_loss(out, engine.module, batch, sp)
 
 
 def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepResult:
