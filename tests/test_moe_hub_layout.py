@@ -50,3 +50,20 @@ def test_an_ep_rank_reads_only_its_experts_rows(tmp_path):
         assert src.bytes_read - before == 2 * per * 4
         odd = src.read(name, p.shape, per - 5, 2 * per + 7, [])  # across experts and gate/up
         assert torch.equal(odd, p.detach().reshape(-1)[per - 5:2 * per + 7])
+
+
+def test_a_base_model_folder_reads_into_the_causal_lm_and_a_missing_tensor_is_named(tmp_path):
+    """``save_pretrained`` of the base model (no ``model.`` prefix, per-expert Mixtral names) serves
+    every parameter of the causal LM by transformers' prefix rule; ``lm_head``, stored under no
+    name, is refused in one line naming the folder and the tensor."""
+    from shardwise.cli_errors import UserError
+    from shardwise.zero.init import SafetensorsSource
+
+    model = moe_cases.build("mixtral")
+    model.model.save_pretrained(tmp_path)
+    src = SafetensorsSource(tmp_path, model)
+    for name, p in model.named_parameters():
+        if name != "lm_head.weight":
+            assert torch.equal(src.read(name, p.shape, 0, p.numel(), []).view(p.shape), p.detach()), name
+    with pytest.raises(UserError, match=rf"^{tmp_path}: the model's tensor 'lm_head.weight' is not in the checkpoint"):
+        src.read("lm_head.weight", model.lm_head.weight.shape, 0, 8, [])

@@ -55,10 +55,11 @@ def hub_names(model: nn.Module, stored: list[str]) -> dict[str, StoredRows]:
     transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    names = dict.fromkeys(n for n, _ in model.named_parameters(remove_duplicate=False))
+    # transformers' prefix rule asks `.get(name) is not None`: any non-None value marks a model name
+    names = {n: True for n, _ in model.named_parameters(remove_duplicate=False)}
     prefix = getattr(model, "base_model_prefix", None) or None
     out: dict[str, StoredRows] = {}
-    grouped: dict[str, tuple[Any, dict[str, list[str]]]] = {}
+    grouped: dict[str, tuple[Any, dict[str, list[tuple[int | None, str]]]]] = {}
     for key in sorted(stored, key=dot_natural_key):  # transformers' order: experts by number
         target, converter, pattern, index = _rename(key, renamings, converters, prefix, names)
         if target not in names or target in stored:
