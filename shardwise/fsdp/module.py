@@ -98,7 +98,7 @@ def _deferred_sources(model: nn.Module, device: torch.device):
     source = getattr(model, "_shardwise_source", None)
     if source is None:
         return (lambda ps: materialize_by_init(model, ps, device)), None
-    files = SafetensorsSource(source)
+    files = SafetensorsSource(source, model)
     model._shardwise_files = files
     aliases = tied_aliases(model)
 

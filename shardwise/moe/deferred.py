@@ -43,7 +43,7 @@ def materialize_local_experts(params: list[nn.Parameter], first: int, local: int
         for p in params:
             p.data = p.data.narrow(0, first, local).clone()
         return True
-    files, aliases = SafetensorsSource(source), tied_aliases(root)
+    files, aliases = SafetensorsSource(source, root), tied_aliases(root)
     for p in params:
         per = p.numel() // p.shape[0]  # elements of one expert
         names = aliases[id(p)]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.safetensors_io import SafetensorsFile
+from shardwise.zero.folder_source import SafetensorsSource, weight_map  # noqa: F401 - weight_map re-exported
 from shardwise.zero.init_edits import EditWatch
 
 
@@ -106,60 +106,8 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def weight_map(folder: str | os.PathLike) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, from the index or the single file."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        from shardwise.checkpoint.validate import read_weight_map
-
-        return read_weight_map(folder, index)
-    single = folder / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
-                                "(shardwise reads weights from safetensors only)")
-    with SafetensorsFile(single) as f:
-        return dict.fromkeys(f.tensors, single)
-
-
 def is_deferred(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
-
-
-class SafetensorsSource:
-    """zero.Init's view of an HF safetensors folder: a parameter's name (or a tied alias) -> file.
-
-    The index is confined to the folder (:func:`weight_map`); files are opened on first use by the
-    one reader (:class:`~shardwise.safetensors_io.SafetensorsFile`, header validated), and each
-    rank reads exactly the element ranges of its shards (``bytes_read`` shows it).
-    """
-
-    def __init__(self, folder: Path):
-        self.files = weight_map(folder)
-        self._open: dict[Path, SafetensorsFile] = {}
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(f.bytes_read for f in self._open.values())
-
-    def _handle(self, name: str, aliases: list[str]) -> tuple[SafetensorsFile, str]:
-        for n in [name, *aliases]:
-            if n in self.files:
-                path = self.files[n]
-                if path not in self._open:
-                    self._open[path] = SafetensorsFile(path)
-                return self._open[path], n
-        raise KeyError(f"{name!r} is not in the checkpoint at {next(iter(self.files.values())).parent}")
-
-    def read(self, name: str, shape: torch.Size, start: int, end: int, aliases: list[str]) -> torch.Tensor:
-        """Elements [start, end) of the flattened tensor ``name``, refused unless it is stored with
-        the parameter's ``shape`` (else the elements would belong to other rows: silent garbage)."""
-        f, key = self._handle(name, aliases)
-        stored = f.info(key).shape
-        if stored != tuple(shape):
-            raise ValueError(f"{f.path}: tensor {key!r} is stored with shape {list(stored)} but the model's "
-                             f"parameter {name} has shape {list(shape)}: config and weights do not match")
-        return f.read(key, start, end)
 
 
 def swap_meta_parameters(model: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
@@ -273,7 +221,7 @@ def materialize_for_gather(params: list[nn.Parameter], comm: Any) -> None:
     for root, ps in by_root.values():
         source = getattr(root, "_shardwise_source", None)
         if source is not None:
-            files, aliases = SafetensorsSource(source), tied_aliases(root)
+            files, aliases = SafetensorsSource(source, root), tied_aliases(root)
             for p in ps:
                 names = aliases[id(p)]
                 p.copy_(files.read(names[0], p.shape, 0, p.numel(), names[1:]).view(p.shape))
