@@ -87,7 +87,14 @@ def run_all(args: argparse.Namespace) -> dict:
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": _cpu(),
             "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "model": MODEL,
             "budget_MiB_per_rank": args.budget_mib, "load_avg_at_end": os.getloadavg(), "skipped": skipped,
-            "timings": "wall seconds on a shared 2-core machine: measured under load"}
+            "counted": "live saved-for-backward bytes at the end of one training forward, per rank (max over "
+                       "ranks), parameters excluded, each storage once (bench_long_context_worker.py)",
+            "search": "measured probes bracketing the budget (--first x SP tokens, twice that if it fits, then "
+                      "where the line through the nearest measured points crosses the budget, bisecting when a "
+                      "step did not halve the bracket) until L fits and L + granule does not; "
+                      "then one forward + backward at L (train_check)",
+            "timings": "wall seconds (seconds fields) on a shared 2-core machine: measured under load, one run "
+                       "each: not a speed comparison"}
     return {"meta": meta, "runs": runs}
 
 
@@ -121,22 +128,21 @@ def longest_table(runs: list[dict]) -> list[str]:
     """The longest length per (SP, tiling, impl), as multiples of the same impl's SP 1 lengths."""
     base = {(r["impl"], r["tiled"]): r["longest"] for r in _ok(runs) if r["sp"] == 1}
     out = ["| SP | ALST tiling | impl | longest seq (tokens) | x SP 1 untiled | x SP 1 same tiling | "
-           "live MiB per rank there | fwd+bwd s there (under load) |",
-           "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+           "live MiB per rank there | probes |", "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(_ok(runs), key=lambda r: (r["sp"], r["tiled"], r["impl"])):
         b0, b1 = base.get((r["impl"], False)), base.get((r["impl"], r["tiled"]))
         x0 = f"{r['longest'] / b0:.2f}" if b0 else "-"
         x1 = f"{r['longest'] / b1:.2f}" if b1 else "-"
         chk = r["train_check"] or {}
         out.append(f"| {r['sp']} | {'on' if r['tiled'] else 'off'} | {r['impl']} | {r['longest']} | {x0} | {x1} | "
-                   f"{chk.get('live_MiB', 0):.1f} | {chk.get('seconds', 0):.1f} |")
+                   f"{chk.get('live_MiB', 0):.1f} | {len(r['probes'])} |")
     return out
 
 
 def render(result: dict) -> str:
     meta, runs = result["meta"], result["runs"]
     lines = [f"`{meta['command']}` ({meta['date']}, {meta['cpu']}; {meta['model']}; budget "
-             f"{meta['budget_MiB_per_rank']:g} MiB per rank; {meta['timings']})", "",
+             f"{meta['budget_MiB_per_rank']:g} MiB per rank)", "",
              "Live saved-for-backward MiB per rank against sequence length:", "", *bytes_table(runs), "",
              f"Longest sequence whose activations fit {meta['budget_MiB_per_rank']:g} MiB per rank (measured):",
              "", *longest_table(runs)]

@@ -14,9 +14,11 @@ still alive when the forward returns (``StorageWeakRef``): the activations a dev
 start of backward, its peak for activations. A tile's tensors saved and freed inside the forward
 (DeepSpeed's ``TiledFusedLogitsLoss`` runs each tile's backward there) are not held at once, so
 they are not counted; ``ever_MiB`` keeps the sum over every storage ever saved for comparison.
-The value reported is the largest over the ranks (they hold equal shards).
+The value reported is the largest over the ranks (they hold equal shards). Not counted: weights,
+gradients and optimizer state (ZeRO's), and the backward's transient buffers (untiled: the logits'
+gradient, ``[s/N, V]`` fp32; tiled: one tile's logits, softmax and gradient, a fixed size).
 
-The search (``longest``): probes at ``start`` and ``2 start`` tokens, then at the length where the
+The search (``longest``): probes at ``start`` tokens (and ``2 start`` if it fits), then at the length where the
 line through the two nearest measured points crosses the budget (rounded down to the granule),
 bisecting when a step did not shrink the bracket by half; it stops when a length ``L`` that fits
 and ``L + granule`` that does not were both measured. Every probe is kept in the JSON.
