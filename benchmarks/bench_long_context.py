@@ -60,7 +60,8 @@ def _launch(python: str, impl: str, sp: int, args: argparse.Namespace) -> list[d
         out = Path(tmp) / "runs.json"
         cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={sp}", str(WORKER),
                "--impl", impl, "--sp", str(sp), "--seqs", args.seqs, "--budget-mib", str(args.budget_mib),
-               "--first", str(args.first), "--granule", str(args.granule), "--tiled", args.tiled, "--out", str(out)]
+               "--heap-budget-mib", str(args.heap_budget_mib), "--first", str(args.first), "--granule",
+               str(args.granule), "--tiled", args.tiled, "--out", str(out)]
         print(f"[bench_long_context] {impl} SP {sp} ...", file=sys.stderr, flush=True)
         r = subprocess.run(cmd, capture_output=True, text=True, env=_env(python), cwd=REPO)
         if r.returncode == 0 and out.exists():
@@ -86,7 +87,8 @@ def run_all(args: argparse.Namespace) -> dict:
             runs.extend(_launch(python, impl, sp, args))
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": _cpu(),
             "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "model": MODEL,
-            "budget_MiB_per_rank": args.budget_mib, "load_avg_at_end": os.getloadavg(), "skipped": skipped,
+            "budget_MiB_per_rank": args.budget_mib, "heap_budget_MiB_per_rank": args.heap_budget_mib,
+            "load_avg_at_end": os.getloadavg(), "skipped": skipped,
             "counted": "live saved-for-backward bytes at the end of one training forward, per rank (max over "
                        "ranks), parameters excluded, each storage once (bench_long_context_worker.py)",
             "search": "measured probes bracketing the budget (--first x SP tokens, twice that if it fits, then "
@@ -110,32 +112,44 @@ def _ok(runs: list[dict]) -> list[dict]:
     return [r for r in runs if "error" not in r]
 
 
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def bytes_table(runs: list[dict]) -> list[str]:
-    """Live saved MiB per rank at each fixed length: rows (SP, tiling, impl)."""
+    """Per rank at each fixed length: live saved MiB / heap peak MiB over forward + backward."""
     seqs = sorted({row["seq"] for r in _ok(runs) for row in r["rows"]})
-    out = ["| SP | ALST tiling | impl | " + " | ".join(f"{s} tok" for s in seqs) + " | largest tensor at "
+    out = ["| SP | ALST tiling | impl | " + " | ".join(f"{s} tok" for s in seqs) + " | largest saved tensor at "
            f"{seqs[-1] if seqs else '-'} |", "| ---: | --- | --- | " + "---: | " * (len(seqs) + 1)]
     for r in sorted(_ok(runs), key=lambda r: (r["sp"], r["tiled"], r["impl"])):
         by = {row["seq"]: row for row in r["rows"]}
-        cells = [f"{by[s]['live_MiB']:.1f}" if s in by else "-" for s in seqs]
+        cells = [f"{by[s]['live_MiB']:.1f} / {_mib(by[s].get('heap_peak_MiB'))}" if s in by else "-" for s in seqs]
         last = f"{by[seqs[-1]]['largest_MiB']:.1f}" if seqs and seqs[-1] in by else "-"
         out.append(f"| {r['sp']} | {'on' if r['tiled'] else 'off'} | {r['impl']} | " + " | ".join(cells) +
                    f" | {last} |")
     return out
 
 
+def _times(r: dict, key: str, base: dict) -> str:
+    b = base.get((r["impl"], key))
+    return f"{r[key[0]] / b:.2f}" if b and r.get(key[0]) is not None else "-"
+
+
 def longest_table(runs: list[dict]) -> list[str]:
-    """The longest length per (SP, tiling, impl), as multiples of the same impl's SP 1 lengths."""
-    base = {(r["impl"], r["tiled"]): r["longest"] for r in _ok(runs) if r["sp"] == 1}
-    out = ["| SP | ALST tiling | impl | longest seq (tokens) | x SP 1 untiled | x SP 1 same tiling | "
-           "live MiB per rank there | probes |", "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for r in sorted(_ok(runs), key=lambda r: (r["sp"], r["tiled"], r["impl"])):
-        b0, b1 = base.get((r["impl"], False)), base.get((r["impl"], r["tiled"]))
-        x0 = f"{r['longest'] / b0:.2f}" if b0 else "-"
-        x1 = f"{r['longest'] / b1:.2f}" if b1 else "-"
+    """The longest length per (SP, tiling, impl) by counted bytes and by heap peak, and as multiples of
+    the same implementation's SP 1 untiled length."""
+    ok = _ok(runs)
+    base = {(r["impl"], (k, False)): r.get(k) for r in ok if r["sp"] == 1 and not r["tiled"]
+            for k in ("longest", "heap_longest")}
+    out = ["| SP | ALST tiling | impl | longest by saved bytes (tokens) | x SP 1 untiled | saved MiB there | "
+           "heap peak MiB there | longest by heap peak (tokens) | x SP 1 untiled |",
+           "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(ok, key=lambda r: (r["sp"], r["tiled"], r["impl"])):
         chk = r["train_check"] or {}
-        out.append(f"| {r['sp']} | {'on' if r['tiled'] else 'off'} | {r['impl']} | {r['longest']} | {x0} | {x1} | "
-                   f"{chk.get('live_MiB', 0):.1f} | {len(r['probes'])} |")
+        out.append(f"| {r['sp']} | {'on' if r['tiled'] else 'off'} | {r['impl']} | {r['longest']} | "
+                   f"{_times(r, ('longest', False), base)} | {_mib(chk.get('live_MiB'))} | "
+                   f"{_mib(chk.get('heap_peak_MiB'))} | {r.get('heap_longest', '-')} | "
+                   f"{_times(r, ('heap_longest', False), base)} |")
     return out
 
 
@@ -143,9 +157,11 @@ def render(result: dict) -> str:
     meta, runs = result["meta"], result["runs"]
     lines = [f"`{meta['command']}` ({meta['date']}, {meta['cpu']}; {meta['model']}; budget "
              f"{meta['budget_MiB_per_rank']:g} MiB per rank)", "",
-             "Live saved-for-backward MiB per rank against sequence length:", "", *bytes_table(runs), "",
-             f"Longest sequence whose activations fit {meta['budget_MiB_per_rank']:g} MiB per rank (measured):",
-             "", *longest_table(runs)]
+             "MiB per rank against sequence length: live saved-for-backward bytes / heap peak over one "
+             "forward + backward:", "", *bytes_table(runs), "",
+             f"Longest sequence whose saved bytes fit {meta['budget_MiB_per_rank']:g} MiB per rank, and whose heap "
+             f"peak fits {meta.get('heap_budget_MiB_per_rank', 0):g} MiB per rank (both measured):", "",
+             *longest_table(runs)]
     for impl, why in meta.get("skipped", {}).items():
         lines += ["", f"{impl}: {why}"]
     for r in runs:
@@ -163,6 +179,8 @@ def main() -> None:
     p.add_argument("--sp", default="1,2,4", help="SP degrees, one launch of that many ranks each")
     p.add_argument("--seqs", default="1024,2048,4096", help="fixed lengths for the bytes table")
     p.add_argument("--budget-mib", type=float, default=128.0, help="activation budget per rank")
+    p.add_argument("--heap-budget-mib", type=float, default=384.0,
+                   help="budget per rank for the second search, by the heap's peak over forward + backward (0: off)")
     p.add_argument("--first", type=int, default=512, help="the search's first probe, tokens per rank")
     p.add_argument("--granule", type=int, default=16, help="the search's resolution, tokens per rank")
     p.add_argument("--tiled", default="off,on")

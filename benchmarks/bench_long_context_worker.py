@@ -18,6 +18,14 @@ The value reported is the largest over the ranks (they hold equal shards). Not c
 gradients and optimizer state (ZeRO's), and the backward's transient buffers (untiled: the logits'
 gradient, ``[s/N, V]`` fp32; tiled: one tile's logits, softmax and gradient, a fixed size).
 
+Measured as well, at the fixed lengths and at the longest one (one forward + backward each): the
+peak of the process's heap in use (glibc ``mallinfo2``: bytes handed out and not freed, so unlike
+RSS it drops when tensors are freed) above its value just before the forward, sampled after every
+aten op of the forward and the backward (``TorchDispatchMode``), with the parameters' gradients
+allocated beforehand (model state, ZeRO's). It includes what the count leaves out (the backward's
+transients, the freshly computed gradient of each weight before it is added in place) and misses
+only an op's own temporaries. ``heap_peak_MiB`` is null where glibc's ``mallinfo2`` is missing.
+
 The search (``longest``): probes at ``start`` tokens (and ``2 start`` if it fits), then at the length where the
 line through the two nearest measured points crosses the budget (rounded down to the granule),
 bisecting when a step did not shrink the bracket by half; it stops when a length ``L`` that fits
@@ -27,6 +35,8 @@ and ``L + granule`` that does not were both measured. Every probe is kept in the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import json
 import math
@@ -37,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 VOCAB, HIDDEN, MLP, LAYERS, HEADS, KV_HEADS = 32000, 512, 1376, 2, 8, 2
@@ -90,6 +101,42 @@ class SavedBytes:
         return sum(alive) / MIB, max(alive, default=0) / MIB, sum(self.ever.values()) / MIB
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():  # noqa: ANN202
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use() -> int:
+    """Bytes glibc has handed out and not had back (small-chunk heap plus mmapped blocks)."""
+    m = MALLINFO2()
+    return m.uordblks + m.hblkhd
+
+
+class HeapPeak(TorchDispatchMode):
+    """The largest ``heap_in_use()`` seen after any aten op run while active (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak = heap_in_use()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, heap_in_use())
+        return out
+
+
 class ShardwiseSP:
     """shardwise's Ulysses SP and tiled pieces (shardwise.sequence_parallel)."""
 
@@ -132,22 +179,30 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 
 
 def measure(model: torch.nn.Module, impl, seq: int, tiled: bool, train: bool = False) -> dict:  # noqa: ANN001
-    """Count one forward's live saved bytes at ``seq`` tokens (whole sequence); ``train``: backward too."""
+    """Count one forward's live saved bytes at ``seq`` tokens (whole sequence); ``train``: backward too,
+    and the heap's peak over both."""
     inputs, labels = impl.shard(make_batch(seq))
     counter = SavedBytes(model)
+    if train:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+    gc.collect()
+    base = heap_in_use() if MALLINFO2 else 0
+    peak = HeapPeak() if train and MALLINFO2 else contextlib.nullcontext()
     t0 = time.perf_counter()
-    with saved_tensors_hooks(counter.pack, lambda t: t):
+    with peak, saved_tensors_hooks(counter.pack, lambda t: t):
         loss = impl.loss(model, inputs, labels, tiled)
     live, largest, ever = counter.totals()
     row = {"seq": seq}
     if train:
-        loss.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        row.update(loss=loss.item(), grads_finite=all(bool(torch.isfinite(g).all()) for g in grads),
-                   n_grads=len(grads))
+        with peak:
+            loss.backward()
+        row.update(loss=loss.item(), grads_finite=all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
     seconds = time.perf_counter() - t0
-    live, largest, ever, seconds = _max_over_ranks([live, largest, ever, seconds])
-    row.update(live_MiB=live, largest_MiB=largest, ever_MiB=ever, seconds=seconds)
+    heap = (peak.peak - base) / MIB if isinstance(peak, HeapPeak) else -1.0
+    live, largest, ever, seconds, heap = _max_over_ranks([live, largest, ever, seconds, heap])
+    row.update(live_MiB=live, largest_MiB=largest, ever_MiB=ever, seconds=seconds,
+               heap_peak_MiB=heap if heap >= 0 else None)
     del loss
     model.zero_grad(set_to_none=True)
     gc.collect()
@@ -197,7 +252,7 @@ def run_one(impl, tiled: bool, args: argparse.Namespace) -> dict:  # noqa: ANN00
     model = build_model()
     impl.prepare(model, tiled)
     sp, g = args.sp, args.granule * args.sp
-    rows = [measure(model, impl, s, tiled) for s in args.seqs]
+    rows = [measure(model, impl, s, tiled, train=True) for s in args.seqs]
     probes: list[dict] = []
 
     def probe(seq: int) -> float:
@@ -206,8 +261,18 @@ def run_one(impl, tiled: bool, args: argparse.Namespace) -> dict:  # noqa: ANN00
 
     best = longest(probe, args.budget_mib, args.first * sp, g)
     check = measure(model, impl, best, tiled, train=True) if best else None
-    return {"impl": impl.name, "version": impl.version, "sp": sp, "tiled": tiled, "rows": rows,
-            "budget_MiB": args.budget_mib, "granule": g, "longest": best, "probes": probes, "train_check": check}
+    run = {"impl": impl.name, "version": impl.version, "sp": sp, "tiled": tiled, "rows": rows,
+           "budget_MiB": args.budget_mib, "granule": g, "longest": best, "probes": probes, "train_check": check}
+    if args.heap_budget_mib > 0 and MALLINFO2:
+        trained: list[dict] = []
+
+        def heap_probe(seq: int) -> float:
+            trained.append(measure(model, impl, seq, tiled, train=True))
+            return trained[-1]["heap_peak_MiB"]
+
+        run.update(heap_budget_MiB=args.heap_budget_mib, heap_probes=trained,
+                   heap_longest=longest(heap_probe, args.heap_budget_mib, args.first * sp, g))
+    return run
 
 
 def main() -> None:
@@ -216,6 +281,7 @@ def main() -> None:
     p.add_argument("--sp", type=int, required=True, help="the SP degree (= the world size of this launch)")
     p.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",") if x], default=[1024, 2048, 4096])
     p.add_argument("--budget-mib", type=float, default=128.0)
+    p.add_argument("--heap-budget-mib", type=float, default=0.0, help="also search by the heap's peak (0: no)")
     p.add_argument("--first", type=int, default=512, help="first probe, tokens per rank")
     p.add_argument("--granule", type=int, default=16, help="search resolution, tokens per rank")
     p.add_argument("--tiled", default="off,on")
