@@ -5,12 +5,15 @@ One command runs everything, one launch after another (torchrun ``--standalone``
 per rank): for each implementation and each SP degree ``N`` a gloo job of ``N`` ranks (so SP 1 is one
 process, SP 4 four), each running ``bench_long_context_worker.py`` for tiling off and on. A separate
 launch per degree because DeepSpeed's registration rewrites transformers' global ``"sdpa"`` attention
-and its SP groups once per process. What is measured is *counted*, not timed (the worker's docstring):
+and its SP groups once per process. What is measured is memory, not time (the worker's docstring):
 the bytes autograd saves for backward in one training forward that are still alive when the forward
-returns, per rank, parameters excluded: the activations a GPU would hold at its peak. On CPU, RSS hides
-them (glibc keeps freed memory). The longest length in ``--budget-mib`` per rank is found by
-measurement (probes bracketing the budget down to a granule of ``16 N`` tokens), then trained once
-(forward + backward) to show it runs. Seconds are wall time on a shared machine: under load.
+returns, per rank, parameters excluded (the activations held across forward and backward), and the
+heap's peak over one forward + backward (glibc ``mallinfo2``, which, unlike RSS, drops when tensors are
+freed; it adds the backward's transients). The longest length in ``--budget-mib`` of saved bytes per
+rank is found by measurement (probes bracketing the budget down to a granule of ``16 N`` tokens), then
+trained once (forward + backward) to show it runs; a second search does the same against
+``--heap-budget-mib`` of heap peak, every probe a training step. Seconds are wall time on a shared
+machine (under load): in the JSON only.
 
 DeepSpeed runs from another interpreter (``--ds-python``: a venv with ``deepspeed`` that sees this
 one's packages); where ``import deepspeed`` fails there, its rows are left out with the reason.
