@@ -1,129 +1,201 @@
-"""Activation bytes per rank against sequence length: Ulysses SP 1 and 2, ALST's tiling on and off.
+"""Long context: activation bytes per rank against sequence length, and the longest sequence in a fixed
+per-rank budget, with Ulysses SP 1, 2 and 4 and ALST's tiling off and on, shardwise and DeepSpeed side by side.
 
-Run on 2 ranks: ``shardwise launch --nproc 2 benchmarks/bench_long_context.py`` (SP 1 runs on rank 0
-alone; SP 2 on both). What is measured is *counted*, not timed: the bytes of every tensor autograd
-saves for backward during one training forward (``saved_tensors_hooks``; parameters excluded, each
-storage once), plus the largest single saved tensor. On CPU, peak RSS hides these (glibc keeps freed
-memory), so counted bytes are the honest measure here; they are what fills a GPU at long sequence
-lengths. The model is a Llama shaped like a small real one (hidden 512, MLP 1376, vocab 32000, 8
-heads, 2 kv heads, 2 layers): big vocab and MLP so the logits and MLP activations weigh as they do
-in practice. Also prints the forward + backward seconds of each row (measured under load: the
-machine is shared; only the ratios between rows of one run mean anything).
+One command runs everything, one launch after another (torchrun ``--standalone``, ``OMP_NUM_THREADS=1``
+per rank): for each implementation and each SP degree ``N`` a gloo job of ``N`` ranks (so SP 1 is one
+process, SP 4 four), each running ``bench_long_context_worker.py`` for tiling off and on. A separate
+launch per degree because DeepSpeed's registration rewrites transformers' global ``"sdpa"`` attention
+and its SP groups once per process. What is measured is memory, not time (the worker's docstring):
+the bytes autograd saves for backward in one training forward that are still alive when the forward
+returns, per rank, parameters excluded (the activations held across forward and backward), and the
+heap's peak over one forward + backward (glibc ``mallinfo2``, which, unlike RSS, drops when tensors are
+freed; it adds the backward's transients). The longest length in ``--budget-mib`` of saved bytes per
+rank is found by measurement (probes bracketing the budget down to a granule of ``16 N`` tokens), then
+trained once (forward + backward) to show it runs; a second search does the same against
+``--heap-budget-mib`` of heap peak, every probe a training step. Seconds are wall time on a shared
+machine (under load): in the JSON only.
+
+DeepSpeed runs from another interpreter (``--ds-python``: a venv with ``deepspeed`` that sees this
+one's packages); where ``import deepspeed`` fails there, its rows are left out with the reason.
+
+examples:
+  python benchmarks/bench_long_context.py --ds-python /work/dsvenv/bin/python
+  python benchmarks/bench_long_context.py --impl shardwise --sp 1,2 --seqs 1024
+  python benchmarks/bench_long_context.py --from-json benchmarks/results/long_context.json
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import datetime
 import json
-import time
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.autograd.graph import saved_tensors_hooks
-from transformers import AutoModelForCausalLM, LlamaConfig
-
-from shardwise.comm import init_distributed
-from shardwise.sequence_parallel import (
-    SequenceParallel,
-    register_attention,
-    sequence_parallel_loss,
-    split_batch,
-    tile_mlps,
-    tiled_causal_lm_loss,
-)
-
-VOCAB = 32000
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "bench_long_context_worker.py"
+RESULTS = HERE / "results" / "long_context.json"
 
 
-def build(tiled: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 16,
-                      tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(cfg)
-    if tiled:
-        tile_mlps(model)
-    return model
+def _env(python: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
+               DS_ACCELERATOR="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    venv = Path(python).parent.parent
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(venv / "torch_extensions"))  # DeepSpeed's JIT ops
+    return env
 
 
-class Counter:
-    """Saved-for-backward bytes of one forward, parameters excluded, each storage counted once."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.seen: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.params:
-            self.seen[ptr] = max(self.seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
+def _deepspeed_missing(python: str) -> str | None:
+    """None when ``python`` imports deepspeed, else why not (its last line of error)."""
+    r = subprocess.run([python, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True,
+                       text=True, env=_env(python))
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["failed"])[-1]
 
 
-def one_row(seq: int, sp_size: int, tiled: bool, sp: SequenceParallel) -> dict:
-    model = build(tiled)
-    register_attention(model, sp)
-    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
-    counter = Counter(model)
-    t0 = time.perf_counter()
-    group = None if sp_size == 1 else sp
-    with sp.disabled() if sp_size == 1 else contextlib.nullcontext():
-        with saved_tensors_hooks(counter.pack, lambda t: t):
-            shard = split_batch(batch, group or _Whole())
-            labels = shard.pop("shift_labels")
-            loss = loss_of(model, shard, labels, group, tiled)
-        loss.backward()
-    seconds = time.perf_counter() - t0
-    return {"seq": seq, "sp": sp_size, "tiled": tiled, "saved_MiB": sum(counter.seen.values()) / 2**20,
-            "largest_MiB": max(counter.seen.values()) / 2**20, "seconds": seconds}
+def _launch(python: str, impl: str, sp: int, args: argparse.Namespace) -> list[dict]:
+    """One torchrun job of ``sp`` ranks; its runs, or one entry holding the error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "runs.json"
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={sp}", str(WORKER),
+               "--impl", impl, "--sp", str(sp), "--seqs", args.seqs, "--budget-mib", str(args.budget_mib),
+               "--heap-budget-mib", str(args.heap_budget_mib), "--first", str(args.first), "--granule",
+               str(args.granule), "--tiled", args.tiled, "--out", str(out)]
+        print(f"[bench_long_context] {impl} SP {sp} ...", file=sys.stderr, flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_env(python), cwd=REPO)
+        if r.returncode == 0 and out.exists():
+            return json.loads(out.read_text())
+    lines = [x for x in r.stderr.splitlines() if "Error" in x or "error" in x] or r.stderr.splitlines()[-3:]
+    return [{"impl": impl, "sp": sp, "error": lines[-1] if lines else f"exit {r.returncode}",
+             "stderr_tail": r.stderr[-4000:]}]
 
 
-def loss_of(model: torch.nn.Module, shard: dict, labels: torch.Tensor, sp: SequenceParallel | None,
-            tiled: bool) -> torch.Tensor:
-    """The causal-LM loss the way each row computes it (SP 1: the same cross entropy, no group)."""
-    if tiled:
-        return tiled_causal_lm_loss(model, shard, labels, sp)
-    logits = model(**shard).logits
-    if sp is not None:
-        return sequence_parallel_loss(logits, labels, sp)
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+def run_all(args: argparse.Namespace) -> dict:
+    from bench_long_context_worker import MODEL
+
+    impls = args.impl.split(",")
+    ds_python = args.ds_python or sys.executable
+    skipped = {}
+    if "deepspeed" in impls and (why := _deepspeed_missing(ds_python)):
+        skipped["deepspeed"] = f"not run: `import deepspeed` fails in {ds_python}: {why}"
+        impls.remove("deepspeed")
+    runs = []
+    for impl in impls:
+        python = ds_python if impl == "deepspeed" else sys.executable
+        for sp in (int(s) for s in args.sp.split(",")):
+            runs.extend(_launch(python, impl, sp, args))
+    meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": _cpu(),
+            "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "model": MODEL,
+            "budget_MiB_per_rank": args.budget_mib, "heap_budget_MiB_per_rank": args.heap_budget_mib,
+            "load_avg_at_end": os.getloadavg(), "skipped": skipped,
+            "counted": "live saved-for-backward bytes at the end of one training forward, per rank (max over "
+                       "ranks), parameters excluded, each storage once (bench_long_context_worker.py)",
+            "search": "measured probes bracketing the budget (--first x SP tokens, twice that if it fits, then "
+                      "where the line through the nearest measured points crosses the budget, bisecting when a "
+                      "step did not halve the bracket) until L fits and L + granule does not; "
+                      "then one forward + backward at L (train_check)",
+            "timings": "wall seconds (seconds fields) on a shared 2-core machine: measured under load, one run "
+                       "each: not a speed comparison"}
+    return {"meta": meta, "runs": runs}
 
 
-class _Whole:
-    """A sequence-parallel group of one, for split_batch at SP 1."""
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), "?")
+    except OSError:
+        return "?"
 
-    size, rank = 1, 0
+
+def _ok(runs: list[dict]) -> list[dict]:
+    return [r for r in runs if "error" not in r]
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def bytes_table(runs: list[dict]) -> list[str]:
+    """Per rank at each fixed length: live saved MiB / heap peak MiB over forward + backward."""
+    seqs = sorted({row["seq"] for r in _ok(runs) for row in r["rows"]})
+    out = ["| SP | ALST tiling | impl | " + " | ".join(f"{s} tok" for s in seqs) + " | largest saved tensor at "
+           f"{seqs[-1] if seqs else '-'} |", "| ---: | --- | --- | " + "---: | " * (len(seqs) + 1)]
+    for r in sorted(_ok(runs), key=lambda r: (r["sp"], r["tiled"], r["impl"])):
+        by = {row["seq"]: row for row in r["rows"]}
+        cells = [f"{by[s]['live_MiB']:.1f} / {_mib(by[s].get('heap_peak_MiB'))}" if s in by else "-" for s in seqs]
+        last = f"{by[seqs[-1]]['largest_MiB']:.1f}" if seqs and seqs[-1] in by else "-"
+        out.append(f"| {r['sp']} | {'on' if r['tiled'] else 'off'} | {r['impl']} | " + " | ".join(cells) +
+                   f" | {last} |")
+    return out
+
+
+def _times(r: dict, key: str, base: dict) -> str:
+    b = base.get((r["impl"], key))
+    return f"{r[key[0]] / b:.2f}" if b and r.get(key[0]) is not None else "-"
+
+
+def longest_table(runs: list[dict]) -> list[str]:
+    """The longest length per (SP, tiling, impl) by counted bytes and by heap peak, and as multiples of
+    the same implementation's SP 1 untiled length."""
+    ok = _ok(runs)
+    base = {(r["impl"], (k, False)): r.get(k) for r in ok if r["sp"] == 1 and not r["tiled"]
+            for k in ("longest", "heap_longest")}
+    out = ["| SP | ALST tiling | impl | longest by saved bytes (tokens) | x SP 1 untiled | saved MiB there | "
+           "heap peak MiB there | longest by heap peak (tokens) | x SP 1 untiled |",
+           "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(ok, key=lambda r: (r["sp"], r["tiled"], r["impl"])):
+        chk = r["train_check"] or {}
+        out.append(f"| {r['sp']} | {'on' if r['tiled'] else 'off'} | {r['impl']} | {r['longest']} | "
+                   f"{_times(r, ('longest', False), base)} | {_mib(chk.get('live_MiB'))} | "
+                   f"{_mib(chk.get('heap_peak_MiB'))} | {r.get('heap_longest', '-')} | "
+                   f"{_times(r, ('heap_longest', False), base)} |")
+    return out
+
+
+def render(result: dict) -> str:
+    meta, runs = result["meta"], result["runs"]
+    lines = [f"`{meta['command']}` ({meta['date']}, {meta['cpu']}; {meta['model']}; budget "
+             f"{meta['budget_MiB_per_rank']:g} MiB per rank)", "",
+             "MiB per rank against sequence length: live saved-for-backward bytes / heap peak over one "
+             "forward + backward:", "", *bytes_table(runs), "",
+             f"Longest sequence whose saved bytes fit {meta['budget_MiB_per_rank']:g} MiB per rank, and whose heap "
+             f"peak fits {meta.get('heap_budget_MiB_per_rank', 0):g} MiB per rank (both measured):", "",
+             *longest_table(runs)]
+    for impl, why in meta.get("skipped", {}).items():
+        lines += ["", f"{impl}: {why}"]
+    for r in runs:
+        if "error" in r:
+            lines += ["", f"{r['impl']} SP {r['sp']} failed: `{r['error']}`"]
+    return "\n".join(lines)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqs", default="1024,2048,4096,8192")
-    p.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("examples:")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", default="shardwise,deepspeed", help="comma list of shardwise, deepspeed")
+    p.add_argument("--ds-python", default=os.environ.get("DS_PYTHON"),
+                   help="interpreter that imports deepspeed (default: $DS_PYTHON, else this one)")
+    p.add_argument("--sp", default="1,2,4", help="SP degrees, one launch of that many ranks each")
+    p.add_argument("--seqs", default="1024,2048,4096", help="fixed lengths for the bytes table")
+    p.add_argument("--budget-mib", type=float, default=128.0, help="activation budget per rank")
+    p.add_argument("--heap-budget-mib", type=float, default=384.0,
+                   help="budget per rank for the second search, by the heap's peak over forward + backward (0: off)")
+    p.add_argument("--first", type=int, default=512, help="the search's first probe, tokens per rank")
+    p.add_argument("--granule", type=int, default=16, help="the search's resolution, tokens per rank")
+    p.add_argument("--tiled", default="off,on")
+    p.add_argument("--out", default=str(RESULTS), help="raw results (JSON)")
+    p.add_argument("--from-json", help="print the tables of a results file; run nothing")
     args = p.parse_args()
-    init_distributed(backend="gloo")
-    sp = SequenceParallel.of_size(dist.get_world_size())
-    rows = []
-    for seq in (int(s) for s in args.seqs.split(",")):
-        for tiled in (False, True):
-            if dist.get_rank() == 0:
-                rows.append(one_row(seq, 1, tiled, sp))
-            dist.barrier()
-            row = one_row(seq, sp.size, tiled, sp)
-            if dist.get_rank() == 0:
-                rows.append(row)
-    if dist.get_rank() == 0:
-        print("| seq | SP | tiled | saved for backward per rank (MiB) | largest tensor (MiB) | fwd+bwd s |")
-        print("| ---: | ---: | --- | ---: | ---: | ---: |")
-        for r in rows:
-            print(f"| {r['seq']} | {r['sp']} | {'on' if r['tiled'] else 'off'} | {r['saved_MiB']:.1f} | "
-                  f"{r['largest_MiB']:.1f} | {r['seconds']:.2f} |")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
+    if args.from_json:
+        print(render(json.loads(Path(args.from_json).read_text())))
+        return
+    result = run_all(args)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(render(result))
 
 
 if __name__ == "__main__":
