@@ -5,9 +5,8 @@ which scatters with ``src=`` the *group* rank where torch expects a *global* one
 ("Global rank 0 is not part of group") for every group without rank 0: the SP groups of SP x DP.
 Accelerate's documented SP loop and transformers' Trainer SP loss both call it on the SP group.
 When ``register_with_transformers`` builds SP, :func:`serve_gloo_all_gather` points torch's name at
-:func:`all_gather`, which on a gloo group gathers the same list and whose backward sums every rank's
-gradient for this rank's slot by one all-reduce over the group (the reduce-scatter the original
-means: the same value); other backends keep torch's own. Nothing on disk changes.
+:func:`all_gather`, which on a gloo group is sequence parallelism's ``GatherShards`` (the same list;
+backward, the reduce-scatter the original means); other backends keep torch's own. Nothing on disk changes.
 """
 
 from __future__ import annotations
@@ -18,32 +17,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-class _GatherList(torch.autograd.Function):
-    """Forward: every rank's ``tensor`` of the group, in group order. Backward: this rank's slot of the
-    sum over ranks of the gradients of the gathered list."""
-
-    @staticmethod
-    def forward(ctx, group: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-        ctx.group = group
-        tensor = tensor.contiguous()
-        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, tensor, group=group)
-        return tuple(out)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # noqa: ANN001, ANN205
-        stacked = torch.stack([g.contiguous() for g in grads])
-        dist.all_reduce(stacked, group=ctx.group)
-        return None, stacked[dist.get_rank(ctx.group)]
+from shardwise.comm import Comm, make_comm
+from shardwise.sequence_parallel import GatherShards
 
 
 def all_gather(tensor: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, ...]:
-    """``torch.distributed.nn.functional.all_gather`` with a backward that is right on gloo subgroups."""
+    """``torch.distributed.nn.functional.all_gather`` with a backward that is right on gloo subgroups:
+    on gloo, sequence parallelism's own differentiable gather (``GatherShards``: every rank's tensor
+    in group order; backward, this rank's slot of the gradients summed over the ranks)."""
     group = dist.group.WORLD if group is None else group
     if dist.get_backend(group) == "gloo":
-        return _GatherList.apply(group, tensor)
+        return GatherShards.apply(tensor, _comm_of(group)).unbind(0)
     return _TORCH[0](tensor, group=group)
+
+
+_COMMS: dict[Any, Comm] = {}  # process group -> its Comm (groups live as long as the process)
+
+
+def _comm_of(group: Any) -> Comm:
+    if group not in _COMMS:
+        _COMMS[group] = make_comm("world" if group is dist.group.WORLD else group)
+    return _COMMS[group]
 
 
 _TORCH: list[Callable] = []  # torch's own all_gather, once replaced

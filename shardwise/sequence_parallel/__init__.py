@@ -27,6 +27,7 @@ from torch import nn
 
 from shardwise.sequence_parallel.attention import choose_attention, head_split, register_attention
 from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch, token_mask
+from shardwise.sequence_parallel.exchange import GatherShards
 from shardwise.sequence_parallel.group import SequenceParallel, current
 from shardwise.sequence_parallel.loss import (
     loss_of_shard_means,
@@ -40,7 +41,8 @@ from shardwise.sequence_parallel.router import moe_causal_lm, router_aux_loss, w
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
 from shardwise.tensor_parallel import tp_state_of
 
-__all__ = ["HostStore", "SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader", "choose_attention",
+__all__ = ["GatherShards", "HostStore", "SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader",
+           "choose_attention",
            "current", "head_split", "loss_of_shard_means", "moe_causal_lm", "offload_checkpoints",
            "register_attention", "router_aux_loss", "sequence_parallel_loss", "setup_long_context",
            "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps", "tiled_causal_lm_loss",
