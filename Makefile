@@ -1,8 +1,10 @@
-# Two entry points (see README): `make run` (main job) and `make test` (whole suite).
+# Two entry points (see README): `make run` (main job) and `make test` (whole suite; on a machine with
+# nvidia-smi also `make test-gpu`, the tests marked `gpu`, with CUDA visible: docs/gpu_first_hour.md).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-NPROC ?= 2
+# auto: one rank per GPU torch sees (NCCL), else 2 CPU ranks (gloo); a number asks for that many
+NPROC ?= auto
 export OMP_NUM_THREADS ?= 1
 # torch: the CPU-only build unless this machine has an NVIDIA driver (nvidia-smi on PATH); force one
 # with `make setup TORCH_BUILD=cpu` or `TORCH_BUILD=cuda`. The CPU wheel is taken from the configured
@@ -30,10 +32,15 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(VENV)/bin/shardwise launch --nproc $(NPROC) -- train --run-config examples/sonnets.toml --resume auto
+	$(VENV)/bin/shardwise launch --nproc $(NPROC)$(if $(BACKEND), --backend $(BACKEND)) -- train --run-config examples/sonnets.toml --resume auto
 
 test: setup
 	$(PY) -m pytest -q --durations=15 tests
+	@if command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) --no-print-directory test-gpu; fi
+
+# the GPU tier: tests marked `gpu`, CUDA left visible (tests/conftest.py hides it from every other test)
+test-gpu: setup
+	SHARDWISE_TEST_GPU=1 $(PY) -m pytest -q -m gpu tests
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -42,4 +49,4 @@ bench: setup
 	$(PY) -m pip install -q deepspeed==0.19.8
 	$(PY) benchmarks/bench_zero.py
 
-.PHONY: setup run test lint bench
+.PHONY: setup run test test-gpu lint bench

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from shardwise.cli_errors import OneLineParser, UserError, bounded_int, positive_float, run_command
+from shardwise.launch.devices import BACKENDS, count_gpus, launch_notice, plan_world, rank_env
 from shardwise.net import free_port
 
 SUBCOMMANDS = {
@@ -63,8 +64,12 @@ def _launch_parser() -> OneLineParser:
                       description="Start one process per rank with torchrun. Unknown flags before the target "
                                   "pass through to torchrun (with their value after a space or '=').",
                       usage="shardwise launch [flags] [--] (SUBCOMMAND | script.py) [ARGS]")
-    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=_nproc, default="2",
-                   help="processes on this node (default 2)")
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=_nproc, default="auto",
+                   help="processes on this node: a number, or auto (the default: one per GPU torch sees, else "
+                        "2 CPU ranks), gpu, cpu (one per core); more than the GPUs under NCCL is refused")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto (the default): NCCL where torch sees GPUs, else gloo; gloo: CPU ranks, the GPUs "
+                        "hidden from them")
     p.add_argument("--nnodes", default="1")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=bounded_int(0, 10**6, "--node-rank"))
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None)
@@ -131,8 +136,11 @@ def launch(argv: list[str]) -> int:
     """torchrun underneath: ``shardwise launch [flags] [--] (SUBCOMMAND | script.py) ARGS``."""
     flags, target = _split_target(argv)
     args, passthrough = _launch_parser().parse_known_args(flags)
-    single = args.nnodes in ("1", "1:1") and args.nproc.isdigit()
-    _check_target(target, passthrough, int(args.nproc) if single else None)
+    gpus = count_gpus()
+    ranks, backend = plan_world(args.nproc, args.backend, gpus)
+    args.nproc = str(ranks)
+    single = args.nnodes in ("1", "1:1")
+    _check_target(target, passthrough, ranks if single else None)
     cmd = _torchrun_command(args, passthrough)
     if target[0] in SUBCOMMANDS:  # the agent leaves their one-line errors (exit 2 or 3) alone
         cmd = [*cmd[:3], "--subcommand", *cmd[3:], "-m", "shardwise.cli", *target]
@@ -140,6 +148,10 @@ def launch(argv: list[str]) -> int:
         cmd += target
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(rank_env(backend, gpus))
+    notice = launch_notice(ranks, backend, gpus)
+    if notice is not None:
+        print(f"shardwise launch: {notice}", file=sys.stderr, flush=True)
     if args.timeout is not None:
         env["SHARDWISE_TIMEOUT"] = str(args.timeout)
     if not args.as_deepspeed:

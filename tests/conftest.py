@@ -7,6 +7,12 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Two tiers (docs/gpu_first_hour.md). The CPU tier, every test not marked `gpu`, runs with the GPUs
+# hidden, set before torch is imported and inherited by every rank pool and subprocess: its ranks are
+# CPU ranks on gloo on a GPU machine too. `make test-gpu` (SHARDWISE_TEST_GPU=1) runs the `gpu` tier.
+GPU_TIER = os.environ.get("SHARDWISE_TEST_GPU") == "1"
+if not GPU_TIER:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 from rank_pool import RankPool  # noqa: E402
 
@@ -27,6 +33,28 @@ def pool2() -> RankPool:
 @pytest.fixture(scope="session")
 def pool4() -> RankPool:
     return _pool(4)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "gpu: needs CUDA; runs in the GPU tier (`make test-gpu`), skipped elsewhere")
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ARG001
+    """Each tier skips the other's tests, saying why (the GPU tier also where torch sees no GPU)."""
+    if GPU_TIER:
+        import torch
+
+        no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="torch sees no GPU here")
+        cpu_tier = pytest.mark.skip(reason="CPU tier test: run it without SHARDWISE_TEST_GPU (GPUs hidden)")
+        for item in items:
+            mark = no_gpu if item.get_closest_marker("gpu") else cpu_tier
+            if mark is not None:
+                item.add_marker(mark)
+        return
+    hidden = pytest.mark.skip(reason="GPU tier: `make test-gpu` runs it (tests/conftest.py hides CUDA from the rest)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(hidden)
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.cli_errors import UserError
+from shardwise.comm.devices import check_rank_gpu, choose_backend
 from shardwise.comm.log import logged
 from shardwise.comm.process import let_worker_threads_settle, quiet_progress_bars
 from shardwise.net import address_in_use, free_port, port_taken
@@ -56,8 +57,7 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
     """
     if dist.is_available() and dist.is_initialized():
         return
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = choose_backend(backend)  # and refuse a rank without a GPU of its own, below: docs/gpu_first_hour.md
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=float(timeout))
     if timeout is None:
@@ -68,6 +68,7 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "nccl":
+        check_rank_gpu(local_rank)
         torch.cuda.set_device(local_rank)
     try:
         dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
