@@ -213,7 +213,7 @@ def test_train_rank_without_gpu_one_line_exit_2(monkeypatch, capsys, tmp_path) -
 
 
 SMI = """+-----------------------------------------------------------------------------------------+
-| NVIDIA-SMI 570.86.15              Driver Version: 570.86.15      CUDA Version: 12.8     |
+| NVIDIA-SMI 580.95.05              Driver Version: 580.95.05      CUDA Version: 13.0     |
 """
 
 
@@ -221,19 +221,19 @@ def _fake_gpu_machine(monkeypatch, gpus: int, cuda_build: str | None) -> None:
     fake_torch(monkeypatch, gpus)
     monkeypatch.setattr(torch.version, "cuda", cuda_build)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda i: SimpleNamespace(name="NVIDIA H200", total_memory=141 * 2**30))
-    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
+                        lambda i: SimpleNamespace(name="NVIDIA H200", total_memory=139 * 2**30))
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 7))
     monkeypatch.setattr(env_cmd.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
     monkeypatch.setattr(env_cmd.subprocess, "run", lambda cmd, **k: SimpleNamespace(stdout=SMI, returncode=0))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
 
 
 def test_env_reports_gpus_driver_cuda_nccl(monkeypatch) -> None:
-    _fake_gpu_machine(monkeypatch, 1, "12.8")
+    _fake_gpu_machine(monkeypatch, 1, "13.0")
     text = env_cmd.format_report(env_cmd.report())
-    for line in ['  GPUs          cuda:0 NVIDIA H200 (141 GiB); CUDA_VISIBLE_DEVICES="0"',
-                 "  NVIDIA driver 570.86.15 (serves CUDA up to 12.8)",
-                 "  torch         CUDA build, CUDA 12.8; NCCL 2.27.5",
+    for line in ['  GPUs          cuda:0 NVIDIA H200 (139 GiB); CUDA_VISIBLE_DEVICES="0"',
+                 "  NVIDIA driver 580.95.05 (serves CUDA up to 13.0)",
+                 "  torch         CUDA build, CUDA 13.0; NCCL 2.27.7",
                  "  backends      gloo, nccl (shardwise uses nccl here)",
                  "  launch        --nproc auto starts 1 rank(s) on nccl, one per GPU"]:
         assert line in text.splitlines(), (line, text)

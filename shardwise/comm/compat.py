@@ -19,6 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from shardwise.comm.core import init_distributed as core_init_distributed
+from shardwise.comm.devices import choose_backend
 from shardwise.comm.log import (
     configure,
     log_summary,
@@ -74,7 +75,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     if init_method is not None:
-        be = backend or dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        be = choose_backend(backend or dist_backend)
         td = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout or 600)
         tdist.init_process_group(be, init_method=init_method, timeout=td, rank=rank, world_size=world_size)
         return
