@@ -86,6 +86,16 @@ def test_gpu_count_asks_torch_only_where_a_driver_is(monkeypatch) -> None:
     assert devices.gpus_hidden()
 
 
+def test_a_failed_probe_is_refused_not_read_as_no_gpu(monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(devices, "nvidia_driver_present", lambda: True)
+    monkeypatch.setattr(devices.subprocess, "run", lambda cmd, **k: SimpleNamespace(
+        returncode=1, stdout="", stderr="Traceback ...\nImportError: libcudart.so.13: cannot open shared object"))
+    with pytest.raises(UserError, match=r"asking torch how many GPUs it sees failed \(exited with code 1: "
+                                        r"ImportError: libcudart"):
+        devices.count_gpus()
+
+
 @pytest.mark.parametrize("gpus, nccl, want", [(0, True, "0"), (1, True, "1"), (2, True, "2"), (2, False, "0")])
 def test_probe_reports_what_torch_sees(monkeypatch, gpus, nccl, want) -> None:
     """The child's code itself, run here under the faked report."""

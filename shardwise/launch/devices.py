@@ -55,14 +55,24 @@ def nvidia_driver_present() -> bool:
 
 
 def count_gpus() -> int:
-    """The GPUs the ranks' torch will see under NCCL; 0 without asking torch where there can be none."""
+    """The GPUs the ranks' torch will see under NCCL; 0 without asking torch where there can be none.
+
+    A probe that fails is refused in one line, not read as 0 GPUs: that would start CPU ranks on a
+    GPU machine without a word.
+    """
     if gpus_hidden() or not nvidia_driver_present():
         return 0
     try:
         out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
-        return int(out.stdout.split()[-1]) if out.returncode == 0 and out.stdout.split() else 0
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return 0
+        words = out.stdout.split()
+        if out.returncode == 0 and words and words[-1].isdigit():
+            return int(words[-1])
+        detail = f"exited with code {out.returncode}: {(out.stderr.strip().splitlines() or ['no output'])[-1]}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        detail = f"{type(exc).__name__}: {exc}"
+    raise UserError(f"this machine has an NVIDIA driver, and asking torch how many GPUs it sees failed ({detail}); "
+                    f"check `{sys.executable} -c 'import torch; print(torch.cuda.device_count())'`, or run CPU ranks "
+                    f'with CUDA_VISIBLE_DEVICES="" (and --backend gloo)')
 
 
 def plural(n: int, word: str) -> str:
