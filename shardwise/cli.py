@@ -30,6 +30,8 @@ HELP_PARSERS = {"train": ("shardwise.train.options", "build_parser"),
 EPILOG = """examples:
   shardwise train --model llama-micro --data data/sonnets.txt --steps 40 --out runs/first   (one process)
   shardwise launch --nproc 2 -- train --config examples/zero2_llama.json --steps 60 --out runs/zero2
+  shardwise launch -- train --run-config examples/sonnets.toml   (one rank per GPU, else 2 CPU ranks)
+  shardwise launch --backend gloo --nproc 2 -- train ...         (CPU ranks on a GPU machine)
   shardwise launch --nproc 2 my_script.py --my-flag        (any script, like torchrun)
   shardwise launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc 8 -- train --config c.json
   shardwise estimate --params 7B --devices 8 --device-memory 80GB

@@ -243,7 +243,7 @@ def test_env_reports_gpus_driver_cuda_nccl(monkeypatch) -> None:
     text = env_cmd.format_report(env_cmd.report())
     for line in ['  GPUs          cuda:0 NVIDIA H200 (139 GiB); CUDA_VISIBLE_DEVICES="0"',
                  "  NVIDIA driver 580.95.05 (serves CUDA up to 13.0)",
-                 "  torch         CUDA build, CUDA 13.0; NCCL 2.27.7",
+                 "  torch build   CUDA 13.0; NCCL 2.27.7",
                  "  backends      gloo, nccl (shardwise uses nccl here)",
                  "  launch        --nproc auto starts 1 rank(s) on nccl, one per GPU"]:
         assert line in text.splitlines(), (line, text)
@@ -253,7 +253,7 @@ def test_env_reports_gpus_driver_cuda_nccl(monkeypatch) -> None:
 def test_env_cpu_build_on_a_gpu_machine_says_what_to_install(monkeypatch) -> None:
     _fake_gpu_machine(monkeypatch, 0, None)
     text = env_cmd.format_report(env_cmd.report())
-    assert "  torch         CPU build; NCCL -- not in this build" in text.splitlines()
+    assert "  torch build   CPU only (no CUDA, no NCCL)" in text.splitlines()
     assert "  launch        --nproc auto starts 2 CPU ranks on gloo" in text.splitlines()
     assert "`make setup TORCH_BUILD=cuda`" in text
 

@@ -146,9 +146,10 @@ def format_report(rep: dict[str, Any]) -> str:
 def _device_lines(dev: dict[str, Any]) -> list[str]:
     gpus = ", ".join(f"cuda:{i} {g}" for i, g in enumerate(dev["gpus"])) or "none (CPU only)"
     driver = f"{dev['driver']} (serves CUDA up to {dev['driver_cuda'] or '?'})" if dev["driver"] else "none found"
-    torch_cuda = f"CUDA build, CUDA {dev['cuda_build']}" if dev["cuda_build"] else "CPU build"
+    torch_cuda = (f"CUDA {dev['cuda_build']}; NCCL {dev['nccl'] or '-- not in this build'}" if dev["cuda_build"]
+                  else "CPU only (no CUDA, no NCCL)")
     lines = [f"  GPUs          {gpus}; {dev['visible']}", f"  NVIDIA driver {driver}",
-             f"  torch         {torch_cuda}; NCCL {dev['nccl'] or '-- not in this build'}",
+             f"  torch build   {torch_cuda}",
              f"  CPU threads   {dev['cpu_threads']}",
              f"  backends      {', '.join(dev['backends'])} (shardwise uses {dev['default_backend']} here)",
              f"  launch        --nproc auto starts {dev['launch_auto']}"]
