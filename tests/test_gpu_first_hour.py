@@ -262,3 +262,12 @@ def test_env_on_this_cpu_machine() -> None:
     dev = env_cmd.report()["devices"]
     assert dev["gpus"] == [] and dev["default_backend"] == "gloo" and dev["visible"] == 'CUDA_VISIBLE_DEVICES=""'
     assert (env_cmd.gpu_advice(dev) is None) == (dev["driver"] is None)  # CUDA hidden from this tier
+
+
+def test_the_cpu_tier_hides_the_gpus_from_every_process() -> None:
+    """tests/conftest.py: this tier's ranks are CPU ranks on gloo on a GPU machine too (and its children)."""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
+    code = "import torch, shardwise.comm.devices as d; print(torch.cuda.is_available(), d.choose_backend(None))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.split() == ["False", "gloo"], r.stderr[-2000:]
