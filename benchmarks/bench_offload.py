@@ -180,7 +180,7 @@ def run_offload(args, meta: dict) -> dict:
     bw = memcpy_gbps(mib)
     opt = host_optimizer(int(float(args.numel)) if not args.smoke else 1 << 18, args.steps)
     opt["fraction_of_memcpy"] = opt["GB_per_s"] / bw
-    micro, seq = (2, 32) if args.smoke else (4, 512)
+    micro, seq = {"smoke": (2, 32), "cpu": (2, 128), "cuda": (4, 512)}[size]
     rounds, timed = (1, 2) if args.smoke else (args.rounds, args.steps)
     steps = step_table(SHAPES[size], micro, seq, rounds, timed)
     for row in steps:  # what the host optimizer alone needs for this model's fp32 masters, at the rate above
