@@ -18,6 +18,7 @@ be bit-equal to the saver's (the optimizer state came back too); ``consolidate``
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 
 import torch
@@ -140,7 +141,7 @@ def _consolidated(ckpt: str, out: str) -> dict[str, torch.Tensor]:
 
     from shardwise.checkpoint import consolidate
 
-    names = consolidate(ckpt, out, dtype="fp32", weights_only=True, overwrite=True)
+    names = consolidate(ckpt, out, dtype="fp32", weights_only=True)
     got: dict[str, torch.Tensor] = {}
     for name in names:
         got.update(load_file(os.path.join(out, name)))
@@ -149,6 +150,8 @@ def _consolidated(ckpt: str, out: str) -> dict[str, torch.Tensor]:
 
 def _checkpoint_case(stage: int, shape: dict, ids: torch.Tensor, workdir: str) -> dict:
     ckpt, out = os.path.join(workdir, f"ckpt_stage{stage}"), os.path.join(workdir, f"consolidated_stage{stage}")
+    for folder in (ckpt, out):  # the workdir is kept between runs: never an earlier run's files
+        shutil.rmtree(folder, ignore_errors=True)
     saver = _engine(shape, stage, seed=0)
     _train(saver, ids[:2])
     saver.save_checkpoint(ckpt, tag="gc")
