@@ -25,9 +25,10 @@ Then the goals (``gpu_check_goals.py``): met, not met or not measured, with the 
 of the markdown and under ``goals`` in the JSON. docs/gpu_check.md says more.
 
 A section is ``ok``, ``partial`` (a row failed, its error in the row), ``skipped`` (with the reason, e.g.
-no CUDA), ``error`` (the tail of its stderr) or ``timeout``. ``--smoke`` runs the same code at tiny sizes on CPU (gloo), all sections in this one
-process (``--isolate``: one each, as on the GPU machine); the test suite runs it (tests/test_gpu_check.py).
-The total stays within ``--budget-s``: each section gets at most its own limit and what is left of the budget.
+no CUDA), ``error`` (the tail of its stderr) or ``timeout``. ``--smoke`` runs the same code at tiny sizes
+on CPU (gloo), all sections in this one process (``--isolate``: one each, as on the GPU machine); the test
+suite runs it (tests/test_gpu_check.py). The total stays within ``--budget-s``: each section gets at most
+its own limit and what is left of the budget.
 """
 
 from __future__ import annotations
