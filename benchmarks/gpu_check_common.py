@@ -149,19 +149,29 @@ def torch_spread(make: Callable[[], torch.nn.Module], ids: torch.Tensor,
     return out
 
 
-def engine_run(make: Callable[[], torch.nn.Module], config: dict, ids: torch.Tensor) -> dict:
-    """The engine on the model ``make`` builds and the same batches: weights after, last loss, s/step."""
+def engine_run(make: Callable[[], torch.nn.Module], config: dict, ids: torch.Tensor, busy: bool = False) -> dict:
+    """The engine on the model ``make`` builds and the same batches: weights after, last loss, s/step.
+
+    ``busy`` (CUDA): before each backward and step, a long matmul is queued on the current stream, so
+    every copy queued after it lands late; code that reads a ``non_blocking`` copy on the host before
+    its event then reads stale bytes, and the run differs from a quiet one. Correct code is unmoved."""
     import time
 
     import shardwise
 
     model = make()
     engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    # all entries 1/4096: its square is itself (no overflow, and no random numbers drawn from the run's RNG)
+    load = torch.full((4096, 4096), 1 / 4096, device=ids.device) if busy and ids.device.type == "cuda" else None
     t0 = time.perf_counter()
     loss = torch.zeros(())
     for batch in ids:
         loss = engine(input_ids=batch, labels=batch).loss
+        for _ in range(0 if load is None else 8):  # ~1 TFLOP queued ahead of the backward's copies
+            load = load @ load
         engine.backward(loss)
+        for _ in range(0 if load is None else 8):
+            load = load @ load
         engine.step()
     if ids.device.type == "cuda":  # the kernels are queued, not done: the clock waits for them
         torch.cuda.synchronize(ids.device)

@@ -123,12 +123,15 @@ def determinism(smoke: bool, workdir: str, limit_s: float) -> dict:  # noqa: ARG
         save_partial(rows)
     ok = all(r.get("matches") for r in rows)
     return {"status": "ok" if ok else "partial", "rows": rows,
-            "notes": ["3 runs of 3 steps each from the same weights and batches; matches: torch.equal of every "
-                      "parameter between runs 1-2 and 1-3 (bitwise); max_abs_between_runs: the largest difference"]}
+            "notes": ["3 runs of 3 steps each from the same weights and batches, the third with long matmuls "
+                      "queued before each backward and step (CUDA: copies land late, so a host read of an "
+                      "unfenced copy shows); matches: torch.equal of every parameter between runs 1-2 and 1-3 "
+                      "(bitwise); max_abs_between_runs: the largest difference"]}
 
 
 def _repeat_case(case: tuple, shape: dict, ids: torch.Tensor, label: dict) -> dict:
-    runs = [engine_run(lambda: llama(shape), engine_config(*case), ids)["weights"] for _ in range(3)]
+    # the third run with the device kept busy (engine_run's ``busy``): a copy read before it lands shows
+    runs = [engine_run(lambda: llama(shape), engine_config(*case), ids, busy=i == 2)["weights"] for i in range(3)]
     equal = all(torch.equal(r[n], runs[0][n]) for r in runs[1:] for n in runs[0])
     worst = max(max_abs_diff(r, runs[0]) for r in runs[1:])
     return {**label, "device": str(ids.device), "runs": len(runs), "matches": equal, "max_abs_between_runs": worst}
