@@ -2,12 +2,14 @@
 
 ``parallel``: tensor, sequence and expert parallelism at degree 1 (world 1). The engine skips
 TP and SP at degree 1, so the section applies them itself, as a user would before
-``initialize``: ``apply_tensor_parallel`` over the mesh's TP group of one (every linear becomes a
-parallel layer, the loss the vocab-parallel cross-entropy), the Ulysses and the ring attention
-registered over an SP group of one (their exchanges run, moving nothing), and an MoE model's
-experts split one way through the ``expert_parallel`` config (the dispatch and combine run). Each
-trains 3 fp32 steps against plain torch on the same model and batches, held to the stages' bound
-(a multiple of torch's own AdamW spread on that model).
+``initialize``: ``apply_tensor_parallel`` over the mesh's TP group of one (every linear and the
+embedding become parallel layers), the Ulysses and the ring attention registered over an SP group
+of one, and an MoE model's experts split one way through the ``expert_parallel`` config (the
+router, dispatch, registered experts and combine run). How far degree 1 reaches: the wrappers and
+layers run on the GPU, but each collective is skipped at size 1 (TP's identity copies, SP's
+attention inactive, EP's exchange a local copy); the collectives themselves need two ranks, which
+one GPU cannot give NCCL. Each trains 3 fp32 steps against plain torch on the same model and
+batches, held to the stages' bound (a multiple of torch's own AdamW spread on that model).
 
 ``checkpoint``: an engine at stages 2 and 3 saves after 2 steps; a fresh engine (other initial
 weights) loads it and both take a third step: the loaded weights and the third step's weights must
