@@ -69,6 +69,11 @@ def keep_result_at(path: str) -> None:
     _RESULT[:] = [path]
 
 
+def in_own_process() -> bool:
+    """Whether this section runs in a process of its own (the GPU run, ``--isolate``), not in gpu_check's."""
+    return bool(_RESULT)
+
+
 def save_partial(rows: list[dict], **extra: object) -> None:
     """The rows so far into the result file, so a section killed at its time limit still leaves them
     (written aside and renamed: a kill mid-write never leaves half a JSON)."""

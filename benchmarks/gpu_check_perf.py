@@ -24,6 +24,7 @@ from gpu_check_common import (
     TINY,
     cuda,
     engine_config,
+    in_own_process,
     join_world_of_one,
     llama,
     run_child,
@@ -147,10 +148,11 @@ def step_vs_fsdp2(smoke: bool, workdir: str, limit_s: float) -> dict:
     for r in range(rounds):
         for impl in IMPLS if r % 2 == 0 else IMPLS[::-1]:
             left = deadline - time.monotonic()
-            if smoke:  # in this process: the smoke run checks the code paths, not the peaks
+            if not in_own_process():  # --smoke in gpu_check's process: the code paths, not the peaks
                 res = step_worker(impl, smoke)
-            else:
-                res = run_child(["step_worker", "--impl", impl], os.path.join(workdir, f"step_{impl}_{r}.json"), left)
+            else:  # a fresh process per run, its own peak (--smoke --isolate takes this path on CPU)
+                args = ["step_worker", "--impl", impl] + (["--smoke"] if smoke else [])
+                res = run_child(args, os.path.join(workdir, f"step_{impl}_{r}.json"), left)
             rows.append({"round": r + 1, "impl": impl, **res})
             save_partial(rows)
     summary = summarize_steps(rows)
