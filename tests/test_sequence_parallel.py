@@ -34,6 +34,7 @@ def test_forward_backward_equal_whole_sequence(pool2, impl, kv_heads, seq, pad_f
     for r in pool2.run("sp_cases:sp_matches_whole", impl, kv_heads, seq, pad_from, checkpointing):
         assert r["loss"] < ROUND_OFF and r["grad"] < ROUND_OFF, r
         assert r.get("offload_bit_exact", not checkpointing), r
+        assert r["cache"] is None, r  # the SP hook turned the KV cache off (the batch holds tensors only)
 
 
 def _noise(ref: dict, others: list[dict]) -> dict:
@@ -216,6 +217,9 @@ def test_split_batch_refuses_left_padding_and_keeps_edge_targets():
     assert shards[0]["shift_labels"].tolist() == [[11, 12, 13, 14]]  # 14 lives on rank 1: its target kept
     assert shards[1]["shift_labels"].tolist() == [[15, 16, -100, -100]]
     assert shards[1]["position_ids"].tolist() == [[4, 5, 6, 7]]
+    # DeepSpeed's contract: tensors only, so the usual `{k: v.to(device) for k, v in batch.items()}` runs
+    assert all(set(s) == {"input_ids", "position_ids", "shift_labels"} for s in shards), [set(s) for s in shards]
+    assert {k: v.to("cpu") for k, v in shards[0].items()}.keys() == shards[0].keys()
     with pytest.raises(ValueError, match="only right padding"):
         split_batch({"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1]])}, Half(0))
 
