@@ -127,12 +127,15 @@ def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1,
     return history(trainer)
 
 
-def accelerate_loop(stage: int, steps: int = STEPS) -> dict[int, float]:
+def accelerate_loop(stage: int, steps: int = STEPS, moe: bool = False) -> dict[int, float]:
     """Accelerate's documented SP loop: prepare(model, optimizer, loader) wraps the loader in the SP
     adapter; the loss is the SP ranks' token-weighted mean through torch's differentiable all-gather
     (whose gloo backward fails for SP groups without rank 0 unless the facade serves it: at 4 ranks,
     SP 2 x DP 2, the samples of ``SPDP_ORDER``). The model is left in eval mode, as from_pretrained
-    returns it and the documented loop leaves it. Each step's loss is the mean over the replicas."""
+    returns it and the documented loop leaves it. Each step's loss is the mean over the replicas.
+    ``moe``: ``tiny_moe`` on ``moe_dataset``, the loop adding ``router_aux_loss_coef * outputs.aux_loss``
+    (the facade makes it the whole sequence's)."""
+    import moe_cases
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
@@ -144,21 +147,26 @@ def accelerate_loop(stage: int, steps: int = STEPS) -> dict[int, float]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed", dp_shard_size=world // 2,
                            sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
-    model = tiny_llama().eval()  # before the stage-3 plugin exists: no zero.Init, the reference's initial weights
+    # before the stage-3 plugin exists: no zero.Init, the reference's initial weights
+    model = (tiny_moe() if moe else tiny_llama()).eval()
+    vocab = moe_cases.VOCAB if moe else VOCAB
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), parallelism_config=pc)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(dataset(), batch_size=2, shuffle=False)
+    loader = torch.utils.data.DataLoader(moe_dataset() if moe else dataset(), batch_size=2, shuffle=False)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     group, world = groups._get_sequence_parallel_group(), groups._get_sequence_parallel_world_size()
     seen = {}
     for step, batch in enumerate(loader, start=1):
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}  # the usual move: tensors only
         shift_labels = batch["shift_labels"]
-        logits = model(**batch).logits
-        loss = model.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=VOCAB)
+        outputs = model(**batch)
+        loss = model.module.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                                          vocab_size=vocab)
         losses = torch.distributed.nn.functional.all_gather(loss, group=group)
         good = torch.distributed.nn.functional.all_gather((shift_labels != -100).sum(), group=group)
         loss = sum(losses[r] * good[r] for r in range(world)) / max(sum(good), 1)
+        if moe:
+            loss = loss + model.module.config.router_aux_loss_coef * outputs.aux_loss
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -218,6 +226,24 @@ def deepspeed_loop(stage: int, steps: int = STEPS) -> dict[int, float]:
     return seen
 
 
+def reference_moe_loop(experts: str = "default") -> dict[int, float]:
+    """The MoE Accelerate loop in plain PyTorch, one process: the model's own loss (its aux loss over
+    the batch, pads left out by the attention mask), AdamW, clipping at 1.0, batches of 2 in order;
+    ``experts``: ``tiny_moe``'s kernel (``"eager"``: the noise floor)."""
+    model, rows = tiny_moe(experts), moe_dataset()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = {}
+    for step in range(1, STEPS + 1):
+        batch = {k: torch.stack([r[k] for r in rows[2 * (step - 1):2 * step]]) for k in rows[0]}
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out[step] = loss.item()
+    return out
+
+
 def reference_loop(split: int = 1, replicas: int = 1) -> dict[int, float]:
     """The Accelerate loop in plain PyTorch, one process: AdamW, clipping at 1.0, batches of 2 in order
     (``replicas`` 2: batches of 4 in ``SPDP_ORDER``, what SP 2 x DP 2 trains per step)."""
@@ -241,6 +267,7 @@ def main() -> None:
         res["moe"] = run(root / "moe", 2, sp=2, moe="default")
         res["moe_ep"] = run(root / "moe_ep", 2, sp=2, moe="default", ep=2)  # SP 2 and EP 2 on the same ranks
         res.update({f"acc{stage}": accelerate_loop(stage) for stage in (1, 3)})
+        res["acc_moe"] = accelerate_loop(2, moe=True)
         res.update({f"ds{stage}": deepspeed_loop(stage) for stage in (2, 3)})
     if int(os.environ.get("RANK", "0")) == 0:
         (root / "results.json").write_text(json.dumps(res, indent=1))

@@ -102,6 +102,17 @@ def test_batch_moving_sp_loops_match_plain_torch(launched, loop):
     assert _rel(launched[loop], ref) <= tol, (launched[loop], ref, tol)
 
 
+def test_accelerate_sp_loop_with_an_moe_model_and_its_aux_loss(launched):
+    """Accelerate's documented SP loop at ZeRO 2 with an MoE model (Qwen3-MoE, aux coefficient 0.1, half
+    the samples right padded), the loop adding ``router_aux_loss_coef * outputs.aux_loss`` to the SP
+    ranks' token-weighted mean: the facade makes ``outputs.aux_loss`` the whole sequence's (router logits
+    gathered over the SP group, pads left out by the adapter's token mask), so the losses equal the
+    model's own training without SP. Noise floor: the reference with the `eager` experts kernel."""
+    ref, other = job.reference_moe_loop(), job.reference_moe_loop("eager")
+    tol = equivalence_tol({"loss": _rel(other, ref)}, job.STEPS)["loss"]
+    assert _rel(launched["acc_moe"], ref) <= tol, (launched["acc_moe"], ref, tol)
+
+
 @pytest.mark.parametrize("run", ["moe", "moe_ep"])
 def test_trainer_sp2_moe_aux_loss_matches_single_process(launched, tmp_path, run):
     """An MoE model (Qwen3-MoE, router aux loss at coefficient 0.1, half the samples right padded) through
