@@ -161,8 +161,9 @@ class ShardwiseSP:
     def shard(self, batch: dict) -> tuple[dict, torch.Tensor]:
         from shardwise.sequence_parallel import split_batch
 
-        shard = split_batch(batch, self.sp)
-        return shard, shard.pop("shift_labels")
+        shard = split_batch(batch, self.sp)  # tensors only; the SP hook turns the KV cache off at SP > 1,
+        labels = shard.pop("shift_labels")
+        return {**shard, "use_cache": False}, labels  # and this at SP 1 (no hook), as split_batch did
 
     def loss(self, model: torch.nn.Module, inputs: dict, labels: torch.Tensor, tiled: bool) -> torch.Tensor:
         from shardwise.sequence_parallel import sequence_parallel_loss, tiled_causal_lm_loss

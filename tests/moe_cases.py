@@ -124,7 +124,8 @@ def ds_config(stage: int, lr: float, micro: int, world: int, clip: float | None)
 
 def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, micro: int = 2,
              clip: float | None = None, force: bool = False, use_config: bool = False, gas: int = 1,
-             facade: bool = False, bf16: bool = False, model: torch.nn.Module | None = None) -> dict:
+             facade: bool = False, bf16: bool = False, model: torch.nn.Module | None = None,
+             fp16: bool = False) -> dict:
     """Train under EP ``ep`` at ZeRO ``stage`` on this rank's part of the global batch (``gas``
     micro-batches of ``micro // gas`` sequences); return the losses (per micro-batch when gas > 1),
     the full weights gathered on every rank, and the expert bytes held here. ``model``: one built
@@ -137,6 +138,8 @@ def train_ep(kind: str, stage: int, ep: int, steps: int = 3, lr: float = 0.5, mi
     cfg.update(gradient_accumulation_steps=gas, train_batch_size=micro * world)
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if fp16:  # a static loss scale: every step applied, so the update compares with fp32's step for step
+        cfg["fp16"] = {"enabled": True, "loss_scale": 256}
     if use_config:
         cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": kind}
     else:
@@ -342,28 +345,31 @@ def train_sp_ep(kind: str, stage: int, sp: int, ep: int, steps: int = 3, lr: flo
         losses.append(float(loss.detach()))
         norms.append(engine.get_global_grad_norm())
     return {"losses": losses, "norms": norms, "weights": full_weights(engine),
-            "sp_rank": engine.sequence_parallel.rank, "dp_world": engine.dp_world}
+            "sp_rank": engine.sequence_parallel.rank, "dp_world": engine.dp_world, "dp_rank": engine.dp_rank}
 
 
 def reference_sp(kind: str, steps: int = 3, lr: float = 0.5, micro: int = 2, clip: float | None = None,
-                 implementation: str | None = None, aux: float = SP_AUX) -> dict:
+                 implementation: str | None = None, aux: float = SP_AUX, dp: int = 1) -> dict:
     """One process, the whole batch, no SP: the model's own ``outputs.loss`` (labels given: the token-mean
-    loss plus ``router_aux_loss_coef`` times its aux loss over the whole batch), SGD, optional clipping."""
+    loss plus ``router_aux_loss_coef`` times its aux loss over the whole batch), SGD, optional clipping.
+    ``dp``: the data-parallel replicas' parts of each step (``batches``' layout), the loss the mean of
+    the parts' losses (each with its own aux loss, what data parallelism computes); ``parts`` per step."""
     model = build(kind, attn="sdpa", aux=aux)
     if implementation is not None:
         model.config._experts_implementation = implementation
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    data = batches(steps, 1, micro)
-    losses, norms = [], []
+    data = batches(steps, dp, micro)
+    losses, norms, parts = [], [], []
     for s in range(steps):
-        ids = data[s, 0]
-        loss = model(input_ids=ids, labels=ids).loss
+        each = [model(input_ids=data[s, r], labels=data[s, r]).loss for r in range(dp)]
+        loss = each[0] if dp == 1 else torch.stack(each).mean()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": norms,
+        parts.append([float(x.detach()) for x in each])
+    return {"losses": losses, "norms": norms, "parts": parts,
             "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 

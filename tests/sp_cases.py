@@ -75,8 +75,11 @@ def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard = split_batch(batch, sp)
     labels = shard.pop("shift_labels")
-    loss = sequence_parallel_loss(model(**shard).logits, labels, sp)
+    assert model.config.use_cache  # on in the config: the SP forward hook, not the batch, turns it off
+    out = model(**shard)
+    loss = sequence_parallel_loss(out.logits, labels, sp)
     loss.backward()
+    cache = None if out.past_key_values is None else type(out.past_key_values).__name__
     got = _grads(model)
     for g in got.values():
         dist.all_reduce(g, group=sp.group)
@@ -84,7 +87,7 @@ def sp_matches_whole(impl: str, kv_heads: int, seq: int, pad_from: int | None = 
     want = _grads(ref_model)
     assert got.keys() == want.keys()
     out = {"loss": abs(float(loss.detach()) - float(ref)) / abs(float(ref)),
-           "grad": max(_rel(got[n], want[n]) for n in want), "attention": sp.attention}
+           "grad": max(_rel(got[n], want[n]) for n in want), "attention": sp.attention, "cache": cache}
     if checkpointing:  # the same SP step with the checkpoint inputs offloaded: bit-exact (copies move bits)
         out["offload_bit_exact"] = _offloaded_equal(model, shard, labels, sp, loss)
     return out

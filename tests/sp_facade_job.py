@@ -97,11 +97,12 @@ def history(trainer) -> dict[str, dict[int, float]]:
 
 
 def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1, steps: int = STEPS,
-        order: list[int] | None = None, offload: bool = False, moe: str | None = None) -> dict:
+        order: list[int] | None = None, offload: bool = False, moe: str | None = None, ep: int | None = None) -> dict:
     """The Trainer at ``stage`` (None: no DeepSpeed); ``order``: the samples in this order, not shuffled;
     ``offload``: activation checkpointing with its inputs offloaded (``shardwise.offload_activation_checkpoints``
     in the DeepSpeed config), and the bytes the offload moved in the result; ``moe``: ``tiny_moe`` on
-    ``moe_dataset`` instead of Llama (``"default"`` or ``"eager"``: its experts kernel)."""
+    ``moe_dataset`` instead of Llama (``"default"`` or ``"eager"``: its experts kernel); ``ep``: DeepSpeed
+    AutoEP's ``expert_parallel`` section in the config, the experts split over ``ep`` ranks."""
     from transformers import Trainer
 
     deepspeed = None
@@ -112,6 +113,8 @@ def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1,
                      "zero_optimization": {"stage": stage}}
         if offload:
             deepspeed["shardwise"] = {"offload_activation_checkpoints": True}
+        if ep is not None:
+            deepspeed["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": "qwen3_moe"}
     rows = dataset() if moe is None else moe_dataset()
     data = rows if order is None else [rows[i] for i in order]
     sampling = "random" if order is None else "sequential"
@@ -124,12 +127,15 @@ def run(out: Path, stage: int | None, sp: int = 1, batch: int = 2, gas: int = 1,
     return history(trainer)
 
 
-def accelerate_loop(stage: int, steps: int = STEPS) -> dict[int, float]:
+def accelerate_loop(stage: int, steps: int = STEPS, moe: bool = False) -> dict[int, float]:
     """Accelerate's documented SP loop: prepare(model, optimizer, loader) wraps the loader in the SP
     adapter; the loss is the SP ranks' token-weighted mean through torch's differentiable all-gather
     (whose gloo backward fails for SP groups without rank 0 unless the facade serves it: at 4 ranks,
     SP 2 x DP 2, the samples of ``SPDP_ORDER``). The model is left in eval mode, as from_pretrained
-    returns it and the documented loop leaves it. Each step's loss is the mean over the replicas."""
+    returns it and the documented loop leaves it. Each step's loss is the mean over the replicas.
+    ``moe``: ``tiny_moe`` on ``moe_dataset``, the loop adding ``router_aux_loss_coef * outputs.aux_loss``
+    (the facade makes it the whole sequence's)."""
+    import moe_cases
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
@@ -141,20 +147,26 @@ def accelerate_loop(stage: int, steps: int = STEPS) -> dict[int, float]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed", dp_shard_size=world // 2,
                            sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
-    model = tiny_llama().eval()  # before the stage-3 plugin exists: no zero.Init, the reference's initial weights
+    # before the stage-3 plugin exists: no zero.Init, the reference's initial weights
+    model = (tiny_moe() if moe else tiny_llama()).eval()
+    vocab = moe_cases.VOCAB if moe else VOCAB
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), parallelism_config=pc)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(dataset(), batch_size=2, shuffle=False)
+    loader = torch.utils.data.DataLoader(moe_dataset() if moe else dataset(), batch_size=2, shuffle=False)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     group, world = groups._get_sequence_parallel_group(), groups._get_sequence_parallel_world_size()
     seen = {}
     for step, batch in enumerate(loader, start=1):
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}  # the usual move: tensors only
         shift_labels = batch["shift_labels"]
-        logits = model(**batch).logits
-        loss = model.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=VOCAB)
+        outputs = model(**batch)
+        loss = model.module.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                                          vocab_size=vocab)
         losses = torch.distributed.nn.functional.all_gather(loss, group=group)
         good = torch.distributed.nn.functional.all_gather((shift_labels != -100).sum(), group=group)
         loss = sum(losses[r] * good[r] for r in range(world)) / max(sum(good), 1)
+        if moe:
+            loss = loss + model.module.config.router_aux_loss_coef * outputs.aux_loss
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -164,6 +176,72 @@ def accelerate_loop(stage: int, steps: int = STEPS) -> dict[int, float]:
         if step == steps:
             break
     return seen
+
+
+def deepspeed_loop(stage: int, steps: int = STEPS) -> dict[int, float]:
+    """DeepSpeed's own Ulysses SP recipe through the facade, DeepSpeed 0.19.8's API only:
+    ``register_with_transformers`` -> mpu, ``initialize(mpu=...)``, ``UlyssesSPDataLoaderAdapter`` over a
+    loader whose batches carry ``position_ids`` (0.19.8's adapter requires them), every value moved with
+    ``.to(device)``, the SP ranks' mean losses weighted by their token counts (torch's differentiable
+    all-gather), ``engine.backward`` / ``engine.step``. The samples, optimizer and clipping of
+    ``accelerate_loop``, so ``reference_loop`` is its reference too."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from deepspeed.utils import groups
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # a DeepSpeed script has no Accelerate plugin: no zero.Init left from one
+    model = tiny_llama()
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=2, micro_batch_size=2)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=cfg, mpu=mpu)
+    # each rank's loader reads its own batches (rank r: batches r, r + world, ...), as a DeepSpeed script
+    # shards its loader; the adapter trains the SP ranks' batches in turn: batch 0, 1, 2, ... in order
+    rank, ranks = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rows = [{**r, "position_ids": torch.arange(SEQ)} for r in dataset()]
+    rows = [rows[i] for b in range(rank, SAMPLES // 2, ranks) for i in (2 * b, 2 * b + 1)]
+    group = groups._get_sequence_parallel_group()
+    world = groups._get_sequence_parallel_world_size()
+    loader = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(rows, batch_size=2, shuffle=False),
+                                        sp_rank=groups._get_sequence_parallel_rank(), sp_group=group,
+                                        sp_world_size=world, device=engine.device)
+    seen = {}
+    for step, batch in enumerate(loader, start=1):
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        shift_labels = batch["shift_labels"]
+        outputs = engine(**batch)
+        loss = engine.module.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                                           vocab_size=VOCAB)
+        losses = torch.distributed.nn.functional.all_gather(loss, group=group)
+        good = torch.distributed.nn.functional.all_gather((shift_labels != -100).sum(), group=group)
+        loss = sum(losses[r] * good[r] for r in range(world)) / max(sum(good), 1)
+        engine.backward(loss)
+        engine.step()
+        seen[step] = float(loss.detach())
+        if step == steps:
+            break
+    return seen
+
+
+def reference_moe_loop(experts: str = "default") -> dict[int, float]:
+    """The MoE Accelerate loop in plain PyTorch, one process: the model's own loss (its aux loss over
+    the batch, pads left out by the attention mask), AdamW, clipping at 1.0, batches of 2 in order;
+    ``experts``: ``tiny_moe``'s kernel (``"eager"``: the noise floor)."""
+    model, rows = tiny_moe(experts), moe_dataset()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = {}
+    for step in range(1, STEPS + 1):
+        batch = {k: torch.stack([r[k] for r in rows[2 * (step - 1):2 * step]]) for k in rows[0]}
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out[step] = loss.item()
+    return out
 
 
 def reference_loop(split: int = 1, replicas: int = 1) -> dict[int, float]:
@@ -187,7 +265,10 @@ def main() -> None:
         res = {f"z{stage}": run(root / f"z{stage}", stage, sp=2) for stage in (2, 3)}
         res["z3_offload"] = run(root / "z3_offload", 3, sp=2, offload=True)
         res["moe"] = run(root / "moe", 2, sp=2, moe="default")
+        res["moe_ep"] = run(root / "moe_ep", 2, sp=2, moe="default", ep=2)  # SP 2 and EP 2 on the same ranks
         res.update({f"acc{stage}": accelerate_loop(stage) for stage in (1, 3)})
+        res["acc_moe"] = accelerate_loop(2, moe=True)
+        res.update({f"ds{stage}": deepspeed_loop(stage) for stage in (2, 3)})
     if int(os.environ.get("RANK", "0")) == 0:
         (root / "results.json").write_text(json.dumps(res, indent=1))
 

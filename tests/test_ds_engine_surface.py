@@ -63,3 +63,44 @@ def test_module_state_dict(engine):
     assert full.keys() == engine.module.state_dict().keys()
     assert all(torch.equal(full[k], v) for k, v in engine.module.state_dict().items())
     assert "1.weight" not in engine.module_state_dict(exclude_frozen_parameters=True)
+
+
+def test_what_the_engine_returns_is_deepspeeds(tmp_path):
+    """The return types of what scripts call, against DeepSpeed 0.19.8's (docs/deepspeed_api.md, "What
+    the facade returns"): ``initialize``'s 4-tuple, ``backward``'s ``loss / gas``, ``step``'s None, a
+    float gradient norm, lists from ``get_lr`` / ``get_mom``, bools and ints from the accessors,
+    ``save_16bit_model``'s True, ``load_checkpoint``'s ``(path, client_state)`` and ``(None, None)`` for
+    a folder without a checkpoint. Deliberate differences: ``save_checkpoint`` returns the checkpoint's
+    path (truthy, as DeepSpeed's True) rather than True; a folder that does not exist is refused in one
+    line (DeepSpeed returns ``(None, None)``: a mistyped path would train from scratch, silently)."""
+    import tiny_models
+
+    model = tiny_models.build("llama")
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+    out = shardwise.initialize(model=model, config=cfg)
+    assert isinstance(out, tuple) and len(out) == 4
+    engine, optimizer, loader, scheduler = out
+    assert optimizer is engine.optimizer and loader is None and scheduler is None
+    ids = torch.arange(8).reshape(1, 8)
+    for micro in range(2):
+        loss = engine(input_ids=ids, labels=ids).loss
+        assert engine.is_gradient_accumulation_boundary() is (micro == 1)
+        scaled = engine.backward(loss)
+        assert isinstance(scaled, torch.Tensor) and torch.equal(scaled, loss / 2)
+        assert engine.step() is None
+    assert type(engine.get_global_grad_norm()) is float and engine.was_step_applied() is True
+    assert isinstance(engine.get_lr(), list) and all(type(x) is float for x in engine.get_lr())
+    assert engine.get_mom() == [(0.9, 0.999)]
+    assert all(type(f()) is int for f in (engine.train_batch_size, engine.train_micro_batch_size_per_gpu,
+                                          engine.gradient_accumulation_steps, engine.zero_optimization_stage))
+    assert engine.get_batch_info() == (2, 1, 2) and engine.config.get("zero_optimization").get("stage") == 2
+    assert engine.save_16bit_model(str(tmp_path / "hf")) is True
+    path = engine.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 3})
+    assert isinstance(path, str) and path
+    loaded, client = engine.load_checkpoint(str(tmp_path / "ckpt"))
+    assert isinstance(loaded, str) and client["epoch"] == 3
+    (tmp_path / "empty").mkdir()
+    assert engine.load_checkpoint(str(tmp_path / "empty")) == (None, None)
+    with pytest.raises(RuntimeError, match="no such checkpoint folder"):  # DeepSpeed warns and returns (None, None)
+        engine.load_checkpoint(str(tmp_path / "typo"))

@@ -34,6 +34,7 @@ def test_forward_backward_equal_whole_sequence(pool2, impl, kv_heads, seq, pad_f
     for r in pool2.run("sp_cases:sp_matches_whole", impl, kv_heads, seq, pad_from, checkpointing):
         assert r["loss"] < ROUND_OFF and r["grad"] < ROUND_OFF, r
         assert r.get("offload_bit_exact", not checkpointing), r
+        assert r["cache"] is None, r  # the SP hook turned the KV cache off (the batch holds tensors only)
 
 
 def _noise(ref: dict, others: list[dict]) -> dict:
@@ -81,12 +82,32 @@ def test_injected_sp_errors_fail_the_check(pool2, reference, inject):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_checkpoint_saved_under_sp_resumes_without_sp(pool2, reference, stage, tmp_path):
     """Saved at SP 2 after 3 steps, loaded by a plain data-parallel engine: the next steps' losses
-    are the single-process run's (weights and Adam moments came back; the format is layout-free)."""
-    pool2.run("sp_cases:sp_training", stage, 2, save_dir=str(tmp_path))
+    are the single-process run's (weights and Adam moments came back; the format is layout-free).
+    The checkpoint consolidates offline (`shardwise consolidate`) into an HF folder that loads with the
+    engine's weights bit for bit and the model's own attention (not the SP registration's name), and
+    generates the tokens a model holding the engine's weights generates."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.checkpoint import consolidate
+
+    ckpt = tmp_path / "ckpt"
+    trained = pool2.run("sp_cases:sp_training", stage, 2, save_dir=str(ckpt))[0]["weights"]
     first = len(sp_cases.SEQS)
-    for got in pool2.run("sp_cases:resume_without_sp", stage, str(tmp_path)):
+    for got in pool2.run("sp_cases:resume_without_sp", stage, str(ckpt)):
         for a, b in zip(got["losses"], reference["losses"][first:], strict=True):
             assert abs(a - b) / abs(b) <= reference["tol"]["loss"], (got["losses"], reference["losses"])
+    consolidate(str(ckpt), str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), trained[n]), n
+    live = sp_cases.llama()
+    live.load_state_dict(trained)
+    prompt = torch.tensor([[5, 17, 3, 250, 41]])
+    new = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    got = model.eval().generate(prompt, **new)
+    assert torch.equal(got, live.eval().generate(prompt, **new)) and got.shape[1] == 13
 
 
 def test_sp2_x_dp2_four_ranks(pool4):
@@ -216,6 +237,9 @@ def test_split_batch_refuses_left_padding_and_keeps_edge_targets():
     assert shards[0]["shift_labels"].tolist() == [[11, 12, 13, 14]]  # 14 lives on rank 1: its target kept
     assert shards[1]["shift_labels"].tolist() == [[15, 16, -100, -100]]
     assert shards[1]["position_ids"].tolist() == [[4, 5, 6, 7]]
+    # DeepSpeed's contract: tensors only, so the usual `{k: v.to(device) for k, v in batch.items()}` runs
+    assert all(set(s) == {"input_ids", "position_ids", "shift_labels"} for s in shards), [set(s) for s in shards]
+    assert {k: v.to("cpu") for k, v in shards[0].items()}.keys() == shards[0].keys()
     with pytest.raises(ValueError, match="only right padding"):
         split_batch({"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1]])}, Half(0))
 

@@ -90,22 +90,40 @@ def test_trainer_sp2_dp2_on_four_gloo_ranks(tmp_path, launched_spdp):
         assert _rel(got[what], ref[what]) <= tol[what], (what, got[what], ref[what], tol)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_accelerate_sp_loop_matches_plain_torch(launched, stage):
-    """Accelerate's documented SP loop (model left in eval mode: SP stays on, gradients are enabled)."""
+@pytest.mark.parametrize("loop", ["acc1", "acc3", "ds2", "ds3"])
+def test_batch_moving_sp_loops_match_plain_torch(launched, loop):
+    """The usual batch-moving loop (``batch = {k: v.to(device) for k, v in batch.items()}``, which stops
+    at the first non-tensor value) through Accelerate's documented SP loop at ZeRO 1 and 3 (model left
+    in eval mode: SP stays on, gradients are enabled) and DeepSpeed 0.19.8's own API (the mpu of
+    ``register_with_transformers``, ``UlyssesSPDataLoaderAdapter``, ``engine.backward``) at ZeRO 2 and 3:
+    the SP adapter's batches hold tensors only, as DeepSpeed's do, and give the plain-PyTorch losses."""
     ref, resplit = job.reference_loop(1), job.reference_loop(2)
     tol = equivalence_tol({"loss": _rel(resplit, ref)}, job.STEPS)["loss"]
-    assert _rel(launched[f"acc{stage}"], ref) <= tol, (launched[f"acc{stage}"], ref, tol)
+    assert _rel(launched[loop], ref) <= tol, (launched[loop], ref, tol)
 
 
-def test_trainer_sp2_moe_aux_loss_matches_single_process(launched, tmp_path):
+def test_accelerate_sp_loop_with_an_moe_model_and_its_aux_loss(launched):
+    """Accelerate's documented SP loop at ZeRO 2 with an MoE model (Qwen3-MoE, aux coefficient 0.1, half
+    the samples right padded), the loop adding ``router_aux_loss_coef * outputs.aux_loss`` to the SP
+    ranks' token-weighted mean: the facade makes ``outputs.aux_loss`` the whole sequence's (router logits
+    gathered over the SP group, pads left out by the adapter's token mask), so the losses equal the
+    model's own training without SP. Noise floor: the reference with the `eager` experts kernel."""
+    ref, other = job.reference_moe_loop(), job.reference_moe_loop("eager")
+    tol = equivalence_tol({"loss": _rel(other, ref)}, job.STEPS)["loss"]
+    assert _rel(launched["acc_moe"], ref) <= tol, (launched["acc_moe"], ref, tol)
+
+
+@pytest.mark.parametrize("run", ["moe", "moe_ep"])
+def test_trainer_sp2_moe_aux_loss_matches_single_process(launched, tmp_path, run):
     """An MoE model (Qwen3-MoE, router aux loss at coefficient 0.1, half the samples right padded) through
     the Trainer's SP path at ZeRO 2: the facade's SP loss takes each shard's aux term out of the model's
     loss and adds the aux loss over the whole sequence once (pads left out by the adapter's token mask),
     so losses and gradient norms equal the same Trainer without SP (the model's own loss and aux loss).
-    Noise floor: the reference trained again with the `eager` experts kernel."""
+    ``moe_ep``: the same with ``expert_parallel`` (AutoEP's keys, EP 2) in the Trainer's DeepSpeed config,
+    SP 2 and EP 2 on the same two ranks. Noise floor: the reference trained again with the `eager`
+    experts kernel."""
     ref = job.run(tmp_path / "ref", None, moe="default")
     other = job.run(tmp_path / "ref_eager", None, moe="eager")
     tol = equivalence_tol({what: _rel(other[what], ref[what]) for what in ("loss", "grad_norm")}, job.STEPS)
     for what in ("loss", "grad_norm"):
-        assert _rel(launched["moe"][what], ref[what]) <= tol[what], (what, launched["moe"][what], ref[what], tol)
+        assert _rel(launched[run][what], ref[what]) <= tol[what], (what, launched[run][what], ref[what], tol)

@@ -32,6 +32,7 @@ from shardwise.sequence_parallel import (
     current,
     loss_of_shard_means,
     moe_causal_lm,
+    serve_whole_sequence_aux,
     setup_sequence_parallel,
     split_batch,
     tiled_mlp,
@@ -64,6 +65,7 @@ class UlyssesSPAttentionHF:
             raise ValueError(f"core_attn_implementation={core_attn_implementation!r} does not match the model's "
                              f"attn_implementation {active!r}; set both to the same value")
         sp = setup_sequence_parallel(model, int(sequence_parallel_size))
+        serve_whole_sequence_aux(model, TOKEN_MASK)  # an MoE model's outputs.aux_loss: the whole sequence's
         serve_trainer_sp_loss()
         serve_gloo_all_gather()  # Accelerate's documented SP loop all-gathers the losses itself
         return SequenceParallelMPU(sp)

@@ -396,6 +396,8 @@ class Engine(EngineAccessors, nn.Module):
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only, load_module_strict=load_module_strict)
 
-    def save_16bit_model(self, save_dir, save_filename=None, max_shard_size="5GB") -> None:  # noqa: ARG002
-        """HF-format weights (config.json + model*.safetensors) in the compute dtype (collective)."""
+    def save_16bit_model(self, save_dir, save_filename=None, max_shard_size="5GB") -> bool:  # noqa: ARG002
+        """HF-format weights (config.json + model*.safetensors) in the compute dtype (collective).
+        Returns True, as DeepSpeed's does when it saved (it never skips: no gather flag is needed)."""
         save_16bit_model(self, save_dir, max_shard_size=max_shard_size)
+        return True

@@ -37,7 +37,12 @@ from shardwise.sequence_parallel.loss import (
 )
 from shardwise.sequence_parallel.mpu import SequenceParallelMPU
 from shardwise.sequence_parallel.offload import HostStore, offload_checkpoints
-from shardwise.sequence_parallel.router import moe_causal_lm, router_aux_loss, whole_sequence_aux
+from shardwise.sequence_parallel.router import (
+    moe_causal_lm,
+    router_aux_loss,
+    serve_whole_sequence_aux,
+    whole_sequence_aux,
+)
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
 from shardwise.tensor_parallel import tp_state_of
 
@@ -45,7 +50,8 @@ __all__ = ["GatherShards", "HostStore", "SequenceParallel", "SequenceParallelMPU
            "choose_attention",
            "current", "head_split", "loss_of_shard_means", "moe_causal_lm", "offload_checkpoints",
            "register_attention", "router_aux_loss", "sequence_parallel_loss", "setup_long_context",
-           "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps", "tiled_causal_lm_loss",
+           "serve_whole_sequence_aux", "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps",
+           "tiled_causal_lm_loss",
            "tiled_loss_sum", "tiled_mlp", "tiled_reduce", "token_count", "token_mask", "whole_sequence_aux"]
 
 

@@ -21,6 +21,7 @@ those local heads by the SP degree, and the rules above apply to the TP-local co
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -215,11 +216,12 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
     while a rank with a new (unequal) length runs it, the very mismatch it is there to catch; a skip
     must be decided alike on every rank, and only a collective can tell the ranks' lengths apart. A
     model split over TP after registration must match the TP degree the groups were cut for
-    (``_check_tp``)."""
+    (``_check_tp``). It also turns the KV cache off (``use_cache=False``) for a forward with SP on:
+    see ``_without_cache``."""
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ARG001
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not sp.active():
-            return
+            return None
         _check_tp(module, sp)  # TP applied after registration (shard(tp_plan=...)) with groups cut for another degree
         ids = kwargs.get("input_ids", args[0] if args else None)
         ids = kwargs.get("inputs_embeds") if ids is None else ids
@@ -236,8 +238,21 @@ def _check_split_forward(sp: SequenceParallel) -> Callable:
                                device=compute_device())
         work = sp.comm.all_reduce(lengths, op=dist.ReduceOp.MAX, async_op=True)  # any rank's problem, on all
         _CHECKS[id(sp)] = (work, lengths, problem)
+        return _without_cache(module, args, kwargs)
 
     return hook
+
+
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The forward's arguments with ``use_cache=False`` when its ``forward`` takes ``use_cache``.
+
+    Why here and not in the batch: a forward with SP on trains on a shard, so a KV cache would only
+    keep each layer's shard keys and values alive (memory, no use: the next token of a shard is on
+    another rank); the batches stay tensors only, as DeepSpeed's adapter yields them, so a loop that
+    moves every value with ``.to(device)`` runs. Same number as the batch's ``use_cache=False`` gave."""
+    if "use_cache" not in inspect.signature(module.forward).parameters:
+        return None
+    return args, {**kwargs, "use_cache": False}
 
 
 def _check_tp(model: nn.Module, sp: SequenceParallel) -> None:

@@ -81,8 +81,10 @@ def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_token_id: int =
     """This rank's shard of ``batch`` (a dict of ``[batch, seq]`` tensors, the same on every SP rank),
     in ``sp.layout`` (contiguous for Ulysses, zigzag for ring attention).
 
-    Returns ``input_ids``, ``position_ids``, ``shift_labels`` (when the batch has ``labels`` or
-    ``shift_labels``) and ``use_cache=False``; other non-tensor entries pass through.
+    Returns ``input_ids``, ``position_ids`` and ``shift_labels`` (when the batch has ``labels`` or
+    ``shift_labels``), all tensors, as DeepSpeed's adapter yields them (a loop may ``.to(device)``
+    every value); the batch's own non-tensor entries pass through. The KV cache is turned off by the
+    SP attention's forward hook (``attention._without_cache``), not by a key of the batch.
     """
     ids = batch.get("input_ids")
     if ids is None or ids.dim() != 2:
@@ -113,7 +115,6 @@ def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_token_id: int =
     out["position_ids"] = pos[:, mine].contiguous()
     if shift is not None:
         out["shift_labels"] = _pad_to(shift, total, IGNORE)[:, mine].contiguous()
-    out["use_cache"] = False
     return out
 
 

@@ -88,3 +88,31 @@ def router_aux_loss(output: Any, model: torch.nn.Module, batch: dict[str, Any],
                          "over the whole sequence")
     lm = moe_causal_lm(model)
     return lm.router_aux_loss_coef * whole_sequence_aux(logits, lm, token_mask(batch, sp), sp)
+
+
+def serve_whole_sequence_aux(model: torch.nn.Module, mask_key: str) -> None:
+    """Make an MoE ``model``'s reported ``aux_loss`` the whole sequence's while SP is on, for a forward
+    without labels (a forward hook; a no-op for a dense model). Idempotent.
+
+    Why: a loop that computes the LM loss itself from the logits and ``shift_labels`` (Accelerate's
+    and DeepSpeed's documented SP loops) adds ``router_aux_loss_coef * outputs.aux_loss``, and the
+    model's own is its shard's (whose mean over the SP ranks is another objective). ``mask_key``: the
+    keyword under which the data adapter passes the batch's real tokens (``data.token_mask``). With
+    labels (the HF Trainer) the model's loss holds its shard's term and the Trainer's SP loss
+    replaces it, so the outputs are left as the model made them."""
+    try:
+        lm = moe_causal_lm(model)
+    except ValueError:
+        return  # a dense model (or one without the function): nothing to serve
+    old = model.__dict__.pop("_shardwise_sp_aux", None)
+    if old is not None:
+        old.remove()
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:  # noqa: ARG001
+        sp = current()
+        if not sp.active() or getattr(output, "loss", None) is not None or getattr(output, "aux_loss", None) is None:
+            return None
+        output.aux_loss = whole_sequence_aux(output.router_logits, lm, kwargs.get(mask_key), sp)
+        return output
+
+    model.__dict__["_shardwise_sp_aux"] = model.register_forward_hook(hook, with_kwargs=True)
