@@ -369,6 +369,8 @@ class ShardedGroup(StageThreeGather):
         if self.replicate is not None:
             self.replicate.all_reduce(g)
         if self.master_is_view:
+            if g.device != self.master.device:  # offload_param: the master is the (CPU) stage-3 shard
+                g = g.to(self.master.device)  # blocking: the host reads it at once
             g.mul_(scale)
             self.master.grad = g
         else:
