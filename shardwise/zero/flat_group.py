@@ -25,6 +25,7 @@ from torch import nn
 from shardwise.comm import Comm, Work
 from shardwise.zero.gather_state import GatherState, StageThreeGather
 from shardwise.zero.grad_accum import accumulation_dtype
+from shardwise.zero.host_copy import to_readable
 from shardwise.zero.layout import FlatLayout
 from shardwise.zero.pending import InflightLimit, ReadWork
 from shardwise.zero.policy import DEFAULT_GROUP_OPTIONS, GroupOptions, OffloadPolicy, ShardPolicy
@@ -374,7 +375,7 @@ class ShardedGroup(StageThreeGather):
             g.mul_(scale)
             self.master.grad = g
         else:
-            mg = g.to(device=self.master.device, dtype=self.master.dtype, non_blocking=True)
+            mg = to_readable(g, self.master.device, self.master.dtype)  # fenced: the host scales it next
             self.master.grad = mg.mul_(scale)
         return self.master.grad
 
