@@ -6,13 +6,16 @@ call returns before the bytes have arrived, and a host read (an optimizer step o
 
 1. a host tensor filled by a ``non_blocking`` device-to-host copy is read only after an event
    recorded on the copying stream *after* the copy has completed (``Event.synchronize``);
-2. on the CPU (no accelerator, or a copy between host tensors) there is no stream and no event: the
+2. a tensor on the host reaches a device-only backend (NCCL) through a device copy, never as it is;
+3. on the CPU (no accelerator, or a copy between host tensors) there is no stream and no event: the
    copy is synchronous and these functions reduce to a plain ``Tensor.to``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from shardwise.comm import Comm, compute_device
 
 
 def accelerated(device: torch.device) -> bool:
@@ -44,3 +47,14 @@ def to_readable(src: torch.Tensor, device: torch.device, dtype: torch.dtype) -> 
     if out.device.type == "cpu" and src.device.type != "cpu":
         fence(src.device)
     return out
+
+
+def broadcast_through_device(comm: Comm, t: torch.Tensor, src: int = 0) -> None:
+    """Broadcast ``t`` in place even where it lives on the host and the backend takes only device
+    tensors (NCCL): a model not yet placed (expert slicing, ``GatheredParameters`` before
+    ``initialize``) is broadcast through a copy on the collectives' device. Where ``t`` is there
+    already (the CPU under gloo) it is broadcast as it is: nothing is copied."""
+    buf = t.to(compute_device())
+    comm.broadcast(buf, src=src)
+    if buf is not t:
+        t.copy_(buf)
