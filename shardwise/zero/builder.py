@@ -212,6 +212,8 @@ class Sharding:
         for g in self.groups:
             g.wait()
             g.wait_gathered()
+        for g in self.groups:  # offload on an accelerator: every group's host copy in flight first
+            g.start_master_grad()
         return [g.attach_master_grad(unscale) for g in self.groups]
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
