@@ -64,3 +64,12 @@ def test_offload_changes_no_bit_on_cpu(pool2):
     off = pool2.run("zero_cases:train_ranks", "llama", make_config(2, offload=True))
     assert plain[0]["losses"] == off[0]["losses"]
     assert all(torch.equal(plain[0]["weights"][n], off[0]["weights"][n]) for n in plain[0]["weights"])
+
+
+def test_comm_nccl_branches_equal_the_gloo_emulation(pool2):
+    """Comm's NCCL-side code (emulation off) gives the gloo path's bits: two ranks' sums are one
+    addition, so any order is exact; every rank's gathered buffer is every rank's data."""
+    for rank, res in enumerate(pool2.run("nccl_path_cases:comm_both_branches")):
+        for key, want in res[True].items():
+            assert torch.equal(res[False][key], want), (rank, key)
+        assert not torch.isnan(res[False]["reduce_scatter"]).any()
