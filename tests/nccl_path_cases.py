@@ -35,3 +35,27 @@ def comm_both_branches(numel: int = 12) -> dict[bool, dict[str, torch.Tensor]]:
         out[emulate] = {"all_gather": gathered, "reduce_scatter": scattered, "accumulate": added,
                         "aliased": aliased.narrow(0, rank * shard, shard).clone(), "all_reduce": summed}
     return out
+
+
+def train_through_staging(kind: str, config: dict) -> dict:
+    """``zero_cases.train_ranks`` with every offloaded group on the GPU code path of the step:
+    ``GradToHost`` staging (start every group's copy, then wait and scale) with the stream and
+    its events stood in by no-ops, since a CPU build has none. Returns how many copies were staged."""
+    import contextlib
+    from unittest import mock
+
+    from zero_cases import train_ranks
+
+    from shardwise.zero.host_copy import GradToHost
+
+    class NoStream(contextlib.nullcontext):
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    start = mock.patch.object(GradToHost, "start", autospec=True, side_effect=GradToHost.start)
+    with (mock.patch("shardwise.zero.flat_group.accelerated", return_value=True),
+          mock.patch("shardwise.zero.host_copy.side_stream", return_value=NoStream()),
+          mock.patch("torch.accelerator.current_stream", return_value=None), start as started):
+        res = train_ranks(kind, config)
+    res["staged"] = started.call_count
+    return res

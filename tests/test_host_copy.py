@@ -73,3 +73,20 @@ def test_comm_nccl_branches_equal_the_gloo_emulation(pool2):
         for key, want in res[True].items():
             assert torch.equal(res[False][key], want), (rank, key)
         assert not torch.isnan(res[False]["reduce_scatter"]).any()
+
+
+PARAM_OFFLOAD = {"offload_param": {"device": "cpu", "pin_memory": True}, "stage3_param_persistence_threshold": 0}
+
+
+@pytest.mark.parametrize(("stage", "optimizer_offload", "extra"),
+                         [(2, True, {}), (3, True, PARAM_OFFLOAD), (3, False, PARAM_OFFLOAD)])
+def test_gpu_staging_path_changes_no_bit(pool2, stage, optimizer_offload, extra):
+    """The step's GPU-side logic (every group's gradient staged in its host buffer, then waited,
+    scaled and stepped; with parameter offload alone the master is the CPU shard itself) run on
+    the CPU with no-op streams: the same bits as today's path."""
+    cfg = make_config(stage, offload=optimizer_offload, **extra)
+    plain = pool2.run("zero_cases:train_ranks", "llama", cfg)
+    staged = pool2.run("nccl_path_cases:train_through_staging", "llama", cfg)
+    assert staged[0]["staged"] > 0 and "staged" not in plain[0]
+    assert plain[0]["losses"] == staged[0]["losses"]
+    assert all(torch.equal(plain[0]["weights"][n], staged[0]["weights"][n]) for n in plain[0]["weights"])

@@ -91,7 +91,7 @@ class GradToHost:
         """``pin_memory``: a pinned buffer (the copy is asynchronous; pageable memory makes the
         driver copy synchronously, still correct)."""
         self.device = device
-        self.buffer = torch.empty(numel, dtype=dtype, pin_memory=pin_memory)
+        self.buffer = torch.empty(numel, dtype=dtype, pin_memory=pin_memory and accelerated(device))
         self._copied: torch.Event | None = None
         self._source: torch.Tensor | None = None  # rule 3
         self._published: torch.Event | None = None
