@@ -114,8 +114,8 @@ class ResidentStore(ShardStore):
             self.shard.copy_(owned)
 
     def fill(self, group: Any, owned: torch.Tensor, async_read: bool) -> None:  # noqa: ARG002
-        with torch.no_grad():
-            owned.copy_(self.shard)
+        with torch.no_grad():  # from pinned memory: queued on the compute stream, the host moves on (zero/host_copy.py)
+            owned.copy_(self.shard, non_blocking=True)
 
 
 class FileStore(ShardStore):
