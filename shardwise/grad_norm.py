@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from shardwise.comm import Comm
+from shardwise.comm import Comm, compute_device
 
 
 def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool]], tp: Comm | None = None,
@@ -22,10 +22,19 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool]], tp: Comm | None
     ``shard``: the group over which the grads are disjoint shards (None: every rank holds the
     whole gradient). ``tp``: the tensor-parallel group (None or size 1: no TP). inf/nan when any
     rank's gradient overflowed.
+
+    The accumulator lives on the grads' device (an empty list: the collectives' device), so a
+    step on a GPU sums on the GPU without a host round trip per gradient; the grads of one call
+    share a device. Before a collective it moves to the collectives' device (offloaded CPU grads
+    under NCCL); on the CPU both are the CPU and nothing moves.
     """
-    sq = torch.zeros(2, dtype=torch.float64)  # [replicated, TP slice]
-    for g, tp_slice in grads:
+    pairs = list(grads)
+    device = pairs[0][0].device if pairs else compute_device()
+    sq = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, TP slice]
+    for g, tp_slice in pairs:
         sq[int(tp_slice)] += torch.linalg.vector_norm(g.detach().float()).double().square()
+    if (shard is not None and shard.size > 1) or (tp is not None and tp.size > 1):
+        sq = sq.to(compute_device())
     if shard is not None and shard.size > 1:
         shard.all_reduce(sq)
     if tp is not None and tp.size > 1:

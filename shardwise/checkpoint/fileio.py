@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json  # noqa: F401 (re-exported)
-from shardwise.comm import Comm, CommStats, make_comm
+from shardwise.comm import Comm, CommStats, compute_device, make_comm
 from shardwise.safe_files import finite_json, open_regular, write_atomic
 from shardwise.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
 
@@ -291,17 +291,18 @@ def agree(comm: Comm, err: BaseException | None, what: str) -> None:
         if err is not None:
             raise err
         return
-    flag = torch.tensor([comm.rank if err is not None else comm.size], dtype=torch.int64)
+    # on the collectives' device (NCCL takes no host tensor); read on the host: a decision every rank makes
+    flag = torch.tensor([comm.rank if err is not None else comm.size], dtype=torch.int64, device=compute_device())
     comm.all_reduce(flag, op=dist.ReduceOp.MIN)
     src = int(flag.item())
     if src == comm.size:
         return
-    buf = torch.zeros(4096, dtype=torch.uint8)
+    buf = torch.zeros(4096, dtype=torch.uint8, device=compute_device())
     if comm.rank == src:
         msg = f"{type(err).__name__}: {err}".encode()[:4096]
-        buf[: len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        buf[: len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8).to(buf.device)
     comm.broadcast(buf, src=src)
-    text = bytes(buf.numpy()).rstrip(b"\0").decode(errors="replace")
+    text = bytes(buf.cpu().numpy()).rstrip(b"\0").decode(errors="replace")
     if err is not None and not isinstance(err, Exception):
         raise err  # KeyboardInterrupt, SystemExit: not a checkpoint problem
     raise CheckpointError(f"{what} failed on rank {src}: {text}") from err  # the same text on every rank

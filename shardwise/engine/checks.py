@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardwise.comm import compute_device
 from shardwise.zero.bucket_step import mark_repeat_safe
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ def check_all_used(engine: Engine) -> None:
 
 def _tag_digest(tag: str) -> torch.Tensor:
     h = hashlib.sha256(tag.encode()).digest()[:7]
-    return torch.tensor([int.from_bytes(h, "little")], dtype=torch.int64)
+    # on the collectives' device: NCCL all-reduces no host tensor
+    return torch.tensor([int.from_bytes(h, "little")], dtype=torch.int64, device=compute_device())
 
 
 def check_save_args(engine: Engine, save_dir, tag: str | None) -> str | None:

@@ -12,6 +12,7 @@ tensors instead, each owned by one rank (``zero/whole_tensor.py``, ``docs/optimi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,13 +48,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     sharding = sharding_of(model)
     grads = _prepared(sharding)
     norm = sharding.grad_norm(grads)
-    if error_if_nonfinite and not torch.isfinite(torch.tensor(norm)):
+    if error_if_nonfinite and not math.isfinite(norm):
         raise RuntimeError(f"the total norm of the gradients is {norm}: non-finite, so it cannot be clipped "
                            "(pass error_if_nonfinite=False to clip anyway)")
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         torch._foreach_mul_(grads, coef)
-    return torch.tensor(norm)
+    # on the grads' device, as torch's clip_grad_norm_ returns it (the float is host-side already)
+    return torch.tensor(norm, device=grads[0].device if grads else None)
 
 
 def _master_groups(sharding: Sharding, param_groups: list[dict] | None, defaults: dict) -> list[dict]:

@@ -26,6 +26,7 @@ from shardwise.moe.deferred import materialize_local_experts
 from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, expert_shard_of, register, set_expert_shard
 from shardwise.moe.export import JOIN_TIMEOUT_S, install
 from shardwise.moe.layouts import UnsupportedMoEError, expert_layout, expert_params
+from shardwise.zero.host_copy import broadcast_through_device
 from shardwise.zero.partition import OwnGroups, own_groups, set_own_groups
 
 log = logging.getLogger("shardwise")
@@ -116,7 +117,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, *, preset: str | None 
         params = [getattr(module, name) for name in expert_params(module)]
         if not materialize_local_experts(params, first, local, world):  # zero.Init: this rank's only
             for p in params:
-                world.broadcast(p.data, src=0)  # every rank slices the same experts
+                broadcast_through_device(world, p.data, src=0)  # every rank slices the same experts
                 p.data = p.data.narrow(0, first, local).clone()
         for p in params:
             set_own_groups(p, groups)

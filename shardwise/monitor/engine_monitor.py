@@ -174,7 +174,8 @@ class EngineMonitor:
         """(mean loss of this step over micro-batches and data-parallel ranks, tokens of the window)."""
         eng = self.engine
         total = torch.stack(self._losses).double().sum() if self._losses else torch.zeros((), dtype=torch.float64)
-        t = torch.tensor([float(total), len(self._losses), self._tokens], dtype=torch.float64, device=eng.device)
+        t = torch.tensor([0.0, len(self._losses), self._tokens], dtype=torch.float64, device=eng.device)
+        t[0] = total  # a device copy: no host read of the loss before the all-reduce (one sync, below)
         for comm in (eng.comm, eng.replica):  # the shard group, then the replicas (hybrid sharding)
             comm.all_reduce(t)  # through Comm, so comm_stats() and the comms logger count it
         return (float(t[0] / t[1]) if t[1] > 0 else None), int(t[2])

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardwise.comm import Comm
+from shardwise.comm import Comm, compute_device
 from shardwise.tensor_parallel.cross_entropy import causal_lm_loss
 from shardwise.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -303,7 +303,8 @@ def _wrap_generate(model: nn.Module, tp: Comm) -> None:
 
     @functools.wraps(inner)
     def generate(*args, **kwargs):
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)  # TP rank 0's draw is used
+        # TP rank 0's draw (the CPU generator, as before) is used; broadcast on the collectives' device
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(compute_device())
         tp.broadcast(seed, src=0)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardwise.zero.folder_source import SafetensorsSource, weight_map  # noqa: F401 - weight_map re-exported
+from shardwise.zero.host_copy import broadcast_through_device
 from shardwise.zero.init_edits import EditWatch
 
 
@@ -236,7 +237,7 @@ def materialize_for_gather(params: list[nn.Parameter], comm: Any) -> None:
                 for q, v in keep:
                     q.copy_(v)
     for p in params:
-        comm.broadcast(p.data, src=0)
+        broadcast_through_device(comm, p.data, src=0)  # not placed yet: on the host
 
 
 def defer_again(params: list[nn.Parameter]) -> None:
