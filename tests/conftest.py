@@ -32,3 +32,49 @@ def pool4() -> RankPool:
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
     for p in _pools.values():
         p.close()
+
+
+# --- issue 48: the suite's own figures (subprocess tests, rank pool starts), printed at the end ---
+
+_SPAWNED: dict[str, float] = {}  # test id -> seconds, for tests that started a process of their own
+_UNMARKED: set[str] = set()  # tests that started a subprocess without the `subprocess` mark
+_CURRENT: list = [None]  # the test item running now (setup, call or teardown)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "subprocess: the test's subject is a process of its own (a CLI exit "
+                            "code, a one-line error, a signal, a kill, a launch); counted at the end of the run")
+    config.addinivalue_line("markers", "fast: in `make test-fast`, the inner loop that covers every package once")
+    import subprocess
+
+    start = subprocess.Popen._execute_child
+
+    def noting_child(self, *args, **kwargs):  # a test that starts a process without saying so is named
+        item = _CURRENT[0]
+        if item is not None and item.get_closest_marker("subprocess") is None:
+            _UNMARKED.add(item.nodeid)
+        return start(self, *args, **kwargs)
+
+    subprocess.Popen._execute_child = noting_child
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001
+    _CURRENT[0] = item
+    yield
+    _CURRENT[0] = None
+
+
+def pytest_runtest_logreport(report) -> None:
+    if "subprocess" in report.keywords:
+        _SPAWNED[report.nodeid] = _SPAWNED.get(report.nodeid, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)  # after the slowest durations, the last lines of the run
+def pytest_terminal_summary(terminalreporter) -> None:
+    write = terminalreporter.write_line
+    terminalreporter.section("subprocess tests and rank pools")
+    write(f"{len(_SPAWNED)} subprocess tests (marked `subprocess`) took {sum(_SPAWNED.values()):.1f} s in all")
+    write(f"rank pools: {RankPool.starts} starts, {RankPool.start_s:.1f} s waiting for ranks to join")
+    for nodeid in sorted(_UNMARKED):
+        write(f"started a subprocess without the `subprocess` mark: {nodeid}")
