@@ -71,7 +71,9 @@ def pytest_runtest_logreport(report) -> None:
 
 
 @pytest.hookimpl(trylast=True)  # after the slowest durations, the last lines of the run
-def pytest_terminal_summary(terminalreporter) -> None:
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    if config.option.collectonly:
+        return
     write = terminalreporter.write_line
     terminalreporter.section("subprocess tests and rank pools")
     write(f"{len(_SPAWNED)} subprocess tests (marked `subprocess`) took {sum(_SPAWNED.values()):.1f} s in all")
