@@ -35,6 +35,11 @@ run: setup
 test: setup
 	$(PY) -m pytest -q --durations=15 tests
 
+# The inner loop (issue 48): one quick test per package (tests/fast_subset.py), a minute or two; CI runs `make test`.
+test-fast: setup
+	$(PY) -m pytest -q -m fast --durations=5 tests
+.PHONY: test-fast
+
 lint: setup
 	$(VENV)/bin/ruff check .
 

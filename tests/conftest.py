@@ -80,3 +80,31 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     write(f"rank pools: {RankPool.starts} starts, {RankPool.start_s:.1f} s waiting for ranks to join")
     for nodeid in sorted(_UNMARKED):
         write(f"started a subprocess without the `subprocess` mark: {nodeid}")
+
+
+# --- issue 48: `make test-fast` (-m fast): the subset tests/fast_subset.py names, and only its files ---
+
+def _fast_only(config) -> bool:
+    return (config.option.markexpr or "").strip() == "fast"
+
+
+def pytest_ignore_collect(collection_path, config):
+    if _fast_only(config) and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        from fast_subset import fast_files
+
+        return collection_path.name not in fast_files() or None
+    return None
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    from fast_subset import fast_ids, is_fast
+
+    found = set()
+    for item in items:
+        for test_id in fast_ids():
+            if is_fast(item.nodeid, test_id):
+                item.add_marker(pytest.mark.fast)
+                found.add(test_id)
+    missing = [t for t in fast_ids() if t not in found]
+    if _fast_only(config) and missing:
+        raise pytest.UsageError(f"tests/fast_subset.py names tests that were not collected: {missing}")
