@@ -8,7 +8,7 @@ fresh pool via :func:`run_fresh`.
 
 Between cases every rank is put back as the case found it (:func:`_reset_after`):
 environment variables, working directory, a temporary folder of the case's own
-(removed after), default dtype and grad mode; the RNGs are seeded the same before
+(removed after), default dtype, grad mode and signal handlers; the RNGs are seeded the same before
 every case, so a case's numbers never depend on which cases ran before it. The
 process groups shardwise makes (``shardwise.mesh`` caches them by shape) are reused
 across cases. A case that fails on only some ranks, fails with a distributed
@@ -24,6 +24,7 @@ import os
 import queue
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -50,10 +51,16 @@ def _seed_all() -> None:
     torch.manual_seed(0)
 
 
-def _reset_after(env: dict[str, str], cwd: str, case_tmp: str) -> None:
-    """Undo what a case may have changed in this process: environment, folder, temp dir, torch modes."""
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _reset_after(env: dict[str, str], cwd: str, case_tmp: str, handlers: list) -> None:
+    """Undo what a case may have changed in this process: environment, folder, temp dir, torch
+    modes, and the SIGTERM/SIGINT handlers (a training loop installs its own)."""
     import torch
 
+    for sig, handler in zip(_SIGNALS, handlers, strict=True):
+        signal.signal(sig, handler)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -67,7 +74,7 @@ def _run_case(target: str, args: tuple, kwargs: dict) -> Any:
     """One case with a clean slate: seeded RNGs, a temp folder of its own, state restored after."""
     import importlib
 
-    env, cwd = dict(os.environ), os.getcwd()
+    env, cwd, handlers = dict(os.environ), os.getcwd(), [signal.getsignal(s) for s in _SIGNALS]
     case_tmp = tempfile.mkdtemp(prefix="rank_case_")
     tempfile.tempdir = case_tmp
     os.environ["TMPDIR"] = case_tmp
@@ -76,7 +83,7 @@ def _run_case(target: str, args: tuple, kwargs: dict) -> Any:
         mod_name, fn_name = target.split(":")
         return getattr(importlib.import_module(mod_name), fn_name)(*args, **kwargs)
     finally:
-        _reset_after(env, cwd, case_tmp)
+        _reset_after(env, cwd, case_tmp, handlers)
 
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue, outbox: mp.Queue) -> None:

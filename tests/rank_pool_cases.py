@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import tempfile
 import time
 
@@ -14,12 +15,14 @@ def leave_marks(folder: str) -> dict:
     """Change what the pool must undo; report the state this case was given."""
     seen = {"env": os.environ.get("RANK_POOL_MARK"), "cwd": os.getcwd(), "tmp": tempfile.gettempdir(),
             "dtype": str(torch.get_default_dtype()), "grad": torch.is_grad_enabled(),
-            "draws": [random.random(), torch.rand(1).item()]}
+            "draws": [random.random(), torch.rand(1).item()],
+            "sigterm": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL}
     os.environ["RANK_POOL_MARK"] = "left"
     os.chdir(folder)
     open(os.path.join(tempfile.gettempdir(), "left.txt"), "w").close()
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a training loop's own handler would
     return seen
 
 

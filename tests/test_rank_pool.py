@@ -18,7 +18,7 @@ def test_each_case_starts_clean_whatever_the_last_one_left(pool2: RankPool, tmp_
     second = pool2.run(f"{CASES}:leave_marks", str(tmp_path))
     for before, after in zip(first, second, strict=True):
         assert after["env"] is None and after["cwd"] == before["cwd"] != str(tmp_path)
-        assert after["dtype"] == "torch.float32" and after["grad"] is True
+        assert after["dtype"] == "torch.float32" and after["grad"] is True and after["sigterm"]
         assert after["tmp"] != before["tmp"]  # a temp folder of the case's own, removed after it
         assert after["draws"] == before["draws"]  # seeded the same before every case
     assert first[0]["draws"] == first[1]["draws"]
