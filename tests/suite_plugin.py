@@ -13,11 +13,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from rank_pool import RankPool
 
 _SPAWNED: dict[str, float] = {}  # test id -> seconds, for tests that started a process of their own
-_UNMARKED: set[str] = set()  # tests that started a subprocess without the `subprocess` mark
+_UNMARKED: dict[str, set[str]] = {}  # test id -> programs it started without the `subprocess` mark
+# what libraries start for themselves (ctypes.util.find_library asks ldconfig, gcc or ld; platform asks uname):
+# not a test's process
+_INCIDENTAL = {"ldconfig", "gcc", "cc", "ld", "objdump", "uname", "nvidia-smi"}
 _CURRENT: list = [None]  # the test item running now (setup, call or teardown)
 _SLOW: dict[str, float] = {}  # test id -> seconds, for the tests without the mark (issue 48: none over 20 s)
 SLOW_S = 20.0
@@ -32,11 +37,12 @@ def pytest_configure(config) -> None:
 
     start = subprocess.Popen._execute_child
 
-    def noting_child(self, *args, **kwargs):  # a test that starts a process without saying so is named
+    def noting_child(self, args, *rest, **kwargs):  # a test that starts a process without saying so is named
         item = _CURRENT[0]
-        if item is not None and item.get_closest_marker("subprocess") is None:
-            _UNMARKED.add(item.nodeid)
-        return start(self, *args, **kwargs)
+        program = os.path.basename(str(args if isinstance(args, (str, bytes, os.PathLike)) else args[0]))
+        if item is not None and item.get_closest_marker("subprocess") is None and program not in _INCIDENTAL:
+            _UNMARKED.setdefault(item.nodeid, set()).add(program)
+        return start(self, args, *rest, **kwargs)
 
     subprocess.Popen._execute_child = noting_child
 
@@ -63,8 +69,8 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     terminalreporter.section("subprocess tests and rank pools")
     write(f"{len(_SPAWNED)} subprocess tests (marked `subprocess`) took {sum(_SPAWNED.values()):.1f} s in all")
     write(f"rank pools: {RankPool.starts} starts, {RankPool.start_s:.1f} s waiting for ranks to join")
-    for nodeid in sorted(_UNMARKED):
-        write(f"started a subprocess without the `subprocess` mark: {nodeid}")
+    for nodeid, programs in sorted(_UNMARKED.items()):
+        write(f"started a subprocess without the `subprocess` mark: {nodeid} ({', '.join(sorted(programs))})")
     for nodeid, s in sorted(_SLOW.items(), key=lambda kv: -kv[1]):
         own = s - _POOL_WAIT.get(nodeid, 0.0)  # setup + call + teardown (a module fixture lands on its first test)
         if own > SLOW_S:
