@@ -90,6 +90,12 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue,
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
+    # torch.compile's cache where torch puts it by default (the system temp folder), not in a
+    # case's own temp folder: compiled kernels are reused across cases, as in one long process
+    import getpass
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(),
+                                                                  f"torchinductor_{getpass.getuser()}"))
     sys.path.insert(0, TESTS_DIR)
     import torch
 
