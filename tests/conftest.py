@@ -34,4 +34,3 @@ def pool4() -> RankPool:
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
     for p in _pools.values():
         p.close()
-
