@@ -42,6 +42,11 @@ test: setup
 test-gpu: setup
 	SHARDWISE_TEST_GPU=1 $(PY) -m pytest -q -m gpu tests
 
+# The inner loop (issue 48): one quick test per package (tests/fast_subset.py), a minute or two; CI runs `make test`.
+test-fast: setup
+	$(PY) -m pytest -q -m fast --durations=5 tests
+.PHONY: test-fast
+
 lint: setup
 	$(VENV)/bin/ruff check .
 

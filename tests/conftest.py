@@ -16,6 +16,8 @@ if not GPU_TIER:
 
 from rank_pool import RankPool  # noqa: E402
 
+pytest_plugins = ["suite_plugin"]  # issue 48: the closing figures, the subprocess mark, `make test-fast`
+
 _pools: dict[int, RankPool] = {}
 
 

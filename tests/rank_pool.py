@@ -5,28 +5,98 @@ of N processes is started once; a test sends ``"module:function"`` plus
 arguments to every rank and gets each rank's return value back. A test whose
 ranks must fail a collective (which leaves the gloo group unusable) runs in a
 fresh pool via :func:`run_fresh`.
+
+Between cases every rank is put back as the case found it (:func:`_reset_after`):
+environment variables, working directory, a temporary folder of the case's own
+(removed after), default dtype, grad mode and signal handlers; the RNGs are seeded the same before
+every case, so a case's numbers never depend on which cases ran before it. The
+process groups shardwise makes (``shardwise.mesh`` caches them by shape) are reused
+across cases. A case that fails on only some ranks, fails with a distributed
+error, or gives no answer within its timeout may have left the group unusable or a
+rank still busy, so the pool is killed and started again before the next case:
+the failure stays the failing test's, never the next one's.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
+import random
+import shutil
+import signal
 import sys
+import tempfile
+import time
 import traceback
 from typing import Any
 
 from shardwise.net import free_port
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_READY = "rank ready"  # each rank's first message, once it has joined the group
+# Words in a rank's traceback that say the group itself failed (a timeout, a peer gone, a
+# desync), after which the next collective could hang or pair with a stale one.
+_GROUP_FAILURE = ("gloo", "Timed out", "timed out", "Connection", "diverged", "DistBackendError",
+                  "DistNetworkError", "ProcessGroup")
+
+
+def _seed_all() -> None:
+    """The same RNG state before every case (torch, numpy, random), whatever ran before."""
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _reset_after(env: dict[str, str], cwd: str, case_tmp: str, handlers: list) -> None:
+    """Undo what a case may have changed in this process: environment, folder, temp dir, torch
+    modes, and the SIGTERM/SIGINT handlers (a training loop installs its own)."""
+    import torch
+
+    for sig, handler in zip(_SIGNALS, handlers, strict=True):
+        signal.signal(sig, handler)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    tempfile.tempdir = None
+    shutil.rmtree(case_tmp, ignore_errors=True)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+
+
+def _run_case(target: str, args: tuple, kwargs: dict) -> Any:
+    """One case with a clean slate: seeded RNGs, a temp folder of its own, state restored after."""
+    import importlib
+
+    env, cwd, handlers = dict(os.environ), os.getcwd(), [signal.getsignal(s) for s in _SIGNALS]
+    case_tmp = tempfile.mkdtemp(prefix="rank_case_")
+    tempfile.tempdir = case_tmp
+    os.environ["TMPDIR"] = case_tmp
+    _seed_all()
+    try:
+        mod_name, fn_name = target.split(":")
+        return getattr(importlib.import_module(mod_name), fn_name)(*args, **kwargs)
+    finally:
+        _reset_after(env, cwd, case_tmp, handlers)
 
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue, outbox: mp.Queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
-    sys.path.insert(0, TESTS_DIR)
-    import importlib
+    # torch.compile's cache where torch puts it by default (the system temp folder), not in a
+    # case's own temp folder: compiled kernels are reused across cases, as in one long process
+    import getpass
 
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(),
+                                                                  f"torchinductor_{getpass.getuser()}"))
+    sys.path.insert(0, TESTS_DIR)
     import torch
 
     torch.set_num_threads(1)
@@ -37,15 +107,13 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue,
     except Exception:  # noqa: BLE001
         outbox.put((rank, False, traceback.format_exc()))
         return
+    outbox.put((rank, True, _READY))
     while True:
         msg = inbox.get()
         if msg is None:
             break
-        target, args, kwargs = msg
         try:
-            mod_name, fn_name = target.split(":")
-            fn = getattr(importlib.import_module(mod_name), fn_name)
-            outbox.put((rank, True, fn(*args, **kwargs)))
+            outbox.put((rank, True, _run_case(*msg)))
         except BaseException:  # noqa: BLE001
             outbox.put((rank, False, traceback.format_exc()))
     import torch.distributed as dist
@@ -59,47 +127,103 @@ class RankError(AssertionError):
 
 
 class RankPool:
-    """N ranks joined in one gloo group, taking work from the test process."""
+    """N ranks joined in one gloo group, taking work from the test process.
+
+    ``starts`` counts how often ranks were (re)started and ``start_s`` the seconds the tests
+    waited for them to join (interpreter start, imports, the group's rendezvous), for the
+    suite's closing summary (tests/conftest.py).
+    """
+
+    starts = 0
+    start_s = 0.0
 
     def __init__(self, world: int, timeout_s: float = 120.0):
-        ctx = mp.get_context("spawn")
         self.world = world
+        self.timeout_s = timeout_s
+        self.procs: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._joined = False
+        ctx = mp.get_context("spawn")
         port = free_port()
-        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.outbox = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world, port, timeout_s, self.inboxes[r], self.outbox))
-                      for r in range(world)]
+                                  args=(r, self.world, port, self.timeout_s, self.inboxes[r], self.outbox))
+                      for r in range(self.world)]
         for p in self.procs:
             p.start()
+        RankPool.starts += 1
 
-    def run(self, target: str, *args: Any, timeout: float = 600, **kwargs: Any) -> list[Any]:
-        """Run ``module:function(*args, **kwargs)`` on every rank; return results by rank."""
-        for q in self.inboxes:
-            q.put((target, args, kwargs))
-        results: dict[int, Any] = {}
+    def _await_join(self, timeout: float) -> None:
+        """Wait for every rank's ready message (or its failure to join the group)."""
         errors = []
         for _ in range(self.world):
             try:
                 rank, ok, val = self.outbox.get(timeout=timeout)
-            except Exception as e:  # queue.Empty
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                raise RankError(f"{target}: no answer within {timeout}s (dead ranks: {dead})") from e
-            if ok:
-                results[rank] = val
-            else:
+            except queue.Empty:
+                self._kill()
+                raise RankError(f"the pool's {self.world} ranks did not start within {timeout}s") from None
+            if not ok:
                 errors.append(f"--- rank {rank} ---\n{val}")
+        RankPool.start_s += time.perf_counter() - self._t0
         if errors:
-            raise RankError(f"{target} failed:\n" + "\n".join(errors))
+            self._kill()
+            raise RankError("the pool's ranks failed to start:\n" + "\n".join(errors))
+        self._joined = True
+
+    def _kill(self) -> None:
+        """End every rank now (a case hung or broke the group): nothing of it reaches the next case."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=20)
+        self.procs = []
+
+    def run(self, target: str, *args: Any, timeout: float = 600, **kwargs: Any) -> list[Any]:
+        """Run ``module:function(*args, **kwargs)`` on every rank; return results by rank.
+
+        Raises :class:`RankError` naming the failing ranks (each rank's traceback) or, after
+        ``timeout`` seconds without every answer, the ranks that did not answer; in either case
+        the pool is restarted first when the group may be unusable.
+        """
+        if not self.procs:
+            self._start()
+        if not self._joined:
+            self._await_join(max(timeout, self.timeout_s))
+        for q in self.inboxes:
+            q.put((target, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < self.world:
+            try:
+                rank, ok, val = self.outbox.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                silent = [r for r in range(self.world) if r not in results and r not in errors]
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                self._kill()
+                raise RankError(f"{target}: no answer within {timeout}s from ranks {silent} "
+                                f"(dead ranks: {dead}); the pool was restarted") from None
+            (results if ok else errors)[rank] = val
+        if errors:
+            if len(errors) < self.world or any(w in tb for tb in errors.values() for w in _GROUP_FAILURE):
+                self._kill()
+            raise RankError(f"{target} failed:\n" + "\n".join(f"--- rank {r} ---\n{tb}"
+                                                                for r, tb in sorted(errors.items())))
         return [results[r] for r in range(self.world)]
 
     def close(self) -> None:
-        for q in self.inboxes:
+        for q in self.inboxes if self.procs else []:
             q.put(None)
         for p in self.procs:
             p.join(timeout=20)
             if p.is_alive():
                 p.kill()
+        self.procs = []
 
 
 def run_fresh(world: int, target: str, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> list[Any]:

@@ -96,6 +96,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespa
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.subprocess
 def test_user_error_is_one_line_exit_2(name: str, results: dict, tmp_path: Path) -> None:
     word = _cases(tmp_path)[name][1]
     r = results[name]
@@ -105,6 +106,7 @@ def test_user_error_is_one_line_exit_2(name: str, results: dict, tmp_path: Path)
     assert word in lines[0] and "error" in lines[0], lines[0]
 
 
+@pytest.mark.subprocess
 def test_launch_space_form_reaches_the_subcommand() -> None:
     """`--max-restarts 2 -- train` and `--rdzv-backend c10d train`: the target is `train`, not a file."""
     from shardwise.cli import _split_target

@@ -32,6 +32,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"shardwise {shardwise.__version__}"
 
 
+@pytest.mark.subprocess
 def test_every_subcommand_help_imports_no_torch() -> None:
     """The help of each subcommand comes from a torch-free parser (timing: benchmarks/bench_help.py)."""
     code = ("import sys, contextlib, io\nfrom shardwise import cli\n"

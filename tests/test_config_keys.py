@@ -33,6 +33,7 @@ def test_docs_table_matches_the_code_table():
     assert doc[begin:end] == markdown(), "regenerate: python -m shardwise.config.keys --markdown"
 
 
+@pytest.mark.subprocess
 def test_markdown_cli():
     out = subprocess.run([sys.executable, "-m", "shardwise.config.keys", "--markdown"], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).parent.parent).stdout
@@ -276,6 +277,7 @@ def test_refused_table_rows_are_reachable():
     assert BY_PATH["fp16.auto_cast"].status == "refused"
 
 
+@pytest.mark.subprocess
 def test_initialize_applies_the_timeout_key(tmp_path):
     """A fresh process: shardwise.initialize joins the job with shardwise.timeout_s as its timeout."""
     script = (

@@ -41,6 +41,7 @@ def _fake_deepspeed(tmp: Path) -> Path:
     return tmp
 
 
+@pytest.mark.subprocess
 def test_install_serves_every_listed_name_and_refuses_the_rest():
     _python(f"""
         import importlib, importlib.metadata, importlib.util
@@ -76,6 +77,7 @@ def test_install_serves_every_listed_name_and_refuses_the_rest():
     """)
 
 
+@pytest.mark.subprocess
 def test_installed_deepspeed_is_never_used(tmp_path):
     """The hook (PYTHONPATH, as under plain torchrun) and install_as_deepspeed() both win over an
     installed DeepSpeed, for the import and for the metadata, and say so once on stderr."""
@@ -99,6 +101,7 @@ def test_installed_deepspeed_is_never_used(tmp_path):
     assert "DeepSpeed is installed" in res.stderr
 
 
+@pytest.mark.subprocess
 def test_install_after_a_real_import_is_refused(tmp_path):
     fake = _fake_deepspeed(tmp_path)
     _python("""

@@ -37,6 +37,7 @@ def test_the_marker_is_found() -> None:
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_BLOCKS, ids=lambda p: p.name)
+@pytest.mark.subprocess
 def test_runnable_commands(page: Path, tmp_path: Path) -> None:
     for name in ("data", "examples"):
         (tmp_path / name).symlink_to(ROOT / name)

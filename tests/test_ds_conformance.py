@@ -89,6 +89,7 @@ def test_zero_init_refuses_a_custom_init_it_would_lose():
     assert not nn.Linear(2, 2).weight.is_meta  # the watch and the meta patch end with the context
 
 
+@pytest.mark.subprocess
 def test_zero_init_joins_the_launched_job(tmp_path):
     """DeepSpeed's zero.Init initializes torch.distributed when the launcher's environment is set
     (scripts ask for ranks inside it); shardwise joins the job the same way."""

@@ -41,6 +41,7 @@ def _values(out: str, key: str) -> dict[int, float]:
     return {int(m[1]): float(m[2]) for m in re.finditer(rf"step (\d+) {key} ([-0-9.e]+)", out)}
 
 
+@pytest.mark.subprocess
 def test_argparse_script_matches_plain_pytorch():
     """add_config_arguments + --deepspeed_config (ZeRO-2, gas 2, clipping, WarmupLR) on 2 ranks."""
     ex = _load("train_argparse")
@@ -61,6 +62,7 @@ def test_argparse_script_matches_plain_pytorch():
     assert got[11] < got[0]
 
 
+@pytest.mark.subprocess
 def test_client_state_checkpoint_resume_reproduces(tmp_path):
     """Save with client_state at step 3, load it in a new job, continue: the same losses."""
     common = ["--deepspeed_config", str(CONFIG), "--ckpt_dir", str(tmp_path)]
@@ -75,6 +77,7 @@ def test_client_state_checkpoint_resume_reproduces(tmp_path):
 
 
 @pytest.mark.parametrize(("tp", "stage"), [(2, 1), (1, 2)], ids=["tp2xdp1-zero1", "tp1xdp2-zero2"])
+@pytest.mark.subprocess
 def test_mpu_tensor_parallel_script_matches_plain_pytorch(tp, stage):
     """Megatron-style mpu: losses and the clipped global grad norm equal the unsplit model's, with the
     model split over the mpu's model-parallel group, or ZeRO over its data-parallel group."""

@@ -69,6 +69,7 @@ def test_the_defaults_hold_at_any_world_size(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.subprocess
 def test_example_config_trains(name: str, tmp_path: Path) -> None:
     log = _shardwise("launch", "--nproc", "2", "--", "train", "--config", f"examples/{name}", *SHORT,
                      "--out", str(tmp_path / "run"))
@@ -76,6 +77,7 @@ def test_example_config_trains(name: str, tmp_path: Path) -> None:
     assert not re.search(r"warning|accepted and ignored|note:", log, re.IGNORECASE), log[-3000:]
 
 
+@pytest.mark.subprocess
 def test_make_run_config(tmp_path: Path) -> None:
     """`make run`'s run config (its steps cut short here)."""
     log = _shardwise("launch", "--nproc", "2", "--", "train", "--run-config", "examples/sonnets.toml", *SHORT,
@@ -83,11 +85,13 @@ def test_make_run_config(tmp_path: Path) -> None:
     assert "final eval loss" in log and "warning" not in log.lower()
 
 
+@pytest.mark.subprocess
 def test_seed_walkthrough(tmp_path: Path) -> None:
     log = _shardwise("launch", "--nproc", "2", "examples/seed_walkthrough.py")
     assert "bit-identical to W: True" in log
 
 
+@pytest.mark.subprocess
 def test_train_without_a_config(tmp_path: Path) -> None:
     """The documented defaults: printed at the start, saved in run_config.json, the run ends cleanly."""
     out = tmp_path / "run"

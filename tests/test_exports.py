@@ -60,12 +60,14 @@ def test_byte_tokenizer_ids_are_the_bytes(tmp_path: Path) -> None:
     assert tok.decode(ids) == text and len(tok) == 256
 
 
+@pytest.mark.subprocess
 def test_train_export_runs_under_generate(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     names = set(os.listdir(run / "hf"))
     assert {"tokenizer.json", "generation_config.json", "config.json", "model.safetensors"} <= names
     _generate(run / "hf", capsys)
 
 
+@pytest.mark.subprocess
 def test_consolidate_of_the_run_folder_carries_the_tokenizer(run: Path, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "consolidated"
@@ -80,6 +82,7 @@ def test_consolidate_of_the_run_folder_carries_the_tokenizer(run: Path, tmp_path
     _generate(quantized, capsys, "--offload", "disk")
 
 
+@pytest.mark.subprocess
 def test_consolidate_names_the_folder_to_pass(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fresh = tmp_path / "fresh_run"
     fresh.mkdir()
@@ -95,6 +98,7 @@ def test_consolidate_names_the_folder_to_pass(run: Path, tmp_path: Path, capsys:
         (run / "checkpoints" / "latest.bak").rename(run / "checkpoints" / "latest")
 
 
+@pytest.mark.subprocess
 def test_only_rank_0_shows_the_loading_bar(run: Path, tmp_path: Path) -> None:
     """Fine-tuning the export on 2 ranks: transformers' "Loading weights" bar once, not once per rank."""
     (tmp_path / "ds.json").write_text(json.dumps(DS))
@@ -109,6 +113,7 @@ def test_only_rank_0_shows_the_loading_bar(run: Path, tmp_path: Path) -> None:
     assert "communication per rank: " in log and "iB" in log.split("communication per rank: ")[1].split("\n")[0]
 
 
+@pytest.mark.subprocess
 def test_generate_names_a_missing_tokenizer(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bare = tmp_path / "bare"
     bare.mkdir()

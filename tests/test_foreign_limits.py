@@ -180,6 +180,7 @@ def test_model_folder_with_weights_cut_short_names_the_file(tmp_path, capsys):
 
 
 # -- class 5: train --resume auto continues a DeepSpeed checkpoint, as the docs say ---------------------
+@pytest.mark.subprocess
 def test_train_resume_auto_of_a_deepspeed_checkpoint(tmp_path):
     """A run saved at step 2 is rewritten in DeepSpeed's ZeRO-2 layout into a fresh run folder;
     ``--resume auto`` there continues at step 2 and its losses at steps 3-4 equal the original run's

@@ -190,6 +190,7 @@ def test_generate_refuses_empty_and_too_long_prompts(model_dir, capsys):
                    "64 positions")
 
 
+@pytest.mark.subprocess
 def test_train_sample_with_a_too_long_prompt_keeps_the_export(tmp_path):
     """A finished run whose end-of-run sample prompt is longer than the model's positions (or
     empty) still exports, samples, and exits 0."""
@@ -309,6 +310,7 @@ def test_streamed_tokens_equal_whole_document_tokens(tmp_path, monkeypatch, kind
     assert got == want + sep
 
 
+@pytest.mark.subprocess
 def test_tokenizing_a_50mb_line_is_bounded_by_a_chunk(tmp_path):
     """Peak RSS growth of tokenizing one 48 MB line (byte tokenizer) in a fresh process; before the
     change it grew by 16x the file (a Python list of ints), now by a few chunks."""

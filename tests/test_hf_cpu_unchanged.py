@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EX = ROOT / "examples" / "hf_trainer"
 
 
+@pytest.mark.subprocess
 def test_stock_trainer_script_runs_on_two_cpu_ranks(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--as-deepspeed",

@@ -80,6 +80,7 @@ def test_errors_name_the_fix(tmp_path: Path) -> None:
         dataset_to_jsonl("no-such-user/no-such-dataset-38", "text", tmp_path / "c")
 
 
+@pytest.mark.subprocess
 def test_train_cli_on_a_saved_dataset(tmp_path: Path) -> None:
     folder = tmp_path / "ds"
     _dataset().save_to_disk(str(folder))

@@ -62,6 +62,7 @@ def _torch_reference(split: int) -> dict[int, float]:
     return job.plain_adamw_losses(model, data, job.STEPS, 4, split)
 
 
+@pytest.mark.subprocess
 def test_trainer_stage2_matches_single_process(launched, tmp_path):
     ref = _trainer_reference(tmp_path, batch=4, gas=1)
     resplit = _trainer_reference(tmp_path, batch=2, gas=2)
@@ -71,6 +72,7 @@ def test_trainer_stage2_matches_single_process(launched, tmp_path):
     assert _rel_diff(launched["trainer"]["z2"], ref, steps) <= tol
 
 
+@pytest.mark.subprocess
 def test_trainer_resume_continues_exactly(launched):
     t = launched["trainer"]
     assert "global_step4" in t["z2_checkpoint"] and "latest" in t["z2_checkpoint"]  # DeepSpeed's layout
@@ -78,6 +80,7 @@ def test_trainer_resume_continues_exactly(launched):
         assert t["z2_resumed"][str(s)] == t["z2"][str(s)], s
 
 
+@pytest.mark.subprocess
 def test_trainer_stage3_saves_full_weights(launched):
     from safetensors.torch import load_file
 
@@ -88,6 +91,7 @@ def test_trainer_stage3_saves_full_weights(launched):
     assert launched["trainer"]["z3_ds_attrs"]  # ds_id / ds_numel / ds_shape / ds_tensor as DeepSpeed's
 
 
+@pytest.mark.subprocess
 def test_peft_lora_stage3_trains_and_saves_adapters(launched):
     from safetensors.torch import load_file
 
@@ -104,6 +108,7 @@ def test_peft_lora_stage3_trains_and_saves_adapters(launched):
     assert abs(lora["losses"]["1"] - launched["trainer"]["z3"]["1"]) <= 1e-6 * abs(lora["losses"]["1"])
 
 
+@pytest.mark.subprocess
 def test_accelerate_stage2_matches_plain_torch(launched):
     ref, resplit = _torch_reference(1), _torch_reference(2)
     steps = range(1, job.STEPS + 1)
@@ -113,6 +118,7 @@ def test_accelerate_stage2_matches_plain_torch(launched):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.subprocess
 def test_accelerate_save_load_state_resumes_exactly(launched, stage):
     run, resumed = launched[f"acc{stage}"], launched[f"acc{stage}_resumed"]
     assert sorted(resumed) == [str(s) for s in LAST]

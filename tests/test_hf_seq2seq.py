@@ -37,6 +37,7 @@ def launched(tmp_path_factory) -> dict:
     return {"root": out, **torch.load(out / "results.pt")}
 
 
+@pytest.mark.subprocess
 def test_seq2seq_predict_with_generate_equals_single_process(launched, tmp_path):
     """generate() calls the T5 encoder on its own; it used to compute with NaN placeholders for
     the shared embedding and the final norm, and every prediction was pad tokens."""
@@ -48,6 +49,7 @@ def test_seq2seq_predict_with_generate_equals_single_process(launched, tmp_path)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
 
 
+@pytest.mark.subprocess
 def test_resize_token_embeddings_at_stage3_equals_plain(launched):
     """transformers gathers [old.weight, old.bias, new.weight, new.bias] (biases None) to resize at
     ZeRO-3; the resized, sharded model has the plain resized model's every weight and its loss."""

@@ -115,6 +115,7 @@ def test_module_in_memory_streamed_from_cpu(tmp_path):
     assert torch.equal(streamed.generate(prompt(), **GEN), ref)
 
 
+@pytest.mark.subprocess
 def test_streamed_memory_bound_on_every_run(tmp_path, monkeypatch):
     """Six fresh processes per case (forked after the imports; baseline, init_inference, generate): the peak RSS
     growth beyond what the mode keeps resident is at most 20% of the model on EVERY run (the
@@ -160,6 +161,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("extra", [["--offload", "disk", "--threads", "2", "--verbose"], ["--nproc", "2"]])
+@pytest.mark.subprocess
 def test_cli_streams_greedy_tokens(tmp_path, extra):
     save_tiny("llama", str(tmp_path))
     from transformers import AutoModelForCausalLM, AutoTokenizer

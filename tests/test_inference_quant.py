@@ -261,6 +261,7 @@ def test_perplexity_of_trained_model(tmp_path):
         assert abs(ppl / base - 1) <= tol, (bits, ppl, base)
 
 
+@pytest.mark.subprocess
 def test_quantize_cli_then_generate(folders, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     dst = str(tmp_path / "q4")

@@ -100,6 +100,7 @@ def test_messages_name_the_line(tmp_path):
         list(read_documents(f))
 
 
+@pytest.mark.subprocess
 def test_a_48mb_record_is_read_in_bounded_memory(tmp_path):
     """Peak RSS growth of tokenizing a JSONL file whose one record holds 48 MiB of text (escapes
     included), byte tokenizer, in a fresh process: before, json.loads of the line and the whole

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "launch_worker.py")
 STEPS = 8
@@ -36,6 +38,7 @@ def _launch(out: Path, *flags: str, kill_at: int | None = None) -> list[dict]:
     return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.subprocess
 def test_killed_rank_restarts_and_resumes_with_the_same_losses(tmp_path: Path) -> None:
     """Rank 1 is SIGKILLed inside step 5; the job restarts, resumes from the step-4 checkpoint and
     every step's loss equals the uninterrupted run's (the space form of --max-restarts, too)."""

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "exit_worker.py")
 # Three clean runs per test (the abort came in 5 of 18 runs before the fix, so three runs of the
@@ -30,6 +32,7 @@ def _torchrun(mode: str) -> subprocess.CompletedProcess:
                            WORKER, mode], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_deepspeed_example_ending_in_all_reduce_exits_0_every_time(tmp_path) -> None:
     ex = ROOT / "examples" / "deepspeed_scripts"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -43,6 +46,7 @@ def test_deepspeed_example_ending_in_all_reduce_exits_0_every_time(tmp_path) -> 
         assert "samples seen 128 global steps 8" in r.stdout, r.stdout[-2000:]
 
 
+@pytest.mark.subprocess
 def test_runs_exit_0_under_load_and_errors_never_abort() -> None:
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

@@ -156,6 +156,7 @@ def test_expert_parallel_config_refusals(pool2, kind, section, extra, match):
         assert "\n" not in msg
 
 
+@pytest.mark.subprocess
 def test_deepspeed_script_through_the_facade():
     # `deepspeed.initialize(config={"expert_parallel": ...})` with no DeepSpeed installed (own pool:
     # the facade stays installed in its processes)
@@ -251,6 +252,7 @@ def test_generate_under_ep_gives_the_single_process_tokens(pool2, kind, stage):
 
 
 # -- shardwise train --ep -------------------------------------------------------------------
+@pytest.mark.subprocess
 def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
     """`shardwise train --ep 2` on a Mixtral config at ZeRO-3: the same losses as without EP,
     checkpoints, the sample and the hf/ export included; a dense model is refused in one line naming
@@ -282,6 +284,7 @@ def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
     assert r.returncode == 2 and "model_type 'llama'" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.subprocess
 def test_hf_trainer_with_expert_parallel_config(tmp_path):
     """The HF Trainer (`--deepspeed` config with `expert_parallel`, shardwise's facade, no DeepSpeed),
     at ZeRO-2 (model built first) and ZeRO-3 (model made by `from_pretrained` after the

@@ -71,6 +71,7 @@ def _check_series(series: dict[str, list[tuple[int, float]]], ranks: list[dict],
 
 
 @pytest.mark.parametrize("name", list(job.RUNS))
+@pytest.mark.subprocess
 def test_tensorboard_events(launched, name):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -83,6 +84,7 @@ def test_tensorboard_events(launched, name):
 
 
 @pytest.mark.parametrize("name", list(job.RUNS))
+@pytest.mark.subprocess
 def test_csv_files(launched, name):
     folder = launched["root"] / name / "csv" / "job"
     series = {}
@@ -120,6 +122,7 @@ def _wandb_history(path: Path) -> tuple[str, list[dict]]:
     return group, rows
 
 
+@pytest.mark.subprocess
 def test_wandb_offline_runs(launched):
     runs = sorted((launched["root"] / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == len(job.RUNS)  # one run per training: rank 0 only
@@ -134,6 +137,7 @@ def test_wandb_offline_runs(launched):
         _check_series(series, launched[name], name, rel=1e-12)
 
 
+@pytest.mark.subprocess
 def test_exactly_one_writer(launched):
     for name in job.RUNS:
         rank0, rank1 = launched[name]
@@ -141,6 +145,7 @@ def test_exactly_one_writer(launched):
         assert rank1["printed"] == ""  # timers, memory, progress, profile and the comms table: rank 0 only
 
 
+@pytest.mark.subprocess
 def test_printed_lines(launched):
     for name in job.RUNS:
         out = launched[name][0]["printed"].splitlines()
@@ -159,6 +164,7 @@ def test_printed_lines(launched):
             assert "memory " in ln
 
 
+@pytest.mark.subprocess
 def test_flops_profile_counts_the_full_model(launched):
     model = build("llama")
     ids = torch.zeros(job.MICRO, job.SEQ, dtype=torch.long)
@@ -182,6 +188,7 @@ def test_flops_profile_counts_the_full_model(launched):
 
 
 @pytest.mark.parametrize("name", list(job.RUNS))
+@pytest.mark.subprocess
 def test_comms_summary_matches_the_stage(launched, name):
     """The logger's bytes are comm_stats()'s, and those are the ZeRO paper's per-step volume."""
     stage, psi, elem = job.RUNS[name][0], launched[name][0]["numel"], 2 if job.RUNS[name][2] == "fp16" else 4
@@ -255,6 +262,7 @@ def test_peak_flops_table(monkeypatch):
         assert peak_flops(dtype, None)[0] == want, device
 
 
+@pytest.mark.subprocess
 def test_shardwise_train_honours_the_sections(tmp_path):
     """`shardwise train` (one process, output not a terminal): the engine's CSV and TensorBoard monitors
     beside the run's own outputs, its train_loss equal to metrics.jsonl's loss, and plain progress lines."""

@@ -23,6 +23,7 @@ def _port() -> int:
 
 
 @pytest.mark.parametrize("stage", [3])
+@pytest.mark.subprocess
 def test_two_nodes_hybrid_sharding_matches_single_process(tmp_path, stage):
     port = _port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "shardwise"
 MAX_LOOSE_MODULES = 12  # modules at the top of shardwise/ besides __init__
@@ -143,6 +145,7 @@ def test_cycle_finder_finds_a_lazy_cycle(tmp_path: Path) -> None:
     assert _cycles(_edges(_modules(pkg), pkg)) == [["pkg.a", "pkg.b", "pkg.c"]]
 
 
+@pytest.mark.subprocess
 def test_the_launcher_imports_no_torch() -> None:
     """``import shardwise``, ``shardwise --help`` and a script launch stay torch-free (the public names
     load on first use): importing torch in the launcher cost each ``shardwise launch`` ~4 s before any

@@ -61,6 +61,7 @@ def test_planner_picks_a_layout_that_fits():
     assert all(p.step_s >= best.step_s for p in plans if p.fits)
 
 
+@pytest.mark.subprocess
 def test_cli_json_and_bad_input():
     cmd = [sys.executable, "-m", "shardwise.cli", "estimate", "--params", "7B", "--devices", "16",
            "--nodes", "2", "--gpus-per-node", "8", "--latency", "5us", "--json", "--top", "3"]

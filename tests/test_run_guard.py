@@ -74,6 +74,7 @@ def two_rank_run(tmp_path_factory) -> tuple[Path, Path]:
     return tmp, out
 
 
+@pytest.mark.subprocess
 def test_keep_holds_the_newest_saves_and_latest_after_resuming_an_earlier_step(two_rank_run) -> None:
     """The issue's case: `latest` set back to step 2 of a run that went to 4, resumed with --keep 1.
     Keeping the highest step numbers deleted the new global_step3 that `latest` named."""
@@ -90,6 +91,7 @@ def test_keep_holds_the_newest_saves_and_latest_after_resuming_an_earlier_step(t
     assert [m["step"] for m in read_metrics(out) if m["kind"] == "train"] == [1, 2, 3]
 
 
+@pytest.mark.subprocess
 def test_rank_file_missing_on_resume_is_one_line_exit_2(two_rank_run) -> None:
     tmp, first = two_rank_run
     out = tmp / "damaged"
@@ -99,6 +101,7 @@ def test_rank_file_missing_on_resume_is_one_line_exit_2(two_rank_run) -> None:
     _one_line(r, 2, "rank00001.safetensors", "missing")
 
 
+@pytest.mark.subprocess
 def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: Path) -> None:
     out = tmp_path / "shared"
     first = subprocess.Popen(_train_cmd(tmp_path, out, None, "--steps", "100000", "--save-every", "0",
@@ -133,6 +136,7 @@ def _run_all(cmds: list[list[str]]) -> list[subprocess.CompletedProcess]:
     return done
 
 
+@pytest.mark.subprocess
 def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path) -> None:
     """lr 1e36: step 1 is finite and blows the weights up, step 2's gradient norm is NaN."""
     big = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 1e36}}}
@@ -166,6 +170,7 @@ def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path) -> None:
     assert (skips / "hf" / "config.json").is_file()
 
 
+@pytest.mark.subprocess
 def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -50,6 +50,7 @@ def _rel(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("stage", [2, 3, "3_offload"])
+@pytest.mark.subprocess
 def test_trainer_sp2_matches_single_process(launched, tmp_path, stage):
     """3_offload: ZeRO 3 with activation checkpointing and ``shardwise.offload_activation_checkpoints``
     in the DeepSpeed config the Trainer passes: the facade's engine honours the key (bytes moved per step
@@ -70,6 +71,7 @@ def launched_spdp(tmp_path_factory) -> dict:
     return _launch(tmp_path_factory.mktemp("sp_facade_spdp"), 4, "spdp")
 
 
+@pytest.mark.subprocess
 def test_accelerate_sp_loop_sp2_dp2_on_four_gloo_ranks(launched_spdp):
     """Accelerate's documented loop calls torch's differentiable all_gather on the SP group itself; its
     gloo backward fails for the group [2, 3] (no rank 0) unless the facade serves a right one."""
@@ -78,6 +80,7 @@ def test_accelerate_sp_loop_sp2_dp2_on_four_gloo_ranks(launched_spdp):
     assert _rel(launched_spdp["acc_spdp"], ref) <= tol, (launched_spdp["acc_spdp"], ref, tol)
 
 
+@pytest.mark.subprocess
 def test_trainer_sp2_dp2_on_four_gloo_ranks(tmp_path, launched_spdp):
     """SP 2 x DP 2 (SP groups [0, 1] and [2, 3]) at ZeRO 2: transformers' own SP loss fails here on gloo
     (torch's all_gather backward takes the group rank for a global one); the facade's replacement
@@ -91,6 +94,7 @@ def test_trainer_sp2_dp2_on_four_gloo_ranks(tmp_path, launched_spdp):
 
 
 @pytest.mark.parametrize("loop", ["acc1", "acc3", "ds2", "ds3"])
+@pytest.mark.subprocess
 def test_batch_moving_sp_loops_match_plain_torch(launched, loop):
     """The usual batch-moving loop (``batch = {k: v.to(device) for k, v in batch.items()}``, which stops
     at the first non-tensor value) through Accelerate's documented SP loop at ZeRO 1 and 3 (model left
@@ -102,6 +106,7 @@ def test_batch_moving_sp_loops_match_plain_torch(launched, loop):
     assert _rel(launched[loop], ref) <= tol, (launched[loop], ref, tol)
 
 
+@pytest.mark.subprocess
 def test_accelerate_sp_loop_with_an_moe_model_and_its_aux_loss(launched):
     """Accelerate's documented SP loop at ZeRO 2 with an MoE model (Qwen3-MoE, aux coefficient 0.1, half
     the samples right padded), the loop adding ``router_aux_loss_coef * outputs.aux_loss`` to the SP
@@ -114,6 +119,7 @@ def test_accelerate_sp_loop_with_an_moe_model_and_its_aux_loss(launched):
 
 
 @pytest.mark.parametrize("run", ["moe", "moe_ep"])
+@pytest.mark.subprocess
 def test_trainer_sp2_moe_aux_loss_matches_single_process(launched, tmp_path, run):
     """An MoE model (Qwen3-MoE, router aux loss at coefficient 0.1, half the samples right padded) through
     the Trainer's SP path at ZeRO 2: the facade's SP loss takes each shard's aux term out of the model's

@@ -125,6 +125,7 @@ def test_zero_init_from_pretrained_reads_slices_and_trains_identically(pool2, ki
         assert r["bytes_read"] < 0.6 * file_bytes, (r["bytes_read"], file_bytes)
 
 
+@pytest.mark.subprocess
 def test_zero_init_from_config_peak_memory(monkeypatch):
     """A ~490 MB model built under zero.Init on 2 ranks: peak growth ~ model/2 + a unit, not the model.
 

@@ -101,6 +101,7 @@ def _sigterm_at_random_step(tmp: Path, out: Path) -> int:
     return saved
 
 
+@pytest.mark.subprocess
 def test_sigterm_then_resume_equals_uninterrupted(full_run: Path, tmp_path: Path) -> None:
     killed = tmp_path / "killed"
     saved = _sigterm_at_random_step(tmp_path, killed)
@@ -115,6 +116,7 @@ def test_sigterm_then_resume_equals_uninterrupted(full_run: Path, tmp_path: Path
         assert math.isclose(w1[key], v, rel_tol=RTOL), (key, w1[key], v, saved)
 
 
+@pytest.mark.subprocess
 def test_resume_at_another_tp_degree_and_stage(full_run: Path, tmp_path: Path) -> None:
     """Half the run at TP 2 x ZeRO-1 (dp 1, accumulation 4), the rest at dp 2 x ZeRO-2: same losses."""
     out = tmp_path / "tp_then_dp"
@@ -127,6 +129,7 @@ def test_resume_at_another_tp_degree_and_stage(full_run: Path, tmp_path: Path) -
         assert math.isclose(got[key], v, rel_tol=RTOL), (key, got[key], v)
 
 
+@pytest.mark.subprocess
 def test_sequence_parallel_flag_then_resume_without_sp(full_run: Path, tmp_path: Path) -> None:
     """Half the run with --sp 2 (one replica, accumulation 4, every sequence split over both ranks),
     the rest at dp 2 without SP: the per-step train and eval losses of the plain run."""
@@ -139,6 +142,7 @@ def test_sequence_parallel_flag_then_resume_without_sp(full_run: Path, tmp_path:
         assert math.isclose(got[key], v, rel_tol=RTOL), (key, got[key], v)
 
 
+@pytest.mark.subprocess
 def test_outputs_of_a_run(full_run: Path) -> None:
     train = [m for m in read_metrics(full_run) if m["kind"] == "train"]
     evals = [m for m in read_metrics(full_run) if m["kind"] == "eval"]
@@ -155,6 +159,7 @@ def test_outputs_of_a_run(full_run: Path) -> None:
     assert json.loads((full_run / "run_config.json").read_text())["config"]["zero_optimization"]["stage"] == 2
 
 
+@pytest.mark.subprocess
 def test_hf_export_loads_in_transformers_and_scores_the_last_eval(full_run: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -171,6 +176,7 @@ def test_hf_export_loads_in_transformers_and_scores_the_last_eval(full_run: Path
     assert math.isclose(total / count, last, rel_tol=RTOL)
 
 
+@pytest.mark.subprocess
 def test_hf_folder_trains_under_zero_init_from_its_weights(full_run: Path, tmp_path: Path) -> None:
     """--model HF_DIR at stage 3: the first step's loss is the exported model's loss on that batch."""
     from transformers import AutoModelForCausalLM
@@ -224,6 +230,7 @@ def test_jsonl_bad_line_is_named(tmp_path: Path) -> None:
         list(read_documents(f))
 
 
+@pytest.mark.subprocess
 def test_jsonl_bad_line_cli_error(tmp_path: Path) -> None:
     f = tmp_path / "docs.jsonl"
     f.write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": oops}\n')
@@ -233,6 +240,7 @@ def test_jsonl_bad_line_cli_error(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.subprocess
 def test_config_json_model_with_folder_tokenizer_on_jsonl(tmp_path: Path) -> None:
     """--model DIR holding only config.json and a tokenizer: from scratch, tokenized by that tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -62,6 +62,7 @@ def _references(trainer_fn, tmp: Path) -> tuple[dict, dict, float, float]:
 
 
 @pytest.mark.parametrize("name", ["sft", "dpo"])
+@pytest.mark.subprocess
 def test_trl_stage3_matches_single_process(launched, tmp_path, name):
     losses, weights, loss_noise, weight_noise = _references(getattr(job, name), tmp_path)
     tol = equivalence_tol({"loss": loss_noise, "w": weight_noise}, job.STEPS)
@@ -71,12 +72,14 @@ def test_trl_stage3_matches_single_process(launched, tmp_path, name):
     assert run["saved_vs_live"] == 0.0  # save_model writes the trained weights, full shape
 
 
+@pytest.mark.subprocess
 def test_reference_model_config_keys_are_dropped_with_one_warning(launched):
     """TRL's dotted zero_optimization.* keys: one warning per reference model sharded at ZeRO-3
     (DPO's, GRPO's), no unknown-key refusal."""
     assert launched["log"].count("top-level dotted key(s)") == 2
 
 
+@pytest.mark.subprocess
 def test_grpo_stage3_generates_and_trains_as_stage0(launched):
     z0, z3 = launched["grpo0"], launched["grpo3"]
     assert z3["losses"] == z0["losses"]  # the same completions, rewards and advantages
@@ -86,6 +89,7 @@ def test_grpo_stage3_generates_and_trains_as_stage0(launched):
     assert z3["saved_vs_live"] == 0.0
 
 
+@pytest.mark.subprocess
 def test_saved_weights_are_full_shape(launched):
     from safetensors.torch import load_file
 

@@ -158,6 +158,7 @@ def test_no_sync_refused_at_stage2(pool2):
         pool2.run("zero_cases:no_sync_stage2")
 
 
+@pytest.mark.subprocess
 def test_diverged_ranks_fail_within_timeout():
     t0 = time.monotonic()
     with pytest.raises(RankError, match="diverged"):

@@ -29,12 +29,14 @@ def _run(folder: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_script_sits_next_to_latest(saved):
     folder, _ = saved
     assert {"latest", "zero_to_fp32.py", "global_step2"} <= {p.name for p in folder.iterdir()}
     assert os.stat(folder / "zero_to_fp32.py").st_mode & stat.S_IXUSR
 
 
+@pytest.mark.subprocess
 def test_safetensors_output_equals_live_weights(saved):
     from safetensors.torch import load_file
 
@@ -46,6 +48,7 @@ def test_safetensors_output_equals_live_weights(saved):
     assert all(torch.equal(got[n], live[n]) for n in live)
 
 
+@pytest.mark.subprocess
 def test_deepspeed_flags(saved):
     """The script's other flags, through the function it runs (the same code, no new process)."""
     from shardwise.utils.zero_to_fp32 import main
@@ -68,6 +71,7 @@ def test_deepspeed_flags(saved):
     assert safe.keys() == got.keys() and all(torch.equal(safe[n], got[n]) for n in got)
 
 
+@pytest.mark.subprocess
 def test_user_errors_are_one_line(saved, capsys):
     from shardwise.utils.zero_to_fp32 import main
 
