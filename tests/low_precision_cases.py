@@ -122,3 +122,56 @@ def _reference(dtype: torch.dtype, mode: str, update: str, order: str, world: in
                 losses[r].append(float(loss.detach()))
         opt.step([g.mul_(1.0 / world) for g in _summed(grads, dtype, order)])  # the mean in the master's dtype
     return {"losses": losses, "weights": {n: p.detach().float().clone() for n, p in zip(names, params, strict=True)}}
+
+
+# -- checkpoints: every mode saves, reshards, resumes, and loads into the other modes ---------------------
+def ckpt_config(stage: int, mode: str, update: str = "kahan") -> dict:
+    """ckpt_cases' config (AdamW + warmup, 4 steps of a global batch of 4), bf16, with ``mode``'s keys."""
+    from ckpt_cases import config
+
+    cfg = config(stage, dist.get_world_size(), precision="bf16")
+    if mode != "fp32":
+        cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=mode == "states")
+        cfg["shardwise"] = {"master_update": update}
+    return cfg
+
+
+def _ckpt_steps(engine, start: int, stop: int) -> list[float]:
+    from ckpt_cases import GLOBAL_MICRO, SEQ, STEPS
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro, data = GLOBAL_MICRO // world, batches(STEPS, 1, GLOBAL_MICRO, SEQ)
+    losses = []
+    for s in range(start, stop):
+        ids = data[s, 0, rank * micro:(rank + 1) * micro]
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(float(out.loss))
+    return losses
+
+
+def _weights(engine) -> dict:
+    with GatheredParameters(engine.module.parameters()):
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def ckpt_run(stage: int, mode: str, ckpt: str | None = None, load: str | None = None, update: str = "kahan",
+             seed: int = 0) -> dict:
+    """``load``: resume from that checkpoint first (a fresh engine of another seed); else train from step 0
+    and save at the halfway step into ``ckpt``. Returns the losses, the weights at the save/load and at the end."""
+    from ckpt_cases import STEPS
+
+    engine, *_ = shardwise.initialize(model=build("llama", seed=seed), config=ckpt_config(stage, mode, update))
+    half, at = STEPS // 2, None
+    if load is not None:
+        engine.load_checkpoint(load)
+        at, losses = _weights(engine), _ckpt_steps(engine, engine.global_steps, STEPS)
+    else:
+        losses = _ckpt_steps(engine, 0, half)
+        engine.save_checkpoint(ckpt)
+        at = _weights(engine)
+        losses += _ckpt_steps(engine, half, STEPS)
+    end = _weights(engine)
+    return {"losses": losses, "at": at if dist.get_rank() == 0 else None, "end": end if dist.get_rank() == 0 else None,
+            "global_steps": engine.global_steps}

@@ -21,7 +21,7 @@ import torch
 from low_precision_cases import WindowAdamW, lowp_config, reference
 
 from shardwise.zero import low_precision
-from shardwise.zero.low_precision import round_stochastic, step_group
+from shardwise.zero.low_precision import COMPENSATION, round_stochastic, step_group
 from shardwise.zero.policy import PrecisionPolicy
 
 ORDER = {0: "rank", 1: "rank", 2: "micro", 3: "micro"}  # where each stage sums over ranks
@@ -59,6 +59,20 @@ def test_low_precision_master_matches_reference_bit_exact(pool2, stage, precisio
     comp = {f"torch.{'bfloat16' if precision == 'bf16' else 'float16'}"} if update == "kahan" else set()
     assert res[0]["state_dtypes"] == sorted({moments} | comp)
     _check_exact(res, precision, mode, update, stage)
+    if stage < 3:  # (stage 3 keeps this tiny model's parameters whole: the persistence threshold)
+        _check_memory(res[0], stage, precision, mode, update, offload)
+
+
+def _check_memory(r: dict, stage: int, precision: str, mode: str, update: str, offload: bool) -> None:
+    """memory_report()'s model states (device and host) against `shardwise estimate --master`'s bytes per
+    parameter; the only difference allowed is the engine's per-group padding (< 16 bytes x N elements a group)."""
+    from shardwise.estimate import estimate
+
+    est = estimate(r["numel"], 2, dtype=precision, offload="optimizer" if offload else "none", master=mode,
+                   kahan=update == "kahan").stages[stage]
+    got = sum(r["memory"][k] for k in ("params", "grads", "master_params", "optimizer_states"))
+    want = est.per_device_bytes + est.host_bytes
+    assert abs(got - want) <= 16 * 2 * 20, (got, want, r["memory"])  # 20 groups at most in this model
 
 
 def _fake_group(master: torch.Tensor, update: str, state_dtype: torch.dtype) -> SimpleNamespace:
@@ -155,3 +169,69 @@ def test_non_elementwise_optimizer_is_refused(pool2):
     msgs = pool2.run("low_precision_cases:refusal", lowp_config(2, "states"), "Lamb")
     assert msgs[0].startswith("bf16.bf16_master_weights_and_grads: a low-precision master is stepped by a torch "
                               "elementwise optimizer") and msgs[0].endswith("got Lamb"), msgs[0]
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def kahan_ckpt(pool2, tmp_path_factory):
+    """bf16 master + bf16 states + Kahan, stage 2: 4 uninterrupted steps, a checkpoint at step 2."""
+    root = tmp_path_factory.mktemp("lowp_ckpt")
+    res = pool2.run("low_precision_cases:ckpt_run", 2, "states", str(root / "ckpt"))
+    return {"res": res, "ckpt": root / "ckpt", "root": root}
+
+
+@pytest.mark.parametrize("stage", [2, 3, 1])
+def test_low_precision_checkpoint_resumes_bit_exact_at_any_stage(pool2, kahan_ckpt, stage):
+    """Master, moments and the Kahan compensation are saved and resharded: the resumed run is the
+    uninterrupted one, bit for bit (with one micro-batch per step every stage sums the two ranks alike)."""
+    import json
+
+    meta = json.loads((kahan_ckpt["ckpt"] / "global_step2" / "metadata.json").read_text())
+    assert meta["master_dtype"] == "bfloat16" and meta["states"] == ["exp_avg", "exp_avg_sq", COMPENSATION]
+    assert set(meta["state_dtypes"].values()) == {"bfloat16"}
+    res = pool2.run("low_precision_cases:ckpt_run", stage, "states", None, str(kahan_ckpt["ckpt"]), seed=123)
+    base = kahan_ckpt["res"]
+    for r in range(2):
+        assert res[r]["losses"] == base[r]["losses"][2:] and res[r]["global_steps"] == 4
+    assert all(torch.equal(res[0]["at"][n], w) for n, w in base[0]["at"].items())
+    assert all(torch.equal(res[0]["end"][n], w) for n, w in base[0]["end"].items())
+
+
+@pytest.mark.parametrize("mode", ["fp32", "master"])
+def test_bf16_master_checkpoint_loads_into_other_modes(pool2, kahan_ckpt, mode):
+    """bf16 masters and bf16 moments upcast exactly into fp32 masters / fp32 moments: the loaded weights
+    are the saved ones, and training goes on (the next steps' losses within 1% of the bf16 run's)."""
+    res = pool2.run("low_precision_cases:ckpt_run", 2, mode, None, str(kahan_ckpt["ckpt"]), seed=123)
+    base = kahan_ckpt["res"]
+    assert all(torch.equal(res[0]["at"][n], w) for n, w in base[0]["at"].items())
+    for r in range(2):
+        assert res[r]["losses"] == pytest.approx(base[r]["losses"][2:], rel=1e-2)
+
+
+def test_fp32_master_checkpoint_loads_into_bf16_master_and_back(pool2, tmp_path):
+    """An fp32-master run's checkpoint resumed with bf16 masters (each master rounded to bf16 once, the
+    weights the fp32 run computed with), and that run's checkpoint resumed with fp32 masters again."""
+    base = pool2.run("low_precision_cases:ckpt_run", 2, "fp32", str(tmp_path / "fp32"))
+    down = pool2.run("low_precision_cases:ckpt_run", 3, "states", None, str(tmp_path / "fp32"), seed=123)
+    assert all(torch.equal(down[0]["at"][n], w) for n, w in base[0]["at"].items())  # bf16 params = rounded masters
+    for r in range(2):
+        assert down[r]["losses"][0] == base[r]["losses"][2]  # the same bf16 weights, the same batch
+        assert down[r]["losses"] == pytest.approx(base[r]["losses"][2:], rel=1e-2)
+    mid = pool2.run("low_precision_cases:ckpt_run", 2, "states", str(tmp_path / "bf16"))
+    back = pool2.run("low_precision_cases:ckpt_run", 1, "fp32", None, str(tmp_path / "bf16"), seed=123)
+    assert all(torch.equal(back[0]["at"][n], w) for n, w in mid[0]["at"].items())
+
+
+def test_consolidate_and_zero_to_fp32_export_bf16_masters(kahan_ckpt, tmp_path):
+    """The exported fp32 weights are the bf16 masters, upcast (exactly the engine's weights at the save)."""
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.checkpoint import consolidate
+    from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    consolidate(kahan_ckpt["ckpt"], tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    want = kahan_ckpt["res"][0]["at"]
+    assert all(p.dtype == torch.float32 and torch.equal(p, want[n]) for n, p in hf.named_parameters())
+    sd = get_fp32_state_dict_from_zero_checkpoint(str(kahan_ckpt["ckpt"]))
+    assert all(torch.equal(sd[n], w) for n, w in want.items())

@@ -46,6 +46,15 @@ def is_low_precision(g: ShardedGroup) -> bool:
     return g.master is not None and g.master.dtype != torch.float32
 
 
+def kept_state_dtype(g: ShardedGroup, key: str) -> torch.dtype | None:
+    """The dtype ``g``'s optimizer keeps per-element state ``key`` in, so a checkpoint of any master mode
+    loads into any other (converted on read); None: a Kahan compensation ``g`` does not keep."""
+    if key == COMPENSATION:
+        keeps = g.master is not None and is_low_precision(g) and g.precision.master_update == "kahan"
+        return g.master.dtype if keeps else None
+    return g.precision.state_dtype if is_low_precision(g) else g.master.dtype
+
+
 def round_stochastic(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """fp32 -> bf16 rounded up or down with probability proportional to the distance (exact in expectation):
     random low 16 bits added to the fp32 bit pattern, then truncated (a bf16 is fp32's top 16 bits)."""
