@@ -12,6 +12,9 @@ the master mode (docs/precision.md):
 * ``bf16-master``: bf16 master with fp32 moments, Kahan.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_precision_curves.py --steps 80 --out runs/precision
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_precision_curves.py --steps 80 --lr 3e-4 \
+        --modes fp32,bf16-nearest,bf16-kahan,bf16-stochastic --out runs/precision-lr3e-4 \
+        --json benchmarks/results/precision_curves_lr3e-4.json --plot docs/precision_loss_lr3e-4.png
 
 writes ``benchmarks/results/precision_curves.json`` (every run's train and eval losses, the final
 gaps) and ``docs/precision_loss.png``. Each run is ``shardwise launch --nproc 2 -- train ...`` with the
@@ -46,21 +49,22 @@ MODES = {  # name -> (bf16 keys, shardwise.master_update)
 }
 
 
-def ds_config(mode: str) -> dict:
+def ds_config(mode: str, lr: float) -> dict:
     keys, update = MODES[mode]
     cfg = json.loads(json.dumps(BASE))
+    cfg["optimizer"]["params"]["lr"] = cfg["scheduler"]["params"]["warmup_max_lr"] = lr
     cfg["bf16"].update(keys)
     if update is not None:
         cfg["shardwise"] = {"master_update": update}
     return cfg
 
 
-def run(mode: str, seed: int, steps: int, out: Path, model: str) -> dict:
+def run(mode: str, seed: int, steps: int, out: Path, model: str, lr: float) -> dict:
     """One training run; returns its command, wall time and curves (from its metrics.jsonl)."""
     folder = out / f"{mode}-s{seed}"
     folder.mkdir(parents=True, exist_ok=True)
     cfg_path = folder.parent / f"{mode}.json"
-    cfg_path.write_text(json.dumps(ds_config(mode), indent=1))
+    cfg_path.write_text(json.dumps(ds_config(mode, lr), indent=1))
     cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--", "train", "--run-config",
            "examples/sonnets.toml", "--config", str(cfg_path), "--model", model, "--out", str(folder),
            "--steps", str(steps), "--seed", str(seed), "--sample-tokens", "0", "--no-export", "--save-every", "0",
@@ -102,17 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/precision")
     p.add_argument("--model", default="llama-tiny")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (sonnets.toml: 3e-3)")
     p.add_argument("--json", default="benchmarks/results/precision_curves.json")
     p.add_argument("--plot", default="docs/precision_loss.png")
     args = p.parse_args(argv)
     out = ROOT / args.out
-    runs = [run("fp32", 0, args.steps, out, args.model), run("fp32", 1, args.steps, out, args.model)]
-    runs += [run(m, 0, args.steps, out, args.model) for m in args.modes.split(",") if m != "fp32"]
+    runs = [run("fp32", s, args.steps, out, args.model, args.lr) for s in (0, 1)]
+    runs += [run(m, 0, args.steps, out, args.model, args.lr) for m in args.modes.split(",") if m != "fp32"]
     ref, spread = runs[0]["final_eval"], abs(runs[0]["final_eval"] - runs[1]["final_eval"])
     gaps = {f"{r['mode']}-s{r['seed']}": r["final_eval"] - ref for r in runs}
     within = {k: abs(v) <= spread for k, v in gaps.items()}
-    res = {"steps": args.steps, "model": args.model, "fp32_spread": spread, "final_eval_gap_vs_fp32_s0": gaps,
-           "within_spread": within, "runs": runs}
+    res = {"steps": args.steps, "model": args.model, "lr": args.lr, "fp32_spread": spread,
+           "final_eval_gap_vs_fp32_s0": gaps, "within_spread": within, "runs": runs}
     (ROOT / args.json).write_text(json.dumps(res, indent=1))
     plot(runs, ROOT / args.plot)
     for r in runs:

@@ -235,3 +235,21 @@ def test_consolidate_and_zero_to_fp32_export_bf16_masters(kahan_ckpt, tmp_path):
     assert all(p.dtype == torch.float32 and torch.equal(p, want[n]) for n, p in hf.named_parameters())
     sd = get_fp32_state_dict_from_zero_checkpoint(str(kahan_ckpt["ckpt"]))
     assert all(torch.equal(sd[n], w) for n, w in want.items())
+
+
+@pytest.mark.parametrize(("master", "kahan", "total", "stage3_device", "stage3_host"), [
+    ("fp32", True, 16, 16, 0), ("master", True, 14, 14, 0), ("master", False, 12, 12, 0),
+    ("states", True, 10, 10, 0), ("states", False, 8, 8, 0),
+])
+def test_estimate_bytes_per_parameter(master, kahan, total, stage3_device, stage3_host):
+    """docs/precision.md's table: ZeRO's 16 bytes per parameter become 14, 12, 10 or 8; with optimizer
+    offload the device keeps 2 + 2 and the host the master copy, moments and compensation."""
+    from shardwise.estimate import estimate
+
+    psi, n = 1_000_000, 4
+    est = estimate(psi, n, dtype="bf16", master=master, kahan=kahan)
+    assert sum(c.bytes for c in est.components) == total * psi
+    assert est.stages[3].per_device_bytes == stage3_device * psi // n and est.stages[3].host_bytes == stage3_host
+    off = estimate(psi, n, dtype="bf16", offload="optimizer", master=master, kahan=kahan).stages[3]
+    assert off.per_device_bytes == 4 * psi // n and off.per_device_bytes + off.host_bytes == total * psi // n + (
+        2 * psi // n if master != "fp32" else 0)  # the master's host copy: the 16-bit params stay on the device
