@@ -117,9 +117,7 @@ class Engine(EngineAccessors, nn.Module):
 
         master_groups = [{**opts, "params": [g.master for g in gs]}
                          for opts, gs in zip(sh.param_groups, self.groups_by_pg, strict=True)]
-        self.optimizer = self._make_optimizer(optimizer, master_groups)
-        if options.precision.master_dtype != torch.float32:  # docs/precision.md
-            require_elementwise(self.optimizer, f"{config.precision}.{config.precision}_master_weights_and_grads")
+        self.optimizer = require_elementwise(self._make_optimizer(optimizer, master_groups), sh, config.precision)
         guard_direct_step(self, self.optimizer)
         if self.optimizer is not None:
             self.optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: the last step was skipped

@@ -69,13 +69,18 @@ def steps_per_bucket(optimizer: optim.Optimizer, sharding: Sharding) -> bool:
     return len(params) == len(set(params)) == len(masters) and masters.issuperset(params)
 
 
-def require_elementwise(optimizer: optim.Optimizer | None, key: str) -> None:
-    """Refuse, in one line naming ``key``, an optimizer that a low-precision master's chunked fp32
-    window (``zero/low_precision.py``) could not step exactly."""
-    if optimizer is not None and type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+def require_elementwise(optimizer: optim.Optimizer | None, sharding: Sharding,
+                        precision: str) -> optim.Optimizer | None:
+    """``optimizer``; with low-precision masters (``<precision>.<precision>_master_weights_and_grads``),
+    refused in one line naming that key when their chunked fp32 window (``zero/low_precision.py``) could
+    not step it exactly."""
+    low = any(is_low_precision(g) for g in sharding.groups)
+    if low and optimizer is not None and type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS[:5])
-        raise UserError(f"{key}: a low-precision master is stepped by a torch elementwise optimizer "
-                         f"({names}, ...); got {type(optimizer).__name__}")
+        raise UserError(f"{precision}.{precision}_master_weights_and_grads: a low-precision master is stepped "
+                        "by a torch elementwise optimizer "
+                        f"({names}, ...); got {type(optimizer).__name__}")
+    return optimizer
 
 
 def step_and_publish(optimizer: optim.Optimizer, sharding: Sharding) -> None:
