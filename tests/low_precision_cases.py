@@ -51,7 +51,9 @@ def train_ranks(config: dict, steps: int = STEPS) -> dict:
                      if torch.is_tensor(v) and v.dim() == 1})
     result = {"losses": losses, "memory": engine.memory_report(), "master_dtype": str(g.master.dtype),
               "master_is_view": g.master_is_view, "state_dtypes": states,
-              "numel": sum(p.numel() for p in model.parameters())}
+              "numel": sum(p.numel() for p in model.parameters()),
+              "accessors": [engine.bf16_master_weights_and_gradients(), engine.bf16_optimizer_states(),
+                            engine.fp16_master_weights_and_gradients()]}
     if rank == 0:
         result["weights"] = weights
     return result

@@ -55,6 +55,7 @@ def test_low_precision_master_matches_reference_bit_exact(pool2, stage, precisio
     res = pool2.run("low_precision_cases:train_ranks", cfg)
     assert res[0]["master_dtype"] == f"torch.{'bfloat16' if precision == 'bf16' else 'float16'}"
     assert res[0]["master_is_view"] is (not offload)  # no second copy on the device
+    assert res[0]["accessors"] == [precision == "bf16", mode == "states", precision == "fp16"]  # DeepSpeed's names
     moments = "torch.bfloat16" if mode == "states" else "torch.float32"
     comp = {f"torch.{'bfloat16' if precision == 'bf16' else 'float16'}"} if update == "kahan" else set()
     assert res[0]["state_dtypes"] == sorted({moments} | comp)
