@@ -165,9 +165,11 @@ def ckpt_run(stage: int, mode: str, ckpt: str | None = None, load: str | None = 
     from ckpt_cases import STEPS
 
     engine, *_ = shardwise.initialize(model=build("llama", seed=seed), config=ckpt_config(stage, mode, update))
-    half, at = STEPS // 2, None
+    half, at, comp = STEPS // 2, None, []
     if load is not None:
         engine.load_checkpoint(load)
+        comp = [float(st["shardwise_compensation"].abs().max()) for st in engine.optimizer.state.values()
+                if "shardwise_compensation" in st]
         at, losses = _weights(engine), _ckpt_steps(engine, engine.global_steps, STEPS)
     else:
         losses = _ckpt_steps(engine, 0, half)
@@ -176,4 +178,4 @@ def ckpt_run(stage: int, mode: str, ckpt: str | None = None, load: str | None = 
         losses += _ckpt_steps(engine, half, STEPS)
     end = _weights(engine)
     return {"losses": losses, "at": at if dist.get_rank() == 0 else None, "end": end if dist.get_rank() == 0 else None,
-            "global_steps": engine.global_steps}
+            "global_steps": engine.global_steps, "loaded_compensation": comp}

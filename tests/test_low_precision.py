@@ -215,6 +215,7 @@ def test_fp32_master_checkpoint_loads_into_bf16_master_and_back(pool2, tmp_path)
     base = pool2.run("low_precision_cases:ckpt_run", 2, "fp32", str(tmp_path / "fp32"))
     down = pool2.run("low_precision_cases:ckpt_run", 3, "states", None, str(tmp_path / "fp32"), seed=123)
     assert all(torch.equal(down[0]["at"][n], w) for n, w in base[0]["at"].items())  # bf16 params = rounded masters
+    assert down[0]["loaded_compensation"] and max(down[0]["loaded_compensation"]) > 0  # the fp32 residual kept
     for r in range(2):
         assert down[r]["losses"][0] == base[r]["losses"][2]  # the same bf16 weights, the same batch
         assert down[r]["losses"] == pytest.approx(base[r]["losses"][2:], rel=1e-2)

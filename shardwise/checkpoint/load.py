@@ -50,7 +50,7 @@ from shardwise.checkpoint.tp import (
 from shardwise.checkpoint.validate import confined_path, match_like
 from shardwise.checkpoint.whole_tensor_state import check_state_layout, stage_whole_state
 from shardwise.safe_files import read_regular
-from shardwise.zero.low_precision import COMPENSATION, kept_state_dtype
+from shardwise.zero.low_precision import COMPENSATION, kept_state_dtype, master_buffer, settle_master
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -180,7 +180,7 @@ def _read_own(engine: CheckpointTarget, meta: dict, reader: ShardReader, states:
     stored = {"master": dtype_from_name(meta.get("master_dtype", "float32")),
               **{k: dtype_from_name(meta["state_dtypes"][k]) for k in states}}
     for g in engine.groups:
-        bufs = {"master": g.master.detach().clone()}
+        bufs = {"master": master_buffer(g, stored["master"])}
         for k in states:
             cur = _current_state(engine, g, k)
             kept = cur.dtype if cur is not None else kept_state_dtype(g, k)
@@ -206,6 +206,7 @@ def _read_own(engine: CheckpointTarget, meta: dict, reader: ShardReader, states:
                 rebuild(name, local, spec, index[name], tensors,
                         lambda s, k=k, dt=buf.dtype: read_saved(reader, tensors, k, s, dt, stored[k]))
                 dst.copy_(local.view(-1)[seg.start:seg.stop])
+        settle_master(g, bufs, bool(states))  # fp32 into a Kahan bf16 master: the residual kept
         scal = meta["scalars"].get(first, {}) if states and first else {}
         out.append({"bufs": bufs, "scalars": scal})
     return out

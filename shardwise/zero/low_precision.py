@@ -55,6 +55,23 @@ def kept_state_dtype(g: ShardedGroup, key: str) -> torch.dtype | None:
     return g.precision.state_dtype if is_low_precision(g) else g.master.dtype
 
 
+def master_buffer(g: ShardedGroup, saved: torch.dtype) -> torch.Tensor:
+    """What a checkpoint's master is read into: a copy of the live master, or fp32 when fp32 masters load
+    into a Kahan 16-bit master (:func:`settle_master` then keeps what the rounding drops)."""
+    if saved == torch.float32 and kept_state_dtype(g, COMPENSATION) is not None:
+        return g.master.detach().float()
+    return g.master.detach().clone()
+
+
+def settle_master(g: ShardedGroup, bufs: dict[str, torch.Tensor], with_states: bool) -> None:
+    """An fp32 master read for a Kahan 16-bit one: rounded, the residual its compensation (with states)."""
+    wide = bufs["master"]
+    if wide.dtype != g.master.dtype:
+        bufs["master"] = wide.to(g.master.dtype)
+        if with_states:
+            bufs[COMPENSATION] = wide.sub_(bufs["master"].float()).to(g.master.dtype)
+
+
 def round_stochastic(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """fp32 -> bf16 rounded up or down with probability proportional to the distance (exact in expectation):
     random low 16 bits added to the fp32 bit pattern, then truncated (a bf16 is fp32's top 16 bits)."""
