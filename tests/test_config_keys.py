@@ -73,8 +73,6 @@ def test_deepspeed_keys_accepted(config):
 @pytest.mark.parametrize("config, path, feature", [
     ({"data_efficiency": {"enabled": True}}, "data_efficiency", "data efficiency"),
     ({"torch_autocast": {"enabled": True}}, "torch_autocast", "torch.autocast"),
-    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads",
-     "bf16 master"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast", "auto_cast"),
     ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow", "ZenFlow"),
     ({"compile": {"deepcompile": True}}, "compile", "DeepCompile"),

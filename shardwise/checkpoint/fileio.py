@@ -152,23 +152,28 @@ class ShardReader:
                                   f"file, metadata.json says {dtype_name(dtype)} {list(shape)}")
         return f
 
-    def read_range(self, key: str, segments: list[dict], lo: int, hi: int, out: torch.Tensor) -> None:
-        """Fill ``out`` (1-D, hi - lo elements) with elements [lo, hi) of ``key`` from its segments."""
+    def read_range(self, key: str, segments: list[dict], lo: int, hi: int, out: torch.Tensor,
+                   stored: torch.dtype | None = None) -> None:
+        """Fill ``out`` (1-D, hi - lo elements) with elements [lo, hi) of ``key`` from its segments.
+        ``stored``: the dtype metadata.json promises for ``key`` when ``out`` is another float dtype (a
+        bf16 master loaded into fp32 masters and back: the header is still checked, the read converts)."""
         covered = 0
         for seg in segments:
             a, b = max(lo, seg["start"]), min(hi, seg["stop"])
             if a >= b:
                 continue
-            f = self._entry(seg["file"], key, out.dtype, [seg["stop"] - seg["start"]])
+            f = self._entry(seg["file"], key, stored or out.dtype, [seg["stop"] - seg["start"]])
             i, j, dst = a - seg["start"], b - seg["start"], out.narrow(0, a - lo, b - a)
             self._get(seg["file"], key, lambda f=f, i=i, j=j, dst=dst: f.read(key, i, j, dst))
             covered += b - a
         if covered != hi - lo:
             raise CheckpointError(f"{self.folder}: {key} elements [{lo}, {hi}) are not all in the checkpoint")
 
-    def read_full(self, key: str, fname: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        f = self._entry(fname, key, dtype, shape)
-        return self._get(fname, key, lambda: f.read_tensor(key))
+    def read_full(self, key: str, fname: str, dtype: torch.dtype, shape: list[int],
+                  stored: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor ``key`` in ``dtype`` (``stored``: the promised file dtype, as in read_range)."""
+        f = self._entry(fname, key, stored or dtype, shape)
+        return self._get(fname, key, lambda: f.read_tensor(key)).to(dtype)
 
     def _get(self, fname: str, key: str, read):
         try:

@@ -46,14 +46,17 @@ class MemoryReader:
             raise CheckpointError(f"{self.source}: {key} is {dtype_name(t.dtype)}, expected {dtype_name(dtype)}")
         return t
 
-    def read_range(self, key: str, segments: list[dict], lo: int, hi: int, out: torch.Tensor) -> None:
-        t = self._get(key, out.dtype)
+    def read_range(self, key: str, segments: list[dict], lo: int, hi: int, out: torch.Tensor,
+                   stored: torch.dtype | None = None) -> None:
+        """As ``ShardReader.read_range``: ``stored`` is the promised dtype, converted into ``out``'s."""
+        t = self._get(key, stored or out.dtype)
         if not 0 <= lo <= hi <= t.numel() or out.numel() != hi - lo:
             raise CheckpointError(f"{self.source}: {key} elements [{lo}, {hi}) are not all in the checkpoint")
         out.copy_(t[lo:hi])
 
-    def read_full(self, key: str, fname: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        return self._get(key, dtype).view(shape).clone()
+    def read_full(self, key: str, fname: str, dtype: torch.dtype, shape: list[int],
+                  stored: torch.dtype | None = None) -> torch.Tensor:
+        return self._get(key, stored or dtype).view(shape).to(dtype, copy=True)
 
     def release(self) -> None:
         """Nothing is open: the tensors stay until the reader is dropped."""

@@ -159,19 +159,20 @@ def _full_tensors(meta: dict, reader: ShardReader, specs: list[Spec]):
     dtype (frozen parameters, buffers)."""
     tensors, extras = meta["tensors"], saved_extras(meta)
     tidx, xidx = saved_index(tensors), saved_index(extras)
+    master = dtype_from_name(meta.get("master_dtype", "float32"))  # bf16/fp16 masters: read as fp32
     for name, _, shape in specs:
         trained = name in tidx
         src, keys = (tensors, tidx[name]) if trained else (extras, xidx[name])
         if src[keys[0]].get("tp"):  # TP pieces: assembled into the full (unpadded) tensor, piece by piece
             buf = torch.empty(shape, dtype=torch.float32 if trained else dtype_from_name(src[keys[0]]["dtype"]))
             t = rebuild(name, buf, None, keys, src,
-                        (lambda k: read_saved(reader, tensors, "master", k, torch.float32)) if trained
+                        (lambda k: read_saved(reader, tensors, "master", k, torch.float32, master)) if trained
                         else (lambda k: read_whole(reader, extras, k)))
         elif trained and len(tensors[name]["segments"]) == 1:  # one file: read it straight, no 2nd buffer
             t = reader.read_full(f"master/{name}", tensors[name]["segments"][0]["file"], torch.float32,
-                                 [tensors[name]["numel"]]).view(shape)
+                                 [tensors[name]["numel"]], master).view(shape)
         elif trained:
-            t = read_saved(reader, tensors, "master", name, torch.float32)
+            t = read_saved(reader, tensors, "master", name, torch.float32, master)
         else:
             t = read_whole(reader, extras, name)
         reader.release()

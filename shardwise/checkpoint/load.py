@@ -50,6 +50,7 @@ from shardwise.checkpoint.tp import (
 from shardwise.checkpoint.validate import confined_path, match_like
 from shardwise.checkpoint.whole_tensor_state import check_state_layout, stage_whole_state
 from shardwise.safe_files import read_regular
+from shardwise.zero.low_precision import COMPENSATION, kept_state_dtype, master_buffer, settle_master
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
@@ -150,11 +151,13 @@ def _match(engine: CheckpointTarget, meta: dict, strict: bool, source: Path) -> 
     return miss_t, miss_x
 
 
-def read_saved(reader: ShardReader, tensors: dict, prefix: str, key: str, dtype: torch.dtype) -> torch.Tensor:
-    """The whole saved tensor ``prefix/key`` (a trainable one's local TP piece), in its saved shape."""
+def read_saved(reader: ShardReader, tensors: dict, prefix: str, key: str, dtype: torch.dtype,
+               stored: torch.dtype | None = None) -> torch.Tensor:
+    """The whole saved tensor ``prefix/key`` (a trainable one's local TP piece), in its saved shape
+    (``stored``: the file's dtype when metadata.json says it is not ``dtype``; the read converts)."""
     info = tensors[key]
     buf = torch.empty(info["numel"], dtype=dtype)
-    reader.read_range(f"{prefix}/{key}", info["segments"], 0, info["numel"], buf)
+    reader.read_range(f"{prefix}/{key}", info["segments"], 0, info["numel"], buf, stored)
     return buf.view(info["shape"])
 
 
@@ -173,12 +176,17 @@ def _read_own(engine: CheckpointTarget, meta: dict, reader: ShardReader, states:
     """
     tensors, out = meta["tensors"], []
     index = saved_index(tensors)
+    # each read in the dtype this engine keeps (a bf16 master run resumed with fp32 masters and back)
+    stored = {"master": dtype_from_name(meta.get("master_dtype", "float32")),
+              **{k: dtype_from_name(meta["state_dtypes"][k]) for k in states}}
     for g in engine.groups:
-        bufs = {"master": g.master.detach().clone()}
+        bufs = {"master": master_buffer(g, stored["master"])}
         for k in states:
             cur = _current_state(engine, g, k)
-            bufs[k] = cur.detach().clone() if cur is not None else torch.zeros(
-                g.own_numel, dtype=dtype_from_name(meta["state_dtypes"][k]))
+            kept = cur.dtype if cur is not None else kept_state_dtype(g, k)
+            if kept is None:
+                continue  # a Kahan compensation this group does not keep
+            bufs[k] = cur.detach().clone() if cur is not None else torch.zeros(g.own_numel, dtype=kept)
         first = None  # the scalars (Adam's step) of the first parameter this rank holds part of
         for seg in g.owned:
             name, p = g.names[seg.index], g.params[seg.index]
@@ -191,12 +199,14 @@ def _read_own(engine: CheckpointTarget, meta: dict, reader: ShardReader, states:
                 dst = buf.narrow(0, seg.offset, seg.length)
                 if key is not None:  # (an expert's slice: its range of the full tensor)
                     off = saved_offset(p)
-                    reader.read_range(f"{k}/{key}", tensors[key]["segments"], seg.start + off, seg.stop + off, dst)
+                    reader.read_range(f"{k}/{key}", tensors[key]["segments"], seg.start + off, seg.stop + off, dst,
+                                      stored[k])
                     continue
                 local = torch.zeros(full_shape(p), dtype=buf.dtype)
                 rebuild(name, local, spec, index[name], tensors,
-                        lambda s, k=k, dt=buf.dtype: read_saved(reader, tensors, k, s, dt))
+                        lambda s, k=k, dt=buf.dtype: read_saved(reader, tensors, k, s, dt, stored[k]))
                 dst.copy_(local.view(-1)[seg.start:seg.stop])
+        settle_master(g, bufs, bool(states))  # fp32 into a Kahan bf16 master: the residual kept
         scal = meta["scalars"].get(first, {}) if states and first else {}
         out.append({"bufs": bufs, "scalars": scal})
     return out
@@ -246,14 +256,9 @@ def _stage_optimizer(engine: CheckpointTarget, meta: dict, loaded: list[dict], s
         index.update({id(p): i for p, i in zip(pg_live["params"], pg_sd["params"], strict=True)})
     state: dict[int, dict[str, Any]] = {}
     for g, got in zip(engine.groups, loaded, strict=True):
-        for k in meta["states"]:  # the dtype the optimizer keeps this state in (Adam: the master's)
-            cur = _current_state(engine, g, k)
-            want = (cur if cur is not None else g.master).dtype
-            if dtype_from_name(meta["state_dtypes"][k]) != want:
-                raise CheckpointError(f"{source}: optimizer state {k!r} is saved as {meta['state_dtypes'][k]}, "
-                                      f"this optimizer keeps it in {dtype_name(want)}")
-        live = opt.state.get(g.master, {})
-        if live and set(live) != set(meta["states"]) | set(got["scalars"]):
+        # (each state was read into the dtype this engine keeps it in: _read_own, zero/low_precision.py)
+        live = {k for k in opt.state.get(g.master, {}) if k != COMPENSATION}
+        if live and live != {k for k in meta["states"] if k != COMPENSATION} | set(got["scalars"]):
             raise CheckpointError(f"{source}: saved optimizer state {sorted(meta['states'])} + scalars "
                                   f"{sorted(got['scalars'])} is not this optimizer's {sorted(live)}")
         if meta["states"]:

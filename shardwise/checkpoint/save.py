@@ -25,6 +25,7 @@ from shardwise.checkpoint.experts import (
 from shardwise.checkpoint.fileio import (
     FORMAT,
     VERSION,
+    CheckpointError,
     SafetensorsWriter,
     agree,
     dtype_name,
@@ -221,7 +222,16 @@ def _metadata(engine: CheckpointTarget, manifests: list[dict], world: int, clien
         "has_model_config": model_config(engine.module) is not None,
         "tied": _tied_names(engine.module, saved),
         SECTION: merge_whole_state(engine, manifests),
+        **_master_dtype(engine),
     }
+
+
+def _master_dtype(engine: CheckpointTarget) -> dict[str, str]:
+    """``{"master_dtype": ...}`` when the masters are bf16/fp16 (zero/low_precision.py); one dtype per model."""
+    dtypes = {dtype_name(g.master.dtype) for g in engine.groups if g.master is not None}
+    if len(dtypes) > 1:
+        raise CheckpointError(f"masters of several dtypes ({sorted(dtypes)}): the format keeps one master dtype")
+    return {"master_dtype": dtypes.pop()} if dtypes and dtypes != {"float32"} else {}
 
 
 def _tied_names(module: torch.nn.Module, saved: set[str]) -> dict[str, str]:

@@ -202,6 +202,7 @@ class Metadata(BaseModel):
     tensors: dict[Name, TensorInfo]
     states: list[Name]
     state_dtypes: dict[Name, FloatDtype]
+    master_dtype: FloatDtype = "float32"  # bf16/fp16 with DeepSpeed's low-precision master keys
     scalars: dict[Name, dict[Name, Scalar]]
     module: dict[Name, ModuleInfo]
     frozen: dict[Name, FrozenInfo] = {}  # format 3: frozen parameters (format 2 kept them in 'module')

@@ -83,6 +83,29 @@ def grad_accum_ok(v: Any, root: dict[str, Any]) -> bool:
     return same_as_precision(v, root) or dtype_name(v) == "fp32" or (isinstance(stage, int) and stage >= 2)
 
 
+def low_master_ok(precision: str) -> Accepts:
+    """``<precision>_master_weights_and_grads``: off, or on with that compute precision and the compute
+    dtype for gradient accumulation (the master's gradient is the reduced gradient itself)."""
+    def ok(v: Any, root: dict[str, Any]) -> bool:
+        if flag_off(v):
+            return True
+        types = root.get("data_types")
+        accum = types.get("grad_accum_dtype") if isinstance(types, dict) else None
+        return flag_on(v) and precision_of(root) == precision and (accum is None or dtype_name(accum) == precision)
+    return ok
+
+
+def bf16_states_ok(v: Any, root: dict[str, Any]) -> bool:
+    """bf16 optimizer states only beside a bf16 master (as DeepSpeed asserts)."""
+    bf16 = root.get("bf16")
+    return flag_off(v) or (flag_on(v) and isinstance(bf16, dict) and flag_on(bf16.get("bf16_master_weights_and_grads")))
+
+
+def master_update_ok(v: Any, root: dict[str, Any]) -> bool:
+    """Stochastic rounding is bf16's (a truncation of fp32's low 16 bits); fp16 has no such cut."""
+    return v != "stochastic" or precision_of(root) == "bf16"
+
+
 def _off(key: str) -> Accepts:
     """A section whose `key` flag (a bool) is not true."""
     return lambda v, _r: not isinstance(v, dict) or flag_off(v.get(key))
@@ -136,15 +159,20 @@ KEYS: tuple[Key, ...] = (
     Key("fp16.consecutive_hysteresis", H, "dynamic loss scaler"),
     Key("fp16.min_loss_scale", H, "dynamic loss scaler"),
     Key("fp16.auto_cast", R, "fp16 auto_cast of the inputs", default(False)),
-    Key("fp16.fp16_master_weights_and_grads", R, "fp16 master weights", default(False)),
+    Key("fp16.fp16_master_weights_and_grads", H, "fp16 master weights and gradients, fp32 optimizer states, at "
+        "every stage, with or without offload (docs/precision.md); needs fp16.enabled and the compute dtype for "
+        "gradient accumulation", low_master_ok("fp16")),
     Key("bf16", H, "section (`bfloat16` is the deprecated name)"),
     Key("bf16.enabled", H, "bf16 compute with fp32 master weights"),
     Key("bf16.immediate_grad_update", I, "when DeepSpeed's stage-0/1 bf16 optimizer moves gradients; "
         "the accumulation dtype is data_types.grad_accum_dtype"),
     Key("bf16.check_grad_overflow", I, "a non-finite gradient norm stops training with NonFiniteError, a "
         "FloatingPointError (never a silent step), unless `shardwise.max_nonfinite_steps` lets it be skipped"),
-    Key("bf16.bf16_master_weights_and_grads", R, "bf16 master weights and gradients", default(False)),
-    Key("bf16.bf16_optimizer_states", R, "bf16 optimizer states", default(False)),
+    Key("bf16.bf16_master_weights_and_grads", H, "bf16 master weights and gradients (optimizer states fp32 "
+        "unless bf16_optimizer_states), at every stage, with or without offload (docs/precision.md); needs "
+        "bf16.enabled and the compute dtype for gradient accumulation", low_master_ok("bf16")),
+    Key("bf16.bf16_optimizer_states", H, "bf16 optimizer states; needs bf16_master_weights_and_grads",
+        bf16_states_ok),
     Key("data_types", H, "section"),
     Key("data_types.grad_accum_dtype", H, "the compute dtype (default), or fp32 with bf16/fp16 compute: "
         "gradients accumulate over micro-batches and are reduced in fp32, at every stage (param.grad is "
@@ -301,6 +329,9 @@ KEYS: tuple[Key, ...] = (
     Key("shardwise.sequence_parallel_attention", H, "\"auto\" (default): Ulysses when it can split the "
         "heads over `sequence_parallel_size`, ring attention otherwise; \"ulysses\" or \"ring\" to choose "
         "([long_context.md](long_context.md))"),
+    Key("shardwise.master_update", H, "how a bf16/fp16 master takes its update: \"kahan\" (default: a "
+        "compensation buffer keeps what rounding lost), \"stochastic\" (bf16 only) or \"nearest\" "
+        "([precision.md](precision.md))", master_update_ok),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

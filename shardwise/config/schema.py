@@ -79,12 +79,15 @@ class FP16Config(_Section):
     hysteresis: int = Field(2, ge=1)
     consecutive_hysteresis: Bool = False
     min_loss_scale: float = Field(1.0, gt=0)
+    fp16_master_weights_and_grads: Bool = False  # fp16 master, fp32 optimizer states (zero/low_precision.py)
 
 
 class BF16Config(_Section):
     enabled: Bool = False
     immediate_grad_update: Bool = True
     check_grad_overflow: Bool = False
+    bf16_master_weights_and_grads: Bool = False  # bf16 master and gradients (zero/low_precision.py)
+    bf16_optimizer_states: Bool = False  # and bf16 optimizer states
 
 
 class OptimizerConfig(_Section):
@@ -200,6 +203,8 @@ class ShardwiseSection(_Section):
     offload_activation_checkpoints: Bool = False
     # sequence-parallel attention: Ulysses when it can split the heads, else ring ("auto"), or one of them
     sequence_parallel_attention: Literal["auto", "ulysses", "ring"] = "auto"
+    # how a bf16/fp16 master takes its fp32 update (zero/low_precision.py, docs/precision.md)
+    master_update: Literal["nearest", "kahan", "stochastic"] = "kahan"
 
 
 class ShardwiseConfig(_Section):
@@ -286,6 +291,17 @@ class ShardwiseConfig(_Section):
 
         fp32 = dtype_name(self.data_types.get("grad_accum_dtype")) == "fp32"
         return torch.float32 if fp32 and self.precision != "fp32" else None
+
+    @property
+    def master_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(master dtype, optimizer-state dtype): fp32 and fp32 unless DeepSpeed's low-precision master keys
+        ask for the compute dtype (``bf16.bf16_master_weights_and_grads`` [+ ``bf16_optimizer_states``],
+        ``fp16.fp16_master_weights_and_grads``: fp16 keeps fp32 states, as DeepSpeed does)."""
+        if self.bf16.enabled and self.bf16.bf16_master_weights_and_grads:
+            return torch.bfloat16, torch.bfloat16 if self.bf16.bf16_optimizer_states else torch.float32
+        if self.fp16.enabled and self.fp16.fp16_master_weights_and_grads:
+            return torch.float16, torch.float32
+        return torch.float32, torch.float32
 
 
 # -- per-type parameter models (validated after the type is known) --------------------------------------

@@ -44,6 +44,16 @@ class EngineAccessors(DeepSpeedEngineExtras):
     def bfloat16_enabled(self) -> bool:
         return self.config.precision == "bf16"
 
+    def bf16_master_weights_and_gradients(self) -> bool:
+        """DeepSpeed's accessors of the low-precision master keys (docs/precision.md)."""
+        return self.config.master_dtypes[0] == torch.bfloat16
+
+    def bf16_optimizer_states(self) -> bool:
+        return self.config.master_dtypes[1] == torch.bfloat16
+
+    def fp16_master_weights_and_gradients(self) -> bool:
+        return self.config.master_dtypes[0] == torch.float16
+
     def amp_enabled(self) -> bool:
         """NVIDIA apex AMP: never used by shardwise."""
         return False

@@ -35,8 +35,9 @@ from shardwise.monitor import EngineMonitor
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
 from shardwise.precision import DynamicLossScaler
 from shardwise.sequence_parallel import setup_long_context
-from shardwise.zero.bucket_step import step_and_publish
+from shardwise.zero.bucket_step import require_elementwise, step_and_publish
 from shardwise.zero.builder import ShardOptions
+from shardwise.zero.policy import PrecisionPolicy
 from shardwise.zero.whole_tensor import build_on_sharding, whole_tensor_of
 
 log = logging.getLogger("shardwise")
@@ -64,6 +65,8 @@ def options_from_config(config) -> ShardOptions:
         weight_bits=8 if zero.zero_quantized_weights else 0,  # ZeRO++ qwZ / qgZ: zero/quantized_comm.py
         grad_bits=config.shardwise.quantized_gradient_bits if zero.zero_quantized_gradients else 0,
         grad_accum_dtype=config.grad_accum_dtype,
+        precision=PrecisionPolicy(*config.master_dtypes[:1], state_dtype=config.master_dtypes[1],
+                                  master_update=config.shardwise.master_update),
     )
 
 
@@ -114,7 +117,7 @@ class Engine(EngineAccessors, nn.Module):
 
         master_groups = [{**opts, "params": [g.master for g in gs]}
                          for opts, gs in zip(sh.param_groups, self.groups_by_pg, strict=True)]
-        self.optimizer = self._make_optimizer(optimizer, master_groups)
+        self.optimizer = require_elementwise(self._make_optimizer(optimizer, master_groups), sh, config.precision)
         guard_direct_step(self, self.optimizer)
         if self.optimizer is not None:
             self.optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: the last step was skipped

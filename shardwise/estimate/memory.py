@@ -199,6 +199,8 @@ class Estimate:
     recommendation: dict[str, Any] | None = None
     facts: ModelFacts | None = None
     notes: list[str] = field(default_factory=list)
+    master: str = "fp32"  # "fp32", "master" or "states" (see _components)
+    kahan: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; stage keys become "0".."3" as JSON requires string keys."""
@@ -207,15 +209,26 @@ class Estimate:
         return out
 
 
-def _components(dtype: str, offload: str) -> list[tuple[str, int, int, bool]]:
-    """(name, bytes per param, first sharded stage, offloaded to host) for the chosen precision."""
+def _components(dtype: str, offload: str, master: str = "fp32", kahan: bool = True) -> list[tuple[str, int, int, bool]]:
+    """(name, bytes per param, first sharded stage, offloaded to host) for the chosen precision. ``master``
+    (docs/precision.md): "fp32", "master" (``*_master_weights_and_grads``: the 16-bit parameter shard is the
+    master, fp32 moments) or "states" (+ ``bf16_optimizer_states``); ``kahan``: its 16-bit compensation."""
     opt_host, param_host = offload in ("optimizer", "params"), offload == "params"
     if dtype == "fp32":
         return [("fp32 params", 4, 3, param_host), ("fp32 grads", 4, 2, False),
                 ("Adam m (fp32)", 4, 1, opt_host), ("Adam v (fp32)", 4, 1, opt_host)]
-    return [(f"{dtype} params", 2, 3, param_host), ("fp32 master params", 4, 1, opt_host),
-            (f"{dtype} grads", 2, 2, False), ("Adam m (fp32)", 4, 1, opt_host),
-            ("Adam v (fp32)", 4, 1, opt_host)]
+    if master == "fp32":
+        return [(f"{dtype} params", 2, 3, param_host), ("fp32 master params", 4, 1, opt_host),
+                (f"{dtype} grads", 2, 2, False), ("Adam m (fp32)", 4, 1, opt_host),
+                ("Adam v (fp32)", 4, 1, opt_host)]
+    k, sd = (2, dtype) if master == "states" else (4, "fp32")
+    out = [(f"{dtype} params, stepped in place", 2, 3, param_host), (f"{dtype} grads", 2, 2, False),
+           (f"Adam m ({sd})", k, 1, opt_host), (f"Adam v ({sd})", k, 1, opt_host)]
+    if opt_host:  # the optimizer steps a host copy of the 16-bit shard
+        out.insert(1, (f"{dtype} master copy (host)", 2, 1, True))
+    if kahan:
+        out.append((f"Kahan compensation ({dtype})", 2, 1, opt_host))
+    return out
 
 
 def _effective_offload(stage: int, offload: str) -> str:
@@ -230,10 +243,11 @@ def _formula(rep: int, shard: int) -> str:
     return " + ".join(parts) or "0"
 
 
-def model_state_bytes(psi: int, n: int, dtype: str, stage: int, offload: str) -> tuple[int, int, str, str]:
+def model_state_bytes(psi: int, n: int, dtype: str, stage: int, offload: str, master: str = "fp32",
+                      kahan: bool = True) -> tuple[int, int, str, str]:
     """Device bytes, host bytes and their formulas for one rank; shards are padded (ceil) like chunk."""
     coef = {False: [0, 0], True: [0, 0]}  # on_host -> [replicated, sharded] bytes per parameter
-    for _name, k, from_stage, host in _components(dtype, _effective_offload(stage, offload)):
+    for _name, k, from_stage, host in _components(dtype, _effective_offload(stage, offload), master, kahan):
         coef[host][stage >= from_stage] += k
     dev, host = ((r * psi + sh * -(-psi // n)) for r, sh in (coef[False], coef[True]))
     return dev, host, _formula(*coef[False]), _formula(*coef[True])
@@ -266,22 +280,27 @@ def working_bytes(facts: ModelFacts | None, tp: int, dtype: str, micro_batch: in
 
 def estimate(params: int, devices: int, tp: int = 1, dtype: Dtype = "bf16", offload: Offload = "none",
              micro_batch: int | None = None, seq: int | None = None, facts: ModelFacts | None = None,
-             activation_checkpointing: bool = False, device_memory: int | None = None) -> Estimate:
-    """Per-component, per-stage memory, communication, activations and a fit recommendation."""
+             activation_checkpointing: bool = False, device_memory: int | None = None, master: str = "fp32",
+             kahan: bool = True) -> Estimate:
+    """Per-component, per-stage memory, communication, activations and a fit recommendation
+    (``master``, ``kahan``: the master precision mode, see :func:`_components`)."""
     if params <= 0 or devices <= 0 or tp <= 0:
         raise ValueError("params, devices and tp must be positive")
     if devices % tp:
         raise ValueError(f"devices ({devices}) must be divisible by tp ({tp})")
     if dtype not in ("fp32", "bf16", "fp16") or offload not in ("none", "optimizer", "params"):
         raise ValueError(f"bad dtype {dtype!r} or offload {offload!r}")
+    if dtype not in {"fp32": ("fp32", "bf16", "fp16"), "master": ("bf16", "fp16"), "states": ("bf16",)}.get(master, ()):
+        raise ValueError(f"master mode {master!r} does not apply to {dtype} (bf16: master, states; fp16: master)")
     n, psi = devices // tp, -(-params // tp)
     el = 4 if dtype == "fp32" else 2
-    comps = [Component(name, f"{k}Ψ", k * psi, s, host) for name, k, s, host in _components(dtype, offload)]
-    base = model_state_bytes(psi, n, dtype, 0, "none")[0]
+    comps = [Component(name, f"{k}Ψ", k * psi, s, host)
+             for name, k, s, host in _components(dtype, offload, master, kahan)]
+    base = model_state_bytes(psi, n, dtype, 0, "none", master, kahan)[0]
     stages: dict[int, StageEstimate] = {}
     for st in range(4):
         off = _effective_offload(st, offload)
-        dev, host, f_dev, f_host = model_state_bytes(psi, n, dtype, st, offload)
+        dev, host, f_dev, f_host = model_state_bytes(psi, n, dtype, st, offload, master, kahan)
         elems = (3 if st == 3 else 2) * psi
         # host<->device per step: grad shard down, param shard up (+ fwd and bwd fetch with "params")
         pcie = 0 if off == "none" else (2 + 2 * (off == "params")) * -(-psi // n) * el
@@ -292,7 +311,8 @@ def estimate(params: int, devices: int, tp: int = 1, dtype: Dtype = "bf16", offl
             comm_collectives=_COLLECTIVES[st], comm_elements=elems,
             comm_bytes=elems * (n - 1) // n * el, pcie_bytes=pcie)
     est = Estimate(params=params, devices=devices, tp=tp, dp=n, dtype=dtype, offload=offload, psi=psi,
-                   components=comps, stages=stages, device_memory=device_memory, facts=facts)
+                   components=comps, stages=stages, device_memory=device_memory, facts=facts,
+                   master=master, kahan=kahan)
     if tp > 1:
         est.notes.append(f"TP: every parameter is treated as split {tp} ways (Ψ = params/tp); norms and "
                          "biases are in fact replicated, so this slightly underestimates.")
@@ -323,7 +343,8 @@ def _recommend(est: Estimate, mb: int | None, seq: int | None, ckpt: bool) -> No
     def check(tp: int) -> list[Candidate]:  # peak need = model states + activations + gathered layer
         out = []
         for st, off in _OPTIONS:
-            dev, host, _, _ = model_state_bytes(-(-est.params // tp), est.devices // tp, est.dtype, st, off)
+            dev, host, _, _ = model_state_bytes(-(-est.params // tp), est.devices // tp, est.dtype, st, off,
+                                                est.master, est.kahan)
             dev += working_bytes(est.facts, tp, est.dtype, mb, seq, ckpt, st)
             out.append(Candidate(st, off, tp, dev, host, dev <= budget))
         return out

@@ -42,7 +42,9 @@ def format_report(est: Estimate) -> str:
     """Human-readable tables: components, stages, communication, activations, fit."""
     tp_txt = f" x {est.tp} tensor-parallel" if est.tp > 1 else ""
     out = [f"shardwise estimate: {est.params:,} params, {est.devices} devices = {est.dp} data-parallel"
-           f"{tp_txt}, {est.dtype} + Adam, offload: {est.offload}",
+           f"{tp_txt}, {est.dtype} + Adam, offload: {est.offload}"
+           + ("" if est.master == "fp32" else f", {est.dtype} master ({est.master} mode"
+              + (", Kahan)" if est.kahan else ")")),
            f"Units: GB = 1e9 bytes, GiB = 2^30 bytes. Ψ = params per TP rank = {est.psi:,}; N = {est.dp}."]
     for section in (_components_table, _stages_table, _comm_table, _activations_table, _fit_table):
         out += section(est)
@@ -187,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=_arg(parse_count, "count", 10**6), default=1, help="tensor-parallel degree")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
+    p.add_argument("--master", choices=["fp32", "master", "states"], default="fp32",
+                   help="fp32 masters (default); 'master': DeepSpeed's {bf16,fp16}_master_weights_and_grads; "
+                        "'states': also bf16_optimizer_states (docs/precision.md)")
+    p.add_argument("--master-update", choices=["kahan", "stochastic", "nearest"], default="kahan",
+                   help="shardwise.master_update of a 16-bit master (kahan keeps a 2-byte compensation)")
     p.add_argument("--micro-batch", type=_arg(parse_count, "count", 10**9), help="micro batch per device")
     p.add_argument("--seq", type=_arg(parse_count, "count", 10**9), help="sequence length")
     p.add_argument("--activation-checkpointing", action="store_true")
@@ -199,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--devices {args.devices} is not divisible by --tp {args.tp}")
         if (args.micro_batch is None) != (args.seq is None):
             p.error("--micro-batch and --seq go together")
+        if args.master != "fp32" and (args.dtype == "fp32" or (args.master == "states" and args.dtype != "bf16")):
+            p.error(f"--master {args.master} does not apply to --dtype {args.dtype} "
+                    "(bf16: master, states; fp16: master)")
         if args.micro_batch and not args.model:
             p.error("--micro-batch/--seq need --model (hidden size, layers, heads for activations)")
         facts = None
@@ -217,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     est = estimate(facts.params if facts else args.params, args.devices, tp=args.tp, dtype=args.dtype,
                    offload=args.offload, micro_batch=args.micro_batch, seq=args.seq, facts=facts,
                    activation_checkpointing=args.activation_checkpointing,
-                   device_memory=args.device_memory)
+                   device_memory=args.device_memory, master=args.master, kahan=args.master_update == "kahan")
     print(json.dumps(est.to_dict()) if args.json else format_report(est))
     return 0
 

@@ -27,6 +27,9 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 from torch import optim
 
+from shardwise.cli_errors import UserError
+from shardwise.zero.low_precision import is_low_precision, step_low_precision
+
 if TYPE_CHECKING:
     from shardwise.zero.builder import Sharding
 
@@ -66,10 +69,29 @@ def steps_per_bucket(optimizer: optim.Optimizer, sharding: Sharding) -> bool:
     return len(params) == len(set(params)) == len(masters) and masters.issuperset(params)
 
 
+def require_elementwise(optimizer: optim.Optimizer | None, sharding: Sharding,
+                        precision: str) -> optim.Optimizer | None:
+    """``optimizer``; with low-precision masters (``<precision>.<precision>_master_weights_and_grads``),
+    refused in one line naming that key when their chunked fp32 window (``zero/low_precision.py``) could
+    not step it exactly."""
+    low = any(is_low_precision(g) for g in sharding.groups)
+    if low and optimizer is not None and type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS[:5])
+        raise UserError(f"{precision}.{precision}_master_weights_and_grads: a low-precision master is stepped "
+                        "by a torch elementwise optimizer "
+                        f"({names}, ...); got {type(optimizer).__name__}")
+    return optimizer
+
+
 def step_and_publish(optimizer: optim.Optimizer, sharding: Sharding) -> None:
     """``optimizer.step()`` then ``sharding.publish()``, overlapped per bucket where it is exact.
 
-    Returns with every parameter all-gathered (stages 1-2), as ``publish`` does."""
+    Returns with every parameter all-gathered (stages 1-2), as ``publish`` does. Low-precision
+    masters step through their fp32 window first (``zero/low_precision.py``)."""
+    if any(is_low_precision(g) for g in sharding.groups):
+        step_low_precision(optimizer, sharding.groups)
+        sharding.publish()
+        return
     if not steps_per_bucket(optimizer, sharding):
         optimizer.step()
         sharding.publish()

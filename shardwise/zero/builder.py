@@ -16,7 +16,7 @@ and releases stage-3 parameters still gathered (FSDP does the same).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -54,6 +54,7 @@ class ShardOptions:
     weight_bits: int = 0  # ZeRO++ qwZ
     grad_bits: int = 0  # ZeRO++ qgZ
     grad_accum_dtype: torch.dtype | None = None  # None: the parameters' dtype (zero/grad_accum.py)
+    precision: PrecisionPolicy = PrecisionPolicy()  # the master's dtype (zero/low_precision.py)
     units: Any = None  # stage 3: None (find them), module classes, or modules
 
 
@@ -302,7 +303,8 @@ def group_options(options: ShardOptions, device: torch.device | None, replica: C
                   secondary: Comm | None) -> GroupOptions:
     """The policies every group of one model shares, read once from the flat ``ShardOptions``."""
     offload = OffloadPolicy(torch.device("cpu") if options.offload_optimizer else None, options.pin_memory)
-    return GroupOptions(device=device, offload=offload, precision=PrecisionPolicy(grad_dtype=options.grad_accum_dtype),
+    precision = replace(options.precision, grad_dtype=options.grad_accum_dtype)
+    return GroupOptions(device=device, offload=offload, precision=precision,
                         comm=CommPolicy(options.overlap_comm, options.weight_bits, options.grad_bits, replica,
                                         secondary))
 

@@ -86,7 +86,9 @@ class ShardedGroup(StageThreeGather):
         self.state = GatherState.GATHERED  # changed only by _to_gathered / _to_released
         self._gather_work: Work | ReadWork | None = None
         owned = self._init_params()
-        self._init_master(owned, options.precision.master_dtype, options.offload)
+        self.precision = options.precision  # a bf16/fp16 master only for groups of that dtype:
+        low = options.precision.master_dtype == self.dtype
+        self._init_master(owned, self.dtype if low else torch.float32, options.offload)
         self._init_grads()
 
     def _init_params(self) -> torch.Tensor | None:

@@ -50,10 +50,15 @@ class OffloadPolicy:
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """The optimizer steps on ``master_dtype``; gradients accumulate and are reduced in
-    ``grad_dtype`` (None: the parameters' dtype; see ``zero/grad_accum.py``)."""
+    ``grad_dtype`` (None: the parameters' dtype; see ``zero/grad_accum.py``). A bf16/fp16
+    ``master_dtype`` applies to the groups of that dtype (others keep fp32 masters): their optimizer
+    state is kept in ``state_dtype`` and each update rounded by ``master_update``
+    (``zero/low_precision.py``)."""
 
     master_dtype: torch.dtype = torch.float32
     grad_dtype: torch.dtype | None = None
+    state_dtype: torch.dtype = torch.float32
+    master_update: str = "kahan"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,163 @@
+"""Model-state memory per rank of each master mode at ZeRO-3, beside FSDP2 with the same precision policy.
+
+Two gloo ranks on the CPU train ``llama-20m`` (shardwise.train_job) a few AdamW steps in bf16 compute;
+after a backward and after a step each rank counts the bytes of every live tensor storage the job
+created (params, grads, masters, optimizer state, buffers; deduplicated by storage, as
+bench_zero_worker.py counts), and the larger of the two is reported. Modes:
+
+* ``sw-fp32``: shardwise ZeRO-3, fp32 masters (the default): 2 + 2 + 12 bytes per parameter, all /N;
+* ``sw-master``: ``bf16_master_weights_and_grads`` (fp32 moments) with the Kahan buffer: 14/N;
+* ``sw-states``: + ``bf16_optimizer_states``, Kahan: 10/N;  ``sw-states-nearest``: no buffer, 8/N;
+* ``fsdp2-fp32``: FSDP2 with fp32 parameters and ``MixedPrecisionPolicy(param_dtype=bf16)`` (fp32
+  sharded params = the master, fp32 grads, fp32 moments: 16/N), the policy of ``sw-fp32``;
+* ``fsdp2-bf16``: FSDP2 over bf16 parameters (bf16 grads and AdamW moments: 8/N), the policy of
+  ``sw-states-nearest``.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_precision_memory.py [--model llama-20m] [--steps 2]
+
+Results: ``benchmarks/results/precision_memory.json``. The fp32 window of a 16-bit master step
+(zero/low_precision.py, transient, 4M elements x 16 bytes at most) is not live after the step and is
+not counted; neither are FSDP2's unsharded all-gather buffers, freed after each layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+MODES = ("sw-fp32", "sw-master", "sw-states", "sw-states-nearest", "fsdp2-fp32", "fsdp2-bf16")
+
+
+def live_bytes(baseline: set[int]) -> int:
+    """Bytes of every tensor storage Python reaches that was not there before the model was built."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        try:
+            t = obj.to_local() if isinstance(obj, DTensor) else obj
+            st = t.untyped_storage()
+            ptr, n = st.data_ptr(), st.nbytes()
+        except Exception:  # noqa: BLE001 - tensor subclasses without a storage, freed storages
+            continue
+        if n and ptr and ptr not in baseline:
+            seen[ptr] = max(seen.get(ptr, 0), n)
+    return sum(seen.values())
+
+
+def storages() -> set[int]:
+    import torch
+
+    gc.collect()
+    return {o.untyped_storage().data_ptr() for o in gc.get_objects() if isinstance(o, torch.Tensor)
+            and o.device.type != "meta" and not o.is_sparse}
+
+
+def _shardwise(model, mode: str):
+    import shardwise
+
+    keys = {"sw-fp32": {}, "sw-master": {"bf16_master_weights_and_grads": True}}.get(
+        mode, {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+           "bf16": {"enabled": True, **keys},
+           "shardwise": {"master_update": "nearest" if "nearest" in mode else "kahan"},
+           "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    return lambda b: engine(**b).loss, engine.backward, engine.step, engine.memory_report
+
+
+def _fsdp2(model, mode: str):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if mode == "fsdp2-bf16":
+        model.to(torch.bfloat16)
+        mp = MixedPrecisionPolicy()
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    return lambda b: model(**b).loss, lambda loss: loss.backward(), step, None
+
+
+def worker(rank: int, world: int, mode: str, model_name: str, steps: int, out: str, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from shardwise.train_job import build_model
+
+    base = storages()
+    model = build_model(model_name, 128, 1234)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    fwd, bwd, step, report = (_shardwise if mode.startswith("sw") else _fsdp2)(model, mode)
+    peak, rep = 0, None
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i * world + rank)
+        ids = torch.randint(0, 256, (2, 128), generator=g)
+        loss = fwd({"input_ids": ids, "labels": ids})
+        bwd(loss)
+        peak = max(peak, live_bytes(base))
+        rep = report() if report is not None else None  # shardwise's own count, after a backward
+        step()
+        peak = max(peak, live_bytes(base))
+    every: list = [None] * world
+    dist.all_gather_object(every, {"rank": rank, "bytes": peak, "loss": float(loss.detach().float()),
+                                     "memory_report": rep})
+    if rank == 0:
+        Path(out).write_text(json.dumps({"mode": mode, "params": params, "per_rank": every}))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.multiprocessing as mp
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-20m")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--json", default="benchmarks/results/precision_memory.json")
+    args = p.parse_args(argv)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, mode in enumerate(args.modes.split(",")):
+            out = os.path.join(tmp, f"{mode}.json")
+            mp.spawn(worker, args=(2, mode, args.model, args.steps, out, 29650 + i), nprocs=2, join=True)
+            results[mode] = json.loads(Path(out).read_text())
+    psi = next(iter(results.values()))["params"]
+    table = {m: {"bytes_per_rank": max(x["bytes"] for x in r["per_rank"]),
+                 "bytes_per_param_x_N": round(2 * max(x["bytes"] for x in r["per_rank"]) / psi, 2)}
+             for m, r in results.items()}
+    res = {"model": args.model, "params": psi, "world": 2, "stage": 3, "steps": args.steps, "modes": table,
+           "raw": results, "cmd": " ".join(["benchmarks/bench_precision_memory.py", *(argv or sys.argv[1:])])}
+    (ROOT / args.json).write_text(json.dumps(res, indent=1))
+    for m, t in table.items():
+        mib, per = t["bytes_per_rank"] / 2**20, t["bytes_per_param_x_N"]
+        print(f"{m:>18}: {mib:8.1f} MiB per rank = {per:5.2f} bytes x Ψ / N")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
