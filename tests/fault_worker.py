@@ -15,6 +15,7 @@ Before acting the rank prints ``fault: rank R ACTION in TARGET at T`` (T: ``time
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import os
 import signal
@@ -35,6 +36,7 @@ STATE = {"armed": False, "calls": 0}
 def _act(target: str, action: str) -> None:
     rank = int(os.environ["RANK"])
     print(f"fault: rank {rank} {action} in {target} at {time.time():.3f}", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(float(os.environ.get("FAULT_STALL_S", "8")) + 60, exit=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stall":
@@ -68,6 +70,7 @@ def _install(target: str, action: str, nth: int) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang shows where (re-armed at the fault)
     fault = os.environ.get("FAULT")
     if fault and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "1"):
         name, act = fault.split(":")

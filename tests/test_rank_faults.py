@@ -3,10 +3,12 @@ with one line, within the collective timeout, and the run folder keeps its last 
 
 The ranks are plain processes (RANK, WORLD_SIZE, MASTER_* set here, no launcher: nothing else ends a
 rank that would hang) running ``shardwise train`` through ``fault_worker.py``, which injects the
-fault on rank 1 after the step-1 checkpoint. Timeout 4 s: a stalled rank is waited for that long,
+fault on rank 1 after the step-1 checkpoint. Timeout 15 s (the groups the run creates get it too,
+and 4 ranks starting on a loaded 2-core host reach them seconds apart): a stalled rank is waited for that long,
 then its peers end with the diverged-ranks line naming the collective and themselves (exit 4); the
-stalled rank, resuming after 6 s, finds them gone and ends the same way. ``SLACK_S`` (8 s) covers a
-rank's own exit on this shared 2-core host (an interpreter with torch and transformers loaded).
+stalled rank, resuming after 40 s, finds them gone and ends the same way (a stall close to the
+timeout is no fault: a peer that reaches the collective seconds late, on a loaded host, waits less).
+``SLACK_S`` (8 s) covers a rank's own exit on this shared 2-core host (torch and transformers loaded).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from shardwise.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "fault_worker.py"
-TIMEOUT_S, STALL_S, SLACK_S = 4, 6, 8
+TIMEOUT_S, STALL_S, SLACK_S = 15, 40, 8
 DS = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
 
@@ -60,9 +62,11 @@ def _launch(tmp: Path, world: int, ds: dict, fault: str, model: str, extra: dict
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, float]]:
-    """(exit code, stderr, time.time() at exit) per rank; every rank killed after 120 s (a hang fails)."""
+    """(exit code, stderr, time.time() at exit) per rank; every rank killed after 400 s (a hang fails;
+    the start of 4 ranks on a loaded 2-core host alone can take a minute, so the bound that matters is
+    the one :func:`_check` puts on the time from the fault to each rank's end)."""
     ended: dict[int, float] = {}
-    deadline = time.time() + 120
+    deadline = time.time() + 400
     while len(ended) < len(procs) and time.time() < deadline:
         for i, p in enumerate(procs):
             if i not in ended and p.poll() is not None:
@@ -79,8 +83,10 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, float]]:
 
 
 def _errors(err: str) -> list[str]:
-    return [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("fault:", "[shardwise"))
-            and "warn" not in ln.lower()]
+    """stderr without the injection's note, log lines, warnings and progress bars (transformers' loading)."""
+    skip = ("fault:", "[shardwise")
+    return [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith(skip)
+            and "warn" not in ln.lower() and not re.search(r"\d%\|", ln)]
 
 
 def _check(res, out: Path, faulty_code: int, line_for: dict[int, str]) -> None:
@@ -137,7 +143,9 @@ def test_sp2_x_ep2_rank_fault_on_four_ranks(tmp_path: Path, moe_folder: Path, ac
 
 
 @pytest.mark.parametrize("phase, target, stage", [("forward", "forward", 2), ("backward", "backward", 2),
-                                                  ("optimizer step", "step", 2), ("forward", "all_gather", 3)])
+                                                  ("optimizer step", "step", 2),
+                                                  # ZeRO-3's first gather after the save is the step's
+                                                  ("optimizer step", "all_gather", 3)])
 def test_a_rank_out_of_memory_names_itself_and_the_phase(tmp_path: Path, phase: str, target: str, stage: int):
     ds = {**DS, "train_batch_size": 4, "zero_optimization": {"stage": stage}}
     procs, out = _launch(tmp_path, 2, ds, f"{target}:oom", "llama-micro")

@@ -110,6 +110,12 @@ _OWN_GROUP = [False]  # init_distributed created the default group (so teardown 
 _TEARDOWN_REGISTERED = [False]
 
 
+def collective_timeout() -> datetime.timedelta:
+    """The collective timeout of this job (``init_distributed``'s; 600 s when a script made the group),
+    for the subgroups the library creates: ``new_group`` would give them torch's 30-minute default."""
+    return datetime.timedelta(seconds=_GLOBAL_TIMEOUT[0])
+
+
 def _teardown() -> None:
     """At exit, finish what the library started; never leave gloo work to the interpreter.
 
