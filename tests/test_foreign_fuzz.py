@@ -53,7 +53,7 @@ OUTCOMES: Counter = Counter()
 HUGE = [2**20, 2**28, 2**30, 2**36, 2**40]
 
 
-def _fuzz(n: int):
+def _fuzz(n: int):  # 60 in the suite: ~0.5 s an example on a loaded host, the dearest of the fuzzers
     return fuzz_settings(n, shrink=False)
 
 
@@ -131,7 +131,7 @@ def deepspeed_cases(draw):
     return stage, world, shapes, d, draw(st.integers(0, 99))
 
 
-@_fuzz(100)
+@_fuzz(60)
 @given(deepspeed_cases())
 def test_fuzz_deepspeed_reader(case):
     stage, world, shapes, damage, seed = case
@@ -184,7 +184,7 @@ def dcp_cases(draw):
     return sizes, parts, d, draw(st.integers(0, 99))
 
 
-@_fuzz(100)
+@_fuzz(60)
 @given(dcp_cases())
 def test_fuzz_dcp_reader(case):
     sizes, parts, damage, seed = case

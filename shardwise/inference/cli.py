@@ -161,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer, TextStreamer
 
     from shardwise.comm import make_comm
-
     owned = not dist.is_initialized()  # a caller's process group is left to the caller
 
     from shardwise.inference.load import init_inference
