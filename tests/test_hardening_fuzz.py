@@ -188,8 +188,8 @@ def _check(world: dict, scratch: Path, argv: list[str], capsys) -> None:
     shutil.rmtree(scratch)
 
 
-@pytest.mark.parametrize("command,examples", [("consolidate", 40), ("quantize", 15), ("generate", 15),
-                                              ("estimate", 10)])
+@pytest.mark.parametrize("command,examples", [("consolidate", 100), ("quantize", 30), ("generate", 30),
+                                              ("estimate", 20)])
 def test_fuzz_cli_over_hostile_trees(world, capsys, command, examples):
     @settings_for(examples)
     @given(argv=COMMANDS[command], damage=damages)
