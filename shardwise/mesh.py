@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.comm import Comm, CommStats, make_comm
+from shardwise.comm import Comm, CommStats, collective_timeout, make_comm
 
 # (tp, k) -> (shard group, tp group, replica group, full data-parallel group); made once each
 _GROUPS: dict[tuple, tuple] = {}
@@ -75,7 +75,7 @@ def _make(world: int, rank: int, size: int, stride: int):
         return "world"
     mine = None
     for ranks in _groups_of(world, size, stride):
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=collective_timeout())  # the job's timeout, not torch's 30 minutes
         if rank in ranks:
             mine = g
     return mine

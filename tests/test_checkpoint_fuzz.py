@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from ckpt_cases import _train, same_state, small_engine, snapshot, world1_group
-from hypothesis import HealthCheck, given, settings
+from fuzz_budget import fuzz_settings, memory_bound
+from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
@@ -31,10 +32,8 @@ from shardwise.checkpoint import CheckpointError, consolidate
 TAG = "global_step1"
 RANK_FILE = "rank00000.safetensors"
 NAMED = ("metadata.json", RANK_FILE, "latest")  # every refusal names one of these files
-EXAMPLES = int(os.environ.get("SHARDWISE_FUZZ_EXAMPLES", 100))  # raise it for a deeper run
 OUTCOMES: Counter = Counter()  # (test, damage kind, outcome): printed at the end with -s
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = fuzz_settings(150, function_fixtures=True)  # SHARDWISE_FUZZ=long: thousands (tests/fuzz_budget.py)
 
 
 def _paths(node, prefix=()) -> list[tuple]:
@@ -140,7 +139,8 @@ def test_fuzz_load(world, how):
         _damage(ckpt, how, world["paths"], Path(tmp) / "outside.safetensors")
         before = snapshot(victim)
         try:
-            victim.load_checkpoint(ckpt)
+            with memory_bound(what=f"load_checkpoint of {how}"):
+                victim.load_checkpoint(ckpt)
         except CheckpointError as e:
             _check_refusal(e)
             assert same_state(before, snapshot(victim)) == [], how
@@ -162,7 +162,8 @@ def test_fuzz_consolidate(world, how):
         shutil.copytree(world["ckpt"], ckpt)
         _damage(ckpt, how, world["paths"], Path(tmp) / "outside.safetensors")
         try:
-            consolidate(ckpt, Path(tmp) / "hf")
+            with memory_bound(what=f"consolidate of {how}"):
+                consolidate(ckpt, Path(tmp) / "hf")
         except CheckpointError as e:
             _check_refusal(e)
             OUTCOMES["consolidate", how[0], "refused"] += 1

@@ -2,13 +2,15 @@
 
 Configs are random trees built from the real key paths (DeepSpeed's and the schema's) with values of
 every type, including wrong ones, non-finite floats, huge ints, strings that look like booleans, and
-random keys and nesting. Bounded (max_examples) so the suite stays fast.
+random keys and nesting. Bounded (tests/fuzz_budget.py: 400 and 200 examples in the suite, thousands
+with ``SHARDWISE_FUZZ=long``), each within a peak-memory bound.
 """
 
 import math
 import warnings
 
-from hypothesis import HealthCheck, given, settings
+from fuzz_budget import fuzz_settings, memory_bound
+from hypothesis import given
 from hypothesis import strategies as st
 
 from shardwise.config import ConfigError, SupportedFeatures, load_config
@@ -51,13 +53,13 @@ def configs(draw) -> dict:
 
 
 def _load(config, world_size: int) -> None:
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), memory_bound(what="load_config"):
         warnings.simplefilter("ignore", FutureWarning)  # deprecated aliases: a warning, not an outcome
         load_config(config, world_size=world_size,
                     supported=SupportedFeatures(stage3=True, tensor_parallel=True, offload_param=True))
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@fuzz_settings(400)
 @given(configs(), st.sampled_from([1, 2, 4]))
 def test_random_configs_load_or_raise_config_error(config, world_size):
     try:
@@ -67,7 +69,7 @@ def test_random_configs_load_or_raise_config_error(config, world_size):
         assert msg and ":" in msg.splitlines()[0], msg  # "key.path: what is wrong" (or a file/count header)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@fuzz_settings(200)
 @given(st.one_of(st.text(max_size=200), st.binary(max_size=200).map(lambda b: b.decode("latin-1")),
                  st.builds(lambda d, n: "{" * n + d + "}" * n, st.sampled_from(['"a": 1', "a: 1", ""]),
                            st.integers(0, 3000))))

@@ -15,15 +15,14 @@ bytes, a NaN Adam step, a non-integer ``global_steps``. Allowed outcomes only:
 In both cases the process's peak resident memory grows by at most ``MEM_FACTOR`` times the bytes
 of the checkpoint's files plus ``MEM_SLACK`` (measured with ``VmHWM``, reset before each read), and
 each example ends in seconds (an alarm fails it): no claimed size is allocated before the file's
-bytes back it, and no walk is exponential. Bounded and derandomized (``SHARDWISE_FUZZ_EXAMPLES``
-scales it).
+bytes back it, and no walk is exponential. Bounded and derandomized (tests/fuzz_budget.py:
+``SHARDWISE_FUZZ_EXAMPLES`` scales it, ``SHARDWISE_FUZZ=long`` runs thousands).
 """
 
 from __future__ import annotations
 
 import gc
 import math
-import os
 import signal
 import tempfile
 from collections import Counter
@@ -42,21 +41,20 @@ from foreign_gen import (
     write_dcp,
     write_deepspeed,
 )
-from hypothesis import HealthCheck, given, settings
+from fuzz_budget import fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from shardwise.checkpoint import CheckpointError
 from shardwise.checkpoint.formats import open_checkpoint
 
-SCALE = int(os.environ.get("SHARDWISE_FUZZ_EXAMPLES", 100)) / 100
 MEM_FACTOR, MEM_SLACK = 4, 48 << 20  # docs/reliability.md states the same bound
 OUTCOMES: Counter = Counter()
 HUGE = [2**20, 2**28, 2**30, 2**36, 2**40]
 
 
-def _fuzz(n: int):
-    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, derandomize=SCALE <= 1,
-                    suppress_health_check=[HealthCheck.too_slow], phases=["explicit", "generate"])
+def _fuzz(n: int):  # 60 in the suite: ~0.5 s an example on a loaded host, the dearest of the fuzzers
+    return fuzz_settings(n, shrink=False)
 
 
 @pytest.fixture(scope="module", autouse=True)

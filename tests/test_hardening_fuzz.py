@@ -12,7 +12,9 @@ outside the scratch tree is unchanged, none of its secret bytes appear in any fi
 scratch tree, and the input files are unchanged (an output named with ``--overwrite`` excepted:
 writing into the folder, or the symlink, the user named is then what was asked). ``shardwise
 train`` starts ranks once its arguments pass, so it is covered by tests/test_hardening.py instead.
-Bounded (``SHARDWISE_FUZZ_EXAMPLES`` scales it) and derandomized, so the suite is deterministic.
+Bounded (tests/fuzz_budget.py: ``SHARDWISE_FUZZ_EXAMPLES`` scales it, ``SHARDWISE_FUZZ=long`` runs
+thousands with fresh examples) and derandomized in the suite, so the suite is deterministic; each
+example within a peak-memory bound.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from ckpt_cases import _train, small_engine, world1_group
-from hypothesis import HealthCheck, Phase, assume, given, settings
+from fuzz_budget import fuzz_settings, memory_bound
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from inference_cases import save_tiny
 
 from shardwise.cli import main as cli
 
-SCALE = int(os.environ.get("SHARDWISE_FUZZ_EXAMPLES", 100)) / 100
 SECRET = b"OUTSIDE-SECRET-7f3a9c"
 TAG = "global_step1"
 TARGETS = [f"ckpt/{TAG}/metadata.json", f"ckpt/{TAG}/config.json", f"ckpt/{TAG}/rank00000.safetensors",
@@ -48,9 +50,7 @@ VALUES = ["0", "1", "2", "-1", "nan", "inf", "1e400", "", "\n", "x", "../x", "/e
 
 
 def settings_for(n: int):
-    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, derandomize=SCALE <= 1,
-                    phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: bounded time
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    return fuzz_settings(n, shrink=False, function_fixtures=True)  # no shrinking: bounded time
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -188,14 +188,15 @@ def _check(world: dict, scratch: Path, argv: list[str], capsys) -> None:
     shutil.rmtree(scratch)
 
 
-@pytest.mark.parametrize("command,examples", [("consolidate", 40), ("quantize", 15), ("generate", 15),
-                                              ("estimate", 10)])
+@pytest.mark.parametrize("command,examples", [("consolidate", 100), ("quantize", 30), ("generate", 30),
+                                              ("estimate", 20)])
 def test_fuzz_cli_over_hostile_trees(world, capsys, command, examples):
     @settings_for(examples)
     @given(argv=COMMANDS[command], damage=damages)
     def run(argv, damage):
         # an output the user named that is a symlink out of the tree, with --overwrite, is written there
         assume(not ("--overwrite" in argv and argv[2] == "link_outside"))
-        _check(world, _scratch(world, damage), argv, capsys)
+        with memory_bound(what=f"{argv} over {damage}"):
+            _check(world, _scratch(world, damage), argv, capsys)
 
     run()

@@ -164,3 +164,58 @@ def test_the_launcher_imports_no_torch() -> None:
             "assert shardwise.checkpoint.__name__ == 'shardwise.checkpoint' and 'importlib' not in dir(shardwise)\n")
     r = subprocess.run([sys.executable, "-c", code, __file__], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+COLLECTIVE = ("all_", "broadcast", "reduce", "send", "recv", "isend", "irecv", "barrier", "gather", "scatter",
+              "batch_isend", "monitored_barrier", "P2POp")
+
+
+def _direct_collectives(src: Path = SRC) -> list[str]:
+    """Calls of ``torch.distributed``'s collectives outside ``shardwise/comm/``: through an alias
+    (``import torch.distributed as dist``), the full ``torch.distributed.x`` path, or a name imported
+    from it (``from torch.distributed import all_reduce``)."""
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        if path.relative_to(src).parts[0] == "comm":
+            continue
+        tree = ast.parse(path.read_text())
+        aliases, names = set(), set()
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+            elif node.module == "torch.distributed":
+                names |= {a.asname or a.name for a in node.names if a.name.startswith(COLLECTIVE)}
+            elif node.module == "torch":
+                aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute | ast.Name):
+                continue
+            if isinstance(node, ast.Name):
+                hit = node.id in names
+            else:
+                base = node.value
+                hit = node.attr.startswith(COLLECTIVE) and (
+                    (isinstance(base, ast.Name) and base.id in aliases)
+                    or (isinstance(base, ast.Attribute) and base.attr == "distributed"
+                        and isinstance(base.value, ast.Name) and base.value.id == "torch"))
+                hit = hit and node.attr != "ReduceOp"
+            if hit:
+                found.append(f"{path.relative_to(src.parent)}:{node.lineno}")
+    return found
+
+
+def test_every_collective_goes_through_comm() -> None:
+    """Collectives are called only in shardwise/comm/ (the guarded, counted ``Comm``): one outside it
+    fails with a backend traceback instead of the diverged-ranks line, and its bytes go uncounted."""
+    assert not _direct_collectives(), _direct_collectives()
+
+
+def test_the_collective_finder_finds_each_spelling(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "comm").mkdir(parents=True)
+    (pkg / "comm" / "core.py").write_text("import torch.distributed as dist\ndist.all_reduce(t)\n")
+    (pkg / "a.py").write_text("import torch.distributed as dist\ndist.all_reduce(t, op=dist.ReduceOp.MAX)\n")
+    (pkg / "b.py").write_text("import torch\ntorch.distributed.broadcast_object_list(box)\n")
+    (pkg / "c.py").write_text("from torch.distributed import batch_isend_irecv as go\ngo(ops)\n")
+    (pkg / "d.py").write_text("import torch.distributed as dist\nx = dist.get_rank(), dist.ReduceOp.SUM\n")
+    assert _direct_collectives(pkg) == ["pkg/a.py:2", "pkg/b.py:2", "pkg/c.py:2"]

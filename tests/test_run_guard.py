@@ -14,6 +14,7 @@ cannot start (issue 34): the real CLI in subprocesses, tiny models, one test per
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -23,7 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from shardwise.train.divergence import DivergedError, FiniteLogits
 from shardwise.train.outputs import read_metrics
 from shardwise.train.run_folder import RunLock
 
@@ -142,8 +145,10 @@ def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path) -> None:
     big = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 1e36}}}
     overflow = {**DS, "fp16": {"enabled": True, "initial_scale_power": 0},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e6}}}
-    nan, tolerated, last, skips = (tmp_path / n for n in ("nan", "tolerated", "last_step", "scaler_skips"))
-    r_nan, r_tol, r_last, r_skips = _run_all([
+    typo = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 1e6}}}  # issue 46: 1e6 for 1e-6
+    nan, tolerated, last, skips, evals, no_eval = (tmp_path / n for n in (
+        "nan", "tolerated", "last_step", "scaler_skips", "eval_nan", "no_eval"))
+    r_nan, r_tol, r_last, r_skips, r_eval, r_no_eval = _run_all([
         _train_cmd(tmp_path, nan, None, "--steps", "4", "--save-every", "1", "--keep", "0", ds=big),
         # one skipped (no update), the next stops; set by the config key (the flag overrides it)
         _train_cmd(tmp_path, tolerated, None, "--steps", "4", "--save-every", "1",
@@ -152,12 +157,17 @@ def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path) -> None:
         _train_cmd(tmp_path, last, None, "--steps", "1", ds=overflow),
         # overflow skips of fp16's loss scaler (2**24 overflows at first) are not divergence
         _train_cmd(tmp_path, skips, None, "--steps", "3", ds={**DS, "fp16": {"enabled": True,
-                                                                             "initial_scale_power": 24}})])
+                                                                             "initial_scale_power": 24}}),
+        # loss and gradient norm finite (step 2's norm exactly 0.0), the final eval loss NaN
+        _train_cmd(tmp_path, evals, None, "--steps", "2", "--save-every", "1", ds=typo),
+        # the same with no eval data: the probe forward before the checkpoint finds it
+        _train_cmd(tmp_path, no_eval, None, "--steps", "2", "--save-every", "1", "--eval-fraction", "0", ds=typo)])
     _one_line(r_nan, 3, "diverged at step 2:", "gradient norm nan", "checkpoints/global_step1")
     assert (nan / "checkpoints" / "latest").read_text() == "global_step1" and not (nan / "hf").exists()
     assert sorted(p.name for p in (nan / "checkpoints").iterdir()) == ["global_step1", "latest", "zero_to_fp32.py"]
     rows = read_metrics(nan)
-    assert [m["step"] for m in rows] == [1, 2] and rows[1]["grad_norm"] is None and "nonfinite" in rows[1]
+    assert [m["step"] for m in rows] == [1, 2] and math.isnan(rows[1]["grad_norm"]) and "nonfinite" in rows[1]
+    assert '"grad_norm": NaN' in (nan / "metrics.jsonl").read_text().splitlines()[1]
 
     _one_line(r_tol, 3, "diverged at step 3:", "1 non-finite step(s) skipped before", "global_step2")
 
@@ -166,8 +176,28 @@ def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path) -> None:
 
     assert r_skips.returncode == 0, r_skips.stderr[-3000:]
     rows = read_metrics(skips)
-    assert rows[0]["grad_norm"] is None and not any("nonfinite" in m for m in rows)
+    assert not math.isfinite(rows[0]["grad_norm"]) and not any("nonfinite" in m for m in rows)
     assert (skips / "hf" / "config.json").is_file()
+
+    _one_line(r_eval, 3, "diverged at step 2:", "eval loss nan", "checkpoints/global_step1")
+    assert (evals / "checkpoints" / "latest").read_text() == "global_step1" and not (evals / "hf").exists()
+    assert not (evals / "checkpoints" / "global_step2").exists()
+    assert r_eval.stdout.count("gradient norm is exactly 0.0") == 1 and "warning: at step 2" in r_eval.stdout
+    rows = read_metrics(evals)
+    assert rows[-1]["kind"] == "eval" and math.isnan(rows[-1]["eval_loss"]) and rows[1]["grad_norm"] == 0.0
+    _one_line(r_no_eval, 3, "diverged at step 2:", "loss on a training sequence is nan")
+    assert (no_eval / "checkpoints" / "latest").read_text() == "global_step1" and not (no_eval / "hf").exists()
+
+
+def test_sampled_non_finite_logits_stop_sampling() -> None:
+    """NaN, +inf, or a row with nothing finite stops generate(); -inf alone is a masked token."""
+    guard = FiniteLogits(step=5)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    ok = torch.tensor([[0.0, -math.inf, 2.0]])
+    assert guard(ids, ok) is ok
+    for bad in ([[0.0, math.nan, 1.0]], [[0.0, math.inf, 1.0]], [[-math.inf, -math.inf, -math.inf]]):
+        with pytest.raises(DivergedError, match="diverged at step 5: the sampled logits are not finite"):
+            guard(ids, torch.tensor(bad))
 
 
 @pytest.mark.subprocess

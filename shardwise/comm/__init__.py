@@ -10,6 +10,15 @@ from __future__ import annotations
 
 from shardwise.comm.compat import *  # noqa: F403 (deepspeed.comm's names, listed in compat.__all__)
 from shardwise.comm.compat import __all__ as _compat_names
-from shardwise.comm.core import Comm, CommStats, RanksDivergedError, Work, compute_device, make_comm
+from shardwise.comm.core import (
+    Comm,
+    CommStats,
+    RanksDivergedError,
+    Work,
+    collective_timeout,
+    compute_device,
+    make_comm,
+)
 
-__all__ = ["Comm", "CommStats", "RanksDivergedError", "Work", "compute_device", "make_comm", *_compat_names]
+__all__ = ["Comm", "CommStats", "RanksDivergedError", "Work", "collective_timeout", "compute_device", "make_comm",
+           *_compat_names]

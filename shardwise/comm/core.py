@@ -37,6 +37,7 @@ import torch.distributed as dist
 from shardwise.cli_errors import UserError
 from shardwise.comm.devices import check_rank_gpu, choose_backend
 from shardwise.comm.log import logged
+from shardwise.comm.objects import MoreCollectives
 from shardwise.comm.process import let_worker_threads_settle, quiet_progress_bars
 from shardwise.net import address_in_use, free_port, port_taken
 
@@ -108,6 +109,12 @@ _PENDING: weakref.WeakSet[Work] = weakref.WeakSet()  # collectives started and n
 _DIVERGED = [False]  # a collective failed: the group is unusable, waiting on it could hang
 _OWN_GROUP = [False]  # init_distributed created the default group (so teardown destroys it)
 _TEARDOWN_REGISTERED = [False]
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The collective timeout of this job (``init_distributed``'s; 600 s when a script made the group),
+    for the subgroups the library creates: ``new_group`` would give them torch's 30-minute default."""
+    return datetime.timedelta(seconds=_GLOBAL_TIMEOUT[0])
 
 
 def _teardown() -> None:
@@ -205,8 +212,9 @@ class Work:
             done()
 
 
-class Comm:
-    """Collectives over one process group, counted into a shared :class:`CommStats`."""
+class Comm(MoreCollectives):
+    """Collectives over one process group, counted into a shared :class:`CommStats` (all-to-all with
+    split sizes and object collectives: ``comm/objects.py``)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None,
                  solo: bool = False, scope: str = ""):
@@ -227,10 +235,15 @@ class Comm:
         self._emulate = self.backend == "gloo"
         self._free_buffers: dict[tuple, list[torch.Tensor]] = {}
 
+    def _work(self, handle, kind: str, finish=None) -> Work:
+        return Work(handle, self, kind, finish)
+
     # -- error handling -------------------------------------------------------------
     def _guard(self, kind: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except torch.OutOfMemoryError:  # this rank's own failure (its caller names the phase), not a peer's
+            raise
         except (RuntimeError, dist.DistBackendError) as e:  # gloo: timeout, peer gone
             _DIVERGED[0] = True
             raise RanksDivergedError(
@@ -439,7 +452,6 @@ class Comm:
     def barrier(self) -> None:
         if self.size > 1:
             self._guard("barrier", dist.barrier, group=self.group)
-
 
 
 def _sum_in_rank_order(terms: list[torch.Tensor], mine: torch.Tensor, dest: torch.Tensor) -> None:

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from shardwise.comm import make_comm
 from shardwise.deepspeed.gloo_all_gather import serve_gloo_all_gather
 from shardwise.sequence_parallel import (
     SequenceParallelMPU,
@@ -143,7 +143,7 @@ class UlyssesSPDataLoaderAdapter:
             raise
         local = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         everyone: list[Any] = [None] * self.sp.size
-        dist.all_gather_object(everyone, local, group=self.sp.group)
+        make_comm(self.sp.comm.group).all_gather_object(everyone, local)  # guarded; not ZeRO's byte counts
         for b in everyone:
             shard = split_batch(b, self.sp)
             mask = token_mask(b, self.sp)

@@ -112,7 +112,7 @@ def check_save_args(engine: Engine, save_dir, tag: str | None) -> str | None:
     if mode == "fail":
         raise UsageError(msg + " (checkpoint.tag_validation: Fail)")
     box = [tag]
-    torch.distributed.broadcast_object_list(box, src=0)
+    comm.broadcast_object_list(box, src=0)
     if comm.rank == 0 or mode == "warn":
         log.warning(msg + f"; saving under rank 0's tag {box[0]!r}")
     return box[0]

@@ -21,6 +21,7 @@ from torch import nn
 
 from shardwise.checkpoint import load_checkpoint as load_engine_checkpoint
 from shardwise.checkpoint import save_checkpoint as save_engine_checkpoint
+from shardwise.comm import make_comm
 from shardwise.fsdp.module import sharding_of
 from shardwise.fsdp.optim import ShardedOptimizer
 from shardwise.tensor_parallel.plan import gather_param
@@ -54,7 +55,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     targets = {**params, **{n: b for n, b in model.named_buffers() if n in state_dict or not strict}}
     box = [sorted(set(params) - set(state_dict))] if sh.dp_rank == 0 else [None]
     if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
+        make_comm("world").broadcast_object_list(box, src=0)
     if strict and box[0]:
         raise KeyError(f"load_full_state_dict: {len(box[0])} parameters missing from the state dict, e.g. "
                        f"{box[0][0]!r} (pass strict=False to keep their current values)")

@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from transformers import AutoTokenizer, TextStreamer
 
+    from shardwise.comm import make_comm
     owned = not dist.is_initialized()  # a caller's process group is left to the caller
 
     from shardwise.inference.load import init_inference
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         terms = memory_bound(model, ids.shape[0], ids.shape[-1], new_tokens)
         print(f"[shardwise generate] {format_bound(terms, _peak_growth(baseline))}", flush=True)
     if owned and dist.is_initialized():  # a gloo group left to the interpreter's exit may abort the rank
-        dist.barrier()
+        make_comm("world").barrier()
         dist.destroy_process_group()
     return 0
 

@@ -5,8 +5,9 @@ report, and exit code 1 whatever the ranks said. Here the agent runs in-process
 (``torch.distributed.run.run``) and its failure is read instead:
 
 - the first rank to fail exited with a code of ``shardwise``'s own (2: a user error, 3: training
-  diverged) while running a shardwise subcommand: that rank already printed its one line, so the
-  launcher adds nothing and exits with the same code;
+  diverged, 4: a rank failed: a broken collective, a dead or stalled peer, out of memory) while
+  running a shardwise subcommand: that rank already printed its one line, so the launcher adds
+  nothing and exits with the same code;
 - any other failure (a script's exception, a signal): one line naming the rank, its exit code or
   signal and where its output is; the exit code is the rank's (1 after a signal); the rank's own
   traceback, printed above it, is the detail;
@@ -20,7 +21,7 @@ import sys
 
 from shardwise.net import address_in_use, port_taken
 
-ONE_LINE_CODES = (2, 3)  # shardwise subcommands print their own one line before exiting with these
+ONE_LINE_CODES = (2, 3, 4)  # shardwise subcommands print their own one line before exiting with these
 QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",)  # "failed (exitcode: 2)", "Sending SIGTERM"
 
 

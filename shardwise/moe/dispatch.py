@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from shardwise.comm import Comm
 
@@ -37,11 +36,7 @@ class _AllToAll(torch.autograd.Function):
 def exchange(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
     """Rows ``in_splits[j]`` of ``x`` go to rank j; ``out_splits[j]`` rows come from rank j (no autograd)."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    if comm.size == 1:
-        out.copy_(x)
-        return out
-    comm.stats.add("all_to_all_ep", x.numel() * x.element_size())
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=comm.group)
+    comm.all_to_all_v(out, x, out_splits, in_splits, kind="all_to_all_ep")
     return out
 
 

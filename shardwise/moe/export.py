@@ -23,10 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint import gather_rows
+from shardwise.comm import make_comm
 from shardwise.moe.experts import expert_shard_of
 from shardwise.moe.layouts import expert_params
 from shardwise.zero.flat_group import owner_of
@@ -51,7 +51,7 @@ def _refuse_released(module: nn.Module, prefix: str) -> None:
 
 def _join(join: Any, timeout_s: float, prefix: str) -> None:
     try:
-        dist.barrier(group=join)
+        make_comm(join).barrier()  # guarded: a peer that never comes is one RanksDivergedError
     except RuntimeError as e:
         where = prefix.rstrip(".") or "the model"
         raise StateDictNotCollectiveError(

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardwise.comm import Comm
 from shardwise.sequence_parallel.data import chunks_per_shard, shard_indices
@@ -46,9 +45,7 @@ def start_rotation(t: torch.Tensor, comm: Comm) -> Callable[[], torch.Tensor]:
     send, recv = [0] * n, [0] * n
     send[(r + 1) % n], recv[(r - 1) % n] = flat.numel(), flat.numel()
     out = torch.empty_like(flat)
-    comm.stats.add("ring" + comm.scope, flat.numel() * flat.element_size())
-    work = dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=comm.group,
-                                  async_op=True)
+    work = comm.all_to_all_v(out, flat, recv, send, kind="ring", async_op=True)  # counted as "ring"
 
     def wait() -> torch.Tensor:
         work.wait()

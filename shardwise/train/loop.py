@@ -1,13 +1,17 @@
 """The pieces of the training loop that touch the engine: one step, eval, stop requests, checkpoints.
 
 Every rank runs the same calls in the same order (stage 3 and TP forwards are collective), and the
-ranks agree on stopping through the one all-reduce per step that also averages the loss.
+ranks agree on stopping through the one all-reduce per step that also averages the loss. The job's
+own collectives go through a guarded :class:`shardwise.comm.Comm` of their own (``make_comm()``: a
+dead peer is one diverged-ranks error; its bytes are kept out of the engine's ``comm_stats()``).
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,9 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.comm import make_comm
 from shardwise.engine import NonFiniteError
 from shardwise.sequence_parallel import router_aux_loss, sequence_parallel_loss, split_batch
 from shardwise.train.data import TokenData
+from shardwise.train.divergence import RankOutOfMemoryError
 from shardwise.train.run_folder import prune_checkpoints
 
 
@@ -67,6 +73,23 @@ def micro_loss(engine, mb: torch.Tensor) -> torch.Tensor:
     return sequence_parallel_loss(out.logits, labels, sp) + router_aux_loss(out, engine.module, batch, sp)
 
 
+@contextmanager
+def out_of_memory_names(phase: str, step: int) -> Iterator[None]:
+    """A ``torch.OutOfMemoryError`` in ``phase`` becomes :class:`RankOutOfMemoryError` naming this rank,
+    the phase and the step (one line). Only this rank knows: the others stop at their next collective,
+    which fails when this rank exits (a :class:`RanksDivergedError` naming the collective), within the
+    collective timeout. Nothing of the step is saved; the run folder keeps its last checkpoint."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+        raise RankOutOfMemoryError(
+            f"rank {rank} ran out of memory in the {phase} of step {step} ({first}); every rank stops, nothing of "
+            "this step saved: lower train_micro_batch_size_per_gpu (raise gradient_accumulation_steps), use a "
+            "higher ZeRO stage or offload, then continue with --resume auto") from None
+
+
 def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepResult:
     """One optimizer step (all micro-batches).
 
@@ -84,16 +107,19 @@ def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepRes
     total, norm = 0.0, None
     for mb in micro:
         mb = mb.to(engine.device)
-        loss = micro_loss(engine, mb)
-        engine.backward(loss)
+        with out_of_memory_names("forward", step + 1):
+            loss = micro_loss(engine, mb)
+        with out_of_memory_names("backward", step + 1):
+            engine.backward(loss)
         try:
-            engine.step()
+            with out_of_memory_names("optimizer step", step + 1):
+                engine.step()
         except NonFiniteError as e:
             norm = e.value
         total += float(loss.detach())
     flags = torch.tensor([total / engine.gas, float(stop.requested)], dtype=torch.float64,
                          device=engine.device)
-    dist.all_reduce(flags)  # world sum: TP and SP ranks repeat their data-parallel rank's loss, so / world
+    make_comm().all_reduce(flags)  # world sum: TP and SP ranks repeat their data-parallel rank's loss, so / world
     scaler_skip = engine.loss_scaler is not None and not engine.was_step_applied()
     return StepResult(float(flags[0]) / dist.get_world_size(), bool(flags[1] > 0), data_s,
                       engine.get_global_grad_norm() if norm is None else norm, scaler_skip)
@@ -120,20 +146,43 @@ def evaluate(engine, data: TokenData) -> float:
                 sums += torch.tensor([float(loss) * n, n], dtype=torch.float64, device=engine.device)
     finally:
         engine.module.train()
-    dist.all_reduce(sums)  # TP and SP ranks add their (equal) sums to numerator and denominator alike
+    make_comm().all_reduce(sums)  # TP and SP ranks add their (equal) sums to numerator and denominator alike
     return float(sums[0] / sums[1])
 
 
 @torch.no_grad()
-def sample(engine, tokenizer, prompt_ids: list[int], max_new_tokens: int, seed: int) -> str:
-    """Text from the trained model (same seed on every rank, so TP / stage-3 ranks stay in step)."""
+def probe_loss(engine, data: TokenData) -> float:
+    """The model's loss on the first training sequence, the same on every rank (a forward on each:
+    stage-3 and TP forwards are collective; the all-reduce makes the ranks agree bit for bit).
+
+    Finite weights can still compute a non-finite loss (an lr typo leaves weights near 1e6 that
+    overflow a softmax); this one forward before every checkpoint and export catches it even when
+    the run holds out no eval data."""
+    mb = torch.from_numpy(data.sequence(0))[None, :].to(engine.device)
+    engine.module.eval()
+    try:
+        loss = engine(input_ids=mb, labels=mb).loss
+    finally:
+        engine.module.train()
+    out = torch.tensor([float(loss)], dtype=torch.float64, device=engine.device)
+    make_comm().all_reduce(out)
+    return float(out[0]) / dist.get_world_size()
+
+
+@torch.no_grad()
+def sample(engine, tokenizer, prompt_ids: list[int], max_new_tokens: int, seed: int, guard: Any = None) -> str:
+    """Text from the trained model (same seed on every rank, so TP / stage-3 ranks stay in step);
+    ``guard``: a logits processor run on every step's logits (``divergence.FiniteLogits``)."""
+    from transformers import LogitsProcessorList
+
     torch.manual_seed(seed)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=engine.device)
     engine.module.eval()
     try:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         out = engine.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                              do_sample=True, top_k=40, temperature=0.8, pad_token_id=pad)
+                              do_sample=True, top_k=40, temperature=0.8, pad_token_id=pad,
+                              **({"logits_processor": LogitsProcessorList([guard])} if guard is not None else {}))
     finally:
         engine.module.train()
     return tokenizer.decode(out[0].tolist())

@@ -39,8 +39,9 @@ class MetricsLog:
             pass
 
     def write(self, row: dict[str, Any]) -> None:
-        """One line; a NaN/inf value is written as null (strict JSON: any reader parses the file)."""
-        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        """One line; a NaN/inf value is written as ``NaN`` / ``Infinity`` / ``-Infinity``, as Python's
+        json writes them and its reader (``json.loads``, pandas' ``read_json``) and JavaScript-style
+        JSON5 readers take them back as floats: a diverged value stays recognisable, unlike ``null``."""
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
@@ -127,6 +128,9 @@ def plot_loss(run_dir: Path) -> Path | None:
 
 
 def perplexity(loss: float) -> float:
+    """exp(loss); inf past float range, NaN for a NaN loss."""
+    if math.isnan(loss):
+        return loss
     return math.exp(loss) if loss < 700 else float("inf")
 
 

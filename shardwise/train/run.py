@@ -8,6 +8,8 @@ SIGTERM/SIGINT) -> final eval, sample, hf/ export, loss.png, memory table.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,13 +21,22 @@ import torch.distributed as dist
 from shardwise.checkpoint.formats import is_foreign
 from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.cli_errors import UserError, one_line, user_error_types
+from shardwise.comm import RanksDivergedError, make_comm
 from shardwise.commands.units import human_counts
 from shardwise.config import ConfigError
 from shardwise.train import loop
 from shardwise.train.advice import eval_rise_note, passes_note
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
 from shardwise.train.defaults import SUMMARY
-from shardwise.train.divergence import EXIT_DIVERGED, DivergedError, NonFiniteGuard, nonfinite_values
+from shardwise.train.divergence import (
+    EXIT_DIVERGED,
+    EXIT_RANK_FAILED,
+    DivergedError,
+    FiniteLogits,
+    NonFiniteGuard,
+    RankOutOfMemoryError,
+    nonfinite_values,
+)
 from shardwise.train.export import write_side_files
 from shardwise.train.hf_datasets import dataset_kind, dataset_to_jsonl
 from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
@@ -47,7 +58,7 @@ def _prepare_data(args, tokenizer, run_dir: Path) -> Path:
             box[0] = DataError(str(e))
         except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast: send it to them
             box[0] = DataError(f"--data {args.data}: tokenizing failed: {type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
+    make_comm().broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]
     return Path(box[0])
@@ -69,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             print(f"shardwise train: error: {one_line(e)}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
+    except (RanksDivergedError, RankOutOfMemoryError) as e:  # this rank alone: every rank says its own line
+        print(f"shardwise train: error: {one_line(e)}", file=sys.stderr, flush=True)
+        os._exit(EXIT_RANK_FAILED)  # the group is unusable: destroying it, or gloo's teardown, could hang
     except (ModelError, DataError, *user_error_types()) as e:  # one line, from rank 0 only
         if dist.get_rank() == 0:
             print(f"shardwise train: error: {one_line(e)}", file=sys.stderr)
@@ -151,7 +165,7 @@ def _lock_run_folder(run_dir: Path) -> RunLock | None:
             box[0] = str(e)
         except OSError as e:
             box[0] = f"--out {run_dir}: cannot create the folder ({e.strerror})"
-    dist.broadcast_object_list(box, src=0)
+    make_comm().broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise UserError(box[0])
     return lock
@@ -243,13 +257,27 @@ def _one_step(job: Job, step: int, stop: loop.StopRequest, bar) -> tuple[int, bo
         bar.update(1)
     if bad:  # counted; past the allowance every rank stops here, nothing of this step saved
         job.guard.after_step(step, bad, _latest(job))
-    if job.data.n_eval and args.eval_every and step % args.eval_every == 0:  # also when stopping:
-        _eval(job, step, bar)  # the resumed run starts after this step, so it would never redo it
-    if stopped or step == args.steps or (args.save_every and step % args.save_every == 0):
+    elif not res.loss_scaler_skipped:
+        dead = job.guard.dead_model_note(step, res.grad_norm)
+        if dead:
+            _log(dead)
+    saving = stopped or step == args.steps or (args.save_every and step % args.save_every == 0)
+    if saving:  # the weights first: an overflowed weight is named as such, not as the NaN loss it causes
         job.guard.check_weights(engine, step, "the checkpoint")
+    due = bool(args.eval_every) and step % args.eval_every == 0  # also when stopping: the resumed run
+    if job.data.n_eval and (due or step == args.steps):  # starts after this step and would never redo it;
+        _eval(job, step, bar)  # the last step's final eval comes before its save (a NaN one saves nothing)
+    if saving:
+        job.guard.check_probe(step, loop.probe_loss(engine, job.data), "the checkpoint")
         loop.save(engine, job.ckpt_dir, step, {**job.state, "step": step, "nonfinite_steps": job.guard.count},
                   args.keep)
     return step, stopped
+
+
+def _check_state(job: Job, step: int, before: str) -> None:
+    """Weights finite, and what they compute: checked on every rank before a checkpoint or the export."""
+    job.guard.check_weights(job.engine, step, before)
+    job.guard.check_probe(step, loop.probe_loss(job.engine, job.data), before)
 
 
 def _latest(job: Job) -> str | None:
@@ -269,6 +297,7 @@ def _eval(job: Job, step: int, bar=None) -> None:
             bar.write(msg)
         else:
             print(msg, flush=True)
+    job.guard.check_eval(step, loss, _latest(job))  # every rank alike: the loss is all-reduced
 
 
 def _finish(job: Job, step: int) -> int:
@@ -277,16 +306,21 @@ def _finish(job: Job, step: int) -> int:
     if job.data.n_eval and (job.last_eval is None or job.last_eval[0] != step):
         _eval(job, step)
     if not args.no_export:  # before the sample: nothing after a finished run may lose the export
-        job.guard.check_weights(engine, step, "the hf/ export")
+        _check_state(job, step, "the hf/ export")
         engine.save_16bit_model(job.run_dir / "hf")
         if dist.get_rank() == 0:  # with its tokenizer and generation config: `shardwise generate` runs on it
             write_side_files(job.run_dir / "hf", job.tokenizer, engine.module)
         _log(f"model exported to {job.run_dir / 'hf'} (try: shardwise generate --model {job.run_dir / 'hf'} "
              f"--prompt ...)")
     if args.sample_tokens:
-        _sample(job)
+        try:
+            _sample(job, step)
+        except DivergedError:  # the model that was exported computes non-finite logits: no export of it
+            if dist.get_rank() == 0 and not args.no_export:
+                shutil.rmtree(job.run_dir / "hf", ignore_errors=True)
+            raise
     reports: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, engine.memory_report())
+    make_comm().all_gather_object(reports, engine.memory_report())
     if dist.get_rank() == 0:
         job.metrics.close()
         plot = plot_loss(job.run_dir)
@@ -307,7 +341,7 @@ def _finish(job: Job, step: int) -> int:
     return 0
 
 
-def _sample(job: Job) -> None:
+def _sample(job: Job, step: int) -> None:
     """Generate from --prompt (default: the start of the held-out text), within the model's positions."""
     args, data = job.args, job.data
     prompt = job.tokenizer.encode(args.prompt) if args.prompt else []
@@ -317,7 +351,7 @@ def _sample(job: Job) -> None:
     if room is not None:  # keep the prompt's end, leaving room for at least one new token
         prompt = prompt[-(room - 1):]
     new_tokens = args.sample_tokens if room is None else max(1, min(args.sample_tokens, room - len(prompt)))
-    text = loop.sample(job.engine, job.tokenizer, prompt, new_tokens, args.seed)
+    text = loop.sample(job.engine, job.tokenizer, prompt, new_tokens, args.seed, FiniteLogits(step))
     if dist.get_rank() == 0:
         (job.run_dir / "sample.txt").write_text(text + "\n")
         print(f"[shardwise train] sample ({new_tokens} tokens after a {len(prompt)}-token prompt):\n{text}\n",
