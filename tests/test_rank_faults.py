@@ -30,6 +30,9 @@ WORKER = Path(__file__).resolve().parent / "fault_worker.py"
 TIMEOUT_S, STALL_S, SLACK_S = 15, 40, 8
 DS = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
+# Each case is about rank processes dying or stalling: the process is the subject (docs/testing.md).
+pytestmark = pytest.mark.subprocess
+
 
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory) -> Path:
