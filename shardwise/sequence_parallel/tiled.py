@@ -1,9 +1,10 @@
 """ALST's memory pieces: the MLP and the LM head + loss computed over sequence tiles.
 
 Both are autograd functions that keep only their input: the forward runs tile by tile under
-``no_grad`` and the backward recomputes each tile (the MLP with gradients and ``torch.autograd.grad``;
-the loss's softmax gradient written by hand into the tile's one logits buffer). What they save, per layer, for ``s`` tokens of hidden size ``h``, vocab ``V`` and MLP width
-``m``: the MLP's intermediate activations (about ``3 s m`` values) become the input alone (``s h``)
+``no_grad`` and the backward recomputes each tile (the MLP with gradients and
+``torch.autograd.grad``; the loss's softmax gradient written by hand into the tile's one logits
+buffer). What they save, per layer, for ``s`` tokens of hidden size ``h``, vocab ``V`` and MLP
+width ``m``: the MLP's intermediate activations (about ``3 s m`` values) become the input alone (``s h``)
 plus one tile's intermediates while it runs; the ``[s, V]`` logits (and their fp32 copy for the
 loss) are never whole, one tile's are. The cost: each tile's forward runs twice (once more in
 backward), as in activation checkpointing.
