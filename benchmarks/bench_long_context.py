@@ -17,11 +17,14 @@ machine (under load): in the JSON only.
 
 DeepSpeed runs from another interpreter (``--ds-python``: a venv with ``deepspeed`` that sees this
 one's packages); where ``import deepspeed`` fails there, its rows are left out with the reason.
+``--deepspeed-from FILE`` reuses the DeepSpeed rows recorded in an earlier results file instead
+(the JSON and the rendered tables say so, with that run's date).
 
 examples:
   python benchmarks/bench_long_context.py --ds-python /work/dsvenv/bin/python
   python benchmarks/bench_long_context.py --impl shardwise --sp 1,2 --seqs 1024
   python benchmarks/bench_long_context.py --from-json benchmarks/results/long_context.json
+  python benchmarks/bench_long_context.py --deepspeed-from benchmarks/results/long_context.json
 """
 
 from __future__ import annotations
@@ -80,10 +83,20 @@ def run_all(args: argparse.Namespace) -> dict:
     impls = args.impl.split(",")
     ds_python = args.ds_python or sys.executable
     skipped = {}
-    if "deepspeed" in impls and (why := _deepspeed_missing(ds_python)):
+    if "deepspeed" in impls and not args.deepspeed_from and (why := _deepspeed_missing(ds_python)):
         skipped["deepspeed"] = f"not run: `import deepspeed` fails in {ds_python}: {why}"
         impls.remove("deepspeed")
     runs = []
+    if args.deepspeed_from:  # DeepSpeed's rows as recorded by an earlier run of this benchmark, not re-run
+        old = json.loads(Path(args.deepspeed_from).read_text())
+        same = (old["meta"]["budget_MiB_per_rank"], old["meta"].get("heap_budget_MiB_per_rank"))
+        if same != (args.budget_mib, args.heap_budget_mib):
+            raise SystemExit(f"{args.deepspeed_from}: its DeepSpeed rows were searched in budgets {same} MiB, "
+                             f"not {(args.budget_mib, args.heap_budget_mib)}: rerun DeepSpeed or match them")
+        runs = [r for r in old["runs"] if r["impl"] == "deepspeed"]
+        skipped["deepspeed"] = (f"not re-run: its rows are those recorded on {old['meta']['date']} "
+                                f"({old['meta']['cpu']}), read from {args.deepspeed_from}")
+        impls = [i for i in impls if i != "deepspeed"]
     for impl in impls:
         python = ds_python if impl == "deepspeed" else sys.executable
         for sp in (int(s) for s in args.sp.split(",")):
@@ -189,6 +202,8 @@ def main() -> None:
     p.add_argument("--tiled", default="off,on")
     p.add_argument("--out", default=str(RESULTS), help="raw results (JSON)")
     p.add_argument("--from-json", help="print the tables of a results file; run nothing")
+    p.add_argument("--deepspeed-from", help="a results file whose DeepSpeed rows are reused (and said so in "
+                   "the JSON's meta.skipped) instead of running DeepSpeed; the rest runs")
     args = p.parse_args()
     if args.from_json:
         print(render(json.loads(Path(args.from_json).read_text())))
