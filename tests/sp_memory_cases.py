@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from sp_cases import llama, sample_batch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from shardwise.sequence_parallel import SequenceParallel, register_attention, split_batch
-from sp_cases import llama, sample_batch
 
 
 def _live_saved_bytes(model: torch.nn.Module, loss_of: object) -> int:
