@@ -169,6 +169,31 @@ def longest_table(runs: list[dict]) -> list[str]:
     return out
 
 
+def _peak_points(r: dict) -> list[tuple[int, float]]:
+    """(tokens per rank, heap peak MiB) of every training step the run measured, by length."""
+    rows = [x for x in r["rows"] + r.get("heap_probes", []) if x.get("heap_peak_MiB") is not None]
+    return sorted({x["seq"] // r["sp"]: x["heap_peak_MiB"] for x in rows}.items())
+
+
+def peak_table(runs: list[dict]) -> list[str]:
+    """Tokens per rank against heap peak, every measured training step, and the least-squares line
+    through them (fixed MiB + MiB per 1,000 tokens per rank) to read a budget's length off."""
+    out = ["| SP | ALST tiling | impl | tokens per rank: heap peak MiB (measured) | line: MiB + MiB per 1k tokens | "
+           "worst miss of the line |", "| ---: | --- | --- | --- | ---: | ---: |"]
+    for r in sorted(_ok(runs), key=lambda r: (r["sp"], r["tiled"], r["impl"])):
+        pts = _peak_points(r)
+        if len(pts) < 2:
+            continue
+        n, mx, my = len(pts), sum(t for t, _ in pts) / len(pts), sum(m for _, m in pts) / len(pts)
+        slope = sum((t - mx) * (m - my) for t, m in pts) / max(sum((t - mx) ** 2 for t, _ in pts), 1e-9)
+        fixed = my - slope * mx
+        miss = max(abs(m - fixed - slope * t) / m for t, m in pts)
+        cells = ", ".join(f"{t}: {m:.0f}" for t, m in pts)
+        out.append(f"| {r['sp']} | {'on' if r['tiled'] else 'off'} | {r['impl']} | {cells} | "
+                   f"{fixed:.0f} + {1000 * slope:.1f} | {100 * miss:.0f}% ({n} points) |")
+    return out
+
+
 def render(result: dict) -> str:
     meta, runs = result["meta"], result["runs"]
     lines = [f"`{meta['command']}` ({meta['date']}, {meta['cpu']}; {meta['model']}; budget "
@@ -177,7 +202,8 @@ def render(result: dict) -> str:
              "forward + backward:", "", *bytes_table(runs), "",
              f"Longest sequence whose saved bytes fit {meta['budget_MiB_per_rank']:g} MiB per rank, and whose heap "
              f"peak fits {meta.get('heap_budget_MiB_per_rank', 0):g} MiB per rank (both measured):", "",
-             *longest_table(runs)]
+             *longest_table(runs), "", "Heap peak per rank against tokens per rank (every training step "
+             "measured, and a line through them):", "", *peak_table(runs)]
     for impl, why in meta.get("skipped", {}).items():
         lines += ["", f"{impl}: {why}"]
     for r in runs:
