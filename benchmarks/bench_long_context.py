@@ -17,11 +17,14 @@ machine (under load): in the JSON only.
 
 DeepSpeed runs from another interpreter (``--ds-python``: a venv with ``deepspeed`` that sees this
 one's packages); where ``import deepspeed`` fails there, its rows are left out with the reason.
+``--deepspeed-from FILE`` reuses the DeepSpeed rows recorded in an earlier results file instead
+(the JSON and the rendered tables say so, with that run's date).
 
 examples:
   python benchmarks/bench_long_context.py --ds-python /work/dsvenv/bin/python
   python benchmarks/bench_long_context.py --impl shardwise --sp 1,2 --seqs 1024
   python benchmarks/bench_long_context.py --from-json benchmarks/results/long_context.json
+  python benchmarks/bench_long_context.py --deepspeed-from benchmarks/results/long_context.json
 """
 
 from __future__ import annotations
@@ -80,10 +83,20 @@ def run_all(args: argparse.Namespace) -> dict:
     impls = args.impl.split(",")
     ds_python = args.ds_python or sys.executable
     skipped = {}
-    if "deepspeed" in impls and (why := _deepspeed_missing(ds_python)):
+    if "deepspeed" in impls and not args.deepspeed_from and (why := _deepspeed_missing(ds_python)):
         skipped["deepspeed"] = f"not run: `import deepspeed` fails in {ds_python}: {why}"
         impls.remove("deepspeed")
     runs = []
+    if args.deepspeed_from:  # DeepSpeed's rows as recorded by an earlier run of this benchmark, not re-run
+        old = json.loads(Path(args.deepspeed_from).read_text())
+        same = (old["meta"]["budget_MiB_per_rank"], old["meta"].get("heap_budget_MiB_per_rank"))
+        if same != (args.budget_mib, args.heap_budget_mib):
+            raise SystemExit(f"{args.deepspeed_from}: its DeepSpeed rows were searched in budgets {same} MiB, "
+                             f"not {(args.budget_mib, args.heap_budget_mib)}: rerun DeepSpeed or match them")
+        runs = [r for r in old["runs"] if r["impl"] == "deepspeed"]
+        skipped["deepspeed"] = (f"not re-run: its rows are those recorded on {old['meta']['date']} "
+                                f"({old['meta']['cpu']}), read from {args.deepspeed_from}")
+        impls = [i for i in impls if i != "deepspeed"]
     for impl in impls:
         python = ds_python if impl == "deepspeed" else sys.executable
         for sp in (int(s) for s in args.sp.split(",")):
@@ -156,6 +169,31 @@ def longest_table(runs: list[dict]) -> list[str]:
     return out
 
 
+def _peak_points(r: dict) -> list[tuple[int, float]]:
+    """(tokens per rank, heap peak MiB) of every training step the run measured, by length."""
+    rows = [x for x in r["rows"] + r.get("heap_probes", []) if x.get("heap_peak_MiB") is not None]
+    return sorted({x["seq"] // r["sp"]: x["heap_peak_MiB"] for x in rows}.items())
+
+
+def peak_table(runs: list[dict]) -> list[str]:
+    """Tokens per rank against heap peak, every measured training step, and the least-squares line
+    through them (fixed MiB + MiB per 1,000 tokens per rank) to read a budget's length off."""
+    out = ["| SP | ALST tiling | impl | tokens per rank: heap peak MiB (measured) | line: MiB + MiB per 1k tokens | "
+           "worst miss of the line |", "| ---: | --- | --- | --- | ---: | ---: |"]
+    for r in sorted(_ok(runs), key=lambda r: (r["sp"], r["tiled"], r["impl"])):
+        pts = _peak_points(r)
+        if len(pts) < 2:
+            continue
+        n, mx, my = len(pts), sum(t for t, _ in pts) / len(pts), sum(m for _, m in pts) / len(pts)
+        slope = sum((t - mx) * (m - my) for t, m in pts) / max(sum((t - mx) ** 2 for t, _ in pts), 1e-9)
+        fixed = my - slope * mx
+        miss = max(abs(m - fixed - slope * t) / m for t, m in pts)
+        cells = ", ".join(f"{t}: {m:.0f}" for t, m in pts)
+        out.append(f"| {r['sp']} | {'on' if r['tiled'] else 'off'} | {r['impl']} | {cells} | "
+                   f"{fixed:.0f} + {1000 * slope:.1f} | {100 * miss:.0f}% ({n} points) |")
+    return out
+
+
 def render(result: dict) -> str:
     meta, runs = result["meta"], result["runs"]
     lines = [f"`{meta['command']}` ({meta['date']}, {meta['cpu']}; {meta['model']}; budget "
@@ -164,7 +202,8 @@ def render(result: dict) -> str:
              "forward + backward:", "", *bytes_table(runs), "",
              f"Longest sequence whose saved bytes fit {meta['budget_MiB_per_rank']:g} MiB per rank, and whose heap "
              f"peak fits {meta.get('heap_budget_MiB_per_rank', 0):g} MiB per rank (both measured):", "",
-             *longest_table(runs)]
+             *longest_table(runs), "", "Heap peak per rank against tokens per rank (every training step "
+             "measured, and a line through them):", "", *peak_table(runs)]
     for impl, why in meta.get("skipped", {}).items():
         lines += ["", f"{impl}: {why}"]
     for r in runs:
@@ -189,6 +228,8 @@ def main() -> None:
     p.add_argument("--tiled", default="off,on")
     p.add_argument("--out", default=str(RESULTS), help="raw results (JSON)")
     p.add_argument("--from-json", help="print the tables of a results file; run nothing")
+    p.add_argument("--deepspeed-from", help="a results file whose DeepSpeed rows are reused (and said so in "
+                   "the JSON's meta.skipped) instead of running DeepSpeed; the rest runs")
     args = p.parse_args()
     if args.from_json:
         print(render(json.loads(Path(args.from_json).read_text())))

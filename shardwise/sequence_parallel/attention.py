@@ -34,6 +34,7 @@ from shardwise.comm import Work, compute_device
 from shardwise.sequence_parallel.exchange import HeadToSeq, SeqToHead
 from shardwise.sequence_parallel.group import SequenceParallel, set_current
 from shardwise.sequence_parallel.ring import layout_problem, ring_attention
+from shardwise.sequence_parallel.saved_once import saved_once_attention
 from shardwise.tensor_parallel import tp_state_of
 
 PREFIX = "shardwise_sp_"
@@ -164,6 +165,12 @@ def _ulysses(inner_name: str, sp: SequenceParallel, module: nn.Module, query: to
                          "split_batch, which removes right padding and refuses other masks")
     _await_shard_check(sp)
     copies = head_split(query.shape[1], key.shape[1], sp.size)
+    if torch.is_grad_enabled() and not kwargs.get("dropout"):  # dropout: a recompute would draw other masks
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            mask = _causal(q.shape[2], q) if inner_name == "eager" else None
+            return inner(_Heads(module, q.shape[1] // k.shape[1]), q, k, v, mask, **kwargs)[0].transpose(1, 2)
+
+        return saved_once_attention(attend, sp.comm, copies, query, key, value).transpose(1, 2).contiguous(), None
     if copies > 1:
         key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
     q, k, v = (SeqToHead.apply(t, sp.comm) for t in (query, key, value))

@@ -1,9 +1,10 @@
 """ALST's memory pieces: the MLP and the LM head + loss computed over sequence tiles.
 
 Both are autograd functions that keep only their input: the forward runs tile by tile under
-``no_grad`` and the backward recomputes each tile with gradients and calls ``torch.autograd.grad``
-on it. What they save, per layer, for ``s`` tokens of hidden size ``h``, vocab ``V`` and MLP width
-``m``: the MLP's intermediate activations (about ``3 s m`` values) become the input alone (``s h``)
+``no_grad`` and the backward recomputes each tile (the MLP with gradients and
+``torch.autograd.grad``; the loss's softmax gradient written by hand into the tile's one logits
+buffer). What they save, per layer, for ``s`` tokens of hidden size ``h``, vocab ``V`` and MLP
+width ``m``: the MLP's intermediate activations (about ``3 s m`` values) become the input alone (``s h``)
 plus one tile's intermediates while it runs; the ``[s, V]`` logits (and their fp32 copy for the
 loss) are never whole, one tile's are. The cost: each tile's forward runs twice (once more in
 backward), as in activation checkpointing.
@@ -14,7 +15,8 @@ the incoming gradient: a scale applied to the loss (``loss / n``, fp16 loss scal
 reaches the LM head's gradient. DeepSpeed's ``TiledFusedLogitsLoss`` runs the head's backward
 inside its forward and loses such a scale. Results equal the untiled computation up to fp32
 round-off: the same per-token operations, with matmuls of other shapes and the parameter
-gradients summed tile by tile (tests/test_sequence_parallel.py measures ~1e-7 relative).
+gradients summed tile by tile (tests/test_sequence_parallel.py measures ~1e-7 relative); the loss's
+softmax as ``exp(z - max) / sum`` rather than ``exp(log_softmax)``).
 """
 
 from __future__ import annotations
@@ -102,39 +104,71 @@ def tile_mlps(model: nn.Module, tiles: int | str = "auto") -> int:
     return count
 
 
-def _ce_sum(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    logits = F.linear(h, weight, bias).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
-                           reduction="sum")
+def _rows(h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile as rows: hidden [n, h], the label of each row made a valid index, and which rows count."""
+    lab = labels.reshape(-1)
+    valid = lab != IGNORE
+    return h.reshape(-1, h.shape[-1]), torch.where(valid, lab, torch.zeros_like(lab)), valid
+
+
+def _exp_logits(h2: torch.Tensor, safe: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tile's fp32 logits turned, in place, into ``exp(logits - max)``: the one ``[n, V]`` buffer the
+    tile needs, for the loss and for its gradient. Returns it, the row sums and the loss of each row."""
+    z = F.linear(h2, weight, bias).float()
+    target = z.gather(1, safe.unsqueeze(1)).squeeze(1)
+    top = z.amax(1, keepdim=True)
+    z.sub_(top).exp_()
+    total = z.sum(1)
+    return z, total, top.squeeze(1) + total.log() - target
 
 
 class _TiledLoss(torch.autograd.Function):
+    """Summed cross entropy over sequence tiles, the softmax gradient written by hand.
+
+    Why by hand: autograd's cross entropy holds a tile's logits, log-softmax and their gradients
+    (four ``[n, V]`` buffers) and hands back each tile's head gradient as a new tensor; here one
+    ``[n, V]`` buffer is the logits, then their softmax, then their gradient (in place), and each
+    tile's head gradient is added in place into one buffer (``addmm_``), handed to autograd once,
+    multiplied by the incoming gradient (so a scale on the loss reaches it)."""
+
     @staticmethod
     def forward(ctx, tiles: int, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,  # noqa: ANN001
                 bias: torch.Tensor | None) -> torch.Tensor:
         ctx.tiles, ctx.weight, ctx.bias = tiles, weight, bias
         ctx.save_for_backward(hidden, labels)
-        with torch.no_grad():
-            parts = [_ce_sum(h, lab, weight, bias)
-                     for h, lab in zip(hidden.tensor_split(tiles, 1), labels.tensor_split(tiles, 1), strict=True)]
+        parts = []
+        for h, lab in zip(hidden.tensor_split(tiles, 1), labels.tensor_split(tiles, 1), strict=True):
+            h2, safe, valid = _rows(h, lab)
+            _, _, row_loss = _exp_logits(h2, safe, weight, bias)
+            parts.append(torch.where(valid, row_loss, torch.zeros_like(row_loss)).sum())
         return torch.stack(parts).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         hidden, labels = ctx.saved_tensors
-        params = tuple(p for p in (ctx.weight, ctx.bias) if p is not None and p.requires_grad)
-        grads_h, grads_p = [], [None] * len(params)
+        weight, bias = ctx.weight, ctx.bias
+        gh = torch.empty_like(hidden) if ctx.needs_input_grad[1] else None
+        gw = torch.zeros_like(weight) if ctx.needs_input_grad[3] else None
+        gb = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[4] else None
+        start = 0
         for h, lab in zip(hidden.tensor_split(ctx.tiles, 1), labels.tensor_split(ctx.tiles, 1), strict=True):
-            h = h.detach().requires_grad_(True)
-            with torch.enable_grad():
-                part = _ce_sum(h, lab, ctx.weight, ctx.bias)
-            got = torch.autograd.grad(part, (h, *params), grad)  # grad: any scale on the output, applied here
-            grads_h.append(got[0])
-            _add(grads_p, got[1:])
-        it = iter(grads_p)
-        gw = next(it) if ctx.weight.requires_grad else None
-        gb = next(it) if ctx.bias is not None and ctx.bias.requires_grad else None
-        return None, torch.cat(grads_h, dim=1), None, gw, gb
+            h2, safe, valid = _rows(h, lab)
+            z, total, _ = _exp_logits(h2, safe, weight, bias)
+            z.div_(total.unsqueeze(1))  # softmax
+            z.scatter_add_(1, safe.unsqueeze(1), torch.full_like(total, -1.0).unsqueeze(1))
+            z.mul_(torch.where(valid, grad.float(), torch.zeros_like(total)).unsqueeze(1))  # d loss / d logits
+            gz = z.to(weight.dtype)  # z itself in fp32
+            del z
+            if gh is not None:
+                gh[:, start:start + h.shape[1]] = (gz @ weight).view_as(h)
+            if gw is not None:
+                gw.addmm_(gz.t(), h2.to(weight.dtype))
+            if gb is not None:
+                gb.add_(gz.sum(0))
+            start += h.shape[1]
+            del gz  # before the next tile's buffer exists: one [n, V] at a time
+        return None, gh, None, gw, gb
 
 
 def tiled_loss_sum(hidden: torch.Tensor, head: nn.Linear, shift_labels: torch.Tensor,
