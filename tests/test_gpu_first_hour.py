@@ -141,6 +141,7 @@ def test_launch_cpu_ranks_on_a_gpu_machine_hide_the_gpu(monkeypatch, capsys) -> 
     assert err == "shardwise launch: 2 CPU ranks on gloo (--backend gloo: the 1 GPU hidden from them)\n"
 
 
+@pytest.mark.subprocess
 def test_launch_refusal_end_to_end() -> None:
     """No fakes: this machine has no GPU, so --backend nccl is refused before any rank starts."""
     r = subprocess.run([sys.executable, "-m", "shardwise.cli", "launch", "--backend", "nccl", *MAIN_JOB],
@@ -150,6 +151,7 @@ def test_launch_refusal_end_to_end() -> None:
     assert r.stderr.startswith("shardwise launch: error: --backend nccl needs GPUs") and r.stderr.count("\n") == 1
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("nproc, want", [(None, "--nproc auto -- train"), ("3", "--nproc 3 -- train")])
 def test_make_run_default_world(nproc, want) -> None:
     """`make run` passes --nproc auto (the launcher decides, as tested above) unless NPROC is given."""
@@ -264,6 +266,7 @@ def test_env_on_this_cpu_machine() -> None:
     assert (env_cmd.gpu_advice(dev) is None) == (dev["driver"] is None)  # CUDA hidden from this tier
 
 
+@pytest.mark.subprocess
 def test_the_cpu_tier_hides_the_gpus_from_every_process() -> None:
     """tests/conftest.py: this tier's ranks are CPU ranks on gloo on a GPU machine too (and its children)."""
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
