@@ -56,6 +56,8 @@ class Guard:
     host_syncs: list[str] = field(default_factory=list)  # library lines that read a device value on the host
     nonblocking_d2h: int = 0  # non_blocking device-to-host copies seen
     syncs: int = 0  # synchronize / event waits seen
+    bool_reads: int = 0  # host reads of a bool (an overflow check, a loop's "finished?")
+    finish_after: int | None = None  # bool reads answer True after this many (None: always False)
     in_flight: dict = field(default_factory=dict)  # storage -> where the copy was made
 
     def library_line(self) -> str:
@@ -92,7 +94,10 @@ class _GuardMode(FakeTensorMode):
         if func is _aten._local_scalar_dense.default:  # .item() / float() / bool(): values are fake
             if args[0].device != CPU:
                 g.host_syncs.append(g.library_line())
-            return False if args[0].dtype == torch.bool else 1  # 1: a step count, a norm; no overflow
+            if args[0].dtype != torch.bool:
+                return 1  # a step count, a norm
+            g.bool_reads += 1  # False: no overflow, not finished (until finish_after: a loop's stop)
+            return g.finish_after is not None and g.bool_reads > g.finish_after
         if g.in_flight and not func.is_view and not self._runs_on_device(func, args, kwargs):
             written = args[0] if func is _aten.copy_.default else None  # written, not read
             for t in _tensors((args, kwargs)):
@@ -225,6 +230,25 @@ def _fake_data_ptr(self: torch.Tensor) -> int:
     return (sid << 40) + self.storage_offset() * self.element_size()
 
 
+def _fake_storage_ptr(self: torch.UntypedStorage) -> int:
+    """A fake tensor's storage is a meta storage (address 0 for all): a distinct address per storage,
+    so buffer pools keyed by address (``zero/gather_pool.py``) tell their buffers apart."""
+    if self.device.type != "meta":
+        return _REAL_STORAGE_PTR(self)
+    return _storage_ids.setdefault(self._cdata, next(_ids)) << 40
+
+
+_REAL_STORAGE_PTR = torch.UntypedStorage.data_ptr
+
+
+def _guarded_read_into(fd: int, pos: int, dst: torch.Tensor, what: str) -> None:  # noqa: ARG001
+    """``safetensors_io.read_into`` under the guard: file bytes go only into a CPU tensor (a device
+    tensor here would be a pread into device memory); fake tensors have no bytes to fill."""
+    if dst.device != CPU:
+        raise RuntimeError(f"{what}: file bytes read into a {dst.device} tensor (expected all tensors to be on "
+                           "the same device: a pread fills host memory only)")
+
+
 @contextlib.contextmanager
 def fake_world(world: int = 2) -> Iterator[None]:
     """torch's fake process group: collectives accepted, nothing sent, ``world`` ranks in one process."""
@@ -268,6 +292,12 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
     for obj, name, value in _stream_patches(guard, device):
         patch(obj, name, value)
     patch(FakeTensor, "data_ptr", _fake_data_ptr)
+    patch(torch.UntypedStorage, "data_ptr", _fake_storage_ptr)
+    import shardwise.safetensors_io as sio
+
+    for mod in [m for name, m in list(sys.modules.items()) if name.startswith("shardwise") and m is not None]:
+        if getattr(mod, "read_into", None) is sio.read_into:
+            patch(mod, "read_into", _guarded_read_into)
     try:
         with _GuardMode(guard):
             yield guard

@@ -110,6 +110,21 @@ def test_overlap_comm():
     train_steps(config(2, overlap_comm=True))
 
 
+def test_generate_at_stage_3():
+    """engine.generate at stage 3, the whole model gathered once (unit by unit, synced_gpus loops on a
+    float read of the peers' "finished" flag, which fake values never end: not reached)."""
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1))
+    with device_guard() as guard:
+        guard.finish_after = 6  # fake values never finish a sequence: "finished" after 6 bool reads
+        engine, *_ = shardwise.initialize(model=model, config=config(3, gas=1))
+        engine.eval()
+        batch = ids.to(DEVICE)
+        out = engine.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2, do_sample=False,
+                              pad_token_id=0, gather_whole_model=True)
+    assert out.device == DEVICE and out.shape[1] > SEQ
+
+
 # -- the three defects of issue 43, put back one at a time: the guard must fail on each --------------
 
 def _norm_accumulated_on_the_cpu(grads, tp=None, shard=None):
