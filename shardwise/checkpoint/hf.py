@@ -303,8 +303,7 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | Path, dtype: torc
             if own is None:
                 raise NotImplementedError(f"save_16bit_model: frozen parameter {g.names[0]} is file-backed; "
                                           "its files are already the model's weights")
-            # on the group's device, not the (offloaded, CPU) master's: NCCL gathers no host tensor
-            full = torch.zeros(g.padded_numel, dtype=own.dtype, device=g.device)
+            full = torch.zeros(g.padded_numel, dtype=own.dtype, device=g.device)  # not the CPU master's: NCCL
             full.narrow(0, g.own_start, g.own_numel).copy_(own)
             if engine.policy.shard_optimizer:
                 _group_comm(g, dp).all_gather(full)

@@ -355,10 +355,10 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | N
     if path is None:
         log.warning(f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to pick a checkpoint)")
         return None, None
-
     live = module_extras(engine) if st.module else {}
     with torch.no_grad():
         for g, master in zip(engine.groups, st.masters, strict=True):
+            g.master_writable()  # no copy out of a pinned master still reads it
             g.master.copy_(master)
         for g in engine.groups:
             g.publish_master()

@@ -25,7 +25,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from shardwise.comm import Comm
+from shardwise.comm import Comm, compute_device
 from shardwise.grad_norm import global_grad_norm
 from shardwise.zero.eager_hooks import eager_hook
 from shardwise.zero.flat_group import ShardedGroup, owner_of
@@ -212,6 +212,8 @@ class Sharding:
         for g in self.groups:
             g.wait()
             g.wait_gathered()
+        for g in self.groups:  # offload on an accelerator: every group's host copy in flight first
+            g.start_master_grad()
         return [g.attach_master_grad(unscale) for g in self.groups]
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
@@ -229,6 +231,7 @@ class Sharding:
         sq = global_grad_norm([(grad, False) for grad, _ in own],
                               shard=groups.shard if self.policy.shard_optimizer else None).square().reshape(1)
         if groups.split.size > 1:
+            sq = sq.to(compute_device())  # offloaded (CPU) expert grads: NCCL reduces no host tensor
             groups.split.all_reduce(sq)
         return float((norm.square() + sq[0]).sqrt())
 

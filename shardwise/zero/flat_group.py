@@ -25,7 +25,7 @@ from torch import nn
 from shardwise.comm import Comm, Work
 from shardwise.zero.gather_state import GatherState, StageThreeGather
 from shardwise.zero.grad_accum import accumulation_dtype
-from shardwise.zero.host_copy import to_readable
+from shardwise.zero.host_copy import GradToHost, accelerated, to_readable
 from shardwise.zero.layout import FlatLayout
 from shardwise.zero.pending import InflightLimit, ReadWork
 from shardwise.zero.policy import DEFAULT_GROUP_OPTIONS, GroupOptions, OffloadPolicy, ShardPolicy
@@ -137,6 +137,10 @@ class ShardedGroup(StageThreeGather):
             self.master = torch.empty(self.own_numel, dtype=master_dtype, device=dev,
                                       pin_memory=offload.pin_memory and torch.cuda.is_available())
             self.master.copy_(owned)
+        # offload on an accelerator: the owned gradient goes to the host on a side stream (host_copy.py)
+        on_host = self.master is not None and self.master.device.type == "cpu" and accelerated(self.device)
+        self.to_host = GradToHost(self.device, self.own_numel, self.master.dtype,
+                                  offload.pin_memory) if on_host else None
 
     def _init_grads(self) -> None:
         """Without grad sharding the flat grad buffer is persistent and every param.grad is a view
@@ -360,15 +364,33 @@ class ShardedGroup(StageThreeGather):
                 "did; reduce on the last micro-batch of every step (set_requires_gradient_sync(True))")
         return self.flat_grad.narrow(0, self.own_start, self.own_numel)
 
+    def start_master_grad(self) -> None:
+        """Offload on an accelerator: queue the owned gradient's copy to the host (side stream), so
+        every group's copy is in flight before ``attach_master_grad`` waits for the first."""
+        if self.to_host is not None:
+            g = self.owned_grad()
+            if self.replicate is not None:
+                self.replicate.all_reduce(g)
+            self.to_host.start(g)
+
+    def master_writable(self) -> None:
+        """Before the host writes the master in place: the last copy out of it has read it."""
+        if self.to_host is not None:
+            self.to_host.master_writable()
+
     def attach_master_grad(self, scale: float) -> torch.Tensor:
         """Give ``master.grad`` the owned gradient times ``scale``; returns it (fp32).
 
         With hybrid sharding the shard is first summed over the replicas: one all-reduce of
         the shard (Ψ/k elements) per step, the only traffic that leaves the shard group.
         """
-        g = self.owned_grad()
-        if self.replicate is not None:
-            self.replicate.all_reduce(g)
+        self.master_writable()  # the optimizer step writes the master next
+        if self.to_host is not None and self.to_host.pending:  # started: the host buffer, copy fenced
+            g = self.to_host.wait()
+        else:
+            g = self.owned_grad()
+            if self.replicate is not None:
+                self.replicate.all_reduce(g)
         if self.master_is_view:
             if g.device != self.master.device:  # offload_param: the master is the (CPU) stage-3 shard
                 g = g.to(self.master.device)  # blocking: the host reads it at once
@@ -385,15 +407,21 @@ class ShardedGroup(StageThreeGather):
             self.drop_secondary()
             if not self.master_is_view:
                 self.store.update(self.master, non_blocking=True)
+                self._copied_out()
             return None
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         if not self.master_is_view:
-            owned.copy_(self.master, non_blocking=True)
+            owned.copy_(self.master, non_blocking=True)  # from pinned memory: ordered on the compute stream
+            self._copied_out()
         if self.policy.shard_optimizer:
             work = self.comm.all_gather(self.flat_param, async_op=async_op)
             self._to_gathered(work)  # stages 1-2: GATHERING until each module's forward waits for it
             return work
         return None
+
+    def _copied_out(self) -> None:
+        if self.to_host is not None:
+            self.to_host.published()
 
     def zero_grad(self) -> None:
         self._holds_reduced, self._reduced_carry = False, None

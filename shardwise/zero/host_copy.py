@@ -1,14 +1,21 @@
 """Copies between an accelerator and the host that the host may read: the ordering rules in one place.
 
-A device-to-host copy with ``non_blocking=True`` only *queues* the copy on the device's stream: the
-call returns before the bytes have arrived, and a host read (an optimizer step on the CPU master, a
-``mul_`` on the host tensor) may see whatever the buffer held before. The rules this module keeps:
+A device-to-host copy with ``non_blocking=True`` only *queues* the copy on a stream: the call returns
+before the bytes have arrived, and a host read (an optimizer step on the CPU master, a ``mul_`` on
+the host tensor) may see whatever the buffer held before. Likewise a host-to-device copy from
+pinned memory still reads the host buffer after the call returns. The rules this module keeps:
 
 1. a host tensor filled by a ``non_blocking`` device-to-host copy is read only after an event
-   recorded on the copying stream *after* the copy has completed (``Event.synchronize``);
-2. a tensor on the host reaches a device-only backend (NCCL) through a device copy, never as it is;
-3. on the CPU (no accelerator, or a copy between host tensors) there is no stream and no event: the
-   copy is synchronous and these functions reduce to a plain ``Tensor.to``.
+   recorded on the copying stream *after* the copy (``Event.synchronize`` on the host);
+2. a side stream first waits for the compute stream (``wait_stream``), so it copies the gradient
+   the backward and its reductions left, not an earlier one;
+3. the source of a side-stream copy stays referenced until its event is synchronized (the caching
+   allocator would otherwise hand its memory to the compute stream while the copy still reads it);
+4. a pinned host buffer is not written by the host while a ``non_blocking`` copy out of it may be
+   pending: an event recorded on the compute stream after that copy is synchronized first;
+5. a tensor on the host reaches a device-only backend (NCCL) through a device copy, never as it is;
+6. on the CPU (no accelerator, or a copy between host tensors) there is no stream and no event:
+   every function reduces to the plain copy, so the CPU path is today's code, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from shardwise.comm import Comm, compute_device
+
+_SIDE_STREAMS: dict[torch.device, torch.Stream] = {}
 
 
 def accelerated(device: torch.device) -> bool:
@@ -29,12 +38,20 @@ def accelerated(device: torch.device) -> bool:
     return acc is not None and acc.type == device.type
 
 
+def recorded(device: torch.device, stream: torch.Stream | None = None) -> torch.Event | None:
+    """An event recorded now on ``stream`` (default: ``device``'s current stream); None off an accelerator."""
+    if not accelerated(device):
+        return None
+    event = torch.Event(device=device)
+    event.record(stream if stream is not None else torch.accelerator.current_stream(device))
+    return event
+
+
 def fence(device: torch.device) -> None:
     """Block the host until the work queued so far on ``device``'s current stream has finished
     (rule 1: an event recorded after the copy, synchronized before the host reads)."""
-    if accelerated(device):
-        event = torch.Event(device=device)
-        event.record(torch.accelerator.current_stream(device))
+    event = recorded(device)
+    if event is not None:
         event.synchronize()
 
 
@@ -47,6 +64,68 @@ def to_readable(src: torch.Tensor, device: torch.device, dtype: torch.dtype) -> 
     if out.device.type == "cpu" and src.device.type != "cpu":
         fence(src.device)
     return out
+
+
+def side_stream(device: torch.device) -> torch.Stream:
+    """One copy stream per device, shared by every group (copies queue behind each other on it,
+    as they would on one DMA engine, and the compute stream stays free for the next kernels)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.accelerator.current_device_index())
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+class GradToHost:
+    """Offload on an accelerator: one group's owned gradient into a persistent host buffer.
+
+    ``start`` queues the copy on the side stream (after the compute stream's work: rule 2) and
+    returns at once, so every group's copy is in flight before the host waits for the first;
+    ``wait`` synchronizes the copy's event (rule 1) and hands the buffer to the host. The buffer is
+    the master's gradient (``master.grad``) until the next ``start``, which the host issues only
+    after the optimizer step that read it has returned. ``published`` / ``master_writable`` keep
+    rule 4 for the master the step copies back to the device from.
+    """
+
+    def __init__(self, device: torch.device, numel: int, dtype: torch.dtype, pin_memory: bool):
+        """``pin_memory``: a pinned buffer (the copy is asynchronous; pageable memory makes the
+        driver copy synchronously, still correct)."""
+        self.device = device
+        self.buffer = torch.empty(numel, dtype=dtype, pin_memory=pin_memory and accelerated(device))
+        self._copied: torch.Event | None = None
+        self._source: torch.Tensor | None = None  # rule 3
+        self._published: torch.Event | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._copied is not None
+
+    def start(self, src: torch.Tensor) -> None:
+        """Queue ``src`` (on ``device``) into the host buffer, converted to its dtype on the device."""
+        stream = side_stream(self.device)
+        stream.wait_stream(torch.accelerator.current_stream(self.device))
+        with stream:
+            staged = src if src.dtype == self.buffer.dtype else src.to(self.buffer.dtype)
+            self.buffer.copy_(staged, non_blocking=True)
+            self._copied = recorded(self.device, stream)
+        self._source = staged
+
+    def wait(self) -> torch.Tensor:
+        """The host buffer, its copy finished."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._copied, self._source = None, None
+        return self.buffer
+
+    def published(self) -> None:
+        """The compute stream has been given a ``non_blocking`` copy out of the (pinned) master."""
+        self._published = recorded(self.device)
+
+    def master_writable(self) -> None:
+        """Before the host writes the master in place: that copy has read it (rule 4)."""
+        if self._published is not None:
+            self._published.synchronize()
+            self._published = None
 
 
 def broadcast_through_device(comm: Comm, t: torch.Tensor, src: int = 0) -> None:

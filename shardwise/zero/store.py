@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from shardwise.comm import compute_device
+from shardwise.zero.host_copy import fence
 from shardwise.zero.layout import Segment
 from shardwise.zero.pending import ReadWork, read_pool
 
@@ -85,6 +87,8 @@ class ShardStore:
     def update(self, src: torch.Tensor, non_blocking: bool = False) -> None:
         """The parameters changed (optimizer step, edit, load): ``src`` is the new shard."""
         if self.shard is not None:
+            if self.shard.device.type == "cpu" and src.device.type == "cpu":  # a host write: no gather's
+                fence(compute_device())  # non_blocking copy out of this (pinned) shard may still be pending
             self.shard.copy_(src, non_blocking=non_blocking)
 
     @property
@@ -114,8 +118,8 @@ class ResidentStore(ShardStore):
             self.shard.copy_(owned)
 
     def fill(self, group: Any, owned: torch.Tensor, async_read: bool) -> None:  # noqa: ARG002
-        with torch.no_grad():
-            owned.copy_(self.shard)
+        with torch.no_grad():  # from pinned memory: queued on the compute stream, the host moves on (zero/host_copy.py)
+            owned.copy_(self.shard, non_blocking=True)
 
 
 class FileStore(ShardStore):
