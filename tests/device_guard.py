@@ -175,6 +175,12 @@ class _Stream:
         self.guard.syncs += 1
         self.guard.in_flight.clear()
 
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Work issued in the block is on this stream: the guard tracks copies, not streams."""
+
     def wait_stream(self, other) -> None:  # noqa: ARG002
         """Device-side ordering only."""
 
