@@ -110,6 +110,13 @@ def test_overlap_comm():
     train_steps(config(2, overlap_comm=True))
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tensor_parallel(stage):
+    """autotp_size 2 over the world of 2 (data-parallel 1): TP's sliced layers and their collectives."""
+    cfg = {**config(stage), "tensor_parallel": {"autotp_size": 2}, "train_batch_size": MICRO * 2}
+    train_steps(cfg)
+
+
 def test_generate_at_stage_3():
     """engine.generate at stage 3, the whole model gathered once (unit by unit, synced_gpus loops on a
     float read of the peers' "finished" flag, which fake values never end: not reached)."""
