@@ -236,6 +236,21 @@ def _fake_data_ptr(self: torch.Tensor) -> int:
     return (sid << 40) + self.storage_offset() * self.element_size()
 
 
+_TENSOR_DATA = torch._C.TensorBase.data  # the C getset: .data read and written
+
+
+def _get_data(self: torch.Tensor) -> torch.Tensor:
+    return _TENSOR_DATA.__get__(self)
+
+
+def _set_data(self: torch.Tensor, new: torch.Tensor) -> None:
+    """``p.data = t`` on a fake tensor: the C impl takes ``t``'s, and the fake device (a Python
+    attribute the C setter does not know) follows, as a real tensor's device follows its data."""
+    _TENSOR_DATA.__set__(self, new)
+    if isinstance(new, FakeTensor):
+        self.fake_device = new.fake_device
+
+
 def _fake_storage_ptr(self: torch.UntypedStorage) -> int:
     """A fake tensor's storage is a meta storage (address 0 for all): a distinct address per storage,
     so buffer pools keyed by address (``zero/gather_pool.py``) tell their buffers apart."""
@@ -299,6 +314,7 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
         patch(obj, name, value)
     patch(FakeTensor, "data_ptr", _fake_data_ptr)
     patch(torch.UntypedStorage, "data_ptr", _fake_storage_ptr)
+    FakeTensor.data = property(_get_data, _set_data)  # FakeTensor has none of its own: removed after
     import shardwise.safetensors_io as sio
 
     for mod in [m for name, m in list(sys.modules.items()) if name.startswith("shardwise") and m is not None]:
@@ -308,6 +324,7 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
         with _GuardMode(guard):
             yield guard
     finally:
+        del FakeTensor.data
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
 
