@@ -98,7 +98,8 @@ class _GuardMode(FakeTensorMode):
                 return 1  # a step count, a norm
             g.bool_reads += 1  # False: no overflow, not finished (until finish_after: a loop's stop)
             return g.finish_after is not None and g.bool_reads > g.finish_after
-        if g.in_flight and not func.is_view and not self._runs_on_device(func, args, kwargs):
+        if g.in_flight and not func.is_view and func.namespace != "prim" \
+                and not self._runs_on_device(func, args, kwargs):  # prim: metadata (prim.device), no data read
             written = args[0] if func is _aten.copy_.default else None  # written, not read
             for t in _tensors((args, kwargs)):
                 ref = _storage(t) if t.device == CPU and t is not written else None
