@@ -1,0 +1,343 @@
+"""The CPU-run device guard: run a library path with its parameters on a second device, on a CPU.
+
+This machine has no GPU, and a CPU-only torch build cannot make CUDA tensors that autograd accepts
+(autograd asks CUDA's device guard for the tensor's stream, and a CPU build has none). What it can
+do: ``FakeTensorMode`` tensors on a device that has a guard here, ``lazy:0``. A fake tensor has no
+data, only shape, dtype and device, and every op checks its arguments' devices as a real device
+would: a ``lazy:0`` tensor meeting a CPU tensor raises ``Expected all tensors to be on the same
+device`` (or ``FakeTensor is wrapped to wrong device``, for an in-place op on the CPU side), which
+is the error a CUDA run gives. So the guard runs the path for its devices, not its numbers
+(``docs/gpu_guard.md``: the mechanism and what it reaches).
+
+Under :func:`device_guard`:
+
+* the library's compute device is ``lazy:0`` (every ``compute_device`` binding is patched), and
+  torch's fake process group serves the collectives of a world of ``world`` ranks in this one
+  process (sharded paths run as rank 0 of 2, the NCCL branch of ``Comm``, since the backend is not
+  gloo);
+* a ``non_blocking`` copy from the device to the CPU leaves its destination "in flight" until
+  ``torch.cuda.synchronize()``, a stream's or an event's ``synchronize()`` (the guard serves
+  ``torch.cuda``'s stream and event classes); any op that reads the destination before that raises
+  :class:`HostReadBeforeSync` (a host read of a copy that may not have arrived);
+* a host read of a value (``.item()``, ``float()``, ``bool()``) returns 1 (``False`` for a bool: no
+  overflow); one of a device value is recorded
+  in ``guard.host_syncs`` with the library line that asked (each one stalls a GPU step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import itertools
+import sys
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch._dynamo  # noqa: F401  (imported by FakeTensorMode: before torch.Event is served by the guard)
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+
+DEVICE = torch.device("lazy", 0)  # the simulated accelerator: not the CPU, and it has a device guard here
+CPU = torch.device("cpu")
+_aten = torch.ops.aten
+
+
+class HostReadBeforeSync(RuntimeError):
+    """The host read a non_blocking device-to-host copy before any synchronize or event wait."""
+
+
+@dataclass
+class Guard:
+    """What one guarded run saw (the mixing errors themselves are raised, not recorded)."""
+
+    host_syncs: list[str] = field(default_factory=list)  # library lines that read a device value on the host
+    nonblocking_d2h: int = 0  # non_blocking device-to-host copies seen
+    syncs: int = 0  # synchronize / event waits seen
+    bool_reads: int = 0  # host reads of a bool (an overflow check, a loop's "finished?")
+    finish_after: int | None = None  # bool reads answer True after this many (None: always False)
+    in_flight: dict = field(default_factory=dict)  # storage -> where the copy was made
+
+    def library_line(self) -> str:
+        """The innermost shardwise frame of the current stack (where a finding is reported)."""
+        for fr in reversed(traceback.extract_stack()):
+            if "/shardwise/" in fr.filename:
+                return f"{fr.filename.split('/shardwise/', 1)[1]}:{fr.lineno} {fr.line}"
+        return "(outside shardwise)"
+
+
+def _tensors(tree) -> Iterator[torch.Tensor]:
+    for x in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor):
+            yield x
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+class _GuardMode(FakeTensorMode):
+    """The fake mode, also watching every op: non_blocking D2H copies and the reads after them.
+
+    (One mode, not a second dispatch mode stacked on the fake one: a mode above it also sees
+    the fake mode's own meta computations and hands meta tensors back into autograd.)"""
+
+    def __init__(self, guard: Guard):
+        super().__init__(allow_non_fake_inputs=True)
+        self.guard = guard
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        g = self.guard
+        if func is _aten._local_scalar_dense.default:  # .item() / float() / bool(): values are fake
+            if args[0].device != CPU:
+                g.host_syncs.append(g.library_line())
+            if args[0].dtype != torch.bool:
+                return 1  # a step count, a norm
+            g.bool_reads += 1  # False: no overflow, not finished (until finish_after: a loop's stop)
+            return g.finish_after is not None and g.bool_reads > g.finish_after
+        if g.in_flight and not func.is_view and func.namespace != "prim" \
+                and not self._runs_on_device(func, args, kwargs):  # prim: metadata (prim.device), no data read
+            written = args[0] if func is _aten.copy_.default else None  # written, not read
+            for t in _tensors((args, kwargs)):
+                ref = _storage(t) if t.device == CPU and t is not written else None
+                if ref is not None and ref in g.in_flight:
+                    raise HostReadBeforeSync(
+                        f"{func} reads on the host a non_blocking device-to-host copy before any "
+                        f"synchronize or event wait; copied at {g.in_flight[ref]}, read at {g.library_line()}")
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self._nonblocking_d2h(func, args, kwargs):
+            dst = args[0] if func is _aten.copy_.default else out
+            g.nonblocking_d2h += 1
+            g.in_flight[_storage(dst)] = g.library_line()
+        return out
+
+    @staticmethod
+    def _runs_on_device(func, args, kwargs) -> bool:  # noqa: ANN001
+        """A copy to the device reads the host buffer in its stream's order, after the copy that
+        filled it: not a host read."""
+        if func is _aten.copy_.default:
+            return args[0].device != CPU
+        if func is _aten._to_copy.default:
+            return kwargs.get("device") is not None and torch.device(kwargs["device"]) != CPU
+        return False
+
+    @staticmethod
+    def _nonblocking_d2h(func, args, kwargs) -> bool:  # noqa: ANN001
+        if func is _aten.copy_.default:
+            nb = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            return bool(nb) and args[0].device == CPU and args[1].device != CPU
+        if func is _aten._to_copy.default:
+            dev = kwargs.get("device")
+            return bool(kwargs.get("non_blocking", False)) and dev is not None and torch.device(dev) == CPU \
+                and args[0].device != CPU
+        return False
+
+
+class _Event:
+    """torch.cuda.Event under the guard: ``synchronize()`` / ``wait()`` / ``query()`` end every
+    in-flight copy recorded before it (conservative: a copy after the record is not covered)."""
+
+    guard: Guard  # set on the class made for one guarded run
+
+    def __init__(self, *a, **k):  # noqa: ARG002
+        self.recorded: dict | None = None
+
+    def record(self, stream=None) -> None:  # noqa: ARG002
+        self.recorded = dict(self.guard.in_flight)
+
+    def synchronize(self) -> None:
+        self.guard.syncs += 1
+        for ref in (self.recorded or {}):
+            self.guard.in_flight.pop(ref, None)
+
+    def query(self) -> bool:
+        self.synchronize()
+        return True
+
+    def wait(self, stream=None) -> None:  # noqa: ARG002
+        """A device-side wait: orders device work, frees no host read."""
+
+    def elapsed_time(self, other) -> float:  # noqa: ARG002
+        return 0.0
+
+
+class _Stream:
+    """torch.cuda.Stream under the guard: a stream whose ``synchronize()`` ends every copy in flight."""
+
+    guard: Guard
+
+    def __init__(self, *a, **k):  # noqa: ARG002
+        pass
+
+    def synchronize(self) -> None:
+        self.guard.syncs += 1
+        self.guard.in_flight.clear()
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Work issued in the block is on this stream: the guard tracks copies, not streams."""
+
+    def wait_stream(self, other) -> None:  # noqa: ARG002
+        """Device-side ordering only."""
+
+    def wait_event(self, event) -> None:  # noqa: ARG002
+        """Device-side ordering only."""
+
+    def record_event(self, event: _Event | None = None) -> _Event:
+        event = event or self.guard_event()
+        event.record()
+        return event
+
+    def query(self) -> bool:
+        self.synchronize()
+        return True
+
+    def guard_event(self) -> _Event:
+        return type("Event", (_Event,), {"guard": self.guard})()
+
+
+def _stream_patches(guard: Guard, device: torch.device) -> list[tuple[object, str, object]]:
+    """``torch.cuda``'s and ``torch.accelerator``'s stream and event names, served without a GPU
+    build: ``device`` is the current accelerator, its streams and events end in-flight copies."""
+    event = type("Event", (_Event,), {"guard": guard})
+    new_stream = type("Stream", (_Stream,), {"guard": guard})
+    stream = new_stream()
+
+    def synchronize(device=None) -> None:  # noqa: ARG001
+        stream.synchronize()
+
+    def current_stream(*a, **k) -> _Stream:  # noqa: ARG001
+        return stream
+
+    def use_stream(s=None):  # noqa: ANN001, ANN202
+        return contextlib.nullcontext(s)
+
+    names = {"Event": event, "Stream": new_stream, "current_stream": current_stream,
+             "default_stream": current_stream, "stream": use_stream, "synchronize": synchronize}
+    acc = {"is_available": lambda: True, "current_accelerator": lambda *a, **k: torch.device(device.type),
+           "current_stream": current_stream, "synchronize": synchronize, "device_count": lambda: 1,
+           "current_device_index": lambda: device.index or 0}
+    return ([(torch.cuda, k, v) for k, v in names.items()] + [(torch.accelerator, k, v) for k, v in acc.items()]
+            + [(torch, "Event", event), (torch, "Stream", new_stream)])
+
+
+_ids = itertools.count(1)
+_storage_ids: dict[int, int] = {}  # StorageImpl address -> id (a freed address reused keeps its id: harmless)
+
+
+def _fake_data_ptr(self: torch.Tensor) -> int:
+    """A distinct address per fake storage (fake storages all report 0): identity checks such as
+    ``p.grad.data_ptr() != view.data_ptr()`` take the branch a real device takes."""
+    sid = _storage_ids.setdefault(self.untyped_storage()._cdata, next(_ids))
+    return (sid << 40) + self.storage_offset() * self.element_size()
+
+
+_TENSOR_DATA = torch._C.TensorBase.data  # the C getset: .data read and written
+
+
+def _get_data(self: torch.Tensor) -> torch.Tensor:
+    return _TENSOR_DATA.__get__(self)
+
+
+def _set_data(self: torch.Tensor, new: torch.Tensor) -> None:
+    """``p.data = t`` on a fake tensor: the C impl takes ``t``'s, and the fake device (a Python
+    attribute the C setter does not know) follows, as a real tensor's device follows its data."""
+    _TENSOR_DATA.__set__(self, new)
+    if isinstance(new, FakeTensor):
+        self.fake_device = new.fake_device
+
+
+def _fake_storage_ptr(self: torch.UntypedStorage) -> int:
+    """A fake tensor's storage is a meta storage (address 0 for all): a distinct address per storage,
+    so buffer pools keyed by address (``zero/gather_pool.py``) tell their buffers apart."""
+    if self.device.type != "meta":
+        return _REAL_STORAGE_PTR(self)
+    return _storage_ids.setdefault(self._cdata, next(_ids)) << 40
+
+
+_REAL_STORAGE_PTR = torch.UntypedStorage.data_ptr
+
+
+def _guarded_read_into(fd: int, pos: int, dst: torch.Tensor, what: str) -> None:  # noqa: ARG001
+    """``safetensors_io.read_into`` under the guard: file bytes go only into a CPU tensor (a device
+    tensor here would be a pread into device memory); fake tensors have no bytes to fill."""
+    if dst.device != CPU:
+        raise RuntimeError(f"{what}: file bytes read into a {dst.device} tensor (expected all tensors to be on "
+                           "the same device: a pread fills host memory only)")
+
+
+@contextlib.contextmanager
+def fake_world(world: int = 2) -> Iterator[None]:
+    """torch's fake process group: collectives accepted, nothing sent, ``world`` ranks in one process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(f"a process group ({dist.get_backend()}) is already up in this process; "
+                           "the device guard needs its own fake one")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# modules that import compute_device by name (grep "import.*compute_device" shardwise/); a module
+# added later is still patched if something imported it before the guard starts
+_BINDS_COMPUTE_DEVICE = ("shardwise.fsdp.module", "shardwise.grad_norm", "shardwise.engine.compat",
+                         "shardwise.zero.gathered", "shardwise.inference.stream",
+                         "shardwise.sequence_parallel.attention", "shardwise.tensor_parallel.inference")
+
+
+@contextlib.contextmanager
+def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
+    """Run the block with the library computing on ``device`` (fake tensors, devices checked)."""
+    import shardwise.comm.core as core
+
+    for name in _BINDS_COMPUTE_DEVICE:  # the package imports lazily: bind before patching
+        importlib.import_module(name)
+    guard = Guard()
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(obj: object, name: str, value: object) -> None:
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    original = core.compute_device
+    for mod in [m for name, m in list(sys.modules.items()) if name.startswith("shardwise") and m is not None]:
+        if getattr(mod, "compute_device", None) is original:
+            patch(mod, "compute_device", lambda: device)
+    for obj, name, value in _stream_patches(guard, device):
+        patch(obj, name, value)
+    patch(FakeTensor, "data_ptr", _fake_data_ptr)
+    patch(torch.UntypedStorage, "data_ptr", _fake_storage_ptr)
+    FakeTensor.data = property(_get_data, _set_data)  # FakeTensor has none of its own: removed after
+    import shardwise.safetensors_io as sio
+
+    for mod in [m for name, m in list(sys.modules.items()) if name.startswith("shardwise") and m is not None]:
+        if getattr(mod, "read_into", None) is sio.read_into:
+            patch(mod, "read_into", _guarded_read_into)
+    try:
+        with _GuardMode(guard):
+            yield guard
+    finally:
+        del FakeTensor.data
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def cuda_reported() -> Iterator[None]:
+    """``torch.cuda.is_available()`` answers True in the block, so the library's branches that pin
+    host memory run (fake tensors are never pinned: the branch is reached, pinning is not modelled).
+    Move the model to the device before it: torch's own ``Module.to`` then takes a CUDA-only path."""
+    saved = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = saved
