@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import os
 import sys
 import traceback
 from collections.abc import Iterator
@@ -39,6 +40,9 @@ import torch._dynamo  # noqa: F401  (imported by FakeTensorMode: before torch.Ev
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from shardwise.comm import init_distributed
+from shardwise.net import free_port
 
 DEVICE = torch.device("lazy", 0)  # the simulated accelerator: not the CPU, and it has a device guard here
 CPU = torch.device("cpu")
@@ -276,14 +280,29 @@ def fake_world(world: int = 2) -> Iterator[None]:
     """torch's fake process group: collectives accepted, nothing sent, ``world`` ranks in one process."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise RuntimeError(f"a process group ({dist.get_backend()}) is already up in this process; "
-                           "the device guard needs its own fake one")
+    set_aside = _set_aside_world_of_one()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        if set_aside is not None:  # the next test finds the world of one it would have found
+            os.environ["MASTER_PORT"] = str(free_port())
+            init_distributed(backend=set_aside)
+
+
+def _set_aside_world_of_one() -> str | None:
+    """The whole suite runs in one pytest process, where earlier tests' ``initialize`` calls leave a
+    plain world of one up (gloo); there can be one default group only, so it is destroyed for the
+    fake world and its backend returned to bring it back after. A larger world is never ours: refused."""
+    if not dist.is_initialized():
+        return None
+    backend = dist.get_backend()
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"a process group ({backend}, world {dist.get_world_size()}) is up in this "
+                           "process; the device guard needs its own fake one")
+    dist.destroy_process_group()
+    return backend
 
 
 # modules that import compute_device by name (grep "import.*compute_device" shardwise/); a module
