@@ -1,0 +1,177 @@
+"""The longest sequence a memory budget allows under Ulysses SP, with and without ALST tiling.
+
+Why a formula and not a table: `docs/long_context.md` measured one small Llama; a user needs the
+answer for their model, SP degree and device. Per rank, with ``t = micro_batch * seq / sp`` tokens
+(Ulysses splits every per-token activation by ``sp``), all in elements of the activation dtype:
+
+- saved for backward, every layer: ``K * h`` per token (norms, q/k/v/o projections, rotary, the
+  sequence-sharded attention inputs), plus, untiled, the gated MLP's ``4 * ffn`` (gate, up,
+  ``act(gate)``, their product; ALST's tiled MLP keeps only its input and recomputes the rest);
+- saved once, untiled: the ``[t, vocab]`` logits (the loss's input; tiled, one tile at a time);
+- the backward's transients on top (the heap peak): untiled, the logits' gradient and the softmax,
+  ``2 * t * vocab``; tiled, one tile's logits ``tile * vocab`` (``tile = t / ceil(t / h)``, ALST's
+  one tile per ``h`` tokens), the head's weight gradient ``vocab * h`` before it is added in, and
+  the hidden states' gradient ``t * h``.
+
+Only ``K`` is fitted (see ``SAVED_PER_LAYER_H``); every other term follows from the model's shape.
+The static part (parameters, gradients, optimizer states per rank) is `memory.model_state_bytes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+
+from shardwise.cli_errors import UserError
+from shardwise.estimate.memory import ModelFacts
+
+# Elements per token per layer, in units of the hidden size, that a Llama layer saves for backward
+# besides its MLP intermediates. Fitted on ONE recorded point (SP 1, tiled, 1024 tokens: 10,393
+# fp32 elements per token over 2 layers of h=512, benchmarks/results/long_context.json) and checked
+# on every other point there (tests/test_long_context_estimate.py). It folds in the GQA shapes of
+# that model (2 of 8 kv heads), so a model with another kv ratio is estimated less closely.
+SAVED_PER_LAYER_H = 10393 / (2 * 512)
+
+# Architectures whose layer is the one the formula counts: RMSNorm, rotary q/k, gated (SwiGLU) MLP.
+GATED_LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Per-rank activation bytes at one length: held at the start of backward, and the peak."""
+
+    tokens_per_rank: int
+    saved: int
+    peak: int
+
+
+def check_shape(facts: ModelFacts, sp: int) -> None:
+    """Refuse what the formula does not describe, naming the reason (never a silent wrong number)."""
+    if facts.model_type not in GATED_LLAMA_TYPES:
+        raise ValueError(f"model_type {facts.model_type!r}: the longest-sequence formula counts a Llama-style "
+                         f"layer ({', '.join(sorted(GATED_LLAMA_TYPES))})")
+    if not facts.intermediate_size:
+        raise ValueError("the model config has no intermediate_size (the MLP's width)")
+    if facts.num_heads % sp:
+        raise ValueError(f"--sp {sp} does not divide the model's {facts.num_heads} attention heads (Ulysses)")
+
+
+def tile_tokens(tokens: int, hidden: int) -> int:
+    """The largest of ALST's tiles: ``ceil(t / h)`` tiles, the first ones ``ceil(t / n)`` tokens."""
+    n = max(1, math.ceil(tokens / hidden))
+    return math.ceil(tokens / n)
+
+
+def activation_bytes(facts: ModelFacts, tokens_per_rank: int, tiled: bool, elem: int = 4) -> ActivationBytes:
+    """Saved-for-backward and peak activation bytes on one rank holding ``tokens_per_rank`` tokens."""
+    t, h, v, ffn = tokens_per_rank, facts.hidden_size, facts.vocab_size, facts.intermediate_size or 0
+    per_token = facts.num_layers * SAVED_PER_LAYER_H * h
+    if tiled:
+        transient = tile_tokens(t, h) * v + v * h + t * h
+    else:
+        per_token += facts.num_layers * 4 * ffn + v
+        transient = 2 * t * v
+    saved = round(t * per_token * elem)
+    return ActivationBytes(t, saved, saved + transient * elem)
+
+
+def longest_sequence(facts: ModelFacts, sp: int, tiled: bool, budget: int, static: int = 0,
+                     counted: str = "peak", micro_batch: int = 1, elem: int = 4) -> int:
+    """The longest sequence (whole, all ranks: a multiple of ``sp``) whose per-rank ``static`` bytes
+    plus activations (``counted``: "peak" or "saved") fit ``budget``; 0 when not even ``sp`` tokens do.
+
+    The tiled peak is not monotone (its tile term drops where ALST adds a tile), so: bisect on a
+    monotone upper bound (``t`` - 1 tokens more) to bracket, then scan down to the last length that fits."""
+    check_shape(facts, sp)
+
+    def need(t: int) -> int:
+        a = activation_bytes(facts, t * micro_batch, tiled, elem)
+        return static + (a.peak if counted == "peak" else a.saved)
+
+    # need(t) <= need(t') + (tile term's largest drop) for t <= t'; the drop is under h * vocab elements.
+    slack = facts.hidden_size * facts.vocab_size * elem if tiled and counted == "peak" else 0
+    lo, hi = 0, 1
+    while need(hi) - slack <= budget:
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:
+            raise ValueError("the budget allows an unbounded length: check --budget")
+    while hi - lo > 1:  # need(t) - slack is monotone: lo is the last t it admits
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) - slack <= budget else (lo, mid)
+    while lo > 0 and need(lo) > budget:
+        lo -= 1
+    return lo * sp
+
+
+def add_long_context_args(p: argparse.ArgumentParser) -> None:
+    """The longest-sequence flags on `shardwise estimate` (``--budget`` turns them on)."""
+    g = p.add_argument_group("longest sequence under Ulysses SP (--budget turns it on; needs --model, --dtype fp32)")
+    g.add_argument("--budget", type=_size, help="memory per rank, e.g. 80GB, 384MiB")
+    g.add_argument("--sp", type=_size, default=1, help="Ulysses SP degree: each rank holds seq/sp tokens")
+    g.add_argument("--tiled", action="store_true", help="ALST tiling: tiled MLP and tiled logits + loss")
+    g.add_argument("--count", choices=["peak", "saved"], default="peak",
+                   help="peak: activations + the backward's transients (default); saved: what autograd "
+                        "holds at the start of backward")
+    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3,
+                   help="ZeRO stage over --devices for the model state taken off the budget first")
+    g.add_argument("--activations-only", action="store_true",
+                   help="the budget is for activations alone (model state not subtracted), as the benchmark counts")
+
+
+def _size(text: str) -> int:
+    from shardwise.estimate.memory import parse_bytes
+
+    try:
+        v = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if not 0 < v < 1 << 60:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return v
+
+
+def run_long_context(p: argparse.ArgumentParser, args: argparse.Namespace, facts: ModelFacts | None) -> int:
+    """Print the longest sequence for the flags; exit 2 with one line for what it cannot serve."""
+    try:
+        return _report(args, facts)
+    except UserError as exc:
+        try:
+            p.error(str(exc))
+        except SystemExit as stop:
+            return int(stop.code or 2)
+    return 2
+
+
+def _report(args: argparse.Namespace, facts: ModelFacts | None) -> int:
+    from shardwise.estimate.memory import model_state_bytes
+
+    if facts is None:
+        raise UserError("--budget needs --model (hidden size, layers, vocab, MLP width)")
+    if args.seq is not None or args.micro_batch is not None:
+        raise UserError("--budget finds the length for micro batch 1: drop --seq and --micro-batch")
+    if args.dtype != "fp32":
+        raise UserError(f"--budget: the longest-sequence formula is checked for --dtype fp32 only, not {args.dtype}")
+    if args.devices % args.sp:
+        raise UserError(f"--sp {args.sp} does not divide --devices {args.devices}")
+    static = 0 if args.activations_only else model_state_bytes(
+        facts.params, args.devices, args.dtype, args.zero_stage, args.offload)[0]
+    try:
+        seq = longest_sequence(facts, args.sp, args.tiled, args.budget, static, args.count)
+    except ValueError as exc:
+        raise UserError(f"--model: {exc}") from exc
+    act = activation_bytes(facts, seq // args.sp, args.tiled)
+    out = {"longest_seq": seq, "tokens_per_rank": seq // args.sp, "sp": args.sp, "tiled": args.tiled,
+           "counted": args.count, "budget_bytes": args.budget, "model_state_bytes": static,
+           "saved_bytes": act.saved, "peak_bytes": act.peak}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    mib = 2**20
+    print(f"longest sequence: {seq} tokens ({seq // args.sp} per rank, SP {args.sp}, "
+          f"ALST tiling {'on' if args.tiled else 'off'}, micro batch 1)")
+    print(f"per rank there: model state {static / mib:.1f} MiB (ZeRO-{args.zero_stage} over {args.devices}), "
+          f"activations saved {act.saved / mib:.1f} MiB, peak {act.peak / mib:.1f} MiB; "
+          f"budget {args.budget / mib:.1f} MiB ({args.count})")
+    return 0
