@@ -1,0 +1,152 @@
+"""`shardwise estimate --budget`: the longest-sequence formula against the recorded long-context runs.
+
+The points are shardwise's rows of ``benchmarks/results/long_context.json`` (bench_long_context.py):
+per SP degree (1, 2, 4) and ALST tiling (off, on), the saved-for-backward bytes and the heap peak at
+every probed length, and the longest length measured in a 128 MiB saved-bytes and a 384 MiB heap-peak
+budget. The formula's one fitted constant (``SAVED_PER_LAYER_H``) comes from a single one of those
+points (SP 1, tiled, saved bytes); every other point checks it, and the untiled MLP/logits terms and
+the backward transients are not fitted at all.
+
+Tolerance: 10% (issue 44's bar). It is above the measurement's own spread: the search stops within
+one granule (16 x SP tokens, under 3% of every longest length here) and the heap peak moves by up to
+~25 MiB with the allocator's history (docs/long_context.md), about 6% of the 384 MiB budget.
+DeepSpeed's rows are not held to the formula: it describes shardwise (DeepSpeed's Ulysses keeps the
+attention output twice, its tiled loss holds ~60 MiB more in backward).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from shardwise.estimate.long_context import (
+    SAVED_PER_LAYER_H,
+    activation_bytes,
+    longest_sequence,
+    tile_tokens,
+)
+from shardwise.estimate.report import main
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "long_context.json"
+MIB = 2**20
+TOL = 0.10
+
+
+def _recorded() -> dict:
+    return json.loads(RESULTS.read_text())
+
+
+def _config() -> dict:
+    """The benchmark's model, read from the results' own description (so the two cannot drift)."""
+    desc = _recorded()["meta"]["model"]
+    num = {k: int(re.search(rf"\b{k} (\d+)", desc).group(1)) for k in ("hidden", "MLP", "vocab")}
+    num |= {k: int(re.search(rf"(\d+) {k}\b", desc).group(1)) for k in ("heads", "kv heads", "layers")}
+    assert "fp32" in desc and "batch 1" in desc, desc
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": num["vocab"],
+            "hidden_size": num["hidden"], "intermediate_size": num["MLP"], "num_hidden_layers": num["layers"],
+            "num_attention_heads": num["heads"], "num_key_value_heads": num["kv heads"], "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def facts():  # noqa: ANN201
+    from transformers import LlamaConfig
+
+    from shardwise.estimate.memory import model_facts
+
+    cfg = _config()
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]) == (512, 1376, 32000)
+    return model_facts(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+
+
+def _runs() -> list[dict]:
+    runs = [r for r in _recorded()["runs"] if r["impl"] == "shardwise"]
+    assert {(r["sp"], r["tiled"]) for r in runs} == {(s, t) for s in (1, 2, 4) for t in (False, True)}
+    return runs
+
+
+def _points(run: dict) -> list[dict]:
+    return run["rows"] + run["probes"] + run["heap_probes"] + [run["train_check"]]
+
+
+@pytest.mark.parametrize("run", _runs(), ids=lambda r: f"sp{r['sp']}-{'tiled' if r['tiled'] else 'untiled'}")
+def test_longest_within_10pct_of_measured(facts, run: dict) -> None:  # noqa: ANN001
+    sp, tiled = run["sp"], run["tiled"]
+    for measured, budget, counted in ((run["longest"], run["budget_MiB"], "saved"),
+                                      (run["heap_longest"], run["heap_budget_MiB"], "peak")):
+        got = longest_sequence(facts, sp, tiled, int(budget * MIB), counted=counted)
+        assert got % sp == 0
+        assert abs(got / measured - 1) <= TOL, (counted, got, measured)
+
+
+@pytest.mark.parametrize("run", _runs(), ids=lambda r: f"sp{r['sp']}-{'tiled' if r['tiled'] else 'untiled'}")
+def test_bytes_within_10pct_at_every_measured_length(facts, run: dict) -> None:  # noqa: ANN001
+    checked = 0
+    for p in _points(run):
+        est = activation_bytes(facts, p["seq"] // run["sp"], run["tiled"])
+        assert abs(est.saved / MIB / p["live_MiB"] - 1) <= TOL, (p["seq"], est.saved / MIB, p["live_MiB"])
+        if p.get("heap_peak_MiB"):
+            assert abs(est.peak / MIB / p["heap_peak_MiB"] - 1) <= TOL, (p["seq"], est.peak / MIB, p)
+            checked += 1
+    assert checked >= 4
+
+
+def test_fitted_constant_is_the_one_recorded_point(facts) -> None:  # noqa: ANN001
+    """The fit point itself, to show which one it is: SP 1 tiled, saved bytes at 1024 tokens."""
+    run = next(r for r in _runs() if r["sp"] == 1 and r["tiled"])
+    row = next(p for p in run["rows"] if p["seq"] == 1024)
+    per_token = row["live_MiB"] * MIB / 1024 / 4
+    assert per_token == pytest.approx(SAVED_PER_LAYER_H * facts.num_layers * facts.hidden_size, rel=1e-6)  # + a scalar
+
+
+def test_longest_is_the_last_length_that_fits(facts) -> None:  # noqa: ANN001
+    """The tiled peak drops where ALST adds a tile: the answer fits, and nothing within 4 tiles beyond does."""
+    assert tile_tokens(512, 512) == 512 and tile_tokens(513, 512) == 257 and tile_tokens(1, 512) == 1
+    for tiled in (False, True):
+        budget = 384 * MIB
+        t = longest_sequence(facts, 1, tiled, budget)
+        assert activation_bytes(facts, t, tiled).peak <= budget
+        assert all(activation_bytes(facts, u, tiled).peak > budget for u in range(t + 1, t + 4 * 512))
+    assert longest_sequence(facts, 1, True, MIB) == 0
+
+
+def test_model_state_comes_off_the_budget(facts) -> None:  # noqa: ANN001
+    from shardwise.estimate.memory import model_state_bytes
+
+    static = model_state_bytes(facts.params, 2, "fp32", 3, "none")[0]
+    assert static > 0
+    alone = longest_sequence(facts, 2, False, 384 * MIB)
+    with_state = longest_sequence(facts, 2, False, 384 * MIB, static=static)
+    assert with_state == longest_sequence(facts, 2, False, 384 * MIB - static) < alone
+
+
+def _cli(tmp_path: Path, *extra: str) -> int:
+    (tmp_path / "config.json").write_text(json.dumps(_config()))
+    return main(["--model", str(tmp_path), "--devices", "4", *extra])
+
+
+def test_cli_prints_the_longest_sequence(tmp_path: Path, capsys: pytest.CaptureFixture[str], facts) -> None:  # noqa: ANN001
+    rc = _cli(tmp_path, "--dtype", "fp32", "--sp", "4", "--tiled", "--budget", "384MiB", "--activations-only",
+              "--json")
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["longest_seq"] == longest_sequence(facts, 4, True, 384 * MIB)
+    assert out["model_state_bytes"] == 0 and out["peak_bytes"] <= 384 * MIB
+    run = next(r for r in _runs() if r["sp"] == 4 and r["tiled"])
+    assert abs(out["longest_seq"] / run["heap_longest"] - 1) <= TOL
+    assert _cli(tmp_path, "--dtype", "fp32", "--sp", "2", "--budget", "384MiB") == 0
+    assert "longest sequence:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (("--budget", "384MiB"), "--dtype fp32"),
+    (("--dtype", "fp32", "--sp", "3", "--budget", "384MiB"), "--sp 3"),
+    (("--dtype", "fp32", "--budget", "384MiB", "--micro-batch", "1", "--seq", "4096"), "--seq"),
+    (("--dtype", "fp32", "--sp", "16", "--devices", "16", "--budget", "1GiB"), "8 attention heads"),
+])
+def test_cli_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: tuple, named: str) -> None:
+    assert _cli(tmp_path, *extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and "\n" not in err and "Traceback" not in err
