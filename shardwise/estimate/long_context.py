@@ -4,16 +4,21 @@ Why a formula and not a table: `docs/long_context.md` measured one small Llama; 
 answer for their model, SP degree and device. Per rank, with ``t = micro_batch * seq / sp`` tokens
 (Ulysses splits every per-token activation by ``sp``), all in elements of the activation dtype:
 
-- saved for backward, every layer: ``K * h`` per token (norms, q/k/v/o projections, rotary, the
-  sequence-sharded attention inputs), plus, untiled, the gated MLP's ``4 * ffn`` (gate, up,
-  ``act(gate)``, their product; ALST's tiled MLP keeps only its input and recomputes the rest);
-- saved once, untiled: the ``[t, vocab]`` logits (the loss's input; tiled, one tile at a time);
+- saved for backward, every layer (HF Llama's forward under shardwise, storage by storage): the two
+  RMSNorms' input, normalized value and ``1/rms`` (``2 * (2h + 1)``), q before and after rotary,
+  the attention output and the MLP's input (``4h``), k and v at their kv width (``2 * kv * d``,
+  ``d = h / heads``), and at SP 1 sdpa's log-sum-exp (``heads``; under Ulysses shardwise redoes the
+  attention in backward instead); untiled, the gated MLP's ``4 * ffn`` too (gate, up, ``act(gate)``,
+  their product; ALST's tiled MLP keeps only its input and recomputes the rest);
+- saved once: rotary cos and sin (``2d``), the final norm (``2h + 1``), the head's input (``h``),
+  the int64 input ids and labels (16 bytes), and untiled the ``[t, vocab]`` logits;
 - the backward's transients on top (the heap peak): untiled, the logits' gradient and the softmax,
   ``2 * t * vocab``; tiled, one tile's logits ``tile * vocab`` (``tile = t / ceil(t / h)``, ALST's
   one tile per ``h`` tokens), the head's weight gradient ``vocab * h`` before it is added in, and
   the hidden states' gradient ``t * h``.
 
-Only ``K`` is fitted (see ``SAVED_PER_LAYER_H``); every other term follows from the model's shape.
+Nothing is fitted: every term follows from the model's shape (tests/test_long_context_estimate.py
+holds it to every point of benchmarks/results/long_context.json).
 The static part (parameters, gradients, optimizer states per rank) is `memory.model_state_bytes`.
 """
 
@@ -26,13 +31,6 @@ from dataclasses import dataclass
 
 from shardwise.cli_errors import UserError
 from shardwise.estimate.memory import ModelFacts
-
-# Elements per token per layer, in units of the hidden size, that a Llama layer saves for backward
-# besides its MLP intermediates. Fitted on ONE recorded point (SP 1, tiled, 1024 tokens: 10,393
-# fp32 elements per token over 2 layers of h=512, benchmarks/results/long_context.json) and checked
-# on every other point there (tests/test_long_context_estimate.py). It folds in the GQA shapes of
-# that model (2 of 8 kv heads), so a model with another kv ratio is estimated less closely.
-SAVED_PER_LAYER_H = 10393 / (2 * 512)
 
 # Architectures whose layer is the one the formula counts: RMSNorm, rotary q/k, gated (SwiGLU) MLP.
 GATED_LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -64,16 +62,27 @@ def tile_tokens(tokens: int, hidden: int) -> int:
     return math.ceil(tokens / n)
 
 
-def activation_bytes(facts: ModelFacts, tokens_per_rank: int, tiled: bool, elem: int = 4) -> ActivationBytes:
+def saved_per_token(facts: ModelFacts, sp: int, tiled: bool) -> tuple[int, int]:
+    """(activation-dtype elements, other bytes) saved for backward per token per rank (module docstring)."""
+    h, heads, v, ffn = facts.hidden_size, facts.num_heads, facts.vocab_size, facts.intermediate_size or 0
+    d = h // heads
+    layer = 2 * (2 * h + 1) + 4 * h + 2 * facts.num_kv_heads * d + (heads if sp == 1 else 0)
+    if not tiled:
+        layer += 4 * ffn
+    once = 2 * d + (2 * h + 1) + h + (0 if tiled else v)
+    return facts.num_layers * layer + once, 16
+
+
+def activation_bytes(facts: ModelFacts, tokens_per_rank: int, tiled: bool, sp: int = 1,
+                     elem: int = 4) -> ActivationBytes:
     """Saved-for-backward and peak activation bytes on one rank holding ``tokens_per_rank`` tokens."""
-    t, h, v, ffn = tokens_per_rank, facts.hidden_size, facts.vocab_size, facts.intermediate_size or 0
-    per_token = facts.num_layers * SAVED_PER_LAYER_H * h
+    t, h, v = tokens_per_rank, facts.hidden_size, facts.vocab_size
+    elems, other = saved_per_token(facts, sp, tiled)
     if tiled:
         transient = tile_tokens(t, h) * v + v * h + t * h
     else:
-        per_token += facts.num_layers * 4 * ffn + v
         transient = 2 * t * v
-    saved = round(t * per_token * elem)
+    saved = t * (elems * elem + other)
     return ActivationBytes(t, saved, saved + transient * elem)
 
 
@@ -87,7 +96,7 @@ def longest_sequence(facts: ModelFacts, sp: int, tiled: bool, budget: int, stati
     check_shape(facts, sp)
 
     def need(t: int) -> int:
-        a = activation_bytes(facts, t * micro_batch, tiled, elem)
+        a = activation_bytes(facts, t * micro_batch, tiled, sp, elem)
         return static + (a.peak if counted == "peak" else a.saved)
 
     # need(t) <= need(t') + (tile term's largest drop) for t <= t'; the drop is under h * vocab elements.
@@ -161,7 +170,7 @@ def _report(args: argparse.Namespace, facts: ModelFacts | None) -> int:
         seq = longest_sequence(facts, args.sp, args.tiled, args.budget, static, args.count)
     except ValueError as exc:
         raise UserError(f"--model: {exc}") from exc
-    act = activation_bytes(facts, seq // args.sp, args.tiled)
+    act = activation_bytes(facts, seq // args.sp, args.tiled, args.sp)
     out = {"longest_seq": seq, "tokens_per_rank": seq // args.sp, "sp": args.sp, "tiled": args.tiled,
            "counted": args.count, "budget_bytes": args.budget, "model_state_bytes": static,
            "saved_bytes": act.saved, "peak_bytes": act.peak}
