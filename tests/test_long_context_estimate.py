@@ -100,14 +100,21 @@ def test_saved_bytes_counted_exactly(facts, run: dict) -> None:  # noqa: ANN001
         assert 0 <= p["live_MiB"] * MIB - est.saved <= 16, (p["seq"], est.saved, p["live_MiB"] * MIB)
 
 
-def test_longest_is_the_last_length_that_fits(facts) -> None:  # noqa: ANN001
-    """The tiled peak drops where ALST adds a tile: the answer fits, and nothing within 4 tiles beyond does."""
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("counted", ["peak", "saved"])
+def test_longest_is_the_last_length_that_fits(facts, tiled: bool, counted: str) -> None:  # noqa: ANN001
+    """Against an exhaustive scan: the tiled peak drops where ALST adds a tile, so a plain bisection
+    could stop short of a longer length that fits."""
     assert tile_tokens(512, 512) == 512 and tile_tokens(513, 512) == 257 and tile_tokens(1, 512) == 1
-    for tiled in (False, True):
-        budget = 384 * MIB
-        t = longest_sequence(facts, 1, tiled, budget)
-        assert activation_bytes(facts, t, tiled).peak <= budget
-        assert all(activation_bytes(facts, u, tiled).peak > budget for u in range(t + 1, t + 4 * 512))
+
+    def need(t: int) -> int:
+        a = activation_bytes(facts, t, tiled)
+        return a.peak if counted == "peak" else a.saved
+
+    for mib in (70, 100, 130, 160, 200, 384):
+        got = longest_sequence(facts, 1, tiled, mib * MIB, counted=counted)
+        scan = max((t for t in range(1, 3 * got + 2048) if need(t) <= mib * MIB), default=0)
+        assert got == scan, (mib, got, scan)
     assert longest_sequence(facts, 1, True, MIB) == 0
 
 
@@ -142,6 +149,7 @@ def test_cli_prints_the_longest_sequence(tmp_path: Path, capsys: pytest.CaptureF
 @pytest.mark.parametrize(("extra", "named"), [
     (("--budget", "384MiB"), "--dtype fp32"),
     (("--dtype", "fp32", "--sp", "3", "--budget", "384MiB"), "--sp 3"),
+    (("--dtype", "fp32", "--sp", "4GB", "--budget", "384MiB"), "--sp"),
     (("--dtype", "fp32", "--budget", "384MiB", "--micro-batch", "1", "--seq", "4096"), "--seq"),
     (("--dtype", "fp32", "--sp", "16", "--devices", "16", "--budget", "1GiB"), "8 attention heads"),
 ])
@@ -149,3 +157,9 @@ def test_cli_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert _cli(tmp_path, *extra) == 2
     err = capsys.readouterr().err.strip()
     assert named in err and "\n" not in err and "Traceback" not in err
+
+
+def test_cli_needs_the_model_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--params", "7B", "--devices", "8", "--dtype", "fp32", "--budget", "80GB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--budget needs --model" in err and "\n" not in err

@@ -1,7 +1,7 @@
 """The longest sequence a memory budget allows under Ulysses SP, with and without ALST tiling.
 
 Why a formula and not a table: `docs/long_context.md` measured one small Llama; a user needs the
-answer for their model, SP degree and device. Per rank, with ``t = micro_batch * seq / sp`` tokens
+answer for their model, SP degree and device. Per rank, with ``t = seq / sp`` tokens (micro batch 1)
 (Ulysses splits every per-token activation by ``sp``), all in elements of the activation dtype:
 
 - saved for backward, every layer (HF Llama's forward under shardwise, storage by storage): the two
@@ -87,29 +87,36 @@ def activation_bytes(facts: ModelFacts, tokens_per_rank: int, tiled: bool, sp: i
 
 
 def longest_sequence(facts: ModelFacts, sp: int, tiled: bool, budget: int, static: int = 0,
-                     counted: str = "peak", micro_batch: int = 1, elem: int = 4) -> int:
-    """The longest sequence (whole, all ranks: a multiple of ``sp``) whose per-rank ``static`` bytes
-    plus activations (``counted``: "peak" or "saved") fit ``budget``; 0 when not even ``sp`` tokens do.
+                     counted: str = "peak", elem: int = 4) -> int:
+    """The longest sequence (micro batch 1, whole over the SP group: a multiple of ``sp``) whose
+    per-rank ``static`` bytes plus activations (``counted``: "peak" or "saved") fit ``budget``; 0 when
+    not even ``sp`` tokens do.
 
-    The tiled peak is not monotone (its tile term drops where ALST adds a tile), so: bisect on a
-    monotone upper bound (``t`` - 1 tokens more) to bracket, then scan down to the last length that fits."""
+    The tiled peak is not monotone (its tile term drops where ALST adds a tile), so a bisection on it
+    could stop short. ``upper`` (the tile term at its largest, ``min(t, h)``) is monotone and at least
+    the need; ``upper - slack`` (slack: ``h * vocab``, more than any tile's drop) is monotone and at most
+    it. The answer lies between their crossings: bisect the lower one, then step down to the last fit."""
     check_shape(facts, sp)
+    h, v = facts.hidden_size, facts.vocab_size
+    peak = counted == "peak"
 
     def need(t: int) -> int:
-        a = activation_bytes(facts, t * micro_batch, tiled, sp, elem)
-        return static + (a.peak if counted == "peak" else a.saved)
+        a = activation_bytes(facts, t, tiled, sp, elem)
+        return static + (a.peak if peak else a.saved)
 
-    # need(t) <= need(t') + (tile term's largest drop) for t <= t'; the drop is under h * vocab elements.
-    slack = facts.hidden_size * facts.vocab_size * elem if tiled and counted == "peak" else 0
+    def upper(t: int) -> int:
+        return need(t) + ((min(t, h) - tile_tokens(t, h)) * v * elem if tiled and peak else 0)
+
+    slack = h * v * elem if tiled and peak else 0
     lo, hi = 0, 1
-    while need(hi) - slack <= budget:
+    while upper(hi) - slack <= budget:
         lo, hi = hi, hi * 2
         if hi > 1 << 40:
             raise ValueError("the budget allows an unbounded length: check --budget")
-    while hi - lo > 1:  # need(t) - slack is monotone: lo is the last t it admits
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) - slack <= budget else (lo, mid)
-    while lo > 0 and need(lo) > budget:
+        lo, hi = (mid, hi) if upper(mid) - slack <= budget else (lo, mid)
+    while lo > 0 and need(lo) > budget:  # no t > lo fits: upper(t) - slack <= need(t) exceeds the budget
         lo -= 1
     return lo * sp
 
@@ -118,7 +125,7 @@ def add_long_context_args(p: argparse.ArgumentParser) -> None:
     """The longest-sequence flags on `shardwise estimate` (``--budget`` turns them on)."""
     g = p.add_argument_group("longest sequence under Ulysses SP (--budget turns it on; needs --model, --dtype fp32)")
     g.add_argument("--budget", type=_size, help="memory per rank, e.g. 80GB, 384MiB")
-    g.add_argument("--sp", type=_size, default=1, help="Ulysses SP degree: each rank holds seq/sp tokens")
+    g.add_argument("--sp", type=_degree, default=1, help="Ulysses SP degree: each rank holds seq/sp tokens")
     g.add_argument("--tiled", action="store_true", help="ALST tiling: tiled MLP and tiled logits + loss")
     g.add_argument("--count", choices=["peak", "saved"], default="peak",
                    help="peak: activations + the backward's transients (default); saved: what autograd "
@@ -127,6 +134,12 @@ def add_long_context_args(p: argparse.ArgumentParser) -> None:
                    help="ZeRO stage over --devices for the model state taken off the budget first")
     g.add_argument("--activations-only", action="store_true",
                    help="the budget is for activations alone (model state not subtracted), as the benchmark counts")
+
+
+def _degree(text: str) -> int:
+    if not text.strip().isdigit() or not 0 < int(text) <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {1 << 20}: {text!r}")
+    return int(text)
 
 
 def _size(text: str) -> int:
