@@ -128,8 +128,8 @@ def test_model_state_comes_off_the_budget(facts) -> None:  # noqa: ANN001
     assert with_state == longest_sequence(facts, 2, False, 384 * MIB - static) < alone
 
 
-def _cli(tmp_path: Path, *extra: str) -> int:
-    (tmp_path / "config.json").write_text(json.dumps(_config()))
+def _cli(tmp_path: Path, *extra: str, **config: object) -> int:
+    (tmp_path / "config.json").write_text(json.dumps(_config() | config))
     return main(["--model", str(tmp_path), "--devices", "4", *extra])
 
 
@@ -163,3 +163,10 @@ def test_cli_needs_the_model_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--params", "7B", "--devices", "8", "--dtype", "fp32", "--budget", "80GB"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--budget needs --model" in err and "\n" not in err
+
+
+def test_cli_refuses_another_head_dim(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """q's width is heads x head_dim; the formula counts it as hidden, so a config that differs is refused."""
+    assert _cli(tmp_path, "--dtype", "fp32", "--budget", "384MiB", head_dim=128) == 2
+    assert "head_dim 128" in capsys.readouterr().err
+    assert _cli(tmp_path, "--dtype", "fp32", "--budget", "384MiB", head_dim=64) == 0

@@ -28,12 +28,14 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardwise.cli_errors import UserError
 from shardwise.estimate.memory import ModelFacts
+from shardwise.safe_files import read_regular
 
 # Architectures whose layer is the one the formula counts: RMSNorm, rotary q/k, gated (SwiGLU) MLP.
-GATED_LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+GATED_LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ def check_shape(facts: ModelFacts, sp: int) -> None:
                          f"layer ({', '.join(sorted(GATED_LLAMA_TYPES))})")
     if not facts.intermediate_size:
         raise ValueError("the model config has no intermediate_size (the MLP's width)")
+    if not facts.num_heads or facts.hidden_size % facts.num_heads:
+        raise ValueError(f"hidden_size {facts.hidden_size} is not a multiple of the {facts.num_heads} heads")
     if facts.num_heads % sp:
         raise ValueError(f"--sp {sp} does not divide the model's {facts.num_heads} attention heads (Ulysses)")
 
@@ -136,6 +140,15 @@ def add_long_context_args(p: argparse.ArgumentParser) -> None:
                    help="the budget is for activations alone (model state not subtracted), as the benchmark counts")
 
 
+def config_head_dim(src: str) -> int | None:
+    """``head_dim`` of a model folder's or file's config.json (its text config's), if it sets one."""
+    path = Path(src) / "config.json" if Path(src).is_dir() else Path(src)
+    data = json.loads(read_regular(path, 64 << 20).decode("utf-8"))
+    section = data.get("text_config", data) if isinstance(data.get("text_config"), dict) else data
+    value = section.get("head_dim")
+    return value if isinstance(value, int) else None
+
+
 def _degree(text: str) -> int:
     if not text.strip().isdigit() or not 0 < int(text) <= 1 << 20:
         raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {1 << 20}: {text!r}")
@@ -177,6 +190,10 @@ def _report(args: argparse.Namespace, facts: ModelFacts | None) -> int:
         raise UserError(f"--budget: the longest-sequence formula is checked for --dtype fp32 only, not {args.dtype}")
     if args.devices % args.sp:
         raise UserError(f"--sp {args.sp} does not divide --devices {args.devices}")
+    head_dim = config_head_dim(args.model)
+    if head_dim and head_dim * facts.num_heads != facts.hidden_size:
+        raise UserError(f"--model: head_dim {head_dim} x {facts.num_heads} heads is not hidden_size "
+                        f"{facts.hidden_size}; the longest-sequence formula assumes head_dim = hidden / heads")
     static = 0 if args.activations_only else model_state_bytes(
         facts.params, args.devices, args.dtype, args.zero_stage, args.offload)[0]
     try:
@@ -193,7 +210,9 @@ def _report(args: argparse.Namespace, facts: ModelFacts | None) -> int:
     mib = 2**20
     print(f"longest sequence: {seq} tokens ({seq // args.sp} per rank, SP {args.sp}, "
           f"ALST tiling {'on' if args.tiled else 'off'}, micro batch 1)")
-    print(f"per rank there: model state {static / mib:.1f} MiB (ZeRO-{args.zero_stage} over {args.devices}), "
+    state = ("model state not counted (--activations-only)" if args.activations_only else
+             f"model state {static / mib:.1f} MiB (ZeRO-{args.zero_stage} over {args.devices})")
+    print(f"per rank there: {state}, "
           f"activations saved {act.saved / mib:.1f} MiB, peak {act.peak / mib:.1f} MiB; "
           f"budget {args.budget / mib:.1f} MiB ({args.count})")
     return 0
