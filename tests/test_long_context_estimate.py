@@ -17,7 +17,10 @@ attention output twice, its tiled loss holds ~60 MiB more in backward).
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,3 +173,13 @@ def test_cli_refuses_another_head_dim(tmp_path: Path, capsys: pytest.CaptureFixt
     assert _cli(tmp_path, "--dtype", "fp32", "--budget", "384MiB", head_dim=128) == 2
     assert "head_dim 128" in capsys.readouterr().err
     assert _cli(tmp_path, "--dtype", "fp32", "--budget", "384MiB", head_dim=64) == 0
+
+
+@pytest.mark.subprocess
+def test_estimate_help_imports_no_torch() -> None:
+    """The new flags keep ``shardwise estimate --help`` torch-free (torch loads only to build a model)."""
+    code = ("import sys, io, contextlib\nfrom shardwise.estimate.report import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n    assert main(['--help']) == 0\n"
+            "assert '--budget' in out.getvalue() and 'torch' not in sys.modules\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
