@@ -4,6 +4,8 @@
 - ``report``: the estimate as text tables, and the ``shardwise estimate`` command line.
 - ``planner``: the step-time planner: which layout trains fastest on a given cluster.
 - ``planner_cli``: the planner's flags on ``shardwise estimate`` (``--nodes`` turns it on).
+- ``long_context``: the longest sequence in a memory budget under Ulysses SP and ALST tiling
+  (``--budget`` turns it on).
 """
 
 from __future__ import annotations

@@ -176,6 +176,7 @@ units: counts take K/M/B/T (powers of 1000); GB = 1e9 bytes, GiB = 2^30 bytes, G
 
 def main(argv: list[str] | None = None) -> int:
     """`shardwise estimate` CLI; returns the exit code (2 for bad input, naming the flag)."""
+    from shardwise.estimate.long_context import add_long_context_args, run_long_context
     from shardwise.estimate.planner_cli import add_planner_args, run_planner
 
     p = OneLineParser(prog="shardwise estimate", epilog=EPILOG,
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-memory", type=_arg(parse_bytes, "size", 10**18), help="e.g. 80GB, 80GiB")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     add_planner_args(p)
+    add_long_context_args(p)
     try:
         args = p.parse_args(argv)
         if args.devices % args.tp:
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     if args.nodes is not None:
         return run_planner(p, args, facts)
+    if args.budget is not None:
+        return run_long_context(p, args, facts)
     est = estimate(facts.params if facts else args.params, args.devices, tp=args.tp, dtype=args.dtype,
                    offload=args.offload, micro_batch=args.micro_batch, seq=args.seq, facts=facts,
                    activation_checkpointing=args.activation_checkpointing,
