@@ -162,6 +162,9 @@ def test_make_run_default_world(nproc, want) -> None:
 
 
 def _rank_env(monkeypatch, rank: int, world: int) -> None:
+    """A fresh rank process of a torchrun job: its environment, and no process group up yet (the
+    suite's one pytest process may hold the world of one that earlier tests' ``initialize`` left)."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("LOCAL_RANK", str(rank))
