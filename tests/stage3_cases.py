@@ -212,3 +212,46 @@ def checkpointed_train(kind: str, config: dict, steps: int = 3) -> dict:
         zero_cases.build = orig
     out["mlp_calls"] = mlp_calls[0]
     return out
+
+
+def _live_bytes(baseline: set[int]) -> int:
+    """Bytes of every tensor storage Python reaches that is not in ``baseline``, each counted once."""
+    import gc
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+            st = obj.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in baseline:
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+def after_backward_state(precision: str) -> list[dict]:
+    """After each backward (stage 3, persistence 0, overlapped reductions): what is gathered, held or live."""
+    import gc
+
+    gc.collect()
+    baseline = {o.untyped_storage().data_ptr() for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and o.device.type != "meta"}
+    model = build("llama")
+    cfg = make_config(3, precision=precision, overlap=True, stage3_param_persistence_threshold=0)
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    data = batches(2, 1, 4, 16)
+    rank, out = dist.get_rank(), []
+    for s in range(2):
+        ids = data[s, 0, rank * 2:(rank + 1) * 2]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        groups = [g for gs in engine.unit_groups for g in gs]
+        rep = engine.memory_report()
+        out.append({
+            "gathered": [g.names[0] for g in groups if g.is_gathered or g.flat_param.untyped_storage().nbytes()],
+            "buckets": sum(g.flat_grad is not None or bool(g._buckets_in_flight) for g in groups),
+            "pending": sum(bool(g._pending) for g in groups),
+            "in_use": groups[0].inflight.in_use, "comm_buffers": int(rep["comm_buffers"]),
+            "params": int(rep["params"]),
+            "shard_bytes": sum(g.shard_numel * g.flat_param.element_size() for g in groups),
+            "report_total": int(rep["total"]), "live": _live_bytes(baseline), "batch_bytes": ids.nbytes})
+        engine.step()
+    return out

@@ -40,3 +40,29 @@ def test_buckets_off_the_cpu_are_not_pooled() -> None:
     pool = InflightLimit(limit=2)
     pool.give_bucket(torch.empty(10, device="meta"))  # CUDA's caching allocator already reuses blocks
     assert pool._free == []
+
+
+def test_settle_waits_every_queued_reduction_and_keeps_no_bucket() -> None:
+    """Stage 3's end of backward: every admitted group is waited for, once, and no bucket is kept."""
+
+    class Group:
+        def __init__(self, pool: InflightLimit) -> None:
+            self.pool, self.waits = pool, 0
+            self.bucket = pool.take_bucket(10, torch.float32, CPU)
+
+        def wait(self) -> None:  # what ShardedGroup.wait does: the finished bucket goes back
+            self.waits += 1
+            if self.bucket is not None:
+                self.pool.give_bucket(self.bucket)
+                self.bucket = None
+
+    pool = InflightLimit(limit=2)
+    groups = [Group(pool) for _ in range(2)]
+    for g in groups:
+        pool.admit(g)  # within the limit: still pending
+    assert [g.waits for g in groups] == [0, 0] and pool.in_use == 2
+    pool.settle()
+    assert [g.waits for g in groups] == [1, 1]
+    assert pool.in_use == 0 and pool.free_nbytes == 0
+    pool.settle()  # nothing queued: waits no group again
+    assert [g.waits for g in groups] == [1, 1]

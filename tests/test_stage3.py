@@ -160,3 +160,15 @@ def test_gradient_checkpointing(pool2, stage):
     res = pool2.run("stage3_cases:checkpointed_train", "llama", cfg)
     _check_equivalent(res, reference("llama", cfg))
     assert res[0]["mlp_calls"] == 2 * 2 * 3  # 2 layers x 3 steps, each forward recomputed once
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage3_backward_leaves_nothing_gathered_or_held(pool2, precision):
+    """After backward, as FSDP2: every group resharded, no gradient bucket, receive chunk or reduction
+    left, so what is live is the model states of ``memory_report()`` and nothing else."""
+    for after in pool2.run("stage3_cases:after_backward_state", precision)[0]:
+        assert after["gathered"] == [] and after["buckets"] == after["pending"] == after["in_use"] == 0, after
+        assert after["comm_buffers"] == 0, after
+        assert after["params"] == after["shard_bytes"], after  # the shards only, not a gathered byte
+        # the only other live storages: this step's batch, the loss and a few 0-d scalars (bytes)
+        assert 0 <= after["live"] - after["report_total"] <= after["batch_bytes"] + 1024, after

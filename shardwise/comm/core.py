@@ -418,6 +418,10 @@ class Comm(MoreCollectives):
                 return free.pop(i)
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def drop_free_buffers(self) -> None:
+        """Let go of the kept receive chunks (stage 3 after each backward: none lives into a forward)."""
+        self._free_buffers.clear()
+
     def _give_buffer(self, buf: torch.Tensor) -> None:
         free = self._free_buffers.setdefault((buf.dtype, buf.device), [])
         if len(free) < 4:  # bounded: at most a few rings are ever in flight

@@ -201,6 +201,22 @@ class Sharding:
             g.end_backward()
         if self.fetcher is not None:
             self.fetcher.release_all()  # frozen groups, and any a skipped branch left gathered
+            self._settle_reductions()
+
+    def _settle_reductions(self) -> None:
+        """Stage 3, end of backward: finish the last reduce-scatters and free every gradient bucket and
+        gloo receive chunk kept for reuse, as FSDP2 reshards and frees its reduce-scatter buffers when
+        its backward ends. Otherwise the last buckets in flight (and their chunks) stay alive until
+        ``step()`` waits for them, and the kept ones through the next forward: 2.36 x Psi/N bytes of
+        llama-20m at 2 ranks above FSDP2 (docs/precision.md)."""
+        limits = {id(g.inflight): g.inflight for g in self.groups if g.inflight is not None}
+        for lim in limits.values():
+            lim.settle()
+        for g in self.groups:
+            g.wait()
+        comms = {id(c): c for c in [self.comm, self.replica] + [g.comm for g in self.groups]}
+        for c in comms.values():
+            c.drop_free_buffers()
 
     # -- step -----------------------------------------------------------------------------
     def wait_for_params(self) -> None:

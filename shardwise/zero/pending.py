@@ -46,7 +46,10 @@ class InflightLimit:
     returns one. They stay between steps (at most ``limit + 1`` buckets, through the next forward):
     on the CPU only, where a freed block goes back to the OS. On CUDA the caching allocator already
     reuses freed blocks without a fault, and a pooled bucket would only keep the forward's
-    activations from that memory, so buckets there are allocated and freed as before.
+    activations from that memory, so buckets there are allocated and freed as before. At stage 3
+    the end of every backward :meth:`settle` s: nothing is kept into the next forward, as FSDP2
+    frees its reduce-scatter buffers after backward (stage 2 keeps them: its gradients and
+    parameters are whole buffers already, and the reuse is what keeps it ahead of stage 1).
     """
 
     def __init__(self, limit: int = 2):
@@ -89,6 +92,14 @@ class InflightLimit:
         self._free.append(bucket)
         while self._free and len(self._free) + self._in_use > self.limit + 1:
             self._drop(min(self._free, key=torch.Tensor.numel))
+
+    def settle(self) -> None:
+        """End of a backward (stage 3): wait for every reduction still pending, then let go of the
+        finished buckets, so none is held through the next forward. The waits do the same additions
+        in the same order as the step's would (no number changes); only their time moves earlier."""
+        while self._queue:
+            self._queue.popleft().wait()
+        self._free = []
 
     def _drop(self, bucket: torch.Tensor) -> None:
         """Take ``bucket`` out of the free list, by identity (``list.remove`` would compare values)."""
