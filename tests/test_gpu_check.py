@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,6 +22,7 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
+@pytest.mark.subprocess
 def test_smoke_writes_json_and_markdown(tmp_path):
     res = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_check.py"), "--smoke", "--out", str(tmp_path)],
                          capture_output=True, text=True, env=_env(), timeout=600)
@@ -63,6 +65,7 @@ def test_smoke_writes_json_and_markdown(tmp_path):
     assert "## goals" in md and "| every row matches" in md
 
 
+@pytest.mark.subprocess
 def test_section_in_its_own_process_reports_back(tmp_path):
     sys.path.insert(0, BENCH)
     import gpu_check
@@ -107,6 +110,7 @@ def test_goals_read_the_numbers_and_never_count_the_missing_as_met():
     assert any("**not met**" in line for line in markdown_lines(rows))
 
 
+@pytest.mark.subprocess
 def test_bench_offload_smoke(tmp_path):
     out = tmp_path / "offload.json"
     res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_offload.py"), "--smoke", "--out", str(out)],
