@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
-import os
 import sys
 import traceback
 from collections.abc import Iterator
@@ -40,9 +39,6 @@ import torch._dynamo  # noqa: F401  (imported by FakeTensorMode: before torch.Ev
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-
-from shardwise.comm import init_distributed
-from shardwise.net import free_port
 
 DEVICE = torch.device("lazy", 0)  # the simulated accelerator: not the CPU, and it has a device guard here
 CPU = torch.device("cpu")
@@ -286,9 +282,9 @@ def fake_world(world: int = 2) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-        if set_aside is not None:  # the next test finds the world of one it would have found
-            os.environ["MASTER_PORT"] = str(free_port())
-            init_distributed(backend=set_aside)
+        if set_aside is not None:  # the next test finds a world of one up, as it would have; an
+            # in-process store: no port held, no environment changed (children inherit it)
+            dist.init_process_group(set_aside, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _set_aside_world_of_one() -> str | None:
