@@ -120,16 +120,8 @@ def _reference(accum: torch.dtype, order: str, world: int, steps: int, model_dty
     data = batches(steps, GAS, MICRO * world, SEQ)
     losses: dict[int, list[float]] = {r: [] for r in range(world)}
     for s in range(steps):
-        grads = [[None] * world for _ in range(GAS)]  # grads[m][r]: bf16 gradients of every parameter
-        for m in range(GAS):
-            for r in range(world):
-                ids = data[s, m, r * MICRO:(r + 1) * MICRO]
-                loss = model(input_ids=ids, labels=ids).loss
-                (loss * (1.0 / GAS)).backward()
-                grads[m][r] = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                model.zero_grad(set_to_none=True)
-                losses[r].append(float(loss.detach()))
-        for mp, g in zip(masters, _summed(grads, accum, order), strict=True):
+        grads = micro_grads(model, params, data[s], world, losses)
+        for mp, g in zip(masters, summed_grads(grads, accum, order), strict=True):
             mp.grad = g.float().mul_(1.0 / world)
         if s == 0:
             first_grads = {n: mp.grad.clone().view(mp.shape) for n, mp in zip(names, masters, strict=True)}
@@ -142,6 +134,21 @@ def _reference(accum: torch.dtype, order: str, world: int, steps: int, model_dty
             "weights": {n: p.detach().float().clone() for n, p in zip(names, params, strict=True)}}
 
 
+def micro_grads(model, params, step_data: torch.Tensor, world: int, losses: dict[int, list[float]]) -> list:
+    """One step of the references: ``grads[m][r]``, every parameter's gradient of micro-batch m on rank r
+    (each backward alone, scaled by 1/GAS), and each micro-batch's loss appended to ``losses[r]``."""
+    grads = [[None] * world for _ in range(GAS)]
+    for m in range(GAS):
+        for r in range(world):
+            ids = step_data[m, r * MICRO:(r + 1) * MICRO]
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss * (1.0 / GAS)).backward()
+            grads[m][r] = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            model.zero_grad(set_to_none=True)
+            losses[r].append(float(loss.detach()))
+    return grads
+
+
 def _acc(xs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Sum in ``dtype`` in list order, starting from zeros (what an in-place accumulating buffer does)."""
     out = torch.zeros(xs[0].shape, dtype=dtype)
@@ -150,7 +157,7 @@ def _acc(xs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _summed(grads: list[list[list[torch.Tensor]]], dtype: torch.dtype, order: str) -> list[torch.Tensor]:
+def summed_grads(grads: list[list[list[torch.Tensor]]], dtype: torch.dtype, order: str) -> list[torch.Tensor]:
     """The step's summed gradient of every parameter (``grads[m][r][i]``), in ``dtype``, in ``order``."""
     gas, world, n = len(grads), len(grads[0]), len(grads[0][0])
     out = []

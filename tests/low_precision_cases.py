@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from grad_accum_cases import GAS, MICRO, SEQ, STEPS, _summed, accum_config
+from grad_accum_cases import GAS, MICRO, SEQ, STEPS, accum_config, micro_grads, summed_grads
 from tiny_models import batches, build
 from zero_cases import BETAS, EPS, LR, WD, run_micro_batches
 
@@ -113,16 +113,8 @@ def _reference(dtype: torch.dtype, mode: str, update: str, order: str, world: in
     data = batches(steps, GAS, MICRO * world, SEQ)
     losses: dict[int, list[float]] = {r: [] for r in range(world)}
     for s in range(steps):
-        grads = [[None] * world for _ in range(GAS)]
-        for m in range(GAS):
-            for r in range(world):
-                ids = data[s, m, r * MICRO:(r + 1) * MICRO]
-                loss = model(input_ids=ids, labels=ids).loss
-                (loss * (1.0 / GAS)).backward()
-                grads[m][r] = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                model.zero_grad(set_to_none=True)
-                losses[r].append(float(loss.detach()))
-        opt.step([g.mul_(1.0 / world) for g in _summed(grads, dtype, order)])  # the mean in the master's dtype
+        grads = micro_grads(model, params, data[s], world, losses)
+        opt.step([g.mul_(1.0 / world) for g in summed_grads(grads, dtype, order)])  # the mean in the master's dtype
     return {"losses": losses, "weights": {n: p.detach().float().clone() for n, p in zip(names, params, strict=True)}}
 
 
