@@ -186,7 +186,8 @@ def _read_own(engine: CheckpointTarget, meta: dict, reader: ShardReader, states:
             kept = cur.dtype if cur is not None else kept_state_dtype(g, k)
             if kept is None:
                 continue  # a Kahan compensation this group does not keep
-            bufs[k] = cur.detach().clone() if cur is not None else torch.zeros(g.own_numel, dtype=kept)
+            fresh = None if cur is not None else torch.zeros(g.own_numel, dtype=kept, device=g.master.device)
+            bufs[k] = cur.detach().clone() if cur is not None else fresh
         first = None  # the scalars (Adam's step) of the first parameter this rank holds part of
         for seg in g.owned:
             name, p = g.names[seg.index], g.params[seg.index]
