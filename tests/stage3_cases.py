@@ -220,12 +220,31 @@ def _live_bytes(baseline: set[int]) -> int:
 
     gc.collect()
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
-            st = obj.untyped_storage()
-            if st.nbytes() and st.data_ptr() not in baseline:
-                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    for ptr, nbytes in _real_storages():
+        if nbytes and ptr not in baseline:
+            seen[ptr] = max(seen.get(ptr, 0), nbytes)
     return sum(seen.values())
+
+
+def _real_storages() -> list[tuple[int, int]]:
+    """(data pointer, bytes) of every tensor storage Python reaches that holds memory.
+
+    Meta tensors and tensors without data (a ``FakeTensor`` an earlier case's ``torch.compile`` left
+    in this pool worker's caches) have no data pointer and hold no memory: they are skipped.
+    """
+    import gc
+
+    from torch._subclasses.fake_tensor import is_fake
+
+    out = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type != "meta" and not is_fake(obj):
+            try:
+                st = obj.untyped_storage()
+                out.append((st.data_ptr(), st.nbytes()))
+            except (RuntimeError, NotImplementedError):
+                continue
+    return out
 
 
 def after_backward_state(precision: str) -> list[dict]:
@@ -233,8 +252,7 @@ def after_backward_state(precision: str) -> list[dict]:
     import gc
 
     gc.collect()
-    baseline = {o.untyped_storage().data_ptr() for o in gc.get_objects()
-                if isinstance(o, torch.Tensor) and o.device.type != "meta"}
+    baseline = {ptr for ptr, _ in _real_storages()}
     model = build("llama")
     cfg = make_config(3, precision=precision, overlap=True, stage3_param_persistence_threshold=0)
     engine, *_ = shardwise.initialize(model=model, config=cfg)
