@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
                       MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
     import shardwise
-    from shardwise.mesh import get_mesh
+    from shardwise.layout import get_mesh
     from shardwise.tensor_parallel import apply_tensor_parallel
 
     shardwise.init_distributed(backend="gloo")

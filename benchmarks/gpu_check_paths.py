@@ -60,7 +60,7 @@ def _mixtral(shape: dict, experts: str | None = None) -> torch.nn.Module:
 
 def _with_tp(shape: dict) -> Callable[[], torch.nn.Module]:
     def make() -> torch.nn.Module:
-        from shardwise.mesh import get_mesh
+        from shardwise.layout import get_mesh
         from shardwise.tensor_parallel import apply_tensor_parallel
 
         model = llama(shape)

@@ -17,6 +17,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "comm": ("shardwise.comm", None),
     "utils": ("shardwise.utils", None),
     "zero": ("shardwise.zero", None),
+    "mesh": ("shardwise.layout", None),  # scripts' shardwise.mesh.get_mesh(...): the groups moved to layout/
     "init_distributed": ("shardwise.comm", "init_distributed"),
     "RanksDivergedError": ("shardwise.comm", "RanksDivergedError"),
     "DeepSpeedConfigError": ("shardwise.config.schema", "ConfigError"),
@@ -51,7 +52,7 @@ __git_branch__ = "unknown"
 
 
 def __getattr__(name: str) -> _Any:
-    """A public name, or a subpackage (``shardwise.mesh``, ``shardwise.checkpoint``, ... as an eager
+    """A public name, or a subpackage (``shardwise.layout``, ``shardwise.checkpoint``, ... as an eager
     ``import shardwise`` used to leave them), imported now."""
     if name in _PUBLIC:
         module, attr = _PUBLIC[name]

@@ -10,7 +10,7 @@ Between cases every rank is put back as the case found it (:func:`_reset_after`)
 environment variables, working directory, a temporary folder of the case's own
 (removed after), default dtype, grad mode and signal handlers; the RNGs are seeded the same before
 every case, so a case's numbers never depend on which cases ran before it. The
-process groups shardwise makes (``shardwise.mesh`` caches them by shape) are reused
+process groups shardwise makes (``shardwise.layout`` caches them by shape) are reused
 across cases. A case that fails on only some ranks, fails with a distributed
 error, or gives no answer within its timeout may have left the group unusable or a
 rank still busy, so the pool is killed and started again before the next case:

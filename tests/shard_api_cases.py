@@ -8,7 +8,7 @@ from tiny_models import batches, build
 from zero_cases import BETAS, EPS, LR, WD, make_config
 
 import shardwise
-from shardwise.mesh import get_mesh
+from shardwise.layout import get_mesh
 from shardwise.tensor_parallel import apply_tensor_parallel
 
 

@@ -160,7 +160,7 @@ def test_the_launcher_imports_no_torch() -> None:
             "assert ran and ran[0][-1] == sys.argv[1], ran\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
             "assert callable(shardwise.initialize) and 'torch' in sys.modules\n"
-            "assert shardwise.mesh.__name__ == 'shardwise.mesh' and not hasattr(shardwise, 'no_such_name')\n"
+            "assert shardwise.layout.__name__ == 'shardwise.layout' and not hasattr(shardwise, 'no_such_name')\n"
             "assert shardwise.checkpoint.__name__ == 'shardwise.checkpoint' and 'importlib' not in dir(shardwise)\n")
     r = subprocess.run([sys.executable, "-c", code, __file__], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -13,7 +13,7 @@ from tiny_models import VOCAB, batches, build
 from tolerance import equivalence_tol, flip_mlp
 from zero_cases import max_rel_diff, row_losses
 
-from shardwise.mesh import get_mesh
+from shardwise.layout import get_mesh
 from shardwise.tensor_parallel import (
     apply_tensor_parallel,
     gather_state_dict,

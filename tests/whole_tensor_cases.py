@@ -235,7 +235,7 @@ def train_probe(stage: int) -> dict:
 
 def tp_refusal() -> str:
     """A TP-sliced matrix cannot be stepped whole by a non-elementwise optimizer: refused by name."""
-    from shardwise.mesh import get_mesh
+    from shardwise.layout import get_mesh
     from shardwise.tensor_parallel import apply_tensor_parallel
 
     mesh = get_mesh(2, None)

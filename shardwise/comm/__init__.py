@@ -1,7 +1,8 @@
 """``shardwise.comm``: the library's collectives (:class:`Comm`, counted) and ``deepspeed.comm``'s functions.
 
 - ``core``: process groups, :class:`Comm` (every collective the library issues), byte accounting,
-  the teardown and the diverged-ranks guard.
+  the teardown and the diverged-ranks guard; ``gloo_exchange``: gloo's all-gather and reduce-scatter
+  as point-to-point exchanges (mixed into :class:`Comm`).
 - ``compat``: DeepSpeed's ``deepspeed.comm`` names (``get_rank``, ``all_reduce``, ``barrier``, ...);
   its ``init_distributed`` (DeepSpeed's signature) is the one this package exports.
 """

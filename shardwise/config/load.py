@@ -286,7 +286,7 @@ def _resolve_batch(cfg: ShardwiseConfig) -> None:
 
 
 def _check_sequence_parallel(cfg: ShardwiseConfig, world_size: int) -> None:
-    sp, tp = cfg.sequence_parallel_size, cfg.tp_size  # TP x SP x DP = world (shardwise/mesh.py)
+    sp, tp = cfg.sequence_parallel_size, cfg.tp_size  # TP x SP x DP = world (shardwise/layout/grid.py)
     if world_size % (sp * tp):
         with_tp = f" x tensor_parallel.autotp_size {tp}" if tp > 1 else ""
         raise ConfigError(f"sequence_parallel_size: {sp}{with_tp} does not divide the world size {world_size}; "

@@ -21,15 +21,16 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
-from shardwise.comm import Comm
 from shardwise.comm import configure as configure_comms_log
 from shardwise.commands.units import ByteCounts
 from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
+from shardwise.engine.memory import memory_report
 from shardwise.engine.nonfinite import skip_nonfinite_step
 from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
 from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
+from shardwise.layout import RunLayout
 from shardwise.moe import expert_parallel_of
 from shardwise.monitor import EngineMonitor
 from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
@@ -38,13 +39,9 @@ from shardwise.sequence_parallel import setup_long_context
 from shardwise.zero.bucket_step import require_elementwise, step_and_publish
 from shardwise.zero.builder import ShardOptions
 from shardwise.zero.policy import PrecisionPolicy
-from shardwise.zero.whole_tensor import build_on_sharding, whole_tensor_of
+from shardwise.zero.whole_tensor import build_on_sharding
 
 log = logging.getLogger("shardwise")
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 def options_from_config(config) -> ShardOptions:
@@ -74,20 +71,16 @@ class Engine(EngineAccessors, nn.Module):
     """DeepSpeed-style engine around ``module`` (the contract: docs/deepspeed_api.md)."""
 
     def __init__(self, model: nn.Module, config, model_parameters=None, optimizer=None,
-                 lr_scheduler=None, comm: Comm | None = None, tp: Comm | None = None,
-                 replicate: Comm | None = None, model_is_tp: bool = False, secondary: Comm | None = None):
-        """``comm`` is the group ZeRO shards over; ``tp`` the tensor-parallel one; ``replicate`` the
-        ranks holding the same shard in other shard groups (hybrid sharding, see mesh.py);
-        ``secondary`` the ranks of a node for ZeRO++ hpZ's backward gathers.
-
-        ``model_is_tp``: the script already split the model over ``tp`` (DeepSpeed's ``mpu``), so
-        no TP plan is applied."""
+                 lr_scheduler=None, model_is_tp: bool = False, layout: RunLayout | None = None):
+        """``layout``: the run's groups, cut once (``shardwise/layout/``; None: cut here from the config),
+        each counted into ``layout.stats`` (``comm_stats()``). ``model_is_tp``: the script split the
+        model over the TP group already (DeepSpeed's ``mpu``), so no TP plan is applied."""
         super().__init__()
         self.config = config
         configure_comms_log(config)  # comms_logger: from the first collective on, as DeepSpeed (comm/log.py)
-        self.comm = comm if comm is not None else Comm()
-        self.tp = tp if tp is not None else Comm(None, self.comm.stats, solo=True)
-        self.replica = replicate if replicate is not None else Comm(None, self.comm.stats, solo=True)
+        self.layout = layout if layout is not None else RunLayout.from_config(config)
+        mesh = self.layout.mesh
+        self.comm, self.tp, self.replica = mesh.dp, mesh.tp, mesh.replicate
         self.gas = config.gradient_accumulation_steps
         self.micro_steps = 0
         self.global_steps = 0
@@ -100,7 +93,7 @@ class Engine(EngineAccessors, nn.Module):
         self.compute_dtype: torch.dtype = config.compute_dtype
         options = options_from_config(config)
         self.offload_optimizer, self.offload_param = options.offload_optimizer, options.offload_param
-        self.sharding = shard_module(model, options, self.comm, self.replica, self.tp, secondary,
+        self.sharding = shard_module(model, options, self.comm, self.replica, self.tp, mesh.secondary,
                                      compute_dtype=self.compute_dtype, model_parameters=model_parameters,
                                      optimizer=optimizer, tp_plan=False if model_is_tp else "auto")
         sh = self.sharding
@@ -109,7 +102,8 @@ class Engine(EngineAccessors, nn.Module):
         sp = config.sequence_parallel_size
         self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
         # SP (Ulysses or ring attention) and ALST's checkpoint offload (None without each), docs/long_context.md
-        self.sequence_parallel, self.checkpoint_offload = setup_long_context(model, sp, config.shardwise)
+        self.sequence_parallel, self.checkpoint_offload = setup_long_context(model, self.layout.sequence,
+                                                                             config.shardwise)
         # gradient_allreduce_op: "mean" averages gradients over data-parallel ranks, "sum" adds them
         self.gradient_average = config.gradient_allreduce_op == "mean"
         self.tp_report, self.policy, self.units, self.fetcher = sh.tp_report, sh.policy, sh.units, sh.fetcher
@@ -334,48 +328,13 @@ class Engine(EngineAccessors, nn.Module):
         self._grads_reduced = False
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds now, by kind (tensor bytes, not RSS)."""
-        self.wait_for_params()
-        rep = {k: 0 for k in ("params", "grads", "master_params", "optimizer_states", "buffers")}
-        grouped = set()
-        for g in self.groups:
-            for k, v in g.memory().items():
-                rep[k] += v
-            grouped.update(id(p) for p in g.params)
-        for p in self.module.parameters():
-            if id(p) not in grouped:
-                rep["params"] += _nbytes(p.data)
-                rep["grads"] += _nbytes(p.grad)
-        for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
-            for v in state.values():
-                if torch.is_tensor(v) and v.numel() > 1:
-                    rep["optimizer_states"] += _nbytes(v)
-        for gs in self.unit_groups:  # stage 3 frozen groups hold params only
-            for g in gs:
-                if not g.trainable:
-                    rep["params"] += g.memory()["params"]
-        rep["buffers"] = sum(_nbytes(b) for b in self.module.buffers())
-        rep["comm_buffers"] = self._comm_buffer_bytes()
-        whole = whole_tensor_of(self.optimizer)  # non-elementwise optimizers: zero/whole_tensor.py
-        extra = whole.memory() if whole is not None else {"whole_tensor_params": 0, "whole_tensor_step_buffers": 0}
-        rep["whole_tensor_params"] = extra["whole_tensor_params"]
-        rep["total"] = sum(rep.values())
-        rep["whole_tensor_step_buffers"] = extra["whole_tensor_step_buffers"]  # transient, during step()
-        rep["peak_gathered_params"] = self.fetcher.peak_gathered_bytes if self.fetcher else 0
-        return ByteCounts(rep)  # a dict of ints that prints in human units
-
-    def _comm_buffer_bytes(self) -> int:
-        """Buffers kept between steps for reuse: finished stage >= 2 gradient buckets (CPU) and gloo
-        receive chunks. Bounded by the bucket size, not the model (see ``zero/pending.py``)."""
-        groups = list(self.groups) + [g for gs in self.unit_groups for g in gs]
-        limits = {id(g.inflight): g.inflight for g in groups if g.inflight is not None}
-        comms = {id(c): c for c in [self.comm, self.replica, self.tp] + [g.comm for g in groups]}
-        return (sum(lim.free_nbytes for lim in limits.values())
-                + sum(c.free_buffer_nbytes for c in comms.values()))
+        """Bytes this rank holds now, by kind (tensor bytes, not RSS): ``engine/memory.py``."""
+        return memory_report(self)
 
     def comm_stats(self) -> dict[str, int]:
-        """Bytes this rank moved per collective kind since start (see shardwise.comm)."""
-        return ByteCounts(self.comm.stats.as_dict())
+        """Bytes this rank moved per collective kind since start, over every group of the run's layout
+        (SP's ``all_to_all_sequence`` and EP's ``all_to_all_ep`` included; see shardwise.comm)."""
+        return ByteCounts(self.layout.stats.as_dict())
 
     # -- checkpoints (implemented in shardwise.checkpoint; these only delegate) -------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,

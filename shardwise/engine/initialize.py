@@ -25,7 +25,7 @@ from shardwise.engine.engine import Engine
 from shardwise.engine.mpu import mesh_from_mpu, mpu_sizes
 from shardwise.fsdp.module import is_sharded
 from shardwise.fsdp.unshard import unshard_module
-from shardwise.mesh import Mesh, get_mesh
+from shardwise.layout import RunLayout
 from shardwise.moe import apply_from_config
 from shardwise.sequence_parallel import SequenceParallelMPU
 
@@ -127,16 +127,12 @@ def initialize(
         config, mpu = with_sequence_parallel(config, sp_mpu.get_sequence_parallel_world_size()), None
     _join(dist_init_required, distributed_port, timeout_of(config))
     _setup_logging()
-    cfg, mesh = _config_and_mesh(config, model, mpu)
-    if sp_mpu is not None and cfg.tp_size > 1:  # its groups were cut without TP, and scripts hold them
-        raise UsageError("register_with_transformers' sequence parallelism with tensor_parallel.autotp_size > 1 "
-                         "is not implemented by shardwise; set sequence_parallel_size in the config instead")
+    cfg, layout = _config_and_layout(config, model, mpu, sp_mpu is not None)
     if is_sharded(model):  # initialize() again on a model an earlier engine wraps, as DeepSpeed allows
         unshard_module(model)
-    apply_from_config(model, cfg, mpu)  # expert_parallel: split the experts before ZeRO shards the rest
+    apply_from_config(model, cfg, layout.expert)  # expert_parallel: split the experts before ZeRO shards the rest
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, comm=mesh.dp, tp=mesh.tp, replicate=mesh.replicate,
-                    model_is_tp=mpu is not None, secondary=mesh.secondary)
+                    lr_scheduler=lr_scheduler, model_is_tp=mpu is not None, layout=layout)
     engine.mpu = mpu if sp_mpu is None else sp_mpu
     atexit.register(_finish_pending, weakref.ref(engine))
     loader = None if training_data is None else _dataloader(training_data, engine, cfg, collate_fn)
@@ -155,9 +151,11 @@ def with_sequence_parallel(config: Any, sp_size: int) -> dict:
     return {**raw, "sequence_parallel_size": sp_size}
 
 
-def _config_and_mesh(config: Any, model: nn.Module, mpu: Any) -> tuple[ShardwiseConfig, Mesh]:
-    """The loaded config (the batch rule over data-parallel ranks) and the mesh: the script's
-    ``mpu`` groups when given, else replicate x shard x tp from the config."""
+def _config_and_layout(config: Any, model: nn.Module, mpu: Any,
+                       sp_mpu: bool = False) -> tuple[ShardwiseConfig, RunLayout]:
+    """The loaded config (the batch rule over data-parallel ranks) and the run's layout: every group
+    cut once (``shardwise/layout/``), or the script's ``mpu`` groups when given. ``sp_mpu``: the
+    config's SP came from DeepSpeed's SP mpu (``register_with_transformers``)."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     world = dist.get_world_size()
     if mpu is not None:
@@ -169,10 +167,11 @@ def _config_and_mesh(config: Any, model: nn.Module, mpu: Any) -> tuple[Shardwise
         if cfg.sequence_parallel_size > 1:
             raise UsageError("initialize(mpu=...) with sequence_parallel_size > 1 is not implemented by "
                              "shardwise; drop mpu= (shardwise cuts the SP groups itself)")
-        return cfg, mesh_from_mpu(mpu, model, cfg.tp_size)
-    shard = cfg.zero_optimization.mics_shard_size
-    hpz = cfg.zero_optimization.zero_hpz_partition_size
-    return cfg, get_mesh(cfg.tp_size, shard if shard > 0 else None, secondary_size=hpz)
+        return cfg, RunLayout.from_config(cfg, mpu=mpu, mesh_of_mpu=lambda: mesh_from_mpu(mpu, model))
+    if sp_mpu and cfg.tp_size > 1:  # its groups were cut without TP, and scripts hold them
+        raise UsageError("register_with_transformers' sequence parallelism with tensor_parallel.autotp_size > 1 "
+                         "is not implemented by shardwise; set sequence_parallel_size in the config instead")
+    return cfg, RunLayout.from_config(cfg)
 
 
 def _dataloader(training_data: Dataset, engine: Engine, cfg: ShardwiseConfig,

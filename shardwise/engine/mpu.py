@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, CommStats, make_comm
-from shardwise.mesh import Mesh
+from shardwise.layout import Mesh
 from shardwise.tensor_parallel.layers import ShardSpec
 
 _NEEDED = ("get_model_parallel_world_size", "get_model_parallel_rank", "get_model_parallel_group",
@@ -57,12 +57,10 @@ def mark_tp_params(model: nn.Module, tp: Comm) -> int:
     return n
 
 
-def mesh_from_mpu(mpu: Any, model: nn.Module, autotp_size: int) -> Mesh:
-    """The engine's dp and tp groups from ``mpu``; the model's split parameters marked for it."""
+def mesh_from_mpu(mpu: Any, model: nn.Module) -> Mesh:
+    """The engine's dp and tp groups from ``mpu``; the model's split parameters marked for it (the run
+    layout has refused ``tensor_parallel.autotp_size`` beside it: ``shardwise/layout/checks.py``)."""
     mp, dp = mpu_sizes(mpu)
-    if autotp_size > 1:
-        raise ValueError("mpu= and tensor_parallel.autotp_size > 1 both ask for tensor parallelism: the mpu's "
-                         "model is already split; remove tensor_parallel.autotp_size")
     stats = CommStats()
     data = make_comm(mpu.get_data_parallel_group(), stats, size=dp)
     mesh = Mesh(dp=data, tp=make_comm(mpu.get_model_parallel_group(), stats, size=mp),

@@ -6,7 +6,7 @@ reduce-scatter of a buffer of ``B`` bytes over ``n`` ranks takes ``(n-1)·(α + 
 all-reduce twice that (reduce-scatter + all-gather), where ``β`` is the bandwidth of the slowest
 link the ring crosses: a group whose ranks sit in one node uses ``--intra-bw``, one that spans
 nodes ``--inter-bw``. Ranks are placed tensor-parallel innermost, then the shard group, then the
-replicas (as ``mesh.py`` does), so TP and small shard groups stay inside a node.
+replicas (as ``layout/grid.py`` does), so TP and small shard groups stay inside a node.
 
 Per step, per rank (Ψ = params / tp, e = bytes per element, k = shard group, r = dp / k):
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, compute_device
-from shardwise.mesh import Mesh, get_mesh
+from shardwise.layout import Mesh, RunLayout
 from shardwise.moe import restore_expert_groups
 from shardwise.optim import client_param_groups
 from shardwise.tensor_parallel.plan import is_tp_sharded
@@ -263,7 +263,7 @@ def _mesh(mesh: Mesh | None, shard_size: int | None, replicate: int | None) -> M
         if replicate < 1 or world % replicate:
             raise ValueError(f"shard(replicate={replicate}) must divide the world size {world}")
         shard_size = world // replicate
-    return get_mesh(1, shard_size)
+    return RunLayout.of(1, shard_size).mesh  # the run's groups cut once, counted into one CommStats
 
 
 def shard(model: nn.Module, stage: int = 3, mesh: Mesh | None = None, *, shard_size: int | None = None,
@@ -273,7 +273,7 @@ def shard(model: nn.Module, stage: int = 3, mesh: Mesh | None = None, *, shard_s
           prefetch_size: int = 50_000_000, overlap_comm: bool = False) -> nn.Module:
     """Shard ``model`` in place over the data-parallel ranks (ZeRO ``stage`` 0-3); returns it.
 
-    ``mesh``: from ``shardwise.mesh.get_mesh(tp, shard_size, secondary_size)`` (replicate x shard x
+    ``mesh``: from ``shardwise.layout.get_mesh(tp, shard_size, secondary_size)`` (replicate x shard x
     tp; ``secondary_size``: ZeRO++ hpZ, stage 3); or
     ``shard_size`` / ``replicate`` for hybrid sharding without TP (default: shard over every rank).
     Under TP the model is either split already (``apply_tensor_parallel(model, mesh.tp)``) or

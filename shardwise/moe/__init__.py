@@ -7,7 +7,7 @@
 - ``expert_layout``, ``FAMILIES``, ``PRESETS``: which HF model families have a known layout.
 - ``apply_from_config(model, cfg)``: the config's ``expert_parallel`` section (DeepSpeed AutoEP's
   keys), called by ``shardwise.initialize``.
-- ``get_expert_mesh``: the EP and expert-data-parallel groups (from ``shardwise.mesh``).
+- ``get_expert_mesh``: the EP and expert-data-parallel groups (``shardwise.layout``).
 - After the split, ``model.state_dict()`` (so ``save_pretrained``, the HF Trainer's ``save_model``)
   returns the full experts; it is collective over the EP group, and a rank calling it alone raises
   ``StateDictNotCollectiveError`` after the join timeout (``export.py``). A model built under
@@ -15,7 +15,7 @@
 - ``restore_expert_groups(model)``: a deep copy's experts marked again (``fsdp.shard_module`` calls it).
 """
 
-from shardwise.mesh import ExpertMesh, get_expert_mesh
+from shardwise.layout import ExpertMesh, get_expert_mesh
 from shardwise.moe.apply import (
     ExpertParallel,
     apply_expert_parallel,

@@ -21,7 +21,7 @@ from torch import nn
 
 from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, CommStats, make_comm
-from shardwise.mesh import ExpertMesh, get_expert_join_group, get_expert_mesh
+from shardwise.layout import ExpertMesh, get_expert_join_group, get_expert_mesh
 from shardwise.moe.deferred import materialize_local_experts
 from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, expert_shard_of, register, set_expert_shard
 from shardwise.moe.export import JOIN_TIMEOUT_S, install
@@ -92,7 +92,8 @@ def _check_model(model: nn.Module, ep_size: int) -> None:
 
 @torch.no_grad()
 def apply_expert_parallel(model: nn.Module, ep_size: int, *, preset: str | None = None,
-                          stats: CommStats | None = None, join_timeout_s: float = JOIN_TIMEOUT_S) -> ExpertParallel:
+                          stats: CommStats | None = None, join_timeout_s: float = JOIN_TIMEOUT_S,
+                          mesh: ExpertMesh | None = None) -> ExpertParallel:
     """Split every MoE layer's experts of ``model`` over ``ep_size`` consecutive ranks; in place.
 
     Collective (every rank, same arguments). ``preset``: DeepSpeed AutoEP's ``preset_model``,
@@ -100,14 +101,18 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, *, preset: str | None 
     (:class:`~shardwise.moe.layouts.UnsupportedMoEError`, one line naming its model type). A model
     built under ``zero.Init`` gets only this rank's experts materialized (``moe/deferred.py``).
     Afterwards ``model.state_dict()`` returns the full experts and is collective over the EP group
-    (``moe/export.py``; a rank calling it alone fails after ``join_timeout_s``).
+    (``moe/export.py``; a rank calling it alone fails after ``join_timeout_s``). ``mesh``: groups
+    cut already (a run's layout, ``shardwise.layout.RunLayout``); None cuts them here, counted into ``stats``.
     """
     _check_model(model, ep_size)
     layout = expert_layout(model, preset)
     if layout.num_experts % ep_size:
         raise UnsupportedMoEError(f"expert_parallel.autoep_size {ep_size} must divide the {layout.num_experts} "
                                   f"experts of {layout.model_type!r}")
-    mesh = get_expert_mesh(ep_size, stats)
+    if mesh is None:
+        mesh = get_expert_mesh(ep_size, stats)
+    elif mesh.ep.size != ep_size:
+        raise UserError(f"expert_parallel.autoep_size {ep_size}: the layout's EP groups hold {mesh.ep.size} ranks")
     world = make_comm("world", mesh.ep.stats) if dist.is_initialized() else Comm(None, mesh.ep.stats, solo=True)
     local = layout.num_experts // ep_size
     first = mesh.ep.rank * local

@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from shardwise.layout import SequenceMesh
 from shardwise.sequence_parallel.attention import choose_attention, head_split, register_attention
 from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch, token_mask
 from shardwise.sequence_parallel.exchange import GatherShards
@@ -71,11 +72,13 @@ def setup_sequence_parallel(model: nn.Module, sp_size: int, tp_size: int | None 
     return sp
 
 
-def setup_long_context(model: nn.Module, sp_size: int,
+def setup_long_context(model: nn.Module, mesh: SequenceMesh | None,
                        section: Any) -> tuple[SequenceParallel | None, HostStore | None]:
-    """What the engine sets up from the config: SP over ``sp_size`` ranks (None at 1) with the attention
-    ``shardwise.sequence_parallel_attention`` asks for and, when the ``shardwise`` section's
-    ``offload_activation_checkpoints`` is on, the checkpoint offload's store."""
-    sp = (setup_sequence_parallel(model, sp_size, attention=section.sequence_parallel_attention)
-          if sp_size > 1 else None)
+    """What the engine sets up from the config: SP over the run layout's groups ``mesh`` (None at SP 1:
+    no SP) with the attention ``shardwise.sequence_parallel_attention`` asks for and, when the
+    ``shardwise`` section's ``offload_activation_checkpoints`` is on, the checkpoint offload's store."""
+    sp = None
+    if mesh is not None and mesh.sp.size > 1:
+        sp = SequenceParallel(mesh)
+        register_attention(model, sp, section.sequence_parallel_attention)
     return sp, offload_checkpoints(model) if section.offload_activation_checkpoints else None

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from shardwise.comm import Comm
-from shardwise.mesh import SequenceMesh, get_sequence_mesh
+from shardwise.layout import SequenceMesh, get_sequence_mesh
 
 
 class SequenceParallel:
@@ -34,7 +34,7 @@ class SequenceParallel:
     @classmethod
     def of_size(cls, sp_size: int, tp_size: int = 1) -> SequenceParallel:
         """Groups of ``sp_size`` ranks ``tp_size`` apart: consecutive without tensor parallelism, the
-        ranks with the same TP rank with it (shardwise/mesh.py; collective: every rank calls it)."""
+        ranks with the same TP rank with it (shardwise/layout/grid.py; collective: every rank calls it)."""
         return cls(get_sequence_mesh(sp_size, tp_size=tp_size))
 
     @property

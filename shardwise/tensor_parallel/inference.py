@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, compute_device, init_distributed
-from shardwise.mesh import get_mesh
+from shardwise.layout import get_mesh
 from shardwise.safetensors_io import SafetensorsFile
 from shardwise.tensor_parallel.layers import ShardSpec, full_shape, read_tp_slice
 from shardwise.tensor_parallel.plan import apply_tensor_parallel, tp_state_of

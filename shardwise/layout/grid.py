@@ -1,10 +1,10 @@
-"""The layout of the ranks: replicate x shard x tensor parallel, TP innermost.
+"""The rank grid: every process group cut from one layout of the ranks, TP innermost.
 
-Rank ``((replica * k) + shard) * t + tp`` for ``t`` TP ranks and shard groups of ``k``: TP groups
-are consecutive ranks (as Megatron and torchtitan place them), so TP traffic (every layer) and
-then the shard group's gathers stay inside a node, and only the replicas' gradient all-reduce
-crosses nodes. With world 8, t = 2, k = 2: TP groups {0,1} {2,3} ..., shard groups {0,2} {1,3}
-{4,6} {5,7}, replica groups {0,4} {1,5} {2,6} {3,7}. Without hybrid sharding k is the whole
+Replicate x shard x tensor parallel: rank ``((replica * k) + shard) * t + tp`` for ``t`` TP ranks
+and shard groups of ``k``: TP groups are consecutive ranks (as Megatron and torchtitan place them),
+so TP traffic (every layer) and then the shard group's gathers stay inside a node, and only the
+replicas' gradient all-reduce crosses nodes. With world 8, t = 2, k = 2: TP groups {0,1} {2,3} ...,
+shard groups {0,2} {1,3} {4,6} {5,7}, replica groups {0,4} {1,5} {2,6} {3,7}. Without hybrid sharding k is the whole
 data-parallel degree and the replica groups are single ranks (plain ZeRO).
 
 Sequence parallelism cuts the data-parallel ranks of that grid once more: rank
@@ -14,7 +14,8 @@ Megatron and DeepSpeed order them). An SP group is the ``n`` ranks with the same
 are data-parallel ranks to ZeRO. With world 8, t = 2, n = 2: TP {0,1} {2,3} ..., SP {0,2} {1,3}
 {4,6} {5,7}, SP replicas {0,4} {1,5} {2,6} {3,7}.
 
-This is the one place that builds process groups.
+This is the one place that builds process groups; :class:`~shardwise.layout.run.RunLayout` calls it
+once per run with every degree, and the engine, ZeRO, SP and EP receive the groups from it.
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ def _make(world: int, rank: int, size: int, stride: int):
     return mine
 
 
-def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: int = 1) -> Mesh:
+def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: int = 1,
+             stats: CommStats | None = None) -> Mesh:
     """The groups for ``tp_size`` and a shard group of ``shard_size`` (None: all data-parallel ranks).
 
     ``secondary_size`` > 1 adds ZeRO++ hpZ's secondary groups: that many consecutive data-parallel ranks.
 
-    Every rank must call this with the same arguments; each gets fresh :class:`CommStats`. Bytes
+    Every rank must call this with the same arguments; each call counts into ``stats`` (None: a fresh
+    :class:`CommStats`; a run's layout passes its one counter). Bytes
     moved across replica groups are counted apart (``*_across_groups`` in ``comm_stats()``).
     """
     world, rank = _world()
@@ -99,7 +102,7 @@ def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: in
         _GROUPS[key] = (shard_g, _make(world, rank, tp_size, 1), _make(world, rank, dp // shard, tp_size * shard),
                         shard_g if shard == dp else _make(world, rank, dp, tp_size))
     shard_g, tp_g, rep_g, dp_g = _GROUPS[key]
-    stats = CommStats()
+    stats = stats if stats is not None else CommStats()
     mesh = Mesh(dp=make_comm(shard_g, stats), tp=make_comm(tp_g, stats),
                 replicate=make_comm(rep_g, stats, scope="_across_groups"), dp_full=make_comm(dp_g, stats),
                 stats=stats)

@@ -1,0 +1,119 @@
+"""The run layout (shardwise/layout/): one object, built once from the config, cuts every group from
+the one rank grid and counts every collective of the run into one ``CommStats``.
+
+The byte checks are exact: the counters add integer byte counts of known shapes, so the all-to-all
+bytes of one step are derived by hand from the model's shapes and compared with ``==``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+FP32 = 4
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sp2_all_to_all_bytes_counted(pool2, stage):
+    """Ulysses at SP 2: ``comm_stats()["all_to_all_sequence"]`` of one step equals the formula.
+
+    Each all-to-all is counted as the bytes this rank sends, the whole local tensor: ``b*h*s*d``
+    elements for q or for the attention output (``[b, h, s, d]`` sequence-sharded, or ``[b, h/sp,
+    sp*s, d]`` head-sharded: the same count), ``b*kv*s*d`` for k or v (``kv``: the kv heads sent,
+    copies included). Per attention layer, forward: q, k, v sequence -> heads, the output heads ->
+    sequence (``2h + 2kv``). Backward (``sequence_parallel/saved_once.py``, the output kept once):
+    q, k, v exchanged again for the recompute, the output's gradient heads <- sequence, and the
+    gradients of q, k, v back (``3h + 4kv``). So one micro-batch moves, per rank,
+    ``L * b * s * d * (5h + 6kv) * 4`` bytes (fp32), ``s`` = sequence / sp local tokens.
+    Tiny model: L 2, b 2, s 8, d 16, h 4, kv 2: 65 536 bytes. The comms logger counts the same.
+    """
+    for r in pool2.run("layout_cases:sp_step", stage):
+        b, s, d, h, kv, layers = (r[k] for k in ("batch", "local_tokens", "head_dim", "heads", "kv_heads", "layers"))
+        want = layers * b * s * d * (5 * h + 6 * kv) * FP32
+        assert r["sp"] == 2 and r["layout"]["sp"] == 2 and s == 8, r
+        assert r["stats"]["all_to_all_sequence"] == want, (r["stats"], want)
+        assert r["logged_all_to_all"] == want, (r["logged_all_to_all"], want)
+        assert r["stats"]["reduce_scatter"] + r["stats"]["all_reduce"] > 0, r["stats"]  # ZeRO's own, same counter
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ep2_all_to_all_bytes_counted(pool2, stage):
+    """Expert parallelism at EP 2: ``comm_stats()["all_to_all_ep"]`` of one step, summed over the two
+    ranks, equals the formula.
+
+    Per MoE layer, forward: the per-expert counts (``E`` int64, 8 bytes each, the whole ``[ep, E/ep]``
+    tensor) go to every rank; the ``T*k`` routed rows of ``H`` values (``T`` tokens of this rank, top
+    ``k``) are dispatched, and the ``R`` rows this rank received are sent back by combine. Backward
+    reverses both row exchanges on gradients of the same sizes (the integer counts have none). So a
+    rank moves ``L * (8E + 2 * (T*k + R) * H * 4)`` bytes; ``R`` depends on the routing, but over the
+    EP group the rows received are the rows sent (sum of R = sum of T*k), so the two ranks together
+    move ``L * (ep * 8E + 4 * H * 4 * k * sum of T)``. The comms logger counts each rank's own bytes.
+    """
+    results = pool2.run("layout_cases:ep_step", stage)
+    r0 = results[0]
+    layers, experts, hidden, k, ep = (r0[x] for x in ("layers", "experts", "hidden", "top_k", "ep"))
+    tokens = sum(r["tokens"] for r in results)
+    want = layers * (ep * 8 * experts + 4 * hidden * FP32 * k * tokens)
+    assert sum(r["stats"]["all_to_all_ep"] for r in results) == want, ([r["stats"] for r in results], want)
+    for r in results:
+        assert r["layout"]["ep"] == 2 and r["layout"]["expert_dp"] == 1, r["layout"]
+        assert r["logged_all_to_all"] == r["stats"]["all_to_all_ep"], r
+        assert r["stats"]["all_to_all_ep"] >= layers * (8 * experts + 2 * r["tokens"] * k * hidden * FP32), r
+
+
+def _cfg(extra: dict, world: int):
+    from shardwise.config import SupportedFeatures, load_config
+
+    return load_config({"train_micro_batch_size_per_gpu": 1, **extra}, world_size=world,
+                       supported=SupportedFeatures.everything())
+
+
+@pytest.mark.parametrize("extra,world,mpu,match", [
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2}, "tensor_parallel": {"autotp_size": 2}}, 4, None,
+     r"^expert_parallel.enabled with tensor_parallel.autotp_size > 1 is not supported yet"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2}, "zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+     4, None, r"^expert_parallel.enabled with zero_optimization.mics_shard_size \(hybrid sharding\)"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, 4, object(), "with a Megatron mpu is not supported"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 3}}, 4, None,
+     "^expert_parallel.autoep_size 3 must divide the world size 4"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 3}}, 4, None,
+     r"^shard group size 3 must divide the data-parallel degree 4 .*\(zero_optimization.mics_shard_size\)$"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}, 8, None,
+     r"degree 8 .*\(zero_optimization.zero_hpz_partition_size\)$"),
+    ({"tensor_parallel": {"autotp_size": 2}}, 4, object(), "^mpu= and tensor_parallel.autotp_size > 1 both ask"),
+])
+def test_combinations_refused_in_one_line(extra, world, mpu, match):
+    """Every combination the layout cannot serve is refused by the one check, in one line naming the key."""
+    from shardwise.cli_errors import UserError
+    from shardwise.layout import check_combinations
+
+    with pytest.raises(UserError, match=match) as e:
+        check_combinations(_cfg(extra, world), world, mpu)
+    assert "\n" not in str(e.value)
+
+
+def test_served_combinations_pass_the_check():
+    """What the layout serves is not refused: TP x SP with hybrid sharding and hpZ; EP with SP."""
+    from shardwise.layout import check_combinations
+
+    check_combinations(_cfg({"tensor_parallel": {"autotp_size": 2}, "sequence_parallel_size": 2,
+                             "zero_optimization": {"stage": 3, "mics_shard_size": 2,
+                                                   "zero_hpz_partition_size": 2}}, 8), 8)
+    check_combinations(_cfg({"expert_parallel": {"enabled": True, "autoep_size": 4}, "sequence_parallel_size": 2,
+                             "zero_optimization": {"stage": 2}}, 8), 8)
+
+
+def test_one_counter_for_every_group():
+    """In a world of one every group is this rank alone, and all of them add to the layout's one counter."""
+    from shardwise.layout import RunLayout
+
+    layout = RunLayout.of(ep=1)
+    comms = [layout.mesh.dp, layout.mesh.tp, layout.mesh.replicate, layout.mesh.dp_full, layout.expert.ep,
+             layout.expert.edp]
+    assert all(c.stats is layout.stats for c in comms) and layout.mesh.stats is layout.stats
+    assert layout.degrees() == {"world": 1, "dp": 1, "tp": 1, "sp": 1, "ep": 1, "expert_dp": 1, "shard": 1,
+                                "replicas": 1, "hpz": 1}
