@@ -10,6 +10,7 @@ import torch.distributed as dist
 import shardwise
 from shardwise.comm.log import COMMS_LOG
 from shardwise.comm.log import configure as configure_comms_log
+from shardwise.moe import apply_expert_parallel
 from shardwise.sequence_parallel import sequence_parallel_loss, split_batch
 
 
@@ -56,12 +57,16 @@ def sp_step(stage: int, seq: int = 16, micro: int = 2) -> dict:
     return out
 
 
-def ep_step(stage: int, micro: int = 2) -> dict:
-    """One step at EP 2 (a Mixtral of 4 experts, top 2, hidden 32, 2 layers) on this rank's batch."""
+def ep_step(stage: int, use_config: bool = True, micro: int = 2) -> dict:
+    """One step at EP 2 (a Mixtral of 4 experts, top 2, hidden 32, 2 layers) on this rank's batch;
+    ``use_config`` False: the script splits the experts itself (``apply_expert_parallel``) first."""
     world = dist.get_world_size()
     model = moe_cases.build("mixtral")
     cfg = moe_cases.ds_config(stage, 0.1, micro, world, None)
-    cfg["expert_parallel"] = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}
+    if use_config:
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}
+    else:
+        apply_expert_parallel(model, 2, preset="mixtral")
     cfg["comms_logger"] = {"enabled": True}
     engine, *_ = shardwise.initialize(model=model, config=cfg)
     ids = moe_cases.batches(1, world, micro, seed=5)[0, engine.dp_rank]

@@ -40,8 +40,8 @@ def test_sp2_all_to_all_bytes_counted(pool2, stage):
         assert r["stats"]["reduce_scatter"] + r["stats"]["all_reduce"] > 0, r["stats"]  # ZeRO's own, same counter
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_ep2_all_to_all_bytes_counted(pool2, stage):
+@pytest.mark.parametrize("stage,use_config", [(2, True), (3, True), (2, False)])
+def test_ep2_all_to_all_bytes_counted(pool2, stage, use_config):
     """Expert parallelism at EP 2: ``comm_stats()["all_to_all_ep"]`` of one step, summed over the two
     ranks, equals the formula.
 
@@ -52,8 +52,9 @@ def test_ep2_all_to_all_bytes_counted(pool2, stage):
     rank moves ``L * (8E + 2 * (T*k + R) * H * 4)`` bytes; ``R`` depends on the routing, but over the
     EP group the rows received are the rows sent (sum of R = sum of T*k), so the two ranks together
     move ``L * (ep * 8E + 4 * H * 4 * k * sum of T)``. The comms logger counts each rank's own bytes.
+    ``use_config`` False: the script split the experts before ``initialize``; the run adopts its groups.
     """
-    results = pool2.run("layout_cases:ep_step", stage)
+    results = pool2.run("layout_cases:ep_step", stage, use_config)
     r0 = results[0]
     layers, experts, hidden, k, ep = (r0[x] for x in ("layers", "experts", "hidden", "top_k", "ep"))
     tokens = sum(r["tokens"] for r in results)

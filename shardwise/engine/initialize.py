@@ -26,7 +26,7 @@ from shardwise.engine.mpu import mesh_from_mpu, mpu_sizes
 from shardwise.fsdp.module import is_sharded
 from shardwise.fsdp.unshard import unshard_module
 from shardwise.layout import RunLayout
-from shardwise.moe import apply_from_config
+from shardwise.moe import apply_from_config, expert_parallel_of
 from shardwise.sequence_parallel import SequenceParallelMPU
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
@@ -131,6 +131,9 @@ def initialize(
     if is_sharded(model):  # initialize() again on a model an earlier engine wraps, as DeepSpeed allows
         unshard_module(model)
     apply_from_config(model, cfg, layout.expert)  # expert_parallel: split the experts before ZeRO shards the rest
+    split = expert_parallel_of(model)  # also a model the script split itself (apply_expert_parallel)
+    if split is not None:
+        layout.adopt_experts(split.mesh)
     engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, model_is_tp=mpu is not None, layout=layout)
     engine.mpu = mpu if sp_mpu is None else sp_mpu

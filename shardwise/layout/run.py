@@ -77,6 +77,13 @@ class RunLayout:
         return {"world": self.world, "dp": self.dp, "tp": self.tp, "sp": self.sp, "ep": self.ep,
                 "expert_dp": self.expert_dp, "shard": self.shard, "replicas": self.replicas, "hpz": self.hpz}
 
+    def adopt_experts(self, mesh: ExpertMesh) -> None:
+        """Take the EP groups a model was split over (``apply_expert_parallel`` before ``initialize``,
+        or an earlier engine's) as this run's: their comms count into this layout's counter from now on."""
+        for comm in (mesh.ep, mesh.edp):
+            comm.stats = self.stats
+        self.expert = mesh
+
     @classmethod
     def of(cls, tp: int = 1, shard: int | None = None, hpz: int = 1, sp: int = 1, ep: int = 0) -> RunLayout:
         """The layout for these degrees (collective: every rank, same arguments). ``shard``: None for
@@ -92,8 +99,8 @@ class RunLayout:
         """The run's layout from a loaded config, after :func:`check_combinations` (collective).
 
         ``mpu``: a Megatron-style object whose groups the script cut; ``mesh_of_mpu()`` makes them
-        the layout's mesh (``engine/mpu.py``), its counter the layout's (the checks refuse SP and EP
-        beside an mpu)."""
+        the layout's mesh (``engine/mpu.py``), its counter the layout's (EP beside an mpu is refused
+        here, SP by ``initialize``)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_combinations(cfg, world, mpu)
         ep = cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 0
