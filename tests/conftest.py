@@ -28,6 +28,12 @@ def _pool(world: int) -> RankPool:
 
 
 @pytest.fixture(scope="session")
+def pool1() -> RankPool:
+    """A world of one (a rank of its own, so a case's process group never lives in pytest's process)."""
+    return _pool(1)
+
+
+@pytest.fixture(scope="session")
 def pool2() -> RankPool:
     return _pool(2)
 

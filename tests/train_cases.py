@@ -1,0 +1,32 @@
+"""`shardwise train` run inside a rank pool's ranks (tests/rank_pool.py), as the CLI runs it.
+
+``shardwise.train.run.main`` is the CLI's own entry: given a world that is already up (the pool's),
+it trains on that world and returns the exit code with the world still up and the run folder's
+lock released, so the next case (a resume in the same folder) starts at once instead of paying for
+a launcher, fresh interpreters and their torch/transformers imports. What is about the process
+itself (exit codes through ``launch``, SIGTERM, kills) stays in the subprocess tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+
+import torch.distributed as dist
+
+
+def train(argv: list[str]) -> tuple[int, str, str]:
+    """Run ``shardwise train ARGV`` on this rank; returns (exit code, stdout, stderr) of this rank.
+
+    The world must be the pool's after the run: a run that tore it down would fail every later case.
+    """
+    from shardwise.train.run import main
+
+    out, err = io.StringIO(), io.StringIO()
+    # catch_warnings resets Python's once-per-place memory: a warning an earlier case printed is
+    # printed again, as a fresh process would (the filters themselves stay as they are)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    assert dist.is_initialized(), "shardwise train destroyed a process group it did not make"
+    return code, out.getvalue(), err.getvalue()
