@@ -23,7 +23,7 @@ _pools: dict[int, RankPool] = {}
 
 def _pool(world: int) -> RankPool:
     if world not in _pools:
-        _pools[world] = RankPool(world)
+        _pools[world] = RankPool(world, warm=True)
     return _pools[world]
 
 
