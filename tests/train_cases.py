@@ -30,3 +30,13 @@ def train(argv: list[str]) -> tuple[int, str, str]:
         code = main(argv)
     assert dist.is_initialized(), "shardwise train destroyed a process group it did not make"
     return code, out.getvalue(), err.getvalue()
+
+
+def train_in(pool, argv: list[str], timeout: float = 600) -> str:
+    """(In the test process.) ``shardwise train ARGV`` on every rank of ``pool``; asserts every rank
+    exits 0 and returns every rank's output, rank 0's first, as a launch would print it."""
+    answers = pool.run("train_cases:train", list(argv), timeout=timeout)
+    log = "".join(stdout + stderr for _, stdout, stderr in answers)
+    for rank, (code, _, _) in enumerate(answers):
+        assert code == 0, f"rank {rank}: exit {code}\n{log[-4000:]}"
+    return log
