@@ -19,9 +19,13 @@ import torch.distributed as dist
 def train(argv: list[str]) -> tuple[int, str, str]:
     """Run ``shardwise train ARGV`` on this rank; returns (exit code, stdout, stderr) of this rank.
 
-    The world must be the pool's after the run: a run that tore it down would fail every later case.
+    The world must be the pool's after the run: a run that tore it down would fail every later case;
+    and rank 0 must have let go of the run folder's lock (this process can take it again at once).
     """
+    from pathlib import Path
+
     from shardwise.train.run import main
+    from shardwise.train.run_folder import RunLock
 
     out, err = io.StringIO(), io.StringIO()
     # catch_warnings resets Python's once-per-place memory: a warning an earlier case printed is
@@ -29,6 +33,10 @@ def train(argv: list[str]) -> tuple[int, str, str]:
     with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
     assert dist.is_initialized(), "shardwise train destroyed a process group it did not make"
+    if dist.get_rank() == 0 and "--out" in argv:
+        out_dir = Path(argv[len(argv) - argv[::-1].index("--out")])  # after the last --out, as argparse reads it
+        if (out_dir / ".shardwise-lock").exists():
+            RunLock(out_dir).acquire().release()  # refused ("in use by another run") if main() still held it
     return code, out.getvalue(), err.getvalue()
 
 
