@@ -23,8 +23,14 @@ _pools: dict[int, RankPool] = {}
 
 def _pool(world: int) -> RankPool:
     if world not in _pools:
-        _pools[world] = RankPool(world)
+        _pools[world] = RankPool(world, warm=True)
     return _pools[world]
+
+
+@pytest.fixture(scope="session")
+def pool1() -> RankPool:
+    """A world of one (a rank of its own, so a case's process group never lives in pytest's process)."""
+    return _pool(1)
 
 
 @pytest.fixture(scope="session")

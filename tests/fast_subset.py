@@ -26,7 +26,7 @@ FAST: dict[str, list[str]] = {
     "sequence_parallel": [
         "test_sequence_parallel.py::test_forward_backward_equal_whole_sequence[sdpa-2-15-None-False]"],
     "tensor_parallel": ["test_tensor_parallel.py::test_vocab_parallel_cross_entropy_matches_torch"],
-    "train": ["test_train_job.py::test_text_file"],
+    "train": ["test_train_job.py::test_text_file", "test_examples.py::test_train_without_a_config"],
     "utils": ["test_ds_conformance.py::test_repeating_loader_restarts"],
     "zero": ["test_zero.py::test_fp32_llama_matches_single_process[2]",
              "test_stage3.py::test_stage3_fp32_matches_single_process[llama]"],

@@ -86,7 +86,19 @@ def _run_case(target: str, args: tuple, kwargs: dict) -> Any:
         _reset_after(env, cwd, case_tmp, handlers)
 
 
-def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue, outbox: mp.Queue) -> None:
+def _warm_imports() -> None:
+    """Import what nearly every case needs (the engine, checkpoints, the train job, a HF model class)
+    while the pool starts, so the first case of the session pays for its work, not for these imports
+    (the suite counts a pool's start apart from the tests' own time). Only a pool's first start
+    does it: a restart after a broken case (and ``run_fresh``'s short-lived pools) skips it."""
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    import shardwise.engine  # noqa: F401
+    import shardwise.train.run  # noqa: F401
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue, outbox: mp.Queue,
+            warm: bool = False) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
@@ -104,6 +116,8 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue,
 
     try:
         shardwise.init_distributed(backend="gloo", timeout=timeout_s)
+        if warm:
+            _warm_imports()
     except Exception:  # noqa: BLE001
         outbox.put((rank, False, traceback.format_exc()))
         return
@@ -137,9 +151,11 @@ class RankPool:
     starts = 0
     start_s = 0.0
 
-    def __init__(self, world: int, timeout_s: float = 120.0):
+    def __init__(self, world: int, timeout_s: float = 120.0, warm: bool = False):
         self.world = world
         self.timeout_s = timeout_s
+        self.warm = warm  # the session's pools pre-import what cases need (see _warm_imports)
+        self.started = False
         self.procs: list[Any] = []
         self._start()
 
@@ -151,10 +167,12 @@ class RankPool:
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.outbox = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, self.world, port, self.timeout_s, self.inboxes[r], self.outbox))
+                                  args=(r, self.world, port, self.timeout_s, self.inboxes[r], self.outbox,
+                                        self.warm and not self.started))
                       for r in range(self.world)]
         for p in self.procs:
             p.start()
+        self.started = True
         RankPool.starts += 1
 
     def _await_join(self, timeout: float) -> None:

@@ -1,5 +1,7 @@
 """Every example in examples/ runs as examples/README.md says, briefly (a few steps, llama-micro), and its
-config holds at any --nproc without a notice; `shardwise train` runs with no --config at all.
+config holds at any --nproc without a notice; `shardwise train` runs with no --config at all. The
+example configs train on the rank pools through the CLI's own entry; `make run`'s command and the
+seed walkthrough are launched as a user launches them.
 
 What the examples show at full length (about a minute each, the held-out loss falling to the end)
 is measured in examples/README.md, not here: these runs only prove each command starts, trains and
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rank_pool import RankPool
 
 from shardwise.config import SupportedFeatures, load_config
 from shardwise.train.options import parse_args
@@ -68,11 +71,18 @@ def test_the_defaults_hold_at_any_world_size(tmp_path: Path) -> None:
         assert cfg._ignored == [] and cfg.train_batch_size == 4 * world and cfg.gradient_accumulation_steps == 1
 
 
+def _train_in(pool: RankPool, *args: str) -> str:
+    """`shardwise train ARGS` on the pool's ranks through the CLI's entry (tests/train_cases.py): every
+    rank's output, as a launch prints it. The launch itself is `test_make_run_config`'s subject."""
+    answers = pool.run("train_cases:train", list(args), timeout=600)
+    log = "".join(stdout + stderr for _, stdout, stderr in answers)
+    assert all(code == 0 for code, _, _ in answers), log[-3000:]
+    return log
+
+
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.subprocess
-def test_example_config_trains(name: str, tmp_path: Path) -> None:
-    log = _shardwise("launch", "--nproc", "2", "--", "train", "--config", f"examples/{name}", *SHORT,
-                     "--out", str(tmp_path / "run"))
+def test_example_config_trains(name: str, tmp_path: Path, pool2: RankPool) -> None:
+    log = _train_in(pool2, "--config", str(EX / name), *SHORT, "--out", str(tmp_path / "run"))
     assert "final eval loss" in log
     assert not re.search(r"warning|accepted and ignored|note:", log, re.IGNORECASE), log[-3000:]
 
@@ -91,12 +101,11 @@ def test_seed_walkthrough(tmp_path: Path) -> None:
     assert "bit-identical to W: True" in log
 
 
-@pytest.mark.subprocess
-def test_train_without_a_config(tmp_path: Path) -> None:
+def test_train_without_a_config(tmp_path: Path, pool1: RankPool) -> None:
     """The documented defaults: printed at the start, saved in run_config.json, the run ends cleanly."""
     out = tmp_path / "run"
-    log = _shardwise("train", "--model", "llama-micro", "--data", "data/sonnets.txt", "--seq", "32", "--steps", "3",
-                     "--sample-tokens", "0", "--no-export", "--out", str(out))
+    log = _train_in(pool1, "--model", "llama-micro", "--data", str(ROOT / "data" / "sonnets.txt"), "--seq", "32",
+                    "--steps", "3", "--sample-tokens", "0", "--no-export", "--out", str(out))
     assert "no --config: the defaults (ZeRO stage 2, AdamW" in log
     saved = json.loads((out / "run_config.json").read_text())["config"]
     assert saved["zero_optimization"]["stage"] == 2 and saved["optimizer"]["type"] == "AdamW"

@@ -1,6 +1,7 @@
 """Every model folder shardwise writes runs under `shardwise generate`: train's hf/, consolidate's output
 (given the run folder itself) and quantize's copy carry the tokenizer and generation config the run
-trained with. One world-1 run of a few steps, then the commands in process.
+trained with. One world-1 run of a few steps (in a rank pool), then the commands in process; the
+2-rank fine-tune of the export is launched as a user launches it (its subject is the launch's output).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from rank_pool import RankPool
+from train_cases import train_in
 
 from shardwise.checkpoint import consolidate_main
 from shardwise.inference import cli as generate_cli
@@ -25,16 +28,13 @@ DS = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "param
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
+def run(tmp_path_factory, pool1: RankPool) -> Path:
+    """A one-rank `shardwise train` run with an export (in the pool: tests/train_cases.py)."""
     tmp = tmp_path_factory.mktemp("exports")
     (tmp / "ds.json").write_text(json.dumps(DS))
     out = tmp / "run"
-    cmd = [sys.executable, "-m", "shardwise.cli", "train", "--config", str(tmp / "ds.json"), "--model", "llama-micro",
-           "--seq", "64", "--steps", "4", "--save-every", "2", "--eval-every", "0", "--sample-tokens", "0",
-           "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    train_in(pool1, ["--config", str(tmp / "ds.json"), "--model", "llama-micro", "--seq", "64", "--steps", "4",
+                     "--save-every", "2", "--eval-every", "0", "--sample-tokens", "0", "--out", str(out)])
     return out
 
 
@@ -60,14 +60,12 @@ def test_byte_tokenizer_ids_are_the_bytes(tmp_path: Path) -> None:
     assert tok.decode(ids) == text and len(tok) == 256
 
 
-@pytest.mark.subprocess
 def test_train_export_runs_under_generate(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     names = set(os.listdir(run / "hf"))
     assert {"tokenizer.json", "generation_config.json", "config.json", "model.safetensors"} <= names
     _generate(run / "hf", capsys)
 
 
-@pytest.mark.subprocess
 def test_consolidate_of_the_run_folder_carries_the_tokenizer(run: Path, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "consolidated"
@@ -82,7 +80,6 @@ def test_consolidate_of_the_run_folder_carries_the_tokenizer(run: Path, tmp_path
     _generate(quantized, capsys, "--offload", "disk")
 
 
-@pytest.mark.subprocess
 def test_consolidate_names_the_folder_to_pass(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fresh = tmp_path / "fresh_run"
     fresh.mkdir()
@@ -113,7 +110,6 @@ def test_only_rank_0_shows_the_loading_bar(run: Path, tmp_path: Path) -> None:
     assert "communication per rank: " in log and "iB" in log.split("communication per rank: ")[1].split("\n")[0]
 
 
-@pytest.mark.subprocess
 def test_generate_names_a_missing_tokenizer(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -8,11 +8,8 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ from foreign_gen import (
     write_dcp,
     write_deepspeed,
 )
+from train_cases import train_in
 
 from shardwise.checkpoint import CheckpointError, consolidate, consolidate_main
 from shardwise.checkpoint.formats import open_checkpoint
@@ -180,23 +178,18 @@ def test_model_folder_with_weights_cut_short_names_the_file(tmp_path, capsys):
 
 
 # -- class 5: train --resume auto continues a DeepSpeed checkpoint, as the docs say ---------------------
-@pytest.mark.subprocess
-def test_train_resume_auto_of_a_deepspeed_checkpoint(tmp_path):
+def test_train_resume_auto_of_a_deepspeed_checkpoint(tmp_path, pool1):
     """A run saved at step 2 is rewritten in DeepSpeed's ZeRO-2 layout into a fresh run folder;
     ``--resume auto`` there continues at step 2 and its losses at steps 3-4 equal the original run's
     (same masters, moments, step and data order: bit for bit in one process)."""
     ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": 2}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
-    def train(out: Path) -> None:
-        args = ["--config", str(tmp_path / "ds.json"), "--model", "llama-micro", "--seq", "32", "--steps", "4",
-                "--save-every", "2", "--keep", "0", "--eval-every", "0", "--sample-tokens", "0", "--no-export",
-                "--out", str(out), "--resume", "auto"]
-        r = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", *args], env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    def train(out: Path) -> None:  # the CLI's entry in a one-rank pool (tests/train_cases.py)
+        train_in(pool1, ["--config", str(tmp_path / "ds.json"), "--model", "llama-micro", "--seq", "32", "--steps",
+                         "4", "--save-every", "2", "--keep", "0", "--eval-every", "0", "--sample-tokens", "0",
+                         "--no-export", "--out", str(out), "--resume", "auto"])
 
     def losses(out: Path) -> dict[int, float]:
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

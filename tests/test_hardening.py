@@ -23,6 +23,7 @@ import pytest
 import torch.distributed as dist
 from ckpt_cases import _train, same_state, small_engine, snapshot, world1_group
 from inference_cases import save_tiny
+from train_cases import train_in
 
 from shardwise.checkpoint import CheckpointError
 from shardwise.cli import main as cli
@@ -190,20 +191,15 @@ def test_generate_refuses_empty_and_too_long_prompts(model_dir, capsys):
                    "64 positions")
 
 
-@pytest.mark.subprocess
-def test_train_sample_with_a_too_long_prompt_keeps_the_export(tmp_path):
+def test_train_sample_with_a_too_long_prompt_keeps_the_export(tmp_path, pool1):
     """A finished run whose end-of-run sample prompt is longer than the model's positions (or
     empty) still exports, samples, and exits 0."""
     out = tmp_path / "run"
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--config", str(cfg), "--model",
-                          "llama-micro", "--seq", "16", "--steps", "1", "--eval-fraction", "0", "--save-every", "0",
-                          "--sample-tokens", "4", "--prompt", "x" * 300, "--out", str(out)],
-                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
+    train_in(pool1, ["--config", str(cfg), "--model", "llama-micro", "--seq", "16", "--steps", "1", "--eval-fraction",
+                     "0", "--save-every", "0", "--sample-tokens", "4", "--prompt", "x" * 300, "--out", str(out)])
     assert (out / "hf" / "model.safetensors").is_file() and (out / "sample.txt").is_file()
 
 

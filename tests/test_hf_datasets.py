@@ -4,13 +4,12 @@ the texts reach the token file exactly as the same texts in JSONL would; errors 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from rank_pool import RankPool
+from train_cases import train_in
 
 from shardwise.train.data import DataError, list_sources, tokenize_to_cache
 from shardwise.train.hf_datasets import dataset_kind, dataset_to_jsonl
@@ -80,16 +79,12 @@ def test_errors_name_the_fix(tmp_path: Path) -> None:
         dataset_to_jsonl("no-such-user/no-such-dataset-38", "text", tmp_path / "c")
 
 
-@pytest.mark.subprocess
-def test_train_cli_on_a_saved_dataset(tmp_path: Path) -> None:
+def test_train_cli_on_a_saved_dataset(tmp_path: Path, pool1: RankPool) -> None:
+    """`shardwise train --data SAVED_DATASET` through the CLI's entry, in a one-rank pool (train_cases.py)."""
     folder = tmp_path / "ds"
     _dataset().save_to_disk(str(folder))
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "shardwise.cli", "train", "--model", "llama-micro", "--data", str(folder),
-           "--text-key", "content", "--seq", "32", "--steps", "2", "--sample-tokens", "0", "--no-export",
-           "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "final eval loss" in r.stdout
+    log = train_in(pool1, ["--model", "llama-micro", "--data", str(folder), "--text-key", "content", "--seq", "32",
+                           "--steps", "2", "--sample-tokens", "0", "--no-export", "--out", str(out)])
+    assert "final eval loss" in log
     assert list((out / "data").glob("hf-*.jsonl"))

@@ -253,11 +253,13 @@ def test_generate_under_ep_gives_the_single_process_tokens(pool2, kind, stage):
 
 # -- shardwise train --ep -------------------------------------------------------------------
 @pytest.mark.subprocess
-def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
+def test_shardwise_train_with_ep_matches_the_run_without(tmp_path, pool2):
     """`shardwise train --ep 2` on a Mixtral config at ZeRO-3: the same losses as without EP,
     checkpoints, the sample and the hf/ export included; a dense model is refused in one line naming
-    its model type."""
-    from test_train_job import _losses, _train
+    its model type. The two runs go through the CLI's entry in the rank pool (tests/train_cases.py);
+    the refusal is the real command (its exit code and one line are the subject)."""
+    from test_train_job import _args, _losses, _train
+    from train_cases import train_in
 
     cfg = moe_cases.moe_config("mixtral")
     cfg.vocab_size = 256  # the byte tokenizer's
@@ -268,10 +270,10 @@ def test_shardwise_train_with_ep_matches_the_run_without(tmp_path):
           "zero_optimization": {"stage": 3}}
     common = ("--model", model, "--steps", "4", "--eval-every", "0", "--save-every", "2", "--seq", "16")
     ep, plain = tmp_path / "ep", tmp_path / "plain"
-    _train(tmp_path, ep, 2, *common, "--ep", "2", "--sample-tokens", "4", ds=ds, export=True)
+    train_in(pool2, _args(tmp_path, ep, *common, "--ep", "2", "--sample-tokens", "4", ds=ds, export=True))
     # without EP at stage 2: a stage-3 `train` builds its model under zero.Init (another init order);
     # the EP run is built whole, and the stage does not change the numbers
-    _train(tmp_path, plain, 2, *common, ds={**ds, "zero_optimization": {"stage": 2}})
+    train_in(pool2, _args(tmp_path, plain, *common, ds={**ds, "zero_optimization": {"stage": 2}}))
     a, b = _losses(ep), _losses(plain)
     assert a.keys() == b.keys() and len(a) >= 4
     tol = _reference("mixtral", 2)["tol_loss"]  # EP sums in another order: the measured floor, not a CPU's

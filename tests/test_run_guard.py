@@ -1,5 +1,6 @@
 """`shardwise train` and `shardwise launch` against runs that lose checkpoints, run twice, diverge or
-cannot start (issue 34): the real CLI in subprocesses, tiny models, one test per class.
+cannot start (issue 34), tiny models, one test per class: the real CLI in subprocesses where the
+process is the subject (exit codes, one-line errors, a kill), else the CLI's entry in the rank pools.
 
 - retention keeps the saves written last and never the one ``latest`` names (a resume into a
   folder whose older run went further);
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_pool import RankPool
 
 from shardwise.train.divergence import DivergedError, FiniteLogits
 from shardwise.train.outputs import read_metrics
@@ -39,13 +42,23 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
 
 
-def _train_cmd(tmp: Path, out: Path, nproc: int | None, *extra: str, ds: dict | None = None) -> list[str]:
+def _train_args(tmp: Path, out: Path, *extra: str, ds: dict | None = None) -> list[str]:
     cfg = tmp / f"ds_{out.name}_{len(list(tmp.glob('ds_*')))}.json"
     cfg.write_text(json.dumps(ds or DS))
-    args = ["train", "--config", str(cfg), "--model", "llama-micro", "--seq", "32", "--eval-every", "0",
+    return ["--config", str(cfg), "--model", "llama-micro", "--seq", "32", "--eval-every", "0",
             "--sample-tokens", "0", "--out", str(out), *extra]
+
+
+def _train_cmd(tmp: Path, out: Path, nproc: int | None, *extra: str, ds: dict | None = None) -> list[str]:
     launch = [] if nproc is None else ["launch", "--nproc", str(nproc), "--"]
-    return [sys.executable, "-m", "shardwise.cli", *launch, *args]
+    return [sys.executable, "-m", "shardwise.cli", *launch, "train", *_train_args(tmp, out, *extra, ds=ds)]
+
+
+def _train_in(pool: RankPool, tmp: Path, out: Path, *extra: str) -> None:
+    """The same run on the pool's ranks through the CLI's entry (tests/train_cases.py): for the
+    tests about the run folder, not about the process."""
+    answers = pool.run("train_cases:train", _train_args(tmp, out, *extra), timeout=400)
+    assert all(code == 0 for code, _, _ in answers), "".join(o + e for _, o, e in answers)[-3000:]
 
 
 def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -68,26 +81,23 @@ def _one_line(r: subprocess.CompletedProcess, code: int, *words: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory) -> tuple[Path, Path]:
+def two_rank_run(tmp_path_factory, pool2: RankPool) -> tuple[Path, Path]:
     """A 2-rank run of 4 steps saving every step, all checkpoints kept: (tmp folder, run folder)."""
     tmp = tmp_path_factory.mktemp("guard")
     out = tmp / "run"
-    r = _run(_train_cmd(tmp, out, 2, "--steps", "4", "--save-every", "1", "--keep", "0", "--no-export"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    _train_in(pool2, tmp, out, "--steps", "4", "--save-every", "1", "--keep", "0", "--no-export")
     return tmp, out
 
 
-@pytest.mark.subprocess
-def test_keep_holds_the_newest_saves_and_latest_after_resuming_an_earlier_step(two_rank_run) -> None:
+def test_keep_holds_the_newest_saves_and_latest_after_resuming_an_earlier_step(two_rank_run,
+                                                                                  pool1: RankPool) -> None:
     """The issue's case: `latest` set back to step 2 of a run that went to 4, resumed with --keep 1.
     Keeping the highest step numbers deleted the new global_step3 that `latest` named."""
     tmp, first = two_rank_run
     out = tmp / "rewound"
-    subprocess.run(["cp", "-a", str(first), str(out)], check=True)
+    shutil.copytree(first, out, symlinks=True)
     (out / "checkpoints" / "latest").write_text("global_step2")
-    r = _run(_train_cmd(tmp, out, None, "--steps", "3", "--save-every", "1", "--keep", "1", "--no-export",
-                        "--resume", "auto"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    _train_in(pool1, tmp, out, "--steps", "3", "--save-every", "1", "--keep", "1", "--no-export", "--resume", "auto")
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["global_step3", "latest", "zero_to_fp32.py"]
     assert (ckpts / "latest").read_text().strip() == "global_step3"

@@ -1,4 +1,6 @@
-"""`shardwise train` end to end: the CLI in subprocesses on 2 gloo ranks (and 1), tiny models.
+"""`shardwise train` end to end on 2 gloo ranks (and 1), tiny models: the runs go through the CLI's
+own entry (``shardwise.train.run.main``) inside the rank pools (tests/train_cases.py); the SIGTERM
+stop and the one-line data error run the real command in subprocesses, the process being their subject.
 
 What is proven: a run stopped by SIGTERM at a random step and resumed with --resume auto gives the
 same per-step losses as an uninterrupted run (bit for bit at the same world, within the fp32
@@ -24,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from rank_pool import RankPool
 
 from shardwise.train.data import DataError, TokenData, list_sources, read_documents, tokenize_to_cache
 from shardwise.train.model import ByteTokenizer
@@ -51,17 +54,31 @@ def _cmd(nproc: int | None, *args: str) -> list[str]:
     return [*base, "launch", "--nproc", str(nproc), "--", "train", *args]
 
 
-def _train(tmp: Path, out: Path, nproc: int | None = 2, *extra: str, ds: dict | None = None,
-           check: bool = True, export: bool = False) -> subprocess.CompletedProcess:
+def _args(tmp: Path, out: Path, *extra: str, ds: dict | None = None, export: bool = False) -> list[str]:
     cfg = tmp / f"ds_{out.name}.json"
     cfg.write_text(json.dumps(ds or DS))
-    args = ["--config", str(cfg), "--model", "llama-micro", "--seq", "64", "--steps", str(STEPS),
+    return ["--config", str(cfg), "--model", "llama-micro", "--seq", "64", "--steps", str(STEPS),
             "--eval-every", "10", "--save-every", "0", "--sample-tokens", "0", "--out", str(out),
             *([] if export else ["--no-export"]), *extra]
+
+
+def _train(tmp: Path, out: Path, nproc: int | None = 2, *extra: str, ds: dict | None = None,
+           check: bool = True, export: bool = False) -> subprocess.CompletedProcess:
+    """The real command in a process of its own (for the tests whose subject is the process)."""
+    args = _args(tmp, out, *extra, ds=ds, export=export)
     r = subprocess.run(_cmd(nproc, *args), env=_env(), capture_output=True, text=True, timeout=300)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
+
+
+def _train_in(pool: RankPool, tmp: Path, out: Path, *extra: str, ds: dict | None = None,
+              export: bool = False) -> str:
+    """The same run on the pool's ranks (the pool's world size); returns rank 0's output."""
+    answers = pool.run("train_cases:train", _args(tmp, out, *extra, ds=ds, export=export), timeout=300)
+    for rank, (code, stdout, stderr) in enumerate(answers):
+        assert code == 0, f"rank {rank}: exit {code}\n{stdout[-3000:]}{stderr[-3000:]}"
+    return answers[0][1]
 
 
 def _losses(out: Path) -> dict[tuple[str, int], float]:
@@ -69,11 +86,11 @@ def _losses(out: Path) -> dict[tuple[str, int], float]:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory) -> Path:
+def full_run(tmp_path_factory, pool2: RankPool) -> Path:
     """An uninterrupted 2-rank run with checkpoints every 10 steps (keep 2), sample and hf/ export."""
     tmp = tmp_path_factory.mktemp("train")
     out = tmp / "full"
-    _train(tmp, out, 2, "--save-every", "10", "--keep", "2", "--sample-tokens", "16", export=True)
+    _train_in(pool2, tmp, out, "--save-every", "10", "--keep", "2", "--sample-tokens", "16", export=True)
     return out
 
 
@@ -102,13 +119,15 @@ def _sigterm_at_random_step(tmp: Path, out: Path) -> int:
 
 
 @pytest.mark.subprocess
-def test_sigterm_then_resume_equals_uninterrupted(full_run: Path, tmp_path: Path) -> None:
+def test_sigterm_then_resume_equals_uninterrupted(full_run: Path, tmp_path: Path, pool2: RankPool,
+                                                  pool1: RankPool) -> None:
+    """The launched run is stopped by SIGTERM (the process is the subject); the resumes run in the pools."""
     killed = tmp_path / "killed"
     saved = _sigterm_at_random_step(tmp_path, killed)
     other_world = tmp_path / "world1"
     shutil.copytree(killed, other_world)
-    _train(tmp_path, killed, 2, "--resume", "auto")
-    _train(tmp_path, other_world, 1, "--resume", "auto")
+    _train_in(pool2, tmp_path, killed, "--resume", "auto")
+    _train_in(pool1, tmp_path, other_world, "--resume", "auto")
     want, same, w1 = _losses(full_run), _losses(killed), _losses(other_world)
     assert set(want) == set(same) == set(w1)
     assert same == want, f"resumed at step {saved} at the same world: losses differ"
@@ -116,33 +135,30 @@ def test_sigterm_then_resume_equals_uninterrupted(full_run: Path, tmp_path: Path
         assert math.isclose(w1[key], v, rel_tol=RTOL), (key, w1[key], v, saved)
 
 
-@pytest.mark.subprocess
-def test_resume_at_another_tp_degree_and_stage(full_run: Path, tmp_path: Path) -> None:
+def test_resume_at_another_tp_degree_and_stage(full_run: Path, tmp_path: Path, pool2: RankPool) -> None:
     """Half the run at TP 2 x ZeRO-1 (dp 1, accumulation 4), the rest at dp 2 x ZeRO-2: same losses."""
     out = tmp_path / "tp_then_dp"
     tp = {**DS, "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}
-    _train(tmp_path, out, 2, "--steps", str(STEPS // 2), ds=tp)
-    _train(tmp_path, out, 2, "--resume", "auto")
+    _train_in(pool2, tmp_path, out, "--steps", str(STEPS // 2), ds=tp)
+    _train_in(pool2, tmp_path, out, "--resume", "auto")
     want, got = _losses(full_run), _losses(out)
     assert set(got) == set(want)
     for key, v in want.items():
         assert math.isclose(got[key], v, rel_tol=RTOL), (key, got[key], v)
 
 
-@pytest.mark.subprocess
-def test_sequence_parallel_flag_then_resume_without_sp(full_run: Path, tmp_path: Path) -> None:
+def test_sequence_parallel_flag_then_resume_without_sp(full_run: Path, tmp_path: Path, pool2: RankPool) -> None:
     """Half the run with --sp 2 (one replica, accumulation 4, every sequence split over both ranks),
     the rest at dp 2 without SP: the per-step train and eval losses of the plain run."""
     out = tmp_path / "sp_then_dp"
-    _train(tmp_path, out, 2, "--steps", str(STEPS // 2), "--sp", "2")
-    _train(tmp_path, out, 2, "--resume", "auto")
+    _train_in(pool2, tmp_path, out, "--steps", str(STEPS // 2), "--sp", "2")
+    _train_in(pool2, tmp_path, out, "--resume", "auto")
     want, got = _losses(full_run), _losses(out)
     assert set(got) == set(want)
     for key, v in want.items():
         assert math.isclose(got[key], v, rel_tol=RTOL), (key, got[key], v)
 
 
-@pytest.mark.subprocess
 def test_outputs_of_a_run(full_run: Path) -> None:
     train = [m for m in read_metrics(full_run) if m["kind"] == "train"]
     evals = [m for m in read_metrics(full_run) if m["kind"] == "eval"]
@@ -159,7 +175,6 @@ def test_outputs_of_a_run(full_run: Path) -> None:
     assert json.loads((full_run / "run_config.json").read_text())["config"]["zero_optimization"]["stage"] == 2
 
 
-@pytest.mark.subprocess
 def test_hf_export_loads_in_transformers_and_scores_the_last_eval(full_run: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -176,14 +191,13 @@ def test_hf_export_loads_in_transformers_and_scores_the_last_eval(full_run: Path
     assert math.isclose(total / count, last, rel_tol=RTOL)
 
 
-@pytest.mark.subprocess
-def test_hf_folder_trains_under_zero_init_from_its_weights(full_run: Path, tmp_path: Path) -> None:
+def test_hf_folder_trains_under_zero_init_from_its_weights(full_run: Path, tmp_path: Path, pool2: RankPool) -> None:
     """--model HF_DIR at stage 3: the first step's loss is the exported model's loss on that batch."""
     from transformers import AutoModelForCausalLM
 
     ds = {**DS, "zero_optimization": {"stage": 3}}
     out = tmp_path / "finetune"
-    _train(tmp_path, out, 2, "--model", str(full_run / "hf"), "--steps", "2", ds=ds)
+    _train_in(pool2, tmp_path, out, "--model", str(full_run / "hf"), "--steps", "2", ds=ds)
     data = TokenData.open(next((out / "data").glob("tokens-*.json")), 64, 0.1, 1234)
     batch = torch.from_numpy(np.stack([data.sequence(i) for i in data.train_ids(0, 8)]))
     model = AutoModelForCausalLM.from_pretrained(str(full_run / "hf")).eval()
@@ -240,8 +254,7 @@ def test_jsonl_bad_line_cli_error(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.subprocess
-def test_config_json_model_with_folder_tokenizer_on_jsonl(tmp_path: Path) -> None:
+def test_config_json_model_with_folder_tokenizer_on_jsonl(tmp_path: Path, pool1: RankPool) -> None:
     """--model DIR holding only config.json and a tokenizer: from scratch, tokenized by that tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
@@ -258,8 +271,8 @@ def test_config_json_model_with_folder_tokenizer_on_jsonl(tmp_path: Path) -> Non
     data = tmp_path / "sonnets.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     out = tmp_path / "run"
-    _train(tmp_path, out, None, "--model", str(folder), "--data", str(data), "--seq", "16", "--steps", "3",
-           "--eval-every", "0", "--eval-fraction", "0.2")
+    _train_in(pool1, tmp_path, out, "--model", str(folder), "--data", str(data), "--seq", "16", "--steps", "3",
+              "--eval-every", "0", "--eval-fraction", "0.2")
     meta = json.loads(next((out / "data").glob("tokens-*.json")).read_text())
     stream = np.fromfile(out / "data" / meta["file"], dtype=meta["dtype"]).tolist()
     want = [t for d in docs for t in hf_tok(d, add_special_tokens=False)["input_ids"] + [hf_tok.eos_token_id]]

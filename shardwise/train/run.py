@@ -70,9 +70,16 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the job and return its exit code; the CLI exits with it, a test's rank calls it in-process.
+
+    A process group this call did not make (a caller's world, a test pool's) is left up and used;
+    one it made is destroyed on return. The run folder's lock is released on return either way,
+    so the same process may train in that folder again (resume) without a new interpreter.
+    """
     args = parse_args(argv)
     import shardwise
 
+    made_group = not dist.is_initialized()
     shardwise.init_distributed(timeout=args.timeout)
     try:
         return _run(args, shardwise)
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardwise train: error: {one_line(e)}", file=sys.stderr)
         return 2
     finally:
-        if dist.is_initialized():
+        if made_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -106,7 +113,7 @@ class Job:
     metrics: MetricsLog | None = None
     last_eval: tuple[int, float] | None = None
     times: dict = field(default_factory=lambda: {"data": 0.0, "step": 0.0, "n": 0})
-    lock: RunLock | None = None  # rank 0's lock on run_dir, held until the process ends
+    lock: RunLock | None = None  # rank 0's lock on run_dir, held until main() returns
     guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(0))
 
     @property
@@ -114,10 +121,12 @@ class Job:
         return self.run_dir / "checkpoints"
 
 
-def _setup(args, shardwise) -> Job:
-    """Model, data and engine for ``args``; refuses to start fresh over an existing run's checkpoints."""
+def _setup(args, shardwise, held: list[RunLock]) -> Job:
+    """Model, data and engine for ``args``; refuses to start fresh over an existing run's checkpoints.
+    Rank 0's lock on the run folder is appended to ``held`` as soon as it is taken."""
     run_dir = Path(args.out)
     lock = _lock_run_folder(run_dir)
+    held.extend([lock] if lock is not None else [])
     if args.resume == "none" and (run_dir / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--out {run_dir} already holds checkpoints; pass --resume auto to continue it, or "
                           "choose another --out")
@@ -201,7 +210,17 @@ def _resume(job: Job) -> int:
 
 
 def _run(args, shardwise) -> int:
-    job = _setup(args, shardwise)
+    held: list[RunLock] = []  # rank 0's lock, released on return or on a refusal after it was taken
+    try:
+        return _train(_setup(args, shardwise, held))
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _train(job: Job) -> int:
+    """Resume, the steps, and the final outputs (or the stop after a signal) of a set-up job."""
+    args = job.args
     stop = loop.StopRequest()
     start = _resume(job)
     if dist.get_rank() == 0:

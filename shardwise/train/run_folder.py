@@ -1,9 +1,10 @@
 """One writer per run folder, and which checkpoints a run keeps.
 
 **Lock.** The run that writes ``--out`` holds an exclusive ``flock`` on ``OUT/.shardwise-lock`` from
-before its first write until it exits. The kernel drops the lock when the process ends in any way
-(exit, exception, SIGKILL, OOM kill), so a crashed run never leaves the folder stuck and there is
-no stale-lock cleanup to get wrong; a second run on the folder is refused in one line. Only global
+before its first write until it returns (``train.run.main`` releases it) or its process ends. The
+kernel drops the lock when the process ends in any way (exit, exception, SIGKILL, OOM kill), so a
+crashed run never leaves the folder stuck and there is no stale-lock cleanup to get wrong; a
+second run on the folder is refused in one line. Only global
 rank 0 locks: it is the process that writes the run's files (metrics, plot, export, ``latest``),
 and the other ranks learn its answer before they write anything (see ``train.run``).
 
