@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from shardwise.cli_errors import OneLineParser, UserError, bounded_int, positive_float, run_command
+from shardwise.errors import OneLineParser, UserError, bounded_int, positive_float, run_command
 from shardwise.launch.devices import BACKENDS, count_gpus, launch_notice, plan_world, rank_env
 from shardwise.net import free_port
 

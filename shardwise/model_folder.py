@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 from shardwise.safe_files import check_folder, hub_roots, read_in
 from shardwise.safetensors_io import SafetensorsFile
 

@@ -26,7 +26,7 @@ import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 
 MANIFEST = ".shardwise-outputs.json"
 ErrorType = type[Exception]

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from shardwise import cli
-from shardwise.commands import env, human_bytes, human_counts, parsers
+from shardwise.commands import env, parsers
+from shardwise.units import human_bytes, human_counts
 
 
 def test_bare_command_prints_usage_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,7 +86,7 @@ def test_human_units() -> None:
 
 
 def test_byte_counts_print_in_human_units_and_stay_numbers() -> None:
-    from shardwise.commands import ByteCounts
+    from shardwise.units import ByteCounts
 
     rep = ByteCounts({"params": 1572864, "grads": 0})
     assert rep == {"params": 1572864, "grads": 0} and rep["params"] + 1 == 1572865

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import shardwise.cli as cli
-from shardwise.cli_errors import UserError
 from shardwise.comm import core
 from shardwise.commands import env as env_cmd
+from shardwise.errors import UserError
 from shardwise.launch import devices
 
 ROOT = Path(__file__).resolve().parents[1]

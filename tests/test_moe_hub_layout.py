@@ -56,7 +56,7 @@ def test_a_base_model_folder_reads_into_the_causal_lm_and_a_missing_tensor_is_na
     """``save_pretrained`` of the base model (no ``model.`` prefix, per-expert Mixtral names) serves
     every parameter of the causal LM by transformers' prefix rule; ``lm_head``, stored under no
     name, is refused in one line naming the folder and the tensor."""
-    from shardwise.cli_errors import UserError
+    from shardwise.errors import UserError
     from shardwise.zero.init import SafetensorsSource
 
     model = moe_cases.build("mixtral")

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli_errors import OneLineError
+from shardwise.errors import OneLineError
 from shardwise.safe_files import read_regular
 
 FORMAT = "shardwise-checkpoint"

@@ -237,8 +237,8 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
 
 def consolidate_main(argv: list[str] | None = None) -> int:
     """``shardwise consolidate``: sharded checkpoint -> HF folder loadable by ``from_pretrained``."""
-    from shardwise.cli_errors import one_line
     from shardwise.commands.parsers import consolidate_parser
+    from shardwise.errors import one_line
 
     p = consolidate_parser()
     a = p.parse_args(argv)

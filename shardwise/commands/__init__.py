@@ -1,5 +1,5 @@
-"""The `shardwise` command's parts that load without torch: argument parsers, the environment report,
-numbers for people.
+"""The `shardwise` command's parts that load without torch: argument parsers and the
+environment report.
 
 Why a package of its own: ``shardwise SUBCOMMAND --help``, ``shardwise --version`` and ``shardwise
 env`` must answer at once, and torch plus transformers take seconds to import (8-12 s on a busy
@@ -9,11 +9,6 @@ machine). The subcommands' modules import torch at their top, so their parsers l
 - ``parsers``: the parsers of ``consolidate``, ``quantize`` and ``generate`` (``train``'s is
   ``shardwise.train.options.build_parser``, also torch-free).
 - ``env``: ``shardwise env``: versions, backends, devices, optional extras, what the facade serves.
-- ``units``: byte counts in human units for printing (JSON keeps the raw numbers).
 """
 
 from __future__ import annotations
-
-from shardwise.commands.units import ByteCounts, human_bytes, human_counts
-
-__all__ = ["ByteCounts", "human_bytes", "human_counts"]

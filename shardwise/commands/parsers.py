@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.cli_errors import OneLineParser, bounded_int, finite_float
+from shardwise.errors import OneLineParser, bounded_int, finite_float
 
 GENERATE_EXAMPLES = """examples:
   shardwise generate --model runs/sonnets/hf --prompt "Shall I compare thee" --max-new-tokens 64

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 from shardwise.estimate.memory import ModelFacts
 from shardwise.safe_files import read_regular
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli_errors import OneLineParser, UserError
+from shardwise.errors import OneLineParser, UserError
 from shardwise.estimate.memory import (
     Estimate,
     estimate,

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.cli_errors import UserError
 from shardwise.commands.parsers import DTYPES, generate_parser
+from shardwise.errors import UserError
 from shardwise.model_folder import check_model_folder, loading
 
 

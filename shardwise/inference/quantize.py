@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from shardwise.cli_errors import one_line
 from shardwise.commands.parsers import quantize_parser
+from shardwise.errors import one_line
 from shardwise.inference.quant_format import (
     DEFAULT_GROUP,
     DESCRIPTION,

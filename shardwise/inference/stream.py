@@ -38,14 +38,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, compute_device
-from shardwise.commands.units import ByteCounts
+from shardwise.errors import UserError
 from shardwise.inference.allocator import pin_allocator
 from shardwise.model_folder import check_model_folder, loading
 from shardwise.safe_files import confine, hub_roots, read_in
 from shardwise.safetensors_io import SafetensorsFile, TensorInfo
 from shardwise.tensor_parallel.layers import read_tp_slice
+from shardwise.units import ByteCounts
 from shardwise.zero.builder import build_frozen
 from shardwise.zero.flat_group import ShardedGroup
 from shardwise.zero.gather_pool import GatherPool

@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli_errors import OneLineParser, UserError
+from shardwise.errors import OneLineParser, UserError
 from shardwise.train.defaults import SUMMARY, default_config
 from shardwise.train.outputs import check_run_folder
 from shardwise.train.presets import MODEL_PRESETS, REPO_DATA

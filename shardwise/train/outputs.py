@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 from shardwise.safe_files import MANIFEST, OutputFolder, read_in, write_atomic
 
 MEMORY_KEYS = ["params", "grads", "master_params", "optimizer_states", "buffers", "comm_buffers", "total"]

@@ -20,10 +20,9 @@ import torch.distributed as dist
 
 from shardwise.checkpoint.formats import is_foreign
 from shardwise.checkpoint.run_files import RUN_TOKENIZER
-from shardwise.cli_errors import UserError, one_line, user_error_types
 from shardwise.comm import RanksDivergedError, make_comm
-from shardwise.commands.units import human_counts
 from shardwise.config import ConfigError
+from shardwise.errors import UserError, one_line, user_error_types
 from shardwise.train import loop
 from shardwise.train.advice import eval_rise_note, passes_note
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
@@ -43,6 +42,7 @@ from shardwise.train.model import ModelError, build_model, load_tokenizer, n_par
 from shardwise.train.options import parse_args, resolved
 from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics
 from shardwise.train.run_folder import RunLock
+from shardwise.units import human_counts
 
 
 def _prepare_data(args, tokenizer, run_dir: Path) -> Path:

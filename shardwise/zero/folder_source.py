@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 from shardwise.safetensors_io import SafetensorsFile
 from shardwise.zero.hub_names import StoredRows, folder_of, hub_names
 
