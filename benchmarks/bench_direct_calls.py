@@ -38,7 +38,7 @@ def _model(name: str, seq: int):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                           tie_word_embeddings=False)
         return AutoModelForCausalLM.from_config(cfg), 509
-    from shardwise.train_job import build_model
+    from shardwise.cli.train_job import build_model
 
     return build_model(name, seq, seed=0), 256
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from shardwise import cli
-from shardwise.commands import env, parsers
+from shardwise.cli import command as cli
+from shardwise.cli import env, parsers
 from shardwise.units import human_bytes, human_counts
 
 
@@ -36,7 +36,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.subprocess
 def test_every_subcommand_help_imports_no_torch() -> None:
     """The help of each subcommand comes from a torch-free parser (timing: benchmarks/bench_help.py)."""
-    code = ("import sys, contextlib, io\nfrom shardwise import cli\n"
+    code = ("import sys, contextlib, io\nfrom shardwise.cli import command as cli\n"
             "for cmd in ['train', 'estimate', 'consolidate', 'generate', 'quantize', 'env', 'launch']:\n"
             "    buf = io.StringIO()\n"
             "    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.checkpoint import consolidate_main
-from shardwise.inference import cli as generate_cli
+from shardwise.cli import generate as generate_cli
 from shardwise.inference.quantize import main as quantize_main
 from shardwise.train.export import byte_hf_tokenizer
 from shardwise.train.model import ByteTokenizer

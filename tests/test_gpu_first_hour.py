@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import shardwise.cli as cli
+import shardwise.cli.command as cli
+from shardwise.cli import env as env_cmd
 from shardwise.comm import core
-from shardwise.commands import env as env_cmd
 from shardwise.errors import UserError
 from shardwise.launch import devices
 

@@ -153,7 +153,7 @@ def test_the_launcher_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, shardwise, shardwise.cli as cli\n"
+    code = ("import sys, shardwise, shardwise.cli.command as cli\n"
             "ran = []\n"
             "cli._run_forwarding_signals = lambda cmd, env: ran.append(cmd) or 0\n"
             "assert cli.main(['--help']) == 0 and cli.main(['launch', '--nproc', '2', sys.argv[1]]) == 0, ran\n"

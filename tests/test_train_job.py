@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
+from shardwise.cli.train_options import parse_args
 from shardwise.train.data import DataError, TokenData, list_sources, read_documents, tokenize_to_cache
 from shardwise.train.model import ByteTokenizer
-from shardwise.train.options import parse_args
 from shardwise.train.outputs import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent

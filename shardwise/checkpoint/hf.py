@@ -237,7 +237,7 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
 
 def consolidate_main(argv: list[str] | None = None) -> int:
     """``shardwise consolidate``: sharded checkpoint -> HF folder loadable by ``from_pretrained``."""
-    from shardwise.commands.parsers import consolidate_parser
+    from shardwise.cli.parsers import consolidate_parser
     from shardwise.errors import one_line
 
     p = consolidate_parser()

@@ -176,8 +176,8 @@ units: counts take K/M/B/T (powers of 1000); GB = 1e9 bytes, GiB = 2^30 bytes, G
 
 def main(argv: list[str] | None = None) -> int:
     """`shardwise estimate` CLI; returns the exit code (2 for bad input, naming the flag)."""
+    from shardwise.cli.planner import add_planner_args, run_planner
     from shardwise.estimate.long_context import add_long_context_args, run_long_context
-    from shardwise.estimate.planner_cli import add_planner_args, run_planner
 
     p = OneLineParser(prog="shardwise estimate", epilog=EPILOG,
                       formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from shardwise.commands.parsers import quantize_parser
+from shardwise.cli.parsers import quantize_parser
 from shardwise.errors import one_line
 from shardwise.inference.quant_format import (
     DEFAULT_GROUP,

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.commands.parsers import DTYPES, generate_parser
+from shardwise.cli.parsers import DTYPES, generate_parser
 from shardwise.errors import UserError
 from shardwise.model_folder import check_model_folder, loading
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     if args.nproc > 1 and "RANK" not in os.environ:  # not a rank yet: start the ranks
-        from shardwise.cli import launch
+        from shardwise.cli.command import launch
 
         rest = [a for i, a in enumerate(argv)  # the ranks must not see --nproc (nor torchrun)
                 if not a.startswith("--nproc") and not (i > 0 and argv[i - 1] == "--nproc")]
