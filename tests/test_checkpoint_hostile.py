@@ -16,8 +16,9 @@ import torch.distributed as dist
 from ckpt_cases import _train, same_state, small_engine, snapshot, world1_group
 from tiny_models import build
 
-from shardwise.checkpoint import CheckpointError, consolidate, consolidate_main
+from shardwise.checkpoint import CheckpointError, consolidate
 from shardwise.checkpoint.validate import confined_path
+from shardwise.cli.consolidate import main as consolidate_main
 
 TAG = "global_step1"
 RANK_FILE = "rank00000.safetensors"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.checkpoint import consolidate_main
 from shardwise.cli import generate as generate_cli
-from shardwise.inference.quantize import main as quantize_main
+from shardwise.cli.consolidate import main as consolidate_main
+from shardwise.cli.quantize import main as quantize_main
 from shardwise.train.export import byte_hf_tokenizer
 from shardwise.train.model import ByteTokenizer
 

@@ -105,6 +105,15 @@ def test_no_import_cycles() -> None:
     assert not cycles, f"import cycles (lazy imports count, TYPE_CHECKING ones do not): {cycles}"
 
 
+def test_the_library_never_imports_the_command_line() -> None:
+    """``shardwise/cli/`` is the top floor: it parses arguments and calls the library, never the other
+    way, so a library function never depends on how a flag is spelled (lazy imports count too)."""
+    graph = _edges(_modules())
+    up = sorted(f"{m} -> {t}" for m, targets in graph.items() if not m.startswith("shardwise.cli")
+                for t in targets if t == "shardwise.cli" or t.startswith("shardwise.cli."))
+    assert not up, up
+
+
 def test_no_private_names_imported_across_modules() -> None:
     offenders = []
     for name, tree in _modules().items():

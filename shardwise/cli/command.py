@@ -12,15 +12,14 @@ from shardwise.launch.devices import BACKENDS, count_gpus, launch_notice, plan_w
 from shardwise.net import free_port
 
 SUBCOMMANDS = {
-    "train": ("shardwise.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),
-    "estimate": ("shardwise.estimate.report", "memory and communication per ZeRO stage, and advice"),
-    "consolidate": ("shardwise.checkpoint", "turn a sharded checkpoint into an HF model directory"),
+    "train": ("shardwise.cli.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),
+    "estimate": ("shardwise.cli.estimate", "memory and communication per ZeRO stage, and advice"),
+    "consolidate": ("shardwise.cli.consolidate", "turn a sharded checkpoint into an HF model directory"),
     "generate": ("shardwise.cli.generate", "generate text from an HF model directory"),
-    "quantize": ("shardwise.inference.quantize",
+    "quantize": ("shardwise.cli.quantize",
                  "write an int8/int4 copy of an HF model directory for streamed generate"),
     "env": ("shardwise.cli.env", "versions, devices, backends, extras, what the DeepSpeed facade serves"),
 }
-ENTRY = {"shardwise.checkpoint": "consolidate_main"}
 # `SUBCOMMAND --help` builds these torch-free parsers, so help answers before any heavy import
 HELP_PARSERS = {"train": ("shardwise.cli.train_options", "build_parser"),
                 "consolidate": ("shardwise.cli.parsers", "consolidate_parser"),
@@ -246,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         print(f"shardwise {cmd}: error: not available in this build ({e}); install its extras", file=sys.stderr)
         return 2
-    return run_command(f"shardwise {cmd}", getattr(mod, ENTRY.get(mod_name, "main")), rest)
+    return run_command(f"shardwise {cmd}", mod.main, rest)
 
 
 if __name__ == "__main__":

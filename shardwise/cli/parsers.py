@@ -1,6 +1,6 @@
 """The argument parsers of ``consolidate``, ``quantize`` and ``generate``, free of torch.
 
-Their commands build them (``checkpoint.hf.consolidate_main``, ``inference.quantize.main``,
+Their commands build them (``cli.consolidate.main``, ``cli.quantize.main``,
 ``inference.cli.parse``) and so does ``shardwise.cli`` to answer ``--help`` before any heavy import.
 """
 

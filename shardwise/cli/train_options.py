@@ -196,10 +196,3 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except ConfigError as e:
             p.error(f"--config: {e}")
     return args
-
-
-def resolved(args: argparse.Namespace) -> dict[str, Any]:
-    """What run_config.json records: every option, with the DeepSpeed config inline."""
-    out = {k: v for k, v in vars(args).items() if k not in ("run_config", "ds_config", "config")}
-    out["config"] = args.ds_config
-    return out

@@ -23,8 +23,8 @@ from shardwise.estimate.memory import (
     parse_count,
 )
 from shardwise.estimate.planner import Cluster, Layout, Plan, format_plans, plan
-from shardwise.estimate.report import format_report, main
+from shardwise.estimate.report import format_report
 
 __all__ = ["estimate", "model_facts", "count_params", "parse_count", "parse_bytes", "ModelFacts", "Estimate",
-           "StageEstimate", "Candidate", "Component", "format_report", "main", "plan", "format_plans", "Cluster",
+           "StageEstimate", "Candidate", "Component", "format_report", "plan", "format_plans", "Cluster",
            "Layout", "Plan"]

@@ -7,12 +7,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 
 import torch
 
-from shardwise.cli.parsers import quantize_parser
-from shardwise.errors import one_line
 from shardwise.inference.quant_format import (
     DEFAULT_GROUP,
     DESCRIPTION,
@@ -115,21 +112,3 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, o
     before = sum(f.size for f in files.files)
     return {"tensors_quantized": len(shapes), "bytes_before": before,
             "bytes_after": os.path.getsize(os.path.join(dst, "model.safetensors"))}
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = quantize_parser(write_block_rows())
-    args = p.parse_args(argv)
-    try:
-        rep = quantize_folder(args.src, args.dst, args.bits, args.group_size, overwrite=args.overwrite,
-                              block_rows=args.kernel_order)
-    except (ValueError, OSError) as e:
-        print(f"shardwise quantize: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    print(f"{args.dst}: {rep['tensors_quantized']} weights to {args.bits} bits (groups of {args.group_size}); "
-          f"{rep['bytes_before'] / 2**20:.1f} MiB -> {rep['bytes_after'] / 2**20:.1f} MiB")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -141,3 +141,10 @@ def memory_table(rows: list[dict[str, int]]) -> str:
     for r, rep in enumerate(rows):
         lines.append(f"{r:>4} " + " ".join(f"{rep[k] / 2**20:>12.2f} MiB" for k in MEMORY_KEYS))
     return "\n".join(lines)
+
+
+def resolved(args: Any) -> dict[str, Any]:
+    """What run_config.json records: every option, with the DeepSpeed config inline."""
+    out = {k: v for k, v in vars(args).items() if k not in ("run_config", "ds_config", "config")}
+    out["config"] = args.ds_config
+    return out

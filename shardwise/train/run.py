@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from shardwise.checkpoint.formats import is_foreign
 from shardwise.checkpoint.run_files import RUN_TOKENIZER
-from shardwise.cli.train_options import parse_args, resolved
 from shardwise.comm import RanksDivergedError, make_comm
 from shardwise.config import ConfigError
 from shardwise.errors import UserError, one_line, user_error_types
@@ -40,7 +39,7 @@ from shardwise.train.divergence import (
 from shardwise.train.export import write_side_files
 from shardwise.train.hf_datasets import dataset_kind, dataset_to_jsonl
 from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
-from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics
+from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics, resolved
 from shardwise.train.run_folder import RunLock
 from shardwise.units import human_counts
 
@@ -69,8 +68,8 @@ def _log(msg: str) -> None:
         print(f"[shardwise train] {msg}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(args: Any) -> int:
+    """Run the job ``args`` describes (``shardwise.cli.train_options.parse_args`` made them)."""
     import shardwise
 
     shardwise.init_distributed(timeout=args.timeout)
