@@ -39,7 +39,7 @@ def test_disk_reads_of_a_layer_go_in_file_order(tiny, monkeypatch):
     are issued by file offset, so the kernel's readahead serves them (2.5-3x faster cold)."""
     import re
 
-    from shardwise.safetensors_io import SafetensorsFile
+    from shardwise.files.safetensors_io import SafetensorsFile
 
     _, folder, ref = tiny
     reads, plain = [], SafetensorsFile.read_raw

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shardwise.optim import (
+from shardwise.optim.optimizers import (
     WarmupCosineLR,
     WarmupDecayLR,
     WarmupLR,

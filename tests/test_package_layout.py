@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "shardwise"
-MAX_LOOSE_MODULES = 13  # modules at the top of shardwise/ besides __init__
+MAX_LOOSE_MODULES = 6  # modules at the top of shardwise/ besides __init__, each with its reason in docs/architecture.md
 MAX_FUNCTION_LINES = 60
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardwise.checkpoint.fileio import SafetensorsWriter
-from shardwise.safetensors_io import MAX_HEADER, ST_DTYPES, ST_NAMES, SafetensorsFile, dtype_from_name
+from shardwise.files.safetensors_io import MAX_HEADER, ST_DTYPES, ST_NAMES, SafetensorsFile, dtype_from_name
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import OneLineError
-from shardwise.safe_files import read_regular
+from shardwise.files.safe import read_regular
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 3  # 2: TP-sharded parameters saved per TP rank as NAME@tp{r}of{t}; 3: the "frozen" section

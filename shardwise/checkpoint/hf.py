@@ -33,8 +33,8 @@ from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, sa
 from shardwise.checkpoint.validate import confined_path
 from shardwise.comm import Comm, CommStats
 from shardwise.estimate.memory import parse_bytes
-from shardwise.model_folder import hf_output_name
-from shardwise.safe_files import OutputFolder, commit_temp, temp_of
+from shardwise.files.model_folder import hf_output_name
+from shardwise.files.safe import OutputFolder, commit_temp, temp_of
 from shardwise.tensor_parallel.plan import gather_full
 
 if TYPE_CHECKING:

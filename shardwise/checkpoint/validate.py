@@ -33,8 +33,8 @@ from pydantic import (
 )
 
 from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json
-from shardwise.safe_files import confine
-from shardwise.safetensors_io import dtype_from_name
+from shardwise.files.safe import confine
+from shardwise.files.safetensors_io import dtype_from_name
 
 MAX_NUMEL = 2**40  # elements in one tensor: larger is a damaged header, not a model
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # optimizer state / trained tensors

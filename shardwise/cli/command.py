@@ -9,7 +9,7 @@ import sys
 
 from shardwise.errors import OneLineParser, UserError, bounded_int, positive_float, run_command
 from shardwise.launch.devices import BACKENDS, count_gpus, launch_notice, plan_world, rank_env
-from shardwise.net import free_port
+from shardwise.launch.net import free_port
 
 SUBCOMMANDS = {
     "train": ("shardwise.cli.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),

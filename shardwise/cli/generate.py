@@ -16,7 +16,7 @@ from pathlib import Path
 
 from shardwise.cli.parsers import DTYPES, generate_parser
 from shardwise.errors import UserError
-from shardwise.model_folder import check_model_folder, loading
+from shardwise.files.model_folder import check_model_folder, loading
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -12,7 +12,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from shardwise import optim, utils, zero
+from shardwise import utils, zero
 from shardwise.comm import compat as comm_api
 from shardwise.config.schema import ConfigError
 from shardwise.deepspeed import accelerate_state, accelerator, names, ops, ulysses
@@ -21,6 +21,7 @@ from shardwise.deepspeed.stage3 import initialize
 from shardwise.engine import Engine
 from shardwise.engine.initialize import add_config_arguments
 from shardwise.inference.compat import init_inference
+from shardwise.optim import optimizers as optim
 from shardwise.utils import moe, zero_to_fp32
 
 # The DeepSpeed release whose API the facade implements; the facade's package version.

@@ -9,7 +9,7 @@ from shardwise.errors import UserError
 from shardwise.estimate.memory import (
     Estimate,
 )
-from shardwise.safe_files import read_in, read_regular
+from shardwise.files.safe import read_in, read_regular
 
 
 def _gb(b: float, unit: float = 1e9) -> str:

@@ -10,6 +10,9 @@ import os
 
 import torch
 
+from shardwise.files.model_folder import hf_output_name
+from shardwise.files.safe import OutputFolder, commit_temp, hub_roots, open_temp, read_in, write_atomic
+from shardwise.files.safetensors_io import ST_NAMES
 from shardwise.inference.quant_format import (
     DEFAULT_GROUP,
     DESCRIPTION,
@@ -23,9 +26,6 @@ from shardwise.inference.quant_format import (
 )
 from shardwise.inference.quantized_linear import BLOCK_ROWS, write_block_rows
 from shardwise.inference.stream import SafetensorsReader, meta_model
-from shardwise.model_folder import hf_output_name
-from shardwise.safe_files import OutputFolder, commit_temp, hub_roots, open_temp, read_in, write_atomic
-from shardwise.safetensors_io import ST_NAMES
 
 
 def _copy_side_files(src: str, dst: str) -> list[str]:

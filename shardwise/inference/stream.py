@@ -40,10 +40,10 @@ from torch import nn
 
 from shardwise.comm import Comm, compute_device
 from shardwise.errors import UserError
+from shardwise.files.model_folder import check_model_folder, loading
+from shardwise.files.safe import confine, hub_roots, read_in
+from shardwise.files.safetensors_io import SafetensorsFile, TensorInfo
 from shardwise.inference.allocator import pin_allocator
-from shardwise.model_folder import check_model_folder, loading
-from shardwise.safe_files import confine, hub_roots, read_in
-from shardwise.safetensors_io import SafetensorsFile, TensorInfo
 from shardwise.tensor_parallel.layers import read_tp_slice
 from shardwise.units import ByteCounts
 from shardwise.zero.builder import build_frozen
@@ -84,7 +84,7 @@ class SafetensorsReader:
 
     The folder-level part of ZeRO-Inference's reading: which files (the index, confined to the
     folder) and which name is where. Each file's header is checked by
-    :class:`~shardwise.safetensors_io.SafetensorsFile` (nothing stays mmapped, so after a layer
+    :class:`~shardwise.files.safetensors_io.SafetensorsFile` (nothing stays mmapped, so after a layer
     is released its bytes are only in the page cache, which RSS does not count), and
     :meth:`check_shape` holds each tensor to the model's shape, so weights that do not match the
     config are refused by file and tensor instead of streaming garbage.

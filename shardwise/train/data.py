@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.safe_files import commit_temp, confine, hub_roots, open_regular, open_temp, write_atomic
+from shardwise.files.safe import commit_temp, confine, hub_roots, open_regular, open_temp, write_atomic
 from shardwise.train.jsonl_stream import jsonl_texts
 from shardwise.train.tokenize_stream import READ_BYTES, encode_stream
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import UserError
-from shardwise.safe_files import MANIFEST, OutputFolder, read_in, write_atomic
+from shardwise.files.safe import MANIFEST, OutputFolder, read_in, write_atomic
 
 MEMORY_KEYS = ["params", "grads", "master_params", "optimizer_states", "buffers", "comm_buffers", "total"]
 

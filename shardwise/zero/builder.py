@@ -26,7 +26,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from shardwise.comm import Comm, compute_device
-from shardwise.grad_norm import global_grad_norm
+from shardwise.optim.grad_norm import global_grad_norm
 from shardwise.zero.eager_hooks import eager_hook
 from shardwise.zero.flat_group import ShardedGroup, owner_of
 from shardwise.zero.gather_pool import GatherPool

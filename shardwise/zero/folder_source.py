@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import UserError
-from shardwise.safetensors_io import SafetensorsFile
+from shardwise.files.safetensors_io import SafetensorsFile
 from shardwise.zero.hub_names import StoredRows, folder_of, hub_names
 
 
@@ -40,7 +40,7 @@ class SafetensorsSource:
     """zero.Init's view of an HF safetensors folder: a parameter's name (or a tied alias) -> file.
 
     The index is confined to the folder (:func:`weight_map`); files are opened on first use by the
-    one reader (:class:`~shardwise.safetensors_io.SafetensorsFile`, header validated), and each
+    one reader (:class:`~shardwise.files.safetensors_io.SafetensorsFile`, header validated), and each
     rank reads exactly the element ranges of its shards (``bytes_read`` shows it). Given the
     ``model``, a name the folder stores otherwise (the hub's per-expert MoE layout that
     ``save_pretrained`` writes) is read from the stored tensors transformers would convert

@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardwise.config.schema import OPTIMIZERS as CONFIG_OPTIMIZERS
 from shardwise.config.schema import SCHEDULERS as CONFIG_SCHEDULERS
-from shardwise.ds_optimizers import MUON_CONFIG_KEYS, Lamb, MuonWithAuxAdam, muon_param_groups
+from shardwise.optim.ds_optimizers import MUON_CONFIG_KEYS, Lamb, MuonWithAuxAdam, muon_param_groups
 
 __all__ = [
     "build_optimizer",

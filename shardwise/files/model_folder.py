@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shardwise.errors import UserError
-from shardwise.safe_files import check_folder, hub_roots, read_in
-from shardwise.safetensors_io import SafetensorsFile
+from shardwise.files.safe import check_folder, hub_roots, read_in
+from shardwise.files.safetensors_io import SafetensorsFile
 
 # config keys that count something: a zero, negative or non-integer value cannot build a model
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
