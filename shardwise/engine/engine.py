@@ -32,12 +32,8 @@ from shardwise.fsdp.module import shard_module
 from shardwise.moe import expert_parallel_of
 from shardwise.monitor import EngineMonitor
 from shardwise.optim.loss_scale import DynamicLossScaler
-from shardwise.optim.optimizers import (
-    build_optimizer,
-    build_scheduler,
-    config_optimizer_class,
-    rebuild_client_optimizer,
-)
+from shardwise.optim.optimizers import build_optimizer, config_optimizer_class, rebuild_client_optimizer
+from shardwise.optim.schedules import build_scheduler
 from shardwise.sequence_parallel import setup_long_context
 from shardwise.units import ByteCounts
 from shardwise.zero.bucket_step import require_elementwise, step_and_publish
