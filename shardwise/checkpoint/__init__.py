@@ -19,7 +19,8 @@ from shardwise.checkpoint.fileio import CheckpointError
 from shardwise.checkpoint.hf import consolidate, save_16bit_model
 from shardwise.checkpoint.load import load_checkpoint
 from shardwise.checkpoint.save import save_checkpoint
-from shardwise.checkpoint.validate import confined_path, read_weight_map
+from shardwise.checkpoint.validate import confined_path
+from shardwise.files.model_folder import read_weight_map
 
 __all__ = ["CheckpointError", "confined_path", "consolidate", "gather_experts", "gather_rows",
            "load_checkpoint", "read_weight_map", "save_16bit_model", "save_checkpoint"]
