@@ -305,7 +305,7 @@ def _set_aside_world_of_one() -> str | None:
 # added later is still patched if something imported it before the guard starts
 _BINDS_COMPUTE_DEVICE = ("shardwise.fsdp.module", "shardwise.optim.grad_norm", "shardwise.engine.compat",
                          "shardwise.zero.gathered", "shardwise.inference.stream",
-                         "shardwise.sequence_parallel.attention", "shardwise.tensor_parallel.inference")
+                         "shardwise.sequence_parallel.attention", "shardwise.inference.tensor_parallel")
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from shardwise.inference.quant_format import is_quantized
 from shardwise.inference.quantized_linear import install
 from shardwise.inference.quantized_store import open_store
 from shardwise.inference.stream import OFFLOADS, inference_device, meta_model, stream_layers
-from shardwise.tensor_parallel.inference import init_inference as tp_init
+from shardwise.inference.tensor_parallel import init_inference as tp_init
 
 
 def _comm() -> Comm:

@@ -8,10 +8,11 @@ AdamW unless ``adam_w_mode`` is false).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
 from shardwise.config.schema import OPTIMIZERS as CONFIG_OPTIMIZERS
@@ -125,6 +126,21 @@ def _build_whole_tensor_optimizer(name: str, kw: dict[str, Any], param_groups: l
     return Lamb(param_groups, **kw)
 
 
+def normalize_param_groups(model: nn.Module, model_parameters: Iterable | None) -> list[dict]:
+    """DeepSpeed's ``model_parameters``: None, an iterable of tensors, or of group dicts."""
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        groups = [dict(g) for g in items]
+        for g in groups:
+            g["params"] = list(g["params"])
+        return groups
+    if items and isinstance(items[0], tuple):  # named_parameters()
+        items = [p for _, p in items]
+    return [{"params": items}]
+
+
 def client_param_groups(model: torch.nn.Module, model_parameters: Any, client: Any) -> list[dict]:
     """The optimizer param groups the engine builds its shards for, as DeepSpeed picks them.
 
@@ -132,8 +148,6 @@ def client_param_groups(model: torch.nn.Module, model_parameters: Any, client: A
     config optimizer or a factory). Groups without parameters are dropped, as DeepSpeed drops
     them from the optimizer it returns.
     """
-    from shardwise.zero.partition import normalize_param_groups
-
     if isinstance(client, Optimizer):
         groups = [{**g, "params": list(g["params"])} for g in client.param_groups]
     else:
