@@ -1,4 +1,4 @@
-"""What the direct-call hooks cost the whole-model step at ZeRO-3 (shardwise/zero/direct_calls.py).
+"""What the direct-call hooks cost the whole-model step at ZeRO-3 (shardwise/zero/stage3/direct_calls.py).
 
     python benchmarks/bench_direct_calls.py                  # 2 ranks, tiny and llama-20m
     python benchmarks/bench_direct_calls.py --models tiny --rounds 9 --steps 10
@@ -104,7 +104,7 @@ def _worker(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     import shardwise
-    from shardwise.zero.direct_calls import DirectCalls
+    from shardwise.zero.stage3.direct_calls import DirectCalls
 
     shardwise.init_distributed(backend="gloo")
     torch.manual_seed(0)

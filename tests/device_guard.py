@@ -304,7 +304,7 @@ def _set_aside_world_of_one() -> str | None:
 # modules that import compute_device by name (grep "import.*compute_device" shardwise/); a module
 # added later is still patched if something imported it before the guard starts
 _BINDS_COMPUTE_DEVICE = ("shardwise.fsdp.module", "shardwise.optim.grad_norm", "shardwise.engine.compat",
-                         "shardwise.zero.gathered", "shardwise.inference.stream",
+                         "shardwise.zero.stage3.gathered", "shardwise.inference.stream",
                          "shardwise.sequence_parallel.attention", "shardwise.inference.tensor_parallel")
 
 

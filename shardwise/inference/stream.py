@@ -4,7 +4,7 @@ Streaming a decoder layer from CPU memory or from disk *is* stage 3 where the sh
 elsewhere, so this module builds no second mechanism: the one builder
 (``zero/builder.build_frozen``) makes every decoder layer a frozen
 :class:`~shardwise.zero.flat_group.ShardedGroup` whose shard store (``zero/store.py``) is chosen
-by ``offload``, and :class:`~shardwise.zero.stage3.ParamFetcher` gathers it just before its
+by ``offload``, and :class:`~shardwise.zero.stage3.fetcher.ParamFetcher` gathers it just before its
 forward, prefetches the next ``prefetch`` layers and releases it after.
 
 * ``offload="cpu"``: the shard (the whole layer at world 1) sits in (pinned) CPU memory and
@@ -49,9 +49,9 @@ from shardwise.units import ByteCounts
 from shardwise.zero.builder import build_frozen
 from shardwise.zero.flat_group import ShardedGroup
 from shardwise.zero.gather_pool import GatherPool
-from shardwise.zero.gathered import guard_state_dict
-from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
-from shardwise.zero.stage3 import ParamFetcher
+from shardwise.zero.init.context import Init, swap_meta_parameters, tied_aliases
+from shardwise.zero.stage3.fetcher import ParamFetcher
+from shardwise.zero.stage3.gathered import guard_state_dict
 
 OFFLOADS = (None, "cpu", "disk")
 

@@ -20,7 +20,7 @@ from shardwise.files.safetensors_io import SafetensorsFile
 from shardwise.mesh import get_mesh
 from shardwise.tensor_parallel.layers import ShardSpec, full_shape, read_tp_slice
 from shardwise.tensor_parallel.plan import apply_tensor_parallel, tp_state_of
-from shardwise.zero.init import params_on_meta, weight_map
+from shardwise.zero.init.context import params_on_meta, weight_map
 
 
 def _read_local(f: SafetensorsFile, key: str, spec: ShardSpec | None, shape: tuple[int, ...],

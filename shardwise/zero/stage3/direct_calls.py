@@ -43,11 +43,11 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from shardwise.zero.eager_hooks import eager_hook, forward_is_compiled
-from shardwise.zero.external import ReleasedUseCheck
+from shardwise.zero.stage3.external import ReleasedUseCheck
 
 if TYPE_CHECKING:
     from shardwise.zero.flat_group import ShardedGroup
-    from shardwise.zero.stage3 import ParamFetcher
+    from shardwise.zero.stage3.fetcher import ParamFetcher
 
 
 @dataclass

@@ -16,7 +16,7 @@ from torch import nn
 from shardwise.errors import UserError
 from shardwise.files.model_folder import weight_map
 from shardwise.files.safetensors_io import SafetensorsFile
-from shardwise.zero.hub_names import StoredRows, folder_of, hub_names
+from shardwise.zero.init.hub_names import StoredRows, folder_of, hub_names
 
 
 class SafetensorsSource:
@@ -27,7 +27,7 @@ class SafetensorsSource:
     rank reads exactly the element ranges of its shards (``bytes_read`` shows it). Given the
     ``model``, a name the folder stores otherwise (the hub's per-expert MoE layout that
     ``save_pretrained`` writes) is read from the stored tensors transformers would convert
-    (:mod:`shardwise.zero.hub_names`).
+    (:mod:`shardwise.zero.init.hub_names`).
     """
 
     def __init__(self, folder: Path, model: nn.Module | None = None):
