@@ -1,6 +1,6 @@
 """zero.Init's reader of a ``from_pretrained`` folder: each rank reads only the element ranges it needs.
 
-Split from ``zero/init.py`` (which re-exports both names, ``weight_map`` from ``files/model_folder.py``):
+Split from ``zero/init/context.py`` (which re-exports both names, ``weight_map`` from ``files/model_folder.py``):
 the source that serves a parameter's range by its own name, a tied alias, or the stored tensors
 transformers converts into it (``zero/hub_names.py``).
 """

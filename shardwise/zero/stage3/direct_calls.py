@@ -1,6 +1,6 @@
 """Stage 3: a submodule called on its own gathers what its forward reads, and releases it after.
 
-The units' hooks (``zero/stage3.py``) gather a decoder layer before it runs, and the root's hooks
+The units' hooks (``zero/stage3/fetcher.py``) gather a decoder layer before it runs, and the root's hooks
 gather what no unit owns (embeddings, final norm, head, parameters shared by two units). A module
 called directly, not from the model's forward (``t5.get_encoder()(ids)`` in ``generate``, a
 fused loss calling ``lm_head`` or the embedding, a test calling ``layers[0].mlp``), used to run
