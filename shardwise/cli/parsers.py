@@ -1,7 +1,7 @@
 """The argument parsers of ``consolidate``, ``quantize`` and ``generate``, free of torch.
 
 Their commands build them (``cli.consolidate.main``, ``cli.quantize.main``,
-``inference.cli.parse``) and so does ``shardwise.cli`` to answer ``--help`` before any heavy import.
+``cli.generate.parse``) and so does ``cli.command`` to answer ``--help`` before any heavy import.
 """
 
 from __future__ import annotations

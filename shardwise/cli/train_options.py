@@ -4,8 +4,8 @@ Every option is a flag and also a key of a run config file (``--run-config run.t
 keys are the flag names with ``_`` or ``-``); flags given on the command line override the file.
 The DeepSpeed config (``--config``, or a ``config`` table/object inside the run config) is read
 here once, ``"auto"`` scheduler step counts are filled from ``--steps`` (as the HF Trainer does),
-and the whole resolved set is written to ``RUN_DIR/run_config.json``: a run is reproducible with
-``shardwise train --run-config RUN_DIR/run_config.json``.
+and the whole resolved set is written to ``RUN_DIR/run_config.json`` (``train.outputs.resolved``):
+a run is reproducible with ``shardwise train --run-config RUN_DIR/run_config.json``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`shardwise estimate`: the estimator's tables as text, and its command line."""
+"""`shardwise estimate`'s tables as text, and the check of a model config (the command line is
+``shardwise.cli.estimate``)."""
 
 from __future__ import annotations
 
