@@ -4,7 +4,7 @@
     python benchmarks/bench_compile.py --stages 3 --backend aot_eager --steps 10
 
 For each mode it launches one gloo job (torchrun, OMP_NUM_THREADS=1 per rank) that trains
-``llama-20m`` (``shardwise.train_job``) with fused AdamW and prints the median step time
+``llama-20m`` (``shardwise.cli.train_job``) with fused AdamW and prints the median step time
 (forward + backward + step, slowest rank, after warmup; the first compiled steps are warmup) and
 the last loss. Modes: ``sw{S}`` / ``sw{S}-compiled`` (``shardwise.shard`` at stage S, then
 ``shardwise.compile``) and ``fsdp2`` / ``fsdp2-compiled`` (``fully_shard`` per layer and the root,
@@ -31,7 +31,7 @@ def _worker(mode: str, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     import shardwise
-    from shardwise.train_job import build_model
+    from shardwise.cli.train_job import build_model
 
     shardwise.init_distributed(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

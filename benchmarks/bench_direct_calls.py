@@ -1,4 +1,4 @@
-"""What the direct-call hooks cost the whole-model step at ZeRO-3 (shardwise/zero/direct_calls.py).
+"""What the direct-call hooks cost the whole-model step at ZeRO-3 (shardwise/zero/stage3/direct_calls.py).
 
     python benchmarks/bench_direct_calls.py                  # 2 ranks, tiny and llama-20m
     python benchmarks/bench_direct_calls.py --models tiny --rounds 9 --steps 10
@@ -38,7 +38,7 @@ def _model(name: str, seq: int):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                           tie_word_embeddings=False)
         return AutoModelForCausalLM.from_config(cfg), 509
-    from shardwise.train_job import build_model
+    from shardwise.cli.train_job import build_model
 
     return build_model(name, seq, seed=0), 256
 
@@ -104,7 +104,7 @@ def _worker(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     import shardwise
-    from shardwise.zero.direct_calls import DirectCalls
+    from shardwise.zero.stage3.direct_calls import DirectCalls
 
     shardwise.init_distributed(backend="gloo")
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Model-state memory per rank of each master mode at ZeRO-3, beside FSDP2 with the same precision policy.
 
-Two gloo ranks on the CPU train ``llama-20m`` (shardwise.train_job) a few AdamW steps in bf16 compute;
+Two gloo ranks on the CPU train ``llama-20m`` (shardwise.cli.train_job) a few AdamW steps in bf16 compute;
 after a backward and after a step each rank counts the bytes of every live tensor storage the job
 created (params, grads, masters, optimizer state, buffers; deduplicated by storage, as
 bench_zero_worker.py counts), and the larger of the two is reported. Modes:
@@ -106,7 +106,7 @@ def worker(rank: int, world: int, mode: str, model_name: str, steps: int, out: s
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from shardwise.train_job import build_model
+    from shardwise.cli.train_job import build_model
 
     base = storages()
     model = build_model(model_name, 128, 1234)

@@ -40,7 +40,7 @@ def _model_order(keys: list[str]) -> list[str]:
 def read_order(folder: str, repeats: int) -> None:
     import torch
 
-    from shardwise.safetensors_io import SafetensorsFile
+    from shardwise.files.safetensors_io import SafetensorsFile
 
     f = SafetensorsFile(os.path.join(folder, "model.safetensors"))
     keys = _model_order(list(f.tensors))
@@ -71,7 +71,7 @@ def _threads() -> dict[str, tuple[int, int]]:
 def cpu_per_thread(folder: str, tokens: int) -> None:
     import torch
 
-    import shardwise.safetensors_io as sio
+    import shardwise.files.safetensors_io as sio
     from shardwise.inference.load import init_inference
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))

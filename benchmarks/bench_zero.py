@@ -1,7 +1,7 @@
 """Side-by-side ZeRO benchmark: shardwise vs torch DDP, FSDP2 and DeepSpeed on one ~20M Llama.
 
 One invocation launches, one after another, a multi-rank gloo job (torchrun, OMP_NUM_THREADS=1 per
-rank) per mode. Every job trains the same model (``llama-20m`` from ``shardwise.train_job``, same
+rank) per mode. Every job trains the same model (``llama-20m`` from ``shardwise.cli.train_job``, same
 seed) on the same batches with the same AdamW hyperparameters (torch's fused AdamW everywhere, no
 gradient clipping) and reports:
 

@@ -185,7 +185,7 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    from shardwise.train_job import REPO_DATA, ByteTextDataset, build_model
+    from shardwise.cli.train_job import REPO_DATA, ByteTextDataset, build_model
 
     dataset = ByteTextDataset(REPO_DATA, args.seq)
     gc.collect()

@@ -303,9 +303,9 @@ def _set_aside_world_of_one() -> str | None:
 
 # modules that import compute_device by name (grep "import.*compute_device" shardwise/); a module
 # added later is still patched if something imported it before the guard starts
-_BINDS_COMPUTE_DEVICE = ("shardwise.fsdp.module", "shardwise.grad_norm", "shardwise.engine.compat",
-                         "shardwise.zero.gathered", "shardwise.inference.stream",
-                         "shardwise.sequence_parallel.attention", "shardwise.tensor_parallel.inference")
+_BINDS_COMPUTE_DEVICE = ("shardwise.fsdp.module", "shardwise.optim.grad_norm", "shardwise.engine.compat",
+                         "shardwise.zero.stage3.gathered", "shardwise.inference.stream",
+                         "shardwise.sequence_parallel.attention", "shardwise.inference.tensor_parallel")
 
 
 @contextlib.contextmanager
@@ -331,7 +331,7 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
     patch(FakeTensor, "data_ptr", _fake_data_ptr)
     patch(torch.UntypedStorage, "data_ptr", _fake_storage_ptr)
     FakeTensor.data = property(_get_data, _set_data)  # FakeTensor has none of its own: removed after
-    import shardwise.safetensors_io as sio
+    import shardwise.files.safetensors_io as sio
 
     for mod in [m for name, m in list(sys.modules.items()) if name.startswith("shardwise") and m is not None]:
         if getattr(mod, "read_into", None) is sio.read_into:

@@ -24,9 +24,9 @@ import time
 
 import torch
 
+from shardwise.cli.train import main
 from shardwise.comm import Comm
 from shardwise.engine import Engine
-from shardwise.train.run import main
 
 TARGETS = {"all_to_all": Comm, "all_to_all_v": Comm, "all_gather": Comm, "forward": Engine, "backward": Engine,
            "step": Engine}

@@ -2,7 +2,7 @@
 under ``shardwise launch --as-deepspeed`` (tests/test_hf_seq2seq.py).
 
 * ``Seq2SeqTrainer(predict_with_generate=True).predict`` on a tiny T5: ``generate`` runs
-  ``model.get_encoder()(input_ids)`` directly (before shardwise.zero.direct_calls: NaN encoder
+  ``model.get_encoder()(input_ids)`` directly (before shardwise.zero.stage3.direct_calls: NaN encoder
   output, every prediction pad tokens);
 * ``model.resize_token_embeddings(n)`` after ``from_pretrained`` under ``HfDeepSpeedConfig`` at
   stage 3 (transformers passes ``GatheredParameters`` lists with ``None`` biases), then

@@ -184,9 +184,9 @@ def forked_runs(jobs: list[tuple[str, str]], runs: int) -> dict[tuple[str, str],
 def _time_split() -> dict:
     """Seconds spent reading (reader thread: overlaps compute), dequantizing and in the int4
     kernel, accumulated by wrapping those functions (for the benchmark's time split only)."""
+    from shardwise.files.safetensors_io import SafetensorsFile
     from shardwise.inference.quantized_linear import Int4Linear
     from shardwise.inference.quantized_store import QuantizedStore
-    from shardwise.safetensors_io import SafetensorsFile
 
     acc = {"read": 0.0, "dequantize": 0.0, "int4_kernel": 0.0}
 

@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any
 
-from shardwise.net import free_port
+from shardwise.launch.net import free_port
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _READY = "rank ready"  # each rank's first message, once it has joined the group

@@ -11,7 +11,8 @@ from ckpt_cases import STEPS, probe_ids
 from transformers import AutoModelForCausalLM
 from zero_cases import max_rel_diff
 
-from shardwise.checkpoint import CheckpointError, consolidate, consolidate_main
+from shardwise.checkpoint import CheckpointError, consolidate
+from shardwise.cli.consolidate import main as consolidate_main
 
 KIND = "llama"
 CROSS_TOL = 1e-6

@@ -136,7 +136,7 @@ def test_deepspeed_zero_to_fp32_api_reads_deepspeed_files():
 def test_consolidate_cli_and_optimizer_mismatch(tmp_path, capsys):
     from foreign_ckpt_cases import load_error
 
-    from shardwise.checkpoint import consolidate_main
+    from shardwise.cli.consolidate import main as consolidate_main
 
     ckpt = FIXTURES / "hf_trainer_z2" / "checkpoint-2"
     assert consolidate_main([str(ckpt), str(tmp_path / "hf")]) == 0  # config.json from checkpoint-2/

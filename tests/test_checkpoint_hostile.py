@@ -16,8 +16,9 @@ import torch.distributed as dist
 from ckpt_cases import _train, same_state, small_engine, snapshot, world1_group
 from tiny_models import build
 
-from shardwise.checkpoint import CheckpointError, consolidate, consolidate_main
+from shardwise.checkpoint import CheckpointError, consolidate
 from shardwise.checkpoint.validate import confined_path
+from shardwise.cli.consolidate import main as consolidate_main
 
 TAG = "global_step1"
 RANK_FILE = "rank00000.safetensors"
@@ -111,7 +112,7 @@ def test_symlinked_latest_and_tag_refused(saved, victim, tmp_path):
 
 
 def test_weight_map_outside_folder_refused(tmp_path):
-    from shardwise.zero.init import weight_map
+    from shardwise.zero.init.context import weight_map
 
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model-1.safetensors", "b": "../../etc/passwd"}}))

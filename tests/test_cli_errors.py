@@ -109,7 +109,7 @@ def test_user_error_is_one_line_exit_2(name: str, results: dict, tmp_path: Path)
 @pytest.mark.subprocess
 def test_launch_space_form_reaches_the_subcommand() -> None:
     """`--max-restarts 2 -- train` and `--rdzv-backend c10d train`: the target is `train`, not a file."""
-    from shardwise.cli import _split_target
+    from shardwise.cli.command import _split_target
 
     for argv in (["--nproc", "2", "--max-restarts", "2", "--", "train", "--steps", "3"],
                  ["--nproc", "2", "--rdzv-backend", "c10d", "--", "train", "--steps", "3"],

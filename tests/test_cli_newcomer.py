@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from shardwise import cli
-from shardwise.commands import env, human_bytes, human_counts, parsers
+from shardwise.cli import command as cli
+from shardwise.cli import env, parsers
+from shardwise.units import human_bytes, human_counts
 
 
 def test_bare_command_prints_usage_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,7 +36,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.subprocess
 def test_every_subcommand_help_imports_no_torch() -> None:
     """The help of each subcommand comes from a torch-free parser (timing: benchmarks/bench_help.py)."""
-    code = ("import sys, contextlib, io\nfrom shardwise import cli\n"
+    code = ("import sys, contextlib, io\nfrom shardwise.cli import command as cli\n"
             "for cmd in ['train', 'estimate', 'consolidate', 'generate', 'quantize', 'env', 'launch']:\n"
             "    buf = io.StringIO()\n"
             "    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):\n"
@@ -85,7 +86,7 @@ def test_human_units() -> None:
 
 
 def test_byte_counts_print_in_human_units_and_stay_numbers() -> None:
-    from shardwise.commands import ByteCounts
+    from shardwise.units import ByteCounts
 
     rep = ByteCounts({"params": 1572864, "grads": 0})
     assert rep == {"params": 1572864, "grads": 0} and rep["params"] + 1 == 1572865

@@ -15,7 +15,7 @@ from device_guard import DEVICE, HostReadBeforeSync, cuda_reported, device_guard
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import shardwise
-import shardwise.grad_norm as grad_norm_module
+import shardwise.optim.grad_norm as grad_norm_module
 import shardwise.zero.flat_group as flat_group_module
 
 VOCAB, SEQ, MICRO = 61, 8, 2

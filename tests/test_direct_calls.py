@@ -1,6 +1,6 @@
 """ZeRO-3: every submodule of tiny HF models called on its own computes what the plain model does.
 
-Before shardwise.zero.direct_calls, a module called directly (``t5.get_encoder()(ids)`` inside
+Before shardwise.zero.stage3.direct_calls, a module called directly (``t5.get_encoder()(ids)`` inside
 ``generate``, ``lm_head`` in a fused loss) ran with NaN placeholders for every parameter that the
 root's or its unit's hooks gather: no error, NaN outputs. Each case runs on 2 gloo ranks with every
 parameter sharded (persistence threshold 0) and compares against the plain model bit for bit (same

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.optim import WarmupLR
+from shardwise.optim.schedules import WarmupLR
 
 ROOT = Path(__file__).resolve().parents[1]
 EX = ROOT / "examples" / "deepspeed_scripts"

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from rank_pool import RankPool
 
+from shardwise.cli.train_options import parse_args
 from shardwise.config import SupportedFeatures, load_config
-from shardwise.train.options import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 EX = ROOT / "examples"

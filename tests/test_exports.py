@@ -16,9 +16,9 @@ import pytest
 from rank_pool import RankPool
 from train_cases import train_in
 
-from shardwise.checkpoint import consolidate_main
-from shardwise.inference import cli as generate_cli
-from shardwise.inference.quantize import main as quantize_main
+from shardwise.cli import generate as generate_cli
+from shardwise.cli.consolidate import main as consolidate_main
+from shardwise.cli.quantize import main as quantize_main
 from shardwise.train.export import byte_hf_tokenizer
 from shardwise.train.model import ByteTokenizer
 

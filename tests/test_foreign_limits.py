@@ -26,9 +26,10 @@ from foreign_gen import (
 )
 from train_cases import train_in
 
-from shardwise.checkpoint import CheckpointError, consolidate, consolidate_main
+from shardwise.checkpoint import CheckpointError, consolidate
 from shardwise.checkpoint.formats import open_checkpoint
 from shardwise.checkpoint.unpickle import safe_load
+from shardwise.cli.consolidate import main as consolidate_main
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "data" / "foreign_ckpt"

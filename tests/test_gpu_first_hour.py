@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import shardwise.cli as cli
-from shardwise.cli_errors import UserError
+import shardwise.cli.command as cli
+from shardwise.cli import env as env_cmd
 from shardwise.comm import core
-from shardwise.commands import env as env_cmd
+from shardwise.errors import UserError
 from shardwise.launch import devices
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ from train_cases import train_in
 
 from shardwise.checkpoint import CheckpointError
 from shardwise.cli import main as cli
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 from shardwise.train import tokenize_stream
 from shardwise.train.data import tokenize_to_cache
 from shardwise.train.model import ByteTokenizer

@@ -39,7 +39,7 @@ def test_disk_reads_of_a_layer_go_in_file_order(tiny, monkeypatch):
     are issued by file offset, so the kernel's readahead serves them (2.5-3x faster cold)."""
     import re
 
-    from shardwise.safetensors_io import SafetensorsFile
+    from shardwise.files.safetensors_io import SafetensorsFile
 
     _, folder, ref = tiny
     reads, plain = [], SafetensorsFile.read_raw
@@ -79,7 +79,7 @@ def test_multi_rank_with_disk_offload(pool2, tiny):
 
 
 def test_tensor_parallel_inference(pool2, tiny):
-    pytest.importorskip("shardwise.tensor_parallel.inference")
+    pytest.importorskip("shardwise.inference.tensor_parallel")
     _, folder, ref = tiny
     assert pool2.run("inference_cases:tensor_parallel", folder) == [ref, ref]
 
@@ -87,7 +87,7 @@ def test_tensor_parallel_inference(pool2, tiny):
 @pytest.mark.parametrize("offload", ["disk", "cpu"])
 def test_tensor_parallel_with_offload(pool2, tiny, offload):
     """Each TP rank streams its own slices of every layer: the tokens of TP=2 without offload."""
-    pytest.importorskip("shardwise.tensor_parallel.inference")
+    pytest.importorskip("shardwise.inference.tensor_parallel")
     _, folder, ref = tiny
     resident = pool2.run("inference_cases:tensor_parallel", folder)
     assert pool2.run("inference_cases:tensor_parallel", folder, offload) == resident == [ref, ref]

@@ -17,7 +17,7 @@ STEPS = 8
 
 def test_default_rendezvous_restarts_with_a_fresh_store() -> None:
     """One node: c10d rendezvous through the agent's store (what makes restarts work on gloo)."""
-    from shardwise.cli import _launch_parser, _torchrun_command
+    from shardwise.cli.command import _launch_parser, _torchrun_command
 
     args, rest = _launch_parser().parse_known_args(["--nproc", "2", "--max-restarts", "2", "--log-dir", "x"])
     cmd = _torchrun_command(args, rest)

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.cli.estimate import main
 from shardwise.estimate.long_context import (
     activation_bytes,
     longest_sequence,
     tile_tokens,
 )
-from shardwise.estimate.report import main
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "long_context.json"
 MIB = 2**20
@@ -178,7 +178,7 @@ def test_cli_refuses_another_head_dim(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.subprocess
 def test_estimate_help_imports_no_torch() -> None:
     """The new flags keep ``shardwise estimate --help`` torch-free (torch loads only to build a model)."""
-    code = ("import sys, io, contextlib\nfrom shardwise.estimate.report import main\n"
+    code = ("import sys, io, contextlib\nfrom shardwise.cli.estimate import main\n"
             "with contextlib.redirect_stdout(io.StringIO()) as out:\n    assert main(['--help']) == 0\n"
             "assert '--budget' in out.getvalue() and 'torch' not in sys.modules\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

@@ -7,14 +7,8 @@ import math
 import pytest
 import torch
 
-from shardwise.optim import (
-    WarmupCosineLR,
-    WarmupDecayLR,
-    WarmupLR,
-    build_optimizer,
-    build_scheduler,
-    rebuild_client_optimizer,
-)
+from shardwise.optim.optimizers import build_optimizer, rebuild_client_optimizer
+from shardwise.optim.schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 # schedulers are stepped here without optimizer steps; torch warns about the order
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
@@ -178,7 +172,7 @@ def test_build_optimizer_adam_semantics() -> None:
     assert type(o) is torch.optim.AdamW  # DeepSpeed: adam_w_mode defaults to true
     g = o.param_groups[0]
     assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (3e-4, (0.8, 0.95), 1e-6, 0.0)
-    assert g["fused"] is True  # faster on CPU, see optim._kernel_kwargs
+    assert g["fused"] is True  # faster on CPU, see optim/optimizers.py _kernel_kwargs
 
     o = build_optimizer("adam", {"lr": 1e-3, "adam_w_mode": False, "weight_decay": 0.1}, _groups())
     assert type(o) is torch.optim.Adam and o.param_groups[0]["weight_decay"] == 0.1

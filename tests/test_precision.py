@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardwise.precision import DynamicLossScaler
+from shardwise.optim.loss_scale import DynamicLossScaler
 
 
 def test_overflow_halves_only_after_hysteresis() -> None:

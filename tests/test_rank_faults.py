@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.net import free_port
+from shardwise.launch.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "fault_worker.py"

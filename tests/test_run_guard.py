@@ -235,7 +235,7 @@ def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path) -> None:
 
 def test_every_run_config_option_has_a_type() -> None:
     """Each option's own default passes; a list never does; a float or a bool is no whole number."""
-    from shardwise.train.options import build_parser, type_error
+    from shardwise.cli.train_options import build_parser, type_error
 
     actions = [a for a in build_parser()._actions if a.dest not in ("help", "run_config")]
     for act in actions:

@@ -89,7 +89,7 @@ def _cfg(extra: dict, world: int):
 ])
 def test_combinations_refused_in_one_line(extra, world, mpu, match):
     """Every combination the layout cannot serve is refused by the one check, in one line naming the key."""
-    from shardwise.cli_errors import UserError
+    from shardwise.errors import UserError
     from shardwise.layout import check_combinations
 
     with pytest.raises(UserError, match=match) as e:

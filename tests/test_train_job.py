@@ -1,5 +1,5 @@
 """`shardwise train` end to end on 2 gloo ranks (and 1), tiny models: the runs go through the CLI's
-own entry (``shardwise.train.run.main``) inside the rank pools (tests/train_cases.py); the SIGTERM
+own entry (``shardwise.cli.train.main``) inside the rank pools (tests/train_cases.py); the SIGTERM
 stop and the one-line data error run the real command in subprocesses, the process being their subject.
 
 What is proven: a run stopped by SIGTERM at a random step and resumed with --resume auto gives the
@@ -28,9 +28,9 @@ import pytest
 import torch
 from rank_pool import RankPool
 
+from shardwise.cli.train_options import parse_args
 from shardwise.train.data import DataError, TokenData, list_sources, read_documents, tokenize_to_cache
 from shardwise.train.model import ByteTokenizer
-from shardwise.train.options import parse_args
 from shardwise.train.outputs import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ import pytest
 import torch
 from whole_tensor_cases import RESUME_STEPS, SAVE_AT, reference
 
-from shardwise.ds_optimizers import Lamb, gram_newton_schulz, newton_schulz
+from shardwise.optim.ds_optimizers import Lamb, gram_newton_schulz, newton_schulz
 from shardwise.zero.elementwise import is_elementwise, register_elementwise
 from shardwise.zero.whole_tensor import deal_whole_tensors
 

@@ -1,6 +1,6 @@
 """`shardwise train` run inside a rank pool's ranks (tests/rank_pool.py), as the CLI runs it.
 
-``shardwise.train.run.main`` is the CLI's own entry: given a world that is already up (the pool's),
+``shardwise.cli.train.main`` is the CLI's own entry: given a world that is already up (the pool's),
 it trains on that world and returns the exit code with the world still up and the run folder's
 lock released, so the next case (a resume in the same folder) starts at once instead of paying for
 a launcher, fresh interpreters and their torch/transformers imports. What is about the process
@@ -24,7 +24,7 @@ def train(argv: list[str]) -> tuple[int, str, str]:
     """
     from pathlib import Path
 
-    from shardwise.train.run import main
+    from shardwise.cli.train import main
     from shardwise.train.run_folder import RunLock
 
     out, err = io.StringIO(), io.StringIO()

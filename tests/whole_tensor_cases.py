@@ -15,7 +15,7 @@ from tiny_models import batches, build
 from zero_cases import make_config
 
 import shardwise
-from shardwise.ds_optimizers import Lamb, MuonWithAuxAdam, muon_param_groups, uses_muon
+from shardwise.optim.ds_optimizers import Lamb, MuonWithAuxAdam, muon_param_groups, uses_muon
 from shardwise.zero import GatheredParameters
 
 STEPS, MICRO, SEQ = 3, 2, 16

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise
+from shardwise.cli.train_job import REPO_DATA, ByteTextDataset
 from shardwise.comm import Comm
-from shardwise.train_job import REPO_DATA, ByteTextDataset
 from shardwise.zero.quantized_comm import (
     BLOCK,
     quantize,

@@ -4,7 +4,7 @@ Public API (the engine's ``save_checkpoint`` / ``load_checkpoint`` / ``save_16bi
 
 - :func:`save_checkpoint` / :func:`load_checkpoint`: collective, every rank reads and writes only
   its own shards; see ``docs/checkpoints.md`` for the on-disk format.
-- :func:`consolidate` / :func:`consolidate_main`: offline, single process, streams tensor by tensor.
+- :func:`consolidate`: offline, single process, streams tensor by tensor.
 - :func:`save_16bit_model`: HF weights from a live engine.
 - :func:`gather_experts`: an expert-parallel parameter's full tensor (every EP rank's experts);
   :func:`gather_rows`: the same for a tensor and the EP ``Comm``.
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from shardwise.checkpoint.experts import gather_experts, gather_rows
 from shardwise.checkpoint.fileio import CheckpointError
-from shardwise.checkpoint.hf import consolidate, consolidate_main, save_16bit_model
+from shardwise.checkpoint.hf import consolidate, save_16bit_model
 from shardwise.checkpoint.load import load_checkpoint
 from shardwise.checkpoint.save import save_checkpoint
-from shardwise.checkpoint.validate import confined_path, read_weight_map
+from shardwise.checkpoint.validate import confined_path
+from shardwise.files.model_folder import read_weight_map
 
-__all__ = ["CheckpointError", "confined_path", "consolidate", "consolidate_main", "gather_experts", "gather_rows",
+__all__ = ["CheckpointError", "confined_path", "consolidate", "gather_experts", "gather_rows",
            "load_checkpoint", "read_weight_map", "save_16bit_model", "save_checkpoint"]

@@ -29,7 +29,7 @@ from shardwise.checkpoint.fileio import CheckpointError
 from shardwise.checkpoint.foreign import Foreign, require_finite
 from shardwise.checkpoint.unpickle import StandIn, safe_load, safe_load_pickle
 from shardwise.checkpoint.validate import confined_path
-from shardwise.safe_files import open_regular
+from shardwise.files.safe import open_regular
 
 OPTIM_SECTIONS = ("optim", "optimizer")
 MAX_ITEM = 2**40

@@ -4,7 +4,7 @@ The writer plans the safetensors header from shapes up front and then streams ea
 so neither a rank's shard file nor a consolidated HF file is ever built in memory (and views of
 the flat buffers are written without copies). The reader checks each file's size and sha256
 against the metadata before opening it with the one safetensors reader
-(:class:`~shardwise.safetensors_io.SafetensorsFile`: no pickle, header validated), so a corrupt
+(:class:`~shardwise.files.safetensors_io.SafetensorsFile`: no pickle, header validated), so a corrupt
 or truncated file is refused by name before any of its bytes are used.
 """
 
@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json  # noqa: F401 (re-exported)
 from shardwise.comm import Comm, CommStats, compute_device, make_comm
-from shardwise.safe_files import finite_json, open_regular, write_atomic
-from shardwise.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
+from shardwise.files.safe import finite_json, open_regular, write_atomic
+from shardwise.files.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
 
 __all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name"]
 

@@ -1,5 +1,6 @@
 """What every checkpoint file shares, below the readers, writers and validators that use it: the
-format's name and version, :class:`CheckpointError`, and strict JSON reading.
+format's name and version, with :class:`CheckpointError` and strict JSON reading handed on from
+the leaves that define them (``shardwise.errors``, ``shardwise.files.safe``).
 
 Kept apart from ``fileio`` (which confines file names through ``validate``) so that ``validate``
 and ``tp`` can raise and read without importing ``fileio`` back (no import cycle).
@@ -7,33 +8,10 @@ and ``tp`` can raise and read without importing ``fileio`` back (no import cycle
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from typing import Any
+from shardwise.errors import CheckpointError
+from shardwise.files.safe import read_json
 
-from shardwise.cli_errors import OneLineError
-from shardwise.safe_files import read_regular
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "read_json"]
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 3  # 2: TP-sharded parameters saved per TP rank as NAME@tp{r}of{t}; 3: the "frozen" section
-MAX_JSON = 1 << 30  # a larger JSON file in a checkpoint is damage
-
-
-class CheckpointError(RuntimeError, OneLineError):
-    """A checkpoint is missing, corrupt, truncated, or does not fit the engine it is loaded into."""
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def read_json(path: Path) -> Any:
-    """Strict JSON (no NaN/Infinity, UTF-8), or a CheckpointError naming ``path``."""
-    if not os.path.lexists(path):
-        raise CheckpointError(f"{path}: file is missing")
-    raw = read_regular(path, MAX_JSON, CheckpointError)  # a FIFO or folder is refused, never blocks
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-        raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt): {e}"[:500]) from e

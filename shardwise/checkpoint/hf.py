@@ -7,7 +7,6 @@ whole state dict in RAM instead.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,14 +27,14 @@ from shardwise.checkpoint.fileio import (
 from shardwise.checkpoint.formats import FOREIGN, open_checkpoint
 from shardwise.checkpoint.frozen import frozen_groups, full_shape, module_extras, read_whole, saved_extras
 from shardwise.checkpoint.load import read_saved, resolve_tag
-from shardwise.checkpoint.run_files import checkpoints_folder, copy_side_files, find_side_files, side_files_in
+from shardwise.checkpoint.run_files import checkpoints_folder, copy_side_files, find_side_files
 from shardwise.checkpoint.save import model_config
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.checkpoint.validate import confined_path
 from shardwise.comm import Comm, CommStats
 from shardwise.estimate.memory import parse_bytes
-from shardwise.model_folder import hf_output_name
-from shardwise.safe_files import OutputFolder, commit_temp, temp_of
+from shardwise.files.model_folder import hf_output_name
+from shardwise.files.safe import OutputFolder, commit_temp, temp_of
 from shardwise.tensor_parallel.plan import gather_full
 
 if TYPE_CHECKING:
@@ -207,7 +206,7 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
     ``protect``: the folder the output may not be inside (default ``ckpt_dir``; the checkpoint
     folder's ``zero_to_fp32.py`` passes the tag folder, so ``. OUT`` works as with DeepSpeed).
 
-    Single process, no torch.distributed. The output folder (``safe_files.OutputFolder``: not
+    Single process, no torch.distributed. The output folder (``files.safe.OutputFolder``: not
     inside the checkpoint, no files shardwise did not write unless ``overwrite``), the metadata,
     the config and every shard file are checked before anything is written.
     """
@@ -233,27 +232,6 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
     side = copy_side_files(side_dir, side_names, out) if side_dir is not None else []
     w.finish(_write_config(cfg, out, out_dt), side)
     return names
-
-
-def consolidate_main(argv: list[str] | None = None) -> int:
-    """``shardwise consolidate``: sharded checkpoint -> HF folder loadable by ``from_pretrained``."""
-    from shardwise.cli_errors import one_line
-    from shardwise.commands.parsers import consolidate_parser
-
-    p = consolidate_parser()
-    a = p.parse_args(argv)
-    if not Path(a.ckpt_dir).is_dir():
-        p.error(f"{a.ckpt_dir!r} is not a folder; pass the folder given to save_checkpoint")
-    try:
-        names = consolidate(a.ckpt_dir, a.out_dir, a.tag, a.dtype, a.max_shard_size, not a.no_verify,
-                            config=a.config, weights_only=a.weights_only, overwrite=a.overwrite)
-    except (CheckpointError, ValueError, OSError) as e:  # UserError is a ValueError
-        print(f"shardwise consolidate: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    has_tokenizer = any(n.startswith(("tokenizer", "vocab")) for n in side_files_in(a.out_dir))
-    print(f"wrote {len(names)} weight file(s) to {a.out_dir}" + (" with the tokenizer" if has_tokenizer else
-          "; no tokenizer was saved with the checkpoint: copy the model's tokenizer files there for generate"))
-    return 0
 
 
 def _group_comm(g, dp: Comm) -> Comm:

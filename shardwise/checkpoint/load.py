@@ -49,7 +49,7 @@ from shardwise.checkpoint.tp import (
 )
 from shardwise.checkpoint.validate import confined_path, match_like
 from shardwise.checkpoint.whole_tensor_state import check_state_layout, stage_whole_state
-from shardwise.safe_files import read_regular
+from shardwise.files.safe import read_regular
 from shardwise.zero.low_precision import COMPENSATION, kept_state_dtype, master_buffer, settle_master
 
 if TYPE_CHECKING:

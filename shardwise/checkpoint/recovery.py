@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-from shardwise.safe_files import write_atomic
+from shardwise.files.safe import write_atomic
 
 SCRIPT_NAME = "zero_to_fp32.py"
 SCRIPT = '''#!/usr/bin/env python

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from shardwise.checkpoint.fileio import CheckpointError
-from shardwise.safe_files import hub_roots, read_in, write_atomic
+from shardwise.files.safe import hub_roots, read_in, write_atomic
 
 RUN_TOKENIZER = "tokenizer"  # RUN/tokenizer/: the run's tokenizer and generation config
 _NAMES = {"generation_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt",

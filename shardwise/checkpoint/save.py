@@ -37,7 +37,7 @@ from shardwise.checkpoint.frozen import describe_frozen, module_extras
 from shardwise.checkpoint.recovery import write_recovery_script
 from shardwise.checkpoint.tp import logical_name, saved_name, spec_of, tp_meta
 from shardwise.checkpoint.whole_tensor_state import SECTION, merge_whole_state, whole_state_pieces
-from shardwise.safe_files import finite_json, plain_name, write_atomic
+from shardwise.files.safe import finite_json, plain_name, write_atomic
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget

@@ -32,9 +32,9 @@ from pydantic import (
     model_validator,
 )
 
-from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json
-from shardwise.safe_files import confine
-from shardwise.safetensors_io import dtype_from_name
+from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError
+from shardwise.files.safe import confine
+from shardwise.files.safetensors_io import dtype_from_name
 
 MAX_NUMEL = 2**40  # elements in one tensor: larger is a damaged header, not a model
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # optimizer state / trained tensors
@@ -49,23 +49,13 @@ AnyDtype = Literal[ANY_DTYPES]  # type: ignore[valid-type]
 
 
 def confined_path(folder: str | Path, name: object, source: str | Path) -> Path:
-    """``folder/name`` resolved, refused unless it stays inside ``folder`` (``safe_files.confine``).
+    """``folder/name`` resolved, refused unless it stays inside ``folder`` (``files.safe.confine``).
 
     ``name`` was read from ``source`` (named in the error): an absolute path, a ``..`` part, a
     backslash or a symlink leading out of ``folder`` is refused, so a checkpoint can never make
     shardwise open (or hash) a file elsewhere.
     """
     return confine(folder, name, source, CheckpointError)
-
-
-def read_weight_map(folder: Path, index: Path) -> dict[str, Path]:
-    """``model.safetensors.index.json``'s ``weight_map`` with every file confined to ``folder``."""
-    data = read_json(confined_path(folder, index.name, folder) if index.parent == folder else index)
-    wm = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
-        raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to file names")
-    files = {f: confined_path(folder, f, index) for f in set(wm.values())}
-    return {name: files[f] for name, f in wm.items()}
 
 
 def _numel(shape: list[int]) -> int:

@@ -34,13 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.cli_errors import UserError
 from shardwise.comm.devices import check_rank_gpu, choose_backend
 from shardwise.comm.gloo_exchange import GlooExchanges
 from shardwise.comm.log import logged
 from shardwise.comm.objects import MoreCollectives
 from shardwise.comm.process import let_worker_threads_settle, quiet_progress_bars
-from shardwise.net import address_in_use, free_port, port_taken
+from shardwise.errors import UserError
+from shardwise.launch.net import address_in_use, free_port, port_taken
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 from shardwise.launch.devices import BACKEND_ENV, rank_gpu_problem
 
 

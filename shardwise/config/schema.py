@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictInt
 
-from shardwise.cli_errors import OneLineError
+from shardwise.errors import OneLineError
 from shardwise.monitor.settings import (
     CometConfig,
     CommsLoggerConfig,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from shardwise.ds_optimizers import closure_loss
+from shardwise.optim.ds_optimizers import closure_loss
 
 
 def _refuse(cls: str, option: str, why: str) -> None:

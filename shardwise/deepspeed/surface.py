@@ -12,7 +12,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from shardwise import optim, utils, zero
+from shardwise import utils, zero
 from shardwise.comm import compat as comm_api
 from shardwise.config.schema import ConfigError
 from shardwise.deepspeed import accelerate_state, accelerator, names, ops, ulysses
@@ -21,6 +21,7 @@ from shardwise.deepspeed.stage3 import initialize
 from shardwise.engine import Engine
 from shardwise.engine.initialize import add_config_arguments
 from shardwise.inference.compat import init_inference
+from shardwise.optim import schedules
 from shardwise.utils import moe, zero_to_fp32
 
 # The DeepSpeed release whose API the facade implements; the facade's package version.
@@ -56,7 +57,7 @@ SURFACE: dict[str, dict[str, Any]] = {
         "ZeroParamStatus": ZeroParamStatus},
     "deepspeed.runtime.zero.offload_config": {"OffloadDeviceEnum": names.OffloadDeviceEnum},
     "deepspeed.runtime.lr_schedules": {
-        **_take(optim, ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]), **_take(names, _SCHEDULE_NAMES)},
+        **_take(schedules, ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]), **_take(names, _SCHEDULE_NAMES)},
     "deepspeed.runtime.config": {
         **_take(names, ["ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "ADAGRAD_OPTIMIZER",
                         "LION_OPTIMIZER"]), "DeepSpeedConfigError": ConfigError},

@@ -18,27 +18,22 @@ padding (HF models ignore an unknown keyword; the Trainer's loss takes it out).
 from __future__ import annotations
 
 import sys
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardwise.comm import make_comm
 from shardwise.deepspeed.gloo_all_gather import serve_gloo_all_gather
 from shardwise.sequence_parallel import (
+    GatheredSplitLoader,
     SequenceParallelMPU,
     current,
-    loss_of_shard_means,
-    moe_causal_lm,
+    labelled_shard_loss,
     serve_whole_sequence_aux,
     setup_sequence_parallel,
-    split_batch,
     tiled_mlp,
     tiled_reduce,
-    token_mask,
-    whole_sequence_aux,
 )
 
 TOKEN_MASK = "shardwise_token_mask"  # a shard's key: the batch's real tokens as the shards lie (token_mask)
@@ -90,67 +85,27 @@ def serve_trainer_sp_loss() -> None:
 
 
 def trainer_sp_loss(accelerator: Any, model: nn.Module, inputs: dict, return_outputs: bool, pc: Any) -> Any:  # noqa: ARG001
-    """transformers' ``deepspeed_sp_compute_loss`` with the no-SP objective: the shards' token-mean
-    cross entropy combined by ``loss_of_shard_means`` (transformers' value and gradient convention),
-    and for an MoE model the shard's aux term the model put in ``outputs.loss`` taken out and the aux
-    loss over the whole sequence (``whole_sequence_aux``, masked by the adapter's ``TOKEN_MASK``) added
-    once, ``router_aux_loss_coef`` times, as the model adds it without SP."""
+    """transformers' ``deepspeed_sp_compute_loss`` with the no-SP objective (``labelled_shard_loss``)."""
     sp = current()
     mask = inputs.pop(TOKEN_MASK, None)
     if "labels" not in inputs and "shift_labels" in inputs:
         inputs["labels"] = inputs["shift_labels"]  # as transformers': the model computes the shard's loss
     outputs = model(**inputs)
-    shard_loss, aux = outputs.loss, getattr(outputs, "aux_loss", None)
-    if aux is not None:
-        lm = moe_causal_lm(model)
-        shard_loss = shard_loss - lm.router_aux_loss_coef * aux.to(shard_loss.device)
-    total = loss_of_shard_means(shard_loss, inputs["shift_labels"], sp)
-    if aux is not None:
-        total = total + lm.router_aux_loss_coef * whole_sequence_aux(outputs.router_logits, lm, mask, sp)
+    total = labelled_shard_loss(outputs, model, inputs["shift_labels"], mask, sp)
     return (total, outputs) if return_outputs else total
 
 
-class UlyssesSPDataLoaderAdapter:
-    """DeepSpeed's adapter: each step gathers one batch from every SP rank's loader and yields them in
-    turn, each as this rank's sequence shard (``split_batch``: positions, ``shift_labels``; and
-    ``TOKEN_MASK`` when the batch has padding, for the Trainer's MoE aux loss)."""
+class UlyssesSPDataLoaderAdapter(GatheredSplitLoader):
+    """DeepSpeed's adapter, on ``GatheredSplitLoader`` (every SP rank's batch in turn as this rank's
+    shard; ``TOKEN_MASK`` when the batch has padding, for the Trainer's MoE aux loss)."""
 
     def __init__(self, dl: Iterable[dict], sp_rank: int, sp_group: Any, sp_world_size: int,  # noqa: ARG002
                  device: Any = None):
-        self.dl, self.sp, self.device = dl, current(), device
-        if self.sp.size != sp_world_size:
+        sp = current()
+        if sp.size != sp_world_size:
             raise ValueError(f"UlyssesSPDataLoaderAdapter: sp_world_size {sp_world_size} but the model's SP group "
-                             f"has {self.sp.size} ranks")
-        self.iter = iter(dl)
-        self.pending: deque[dict] = deque()
-
-    def __len__(self) -> int:
-        return len(self.dl) * self.sp.size  # type: ignore[arg-type]
-
-    def __iter__(self) -> UlyssesSPDataLoaderAdapter:
-        return self
-
-    def __next__(self) -> dict:
-        if not self.pending:
-            self._refill()
-        return self.pending.popleft()
-
-    def _refill(self) -> None:
-        try:
-            batch = next(self.iter)
-        except StopIteration:
-            self.iter = iter(self.dl)
-            raise
-        local = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        everyone: list[Any] = [None] * self.sp.size
-        make_comm(self.sp.comm.group).all_gather_object(everyone, local)  # guarded; not ZeRO's byte counts
-        for b in everyone:
-            shard = split_batch(b, self.sp)
-            mask = token_mask(b, self.sp)
-            if mask is not None:
-                shard[TOKEN_MASK] = mask
-            self.pending.append({k: v.to(self.device) if isinstance(v, torch.Tensor) and self.device is not None
-                                 else v for k, v in shard.items()})
+                             f"has {sp.size} ranks")
+        super().__init__(dl, sp, device, TOKEN_MASK)
 
 
 class TiledMLP:

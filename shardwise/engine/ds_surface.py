@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from shardwise.engine.ds_missing import DeepSpeedEngineNameNotImplemented
+
 # Every public method of DeepSpeed 0.19's DeepSpeedEngine (read from deepspeed/runtime/engine.py).
 DEEPSPEED_ENGINE_METHODS: tuple[str, ...] = tuple("""
 aio_config all_gather_scalar allreduce_and_copy allreduce_bucket allreduce_gradients allreduce_no_retain
@@ -64,10 +66,7 @@ zero_save_muon_momentum_buffer_in_memory zero_sub_group_size zero_use_cpu_optimi
 
 
 def refuse(name: str) -> AttributeError:
-    """The error for a DeepSpeedEngine method shardwise does not serve (lazy import: the facade's
-    package imports the engine)."""
-    from shardwise.deepspeed.missing import DeepSpeedEngineNameNotImplemented
-
+    """The error for a DeepSpeedEngine method shardwise does not serve."""
     return DeepSpeedEngineNameNotImplemented(f"DeepSpeedEngine.{name}")
 
 

@@ -22,7 +22,6 @@ from torch import nn
 
 from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from shardwise.comm import configure as configure_comms_log
-from shardwise.commands.units import ByteCounts
 from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.memory import memory_report
@@ -33,9 +32,11 @@ from shardwise.fsdp.module import shard_module
 from shardwise.layout import RunLayout
 from shardwise.moe import expert_parallel_of
 from shardwise.monitor import EngineMonitor
-from shardwise.optim import build_optimizer, build_scheduler, config_optimizer_class, rebuild_client_optimizer
-from shardwise.precision import DynamicLossScaler
+from shardwise.optim.loss_scale import DynamicLossScaler
+from shardwise.optim.optimizers import build_optimizer, config_optimizer_class, rebuild_client_optimizer
+from shardwise.optim.schedules import build_scheduler
 from shardwise.sequence_parallel import setup_long_context
+from shardwise.units import ByteCounts
 from shardwise.zero.bucket_step import require_elementwise, step_and_publish
 from shardwise.zero.builder import ShardOptions
 from shardwise.zero.policy import PrecisionPolicy

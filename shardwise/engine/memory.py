@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardwise.commands.units import ByteCounts
+from shardwise.units import ByteCounts
 from shardwise.zero.whole_tensor import whole_tensor_of
 
 if TYPE_CHECKING:

@@ -1,9 +1,9 @@
 """``shardwise.estimate``: what fits (memory) and what it costs (time), before any device is touched.
 
 - ``memory``: the ZeRO paper's memory / communication arithmetic per stage, and the advice.
-- ``report``: the estimate as text tables, and the ``shardwise estimate`` command line.
+- ``report``: the estimate as text tables, and the model config's checks (the command line is
+  ``shardwise.cli.estimate``).
 - ``planner``: the step-time planner: which layout trains fastest on a given cluster.
-- ``planner_cli``: the planner's flags on ``shardwise estimate`` (``--nodes`` turns it on).
 - ``long_context``: the longest sequence in a memory budget under Ulysses SP and ALST tiling
   (``--budget`` turns it on).
 """
@@ -23,8 +23,8 @@ from shardwise.estimate.memory import (
     parse_count,
 )
 from shardwise.estimate.planner import Cluster, Layout, Plan, format_plans, plan
-from shardwise.estimate.report import format_report, main
+from shardwise.estimate.report import format_report
 
 __all__ = ["estimate", "model_facts", "count_params", "parse_count", "parse_bytes", "ModelFacts", "Estimate",
-           "StageEstimate", "Candidate", "Component", "format_report", "main", "plan", "format_plans", "Cluster",
+           "StageEstimate", "Candidate", "Component", "format_report", "plan", "format_plans", "Cluster",
            "Layout", "Plan"]

@@ -30,9 +30,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 from shardwise.estimate.memory import ModelFacts
-from shardwise.safe_files import read_regular
+from shardwise.files.safe import read_regular
 
 # Architectures whose layer is the one the formula counts: RMSNorm, rotary q/k, gated (SwiGLU) MLP.
 GATED_LLAMA_TYPES = frozenset({"llama", "mistral", "qwen2"})

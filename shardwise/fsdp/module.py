@@ -27,10 +27,10 @@ from torch import nn
 from shardwise.comm import Comm, compute_device
 from shardwise.layout import Mesh, RunLayout
 from shardwise.moe import restore_expert_groups
-from shardwise.optim import client_param_groups
+from shardwise.optim.optimizers import client_param_groups
 from shardwise.tensor_parallel.plan import is_tp_sharded
 from shardwise.zero.builder import Sharding, ShardOptions, build_sharding
-from shardwise.zero.init import (
+from shardwise.zero.init.context import (
     SafetensorsSource,
     is_deferred,
     is_placeholder,

@@ -25,7 +25,7 @@ from shardwise.comm import make_comm
 from shardwise.fsdp.module import sharding_of
 from shardwise.fsdp.optim import ShardedOptimizer
 from shardwise.tensor_parallel.plan import gather_param
-from shardwise.zero.gathered import GatheredParameters
+from shardwise.zero.stage3.gathered import GatheredParameters
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:

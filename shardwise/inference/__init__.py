@@ -2,12 +2,12 @@
 
 - ``stream``: load an HF folder on meta, stream its decoder layers from disk or CPU through the
   stage-3 mechanism (``SafetensorsReader``, ``memory_report``; what a streamed model carries:
-  ``stream_state_of``); TP-streamed through tensor_parallel.
+  ``stream_state_of``).
+- ``tensor_parallel``: TP-sliced inference, each rank reading its own slices of the folder.
 - ``compat``: :func:`init_inference`, shardwise's keywords and DeepSpeed's call forms (the public one,
   also ``shardwise.init_inference``).
-- ``quantize``: group-wise int8 / int4 weight-only copies of a folder (``shardwise quantize``).
+- ``quantize``: group-wise int8 / int4 weight-only copies of a folder (the command line is ``shardwise.cli``).
 - ``quantized_linear``: int4 Linear layers kept packed (torch's CPU int4 matmul kernel).
-- ``cli``: ``shardwise generate``.
 """
 
 from __future__ import annotations

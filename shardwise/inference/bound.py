@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.files.safetensors_io import SafetensorsFile
 from shardwise.inference.allocator import ARENAS, allocator_slack, is_pinned
 from shardwise.inference.stream import stream_state_of
-from shardwise.safetensors_io import SafetensorsFile
 
 # Not by construction but measured: what the first load and generation add whatever the model's
 # size (the module tree's Python objects, libtorch's and transformers' first-call state). 18-26 MiB

@@ -27,7 +27,7 @@ from torch import nn
 
 from shardwise.config.read import read_config
 from shardwise.config.schema import ConfigError
-from shardwise.safetensors_io import dtype_from_name
+from shardwise.files.safetensors_io import dtype_from_name
 
 # shardwise's own keywords of init_inference (see shardwise.inference.init_inference)
 OWN = ("tensor_parallel_size", "offload", "dtype", "prefetch", "quantize", "group_size", "progress")
@@ -135,7 +135,7 @@ def _dtype(value: Any) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype) and value in (torch.float16, torch.bfloat16, torch.float32):
         return value
     name = str(getattr(value, "value", value)).lower()  # DeepSpeed's DtypeEnum carries the dtype as value
-    try:  # the one dtype-name table (shardwise.safetensors_io), limited to compute dtypes
+    try:  # the one dtype-name table (shardwise.files.safetensors_io), limited to compute dtypes
         dtype = dtype_from_name(name)
     except ValueError:
         dtype = None

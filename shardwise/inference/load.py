@@ -13,13 +13,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, init_distributed, make_comm
+from shardwise.files.model_folder import check_model_folder, loading, refuse_missing
 from shardwise.inference.allocator import pin_allocator
 from shardwise.inference.quant_format import is_quantized
 from shardwise.inference.quantized_linear import install
 from shardwise.inference.quantized_store import open_store
 from shardwise.inference.stream import OFFLOADS, inference_device, meta_model, stream_layers
-from shardwise.model_folder import check_model_folder, loading, refuse_missing
-from shardwise.tensor_parallel.inference import init_inference as tp_init
+from shardwise.inference.tensor_parallel import init_inference as tp_init
 
 
 def _comm() -> Comm:

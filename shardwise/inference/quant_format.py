@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from shardwise.inference.quantized_linear import BLOCK_ROWS, kernel_eligible, kernel_scales, to_blocked
-from shardwise.zero.stage3 import assign_params, find_units
+from shardwise.zero.stage3.fetcher import assign_params, find_units
 
 DESCRIPTION = "shardwise_quantization.json"
 FORMAT_VERSION = 3  # 2: blocked weights' scales in the kernel's order and dtype; 3: block_rows (module doc)

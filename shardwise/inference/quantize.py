@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 
 import torch
 
-from shardwise.cli_errors import one_line
-from shardwise.commands.parsers import quantize_parser
+from shardwise.files.model_folder import hf_output_name
+from shardwise.files.safe import OutputFolder, commit_temp, hub_roots, open_temp, read_in, write_atomic
+from shardwise.files.safetensors_io import ST_NAMES
 from shardwise.inference.quant_format import (
     DEFAULT_GROUP,
     DESCRIPTION,
@@ -26,9 +26,6 @@ from shardwise.inference.quant_format import (
 )
 from shardwise.inference.quantized_linear import BLOCK_ROWS, write_block_rows
 from shardwise.inference.stream import SafetensorsReader, meta_model
-from shardwise.model_folder import hf_output_name
-from shardwise.safe_files import OutputFolder, commit_temp, hub_roots, open_temp, read_in, write_atomic
-from shardwise.safetensors_io import ST_NAMES
 
 
 def _copy_side_files(src: str, dst: str) -> list[str]:
@@ -73,7 +70,7 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, o
     ``block_rows``: the int4 kernel order to write (64: AVX-512 CPUs, 32: AVX2 ones); default the
     running torch's, so the machine that quantizes runs the kernel on the file.
 
-    ``dst`` is checked first (``safe_files.OutputFolder``): never ``src`` or inside it (also through
+    ``dst`` is checked first (``files.safe.OutputFolder``): never ``src`` or inside it (also through
     a symlink), no files shardwise did not write unless ``overwrite``. Every file is written to a
     temporary name and renamed.
     """
@@ -115,21 +112,3 @@ def quantize_folder(src: str, dst: str, bits: int, group: int = DEFAULT_GROUP, o
     before = sum(f.size for f in files.files)
     return {"tensors_quantized": len(shapes), "bytes_before": before,
             "bytes_after": os.path.getsize(os.path.join(dst, "model.safetensors"))}
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = quantize_parser(write_block_rows())
-    args = p.parse_args(argv)
-    try:
-        rep = quantize_folder(args.src, args.dst, args.bits, args.group_size, overwrite=args.overwrite,
-                              block_rows=args.kernel_order)
-    except (ValueError, OSError) as e:
-        print(f"shardwise quantize: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    print(f"{args.dst}: {rep['tensors_quantized']} weights to {args.bits} bits (groups of {args.group_size}); "
-          f"{rep['bytes_before'] / 2**20:.1f} MiB -> {rep['bytes_after'] / 2**20:.1f} MiB")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,6 +10,8 @@ import threading
 import torch
 from torch import nn
 
+from shardwise.files.safe import read_in
+from shardwise.files.safetensors_io import ST_DTYPES, ST_NAMES
 from shardwise.inference.quant_format import (
     BITS,
     DEFAULT_GROUP,
@@ -31,8 +33,6 @@ from shardwise.inference.quantized_linear import (
     write_block_rows,
 )
 from shardwise.inference.stream import SafetensorsReader
-from shardwise.safe_files import read_in
-from shardwise.safetensors_io import ST_DTYPES, ST_NAMES
 
 _CHUNK = 1 << 18  # elements dequantized at a time (bounded staging, reused)
 # byte b of a packed int4 tensor holds the levels (b & 15) - 8 (first) and (b >> 4) - 8 (second)

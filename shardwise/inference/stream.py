@@ -4,7 +4,7 @@ Streaming a decoder layer from CPU memory or from disk *is* stage 3 where the sh
 elsewhere, so this module builds no second mechanism: the one builder
 (``zero/builder.build_frozen``) makes every decoder layer a frozen
 :class:`~shardwise.zero.flat_group.ShardedGroup` whose shard store (``zero/store.py``) is chosen
-by ``offload``, and :class:`~shardwise.zero.stage3.ParamFetcher` gathers it just before its
+by ``offload``, and :class:`~shardwise.zero.stage3.fetcher.ParamFetcher` gathers it just before its
 forward, prefetches the next ``prefetch`` layers and releases it after.
 
 * ``offload="cpu"``: the shard (the whole layer at world 1) sits in (pinned) CPU memory and
@@ -38,20 +38,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, compute_device
-from shardwise.commands.units import ByteCounts
+from shardwise.errors import UserError
+from shardwise.files.model_folder import check_model_folder, loading
+from shardwise.files.safe import confine, hub_roots, read_in
+from shardwise.files.safetensors_io import SafetensorsFile, TensorInfo
 from shardwise.inference.allocator import pin_allocator
-from shardwise.model_folder import check_model_folder, loading
-from shardwise.safe_files import confine, hub_roots, read_in
-from shardwise.safetensors_io import SafetensorsFile, TensorInfo
 from shardwise.tensor_parallel.layers import read_tp_slice
+from shardwise.units import ByteCounts
 from shardwise.zero.builder import build_frozen
 from shardwise.zero.flat_group import ShardedGroup
 from shardwise.zero.gather_pool import GatherPool
-from shardwise.zero.gathered import guard_state_dict
-from shardwise.zero.init import Init, swap_meta_parameters, tied_aliases
-from shardwise.zero.stage3 import ParamFetcher
+from shardwise.zero.init.context import Init, swap_meta_parameters, tied_aliases
+from shardwise.zero.stage3.fetcher import ParamFetcher
+from shardwise.zero.stage3.gathered import guard_state_dict
 
 OFFLOADS = (None, "cpu", "disk")
 
@@ -61,7 +61,7 @@ def _confined_files(folder: str) -> list[str]:
 
     An index entry that is absolute, climbs with ``..`` or is a symlink out of the folder would
     make a downloaded model read any file on the machine: refused, naming the index and entry
-    (``safe_files.confine``; a hub snapshot may link into its own ``blobs``).
+    (``files.safe.confine``; a hub snapshot may link into its own ``blobs``).
     """
     also = hub_roots(folder)
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -84,7 +84,7 @@ class SafetensorsReader:
 
     The folder-level part of ZeRO-Inference's reading: which files (the index, confined to the
     folder) and which name is where. Each file's header is checked by
-    :class:`~shardwise.safetensors_io.SafetensorsFile` (nothing stays mmapped, so after a layer
+    :class:`~shardwise.files.safetensors_io.SafetensorsFile` (nothing stays mmapped, so after a layer
     is released its bytes are only in the page cache, which RSS does not count), and
     :meth:`check_shape` holds each tensor to the model's shape, so weights that do not match the
     config are refused by file and tensor instead of streaming garbage.

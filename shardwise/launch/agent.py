@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from shardwise.net import address_in_use, port_taken
+from shardwise.launch.net import address_in_use, port_taken
 
 ONE_LINE_CODES = (2, 3, 4)  # shardwise subcommands print their own one line before exiting with these
 QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",)  # "failed (exitcode: 2)", "Sending SIGTERM"

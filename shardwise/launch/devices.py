@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 
 CPU_RANKS = 2  # the default world where no GPU is visible (what `make run` always ran)
 BACKENDS = ("auto", "nccl", "gloo")
@@ -82,7 +82,7 @@ def plural(n: int, word: str) -> str:
 def plan_world(nproc: str, backend: str, gpus: int, cpus: int | None = None) -> tuple[int, str]:
     """(ranks on this node, backend) for ``--nproc`` / ``--backend`` where torch sees ``gpus`` GPUs.
 
-    Raises :class:`~shardwise.cli_errors.UserError` for what NCCL cannot serve: no GPU, or more
+    Raises :class:`~shardwise.errors.UserError` for what NCCL cannot serve: no GPU, or more
     ranks than GPUs (one line naming the ranks, the visible devices and the three fixes).
     """
     chosen = backend if backend != "auto" else ("nccl" if gpus and nproc != "cpu" else "gloo")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 
 
 def _expert_combinations(cfg: Any, world: int, mpu: Any) -> None:

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.cli_errors import UserError
 from shardwise.comm import Comm, CommStats, make_comm
+from shardwise.errors import UserError
 from shardwise.layout import ExpertMesh, get_expert_join_group, get_expert_mesh
 from shardwise.moe.deferred import materialize_local_experts
 from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, expert_shard_of, register, set_expert_shard

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 from shardwise.layout import ExpertMesh
 from shardwise.moe.apply import ExpertParallel, apply_expert_parallel, expert_parallel_of
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # sliced on dim 0 (the expert index)
 BIAS_PARAMS = ("gate_up_proj_bias", "down_proj_bias")  # [E, 2I], [E, H]: sliced the same way

@@ -14,7 +14,7 @@ import importlib.util
 import os
 from typing import Any
 
-from shardwise.cli_errors import OneLineError
+from shardwise.errors import OneLineError
 
 Event = tuple[str, float, int]
 # section -> (the module it needs, the package to install)

@@ -9,6 +9,7 @@ replicas only. The pieces (docs/long_context.md):
 - ``register_attention(model, sp)``: the attention wrapper (sdpa or eager; GQA; refusals), Ulysses
   or, for head counts Ulysses cannot split, ring attention (``ring.py``; ``choose_attention``);
 - ``split_batch`` / ``SequenceSplitLoader``: a batch as this rank's shard (positions, shifted labels);
+  ``GatheredSplitLoader``: every SP rank's batch in turn, each as this rank's shard;
 - ``sequence_parallel_loss``: the loss of a split batch; ``router_aux_loss``: an MoE model's aux
   load-balancing term over the whole sequence (the shards' router logits gathered), to add to it;
 - ``setup_sequence_parallel(model, sp_size)``: the groups plus the attention in one call (under TP,
@@ -27,7 +28,7 @@ from torch import nn
 
 from shardwise.layout import SequenceMesh
 from shardwise.sequence_parallel.attention import choose_attention, head_split, register_attention
-from shardwise.sequence_parallel.data import SequenceSplitLoader, split_batch, token_mask
+from shardwise.sequence_parallel.data import GatheredSplitLoader, SequenceSplitLoader, split_batch, token_mask
 from shardwise.sequence_parallel.exchange import GatherShards
 from shardwise.sequence_parallel.group import SequenceParallel, current
 from shardwise.sequence_parallel.loss import (
@@ -39,6 +40,7 @@ from shardwise.sequence_parallel.loss import (
 from shardwise.sequence_parallel.mpu import SequenceParallelMPU
 from shardwise.sequence_parallel.offload import HostStore, offload_checkpoints
 from shardwise.sequence_parallel.router import (
+    labelled_shard_loss,
     moe_causal_lm,
     router_aux_loss,
     serve_whole_sequence_aux,
@@ -47,9 +49,11 @@ from shardwise.sequence_parallel.router import (
 from shardwise.sequence_parallel.tiled import tile_mlps, tiled_causal_lm_loss, tiled_loss_sum, tiled_mlp, tiled_reduce
 from shardwise.tensor_parallel import tp_state_of
 
-__all__ = ["GatherShards", "HostStore", "SequenceParallel", "SequenceParallelMPU", "SequenceSplitLoader",
+__all__ = ["GatherShards", "GatheredSplitLoader", "HostStore", "SequenceParallel", "SequenceParallelMPU",
+           "SequenceSplitLoader",
            "choose_attention",
-           "current", "head_split", "loss_of_shard_means", "moe_causal_lm", "offload_checkpoints",
+           "current", "head_split", "labelled_shard_loss", "loss_of_shard_means", "moe_causal_lm",
+           "offload_checkpoints",
            "register_attention", "router_aux_loss", "sequence_parallel_loss", "setup_long_context",
            "serve_whole_sequence_aux", "setup_sequence_parallel", "share_of_loss", "split_batch", "tile_mlps",
            "tiled_causal_lm_loss",

@@ -20,11 +20,13 @@ either layout; ``position_ids`` are the global ones, gathered with the tokens.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
+from shardwise.comm import make_comm
 from shardwise.sequence_parallel.group import SequenceParallel
 
 IGNORE = -100
@@ -130,6 +132,48 @@ class SequenceSplitLoader:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+
+class GatheredSplitLoader:
+    """Each step gathers one batch from every SP rank's loader and yields them in turn, each as this
+    rank's sequence shard (``split_batch``), so every rank's batches are trained, as DeepSpeed's
+    ``UlyssesSPDataLoaderAdapter`` does. With ``mask_key``, a shard of a padded batch also carries
+    ``token_mask`` under that key (for the whole sequence's MoE aux loss); ``device``: where the
+    shard's tensors go (None: left where ``split_batch`` made them)."""
+
+    def __init__(self, loader: Iterable[dict[str, Any]], sp: SequenceParallel, device: Any = None,
+                 mask_key: str | None = None):
+        self.dl, self.sp, self.device, self.mask_key = loader, sp, device, mask_key
+        self.iter = iter(loader)
+        self.pending: deque[dict] = deque()
+
+    def __len__(self) -> int:
+        return len(self.dl) * self.sp.size  # type: ignore[arg-type]
+
+    def __iter__(self) -> GatheredSplitLoader:
+        return self
+
+    def __next__(self) -> dict:
+        if not self.pending:
+            self._refill()
+        return self.pending.popleft()
+
+    def _refill(self) -> None:
+        try:
+            batch = next(self.iter)
+        except StopIteration:
+            self.iter = iter(self.dl)
+            raise
+        local = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        everyone: list[Any] = [None] * self.sp.size
+        make_comm(self.sp.comm.group).all_gather_object(everyone, local)  # guarded; not ZeRO's byte counts
+        for b in everyone:
+            shard = split_batch(b, self.sp)
+            mask = token_mask(b, self.sp) if self.mask_key is not None else None
+            if mask is not None:
+                shard[self.mask_key] = mask
+            self.pending.append({k: v.to(self.device) if isinstance(v, torch.Tensor) and self.device is not None
+                                 else v for k, v in shard.items()})
 
 
 def token_mask(batch: dict[str, Any], sp: SequenceParallel) -> torch.Tensor | None:

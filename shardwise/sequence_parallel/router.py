@@ -21,6 +21,7 @@ import torch
 from shardwise.sequence_parallel.data import token_mask
 from shardwise.sequence_parallel.exchange import GatherShards
 from shardwise.sequence_parallel.group import SequenceParallel, current
+from shardwise.sequence_parallel.loss import loss_of_shard_means
 
 _ATTRS = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")  # what the models' forward reads
 
@@ -82,12 +83,32 @@ def router_aux_loss(output: Any, model: torch.nn.Module, batch: dict[str, Any],
     if getattr(output, "aux_loss", None) is None:
         return 0.0
     sp = current() if sp is None else sp
+    return _aux_term(output, model, moe_causal_lm(model), token_mask(batch, sp), sp)
+
+
+def _aux_term(output: Any, model: torch.nn.Module, lm: torch.nn.Module, mask: torch.Tensor | None,
+              sp: SequenceParallel) -> torch.Tensor:
+    """``router_aux_loss_coef *`` the aux loss over the whole sequence, from a shard's router logits."""
     logits = getattr(output, "router_logits", None)
     if not logits:
         raise ValueError(f"{type(model).__name__} returned an aux_loss without router_logits to compute it "
                          "over the whole sequence")
+    return lm.router_aux_loss_coef * whole_sequence_aux(logits, lm, mask, sp)
+
+
+def labelled_shard_loss(output: Any, model: torch.nn.Module, shift_labels: torch.Tensor,
+                        mask: torch.Tensor | None, sp: SequenceParallel) -> torch.Tensor:
+    """The no-SP objective from a shard's forward WITH labels (``output.loss``: the shard's token-mean
+    cross entropy, plus its own aux term for an MoE model): the shards' means combined by
+    ``loss_of_shard_means`` (transformers' value and gradient convention), the shard's aux term taken
+    out and the whole sequence's (``mask``: the batch's real tokens as the shards lie) added once,
+    ``router_aux_loss_coef`` times, as the model adds it without SP. What the HF Trainer's SP loss is."""
+    shard_loss, aux = output.loss, getattr(output, "aux_loss", None)
+    if aux is None:
+        return loss_of_shard_means(shard_loss, shift_labels, sp)
     lm = moe_causal_lm(model)
-    return lm.router_aux_loss_coef * whole_sequence_aux(logits, lm, token_mask(batch, sp), sp)
+    shard_loss = shard_loss - lm.router_aux_loss_coef * aux.to(shard_loss.device)
+    return loss_of_shard_means(shard_loss, shift_labels, sp) + _aux_term(output, model, lm, mask, sp)
 
 
 def serve_whole_sequence_aux(model: torch.nn.Module, mask_key: str) -> None:

@@ -354,7 +354,7 @@ def gather_state_dict(model: nn.Module, tp: Comm | None = None) -> dict[str, tor
 
 def tp_grad_norm(params, tp: Comm, norm_type: float = 2.0) -> torch.Tensor:
     """Global 2-norm of grads over the TP group: sharded grads summed over ranks, replicated once."""
-    from shardwise.grad_norm import global_grad_norm
+    from shardwise.optim.grad_norm import global_grad_norm
 
     if norm_type != 2.0:
         raise NotImplementedError("only the 2-norm")

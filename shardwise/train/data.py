@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.safe_files import commit_temp, confine, hub_roots, open_regular, open_temp, write_atomic
+from shardwise.files.safe import commit_temp, confine, hub_roots, open_regular, open_temp, write_atomic
 from shardwise.train.jsonl_stream import jsonl_texts
 from shardwise.train.tokenize_stream import READ_BYTES, encode_stream
 
@@ -39,7 +39,7 @@ def list_sources(data: str | Path) -> list[Path]:
     """The files --data names, in a fixed order; every one a regular file inside the folder.
 
     Symlinks are not followed out of the folder and special files (FIFOs, devices) are refused by
-    name (``safe_files``); symlinked sub-folders are not walked.
+    name (``files.safe``); symlinked sub-folders are not walked.
     """
     p = Path(data)
     if p.is_file():

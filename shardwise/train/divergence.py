@@ -26,8 +26,8 @@ import math
 import torch
 from torch.linalg import vector_norm
 
-from shardwise.cli_errors import OneLineError
 from shardwise.comm import make_comm
+from shardwise.errors import OneLineError
 
 EXIT_DIVERGED = 3  # not 2: the input was fine, the training diverged (schedulers may tell them apart)
 EXIT_RANK_FAILED = 4  # one rank failed (a collective broke, a peer died or stalled, memory ran out): restart

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from shardwise.safe_files import commit_temp, open_temp
+from shardwise.files.safe import commit_temp, open_temp
 from shardwise.train.data import DataError
 
 ARROW_FILES = (".parquet", ".arrow")

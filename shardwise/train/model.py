@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.model_folder import check_model_folder, loading, parse_model_config, refuse_missing
-from shardwise.safe_files import read_regular
+from shardwise.files.model_folder import check_model_folder, loading, parse_model_config, refuse_missing
+from shardwise.files.safe import read_regular
 from shardwise.train.presets import MODEL_PRESETS
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

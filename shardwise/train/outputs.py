@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli_errors import UserError
-from shardwise.safe_files import MANIFEST, OutputFolder, read_in, write_atomic
+from shardwise.errors import UserError
+from shardwise.files.safe import MANIFEST, OutputFolder, read_in, write_atomic
 
 MEMORY_KEYS = ["params", "grads", "master_params", "optimizer_states", "buffers", "comm_buffers", "total"]
 
@@ -141,3 +141,10 @@ def memory_table(rows: list[dict[str, int]]) -> str:
     for r, rep in enumerate(rows):
         lines.append(f"{r:>4} " + " ".join(f"{rep[k] / 2**20:>12.2f} MiB" for k in MEMORY_KEYS))
     return "\n".join(lines)
+
+
+def resolved(args: Any) -> dict[str, Any]:
+    """What run_config.json records: every option, with the DeepSpeed config inline."""
+    out = {k: v for k, v in vars(args).items() if k not in ("run_config", "ds_config", "config")}
+    out["config"] = args.ds_config
+    return out

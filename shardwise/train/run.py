@@ -20,10 +20,9 @@ import torch.distributed as dist
 
 from shardwise.checkpoint.formats import is_foreign
 from shardwise.checkpoint.run_files import RUN_TOKENIZER
-from shardwise.cli_errors import UserError, one_line, user_error_types
 from shardwise.comm import RanksDivergedError, make_comm
-from shardwise.commands.units import human_counts
 from shardwise.config import ConfigError
+from shardwise.errors import UserError, one_line, user_error_types
 from shardwise.train import loop
 from shardwise.train.advice import eval_rise_note, passes_note
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
@@ -40,9 +39,9 @@ from shardwise.train.divergence import (
 from shardwise.train.export import write_side_files
 from shardwise.train.hf_datasets import dataset_kind, dataset_to_jsonl
 from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
-from shardwise.train.options import parse_args, resolved
-from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics
+from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics, resolved
 from shardwise.train.run_folder import RunLock
+from shardwise.units import human_counts
 
 
 def _prepare_data(args, tokenizer, run_dir: Path) -> Path:
@@ -69,14 +68,14 @@ def _log(msg: str) -> None:
         print(f"[shardwise train] {msg}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the job and return its exit code; the CLI exits with it, a test's rank calls it in-process.
+def main(args: Any) -> int:
+    """Run the job ``args`` describes (``shardwise.cli.train_options.parse_args`` made them); return
+    its exit code. The CLI (``shardwise.cli.train``) exits with it; a test's rank calls it in-process.
 
     A process group this call did not make (a caller's world, a test pool's) is left up and used;
     one it made is destroyed on return. The run folder's lock is released on return either way,
     so the same process may train in that folder again (resume) without a new interpreter.
     """
-    args = parse_args(argv)
     import shardwise
 
     made_group = not dist.is_initialized()

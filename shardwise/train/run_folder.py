@@ -24,7 +24,7 @@ import socket
 import stat
 from pathlib import Path
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 
 LOCK_NAME = ".shardwise-lock"
 TAG = re.compile(r"global_step(\d+)")

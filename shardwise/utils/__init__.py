@@ -25,7 +25,7 @@ from shardwise.utils.tensor_fragment import (
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
-from shardwise.zero.leaf import (
+from shardwise.zero.stage3.leaf import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
     set_z3_leaf_modules_by_name,

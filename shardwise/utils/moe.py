@@ -4,9 +4,11 @@ Scripts written for DeepSpeed pass their parameters through
 ``split_params_into_different_moe_groups_for_optimizer`` (or ``configure_moe_param_groups``)
 whether or not the model has experts; DeepSpeed's own checkpoint tests do it for every model. For a
 model without expert parameters both return the groups unchanged, which is what DeepSpeed returns
-too. shardwise has no expert parallelism: a parameter marked as an expert's (DeepSpeed's MoE layers
-set ``param.allreduce = False``, meaning "reduce over the expert group, not all ranks") would be
-reduced over every data-parallel rank here, a different gradient, so it is refused by name.
+too. shardwise's expert parallelism splits the experts of Hugging Face MoE models
+(``shardwise.moe``, DeepSpeed's AutoEP keys; docs/moe.md), not DeepSpeed's own MoE layers: a
+parameter such a layer marked as an expert's (``param.allreduce = False``, meaning "reduce over the
+expert group, not all ranks") has no expert group here and would be reduced over every
+data-parallel rank, a different gradient, so it is refused by name.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def _refuse_experts(groups: list[dict[str, Any]]) -> None:
             if is_moe_param(param):
                 raise NotImplementedError(
                     f"param group {gi} ({group.get('name', 'unnamed')}) holds an expert parameter "
-                    f"(allreduce=False, expert group {getattr(param, 'group_name', '?')!r}): expert "
-                    "parallelism is not implemented in shardwise, and reducing it over every rank would "
+                    f"(allreduce=False, expert group {getattr(param, 'group_name', '?')!r}): the expert "
+                    "groups of DeepSpeed's MoE layers are not implemented in shardwise (its expert parallelism "
+                    "serves Hugging Face MoE models: docs/moe.md), and reducing it over every rank would "
                     "train a different model; remove the MoE layer or use DeepSpeed for it")
 
 

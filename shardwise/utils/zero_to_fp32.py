@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from shardwise.cli_errors import OneLineError
+    from shardwise.errors import OneLineError
 
     p = argparse.ArgumentParser(prog="zero_to_fp32.py", description="Full fp32 weights from a shardwise "
                                 "checkpoint folder, as DeepSpeed's zero_to_fp32.py")

@@ -1,14 +1,15 @@
 """ZeRO: the sharded parameter group and what schedules it (see docs/architecture.md)."""
 
-from shardwise.zero.external import (
+from shardwise.zero.flat_group import ShardedGroup
+from shardwise.zero.init.context import Init
+from shardwise.zero.policy import ShardPolicy
+from shardwise.zero.stage3.external import (
     ReleasedParameterError,
     register_external_parameter,
     unregister_external_parameter,
 )
-from shardwise.zero.flat_group import ShardedGroup
-from shardwise.zero.gathered import GatheredParameters
-from shardwise.zero.init import Init
-from shardwise.zero.leaf import (
+from shardwise.zero.stage3.gathered import GatheredParameters
+from shardwise.zero.stage3.leaf import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
     set_z3_leaf_modules_by_name,
@@ -16,7 +17,6 @@ from shardwise.zero.leaf import (
     unset_z3_leaf_modules,
     z3_leaf_module,
 )
-from shardwise.zero.policy import ShardPolicy
 from shardwise.zero.unwrap import unwrap_model_for_generation
 
 __all__ = ["GatheredParameters", "Init", "MiCS_Init", "ReleasedParameterError", "ShardedGroup", "ShardPolicy",

@@ -27,7 +27,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 from torch import optim
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import UserError
 from shardwise.zero.low_precision import is_low_precision, step_low_precision
 
 if TYPE_CHECKING:

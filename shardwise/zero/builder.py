@@ -26,15 +26,15 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from shardwise.comm import Comm, compute_device
-from shardwise.grad_norm import global_grad_norm
+from shardwise.optim.grad_norm import global_grad_norm
 from shardwise.zero.eager_hooks import eager_hook
 from shardwise.zero.flat_group import ShardedGroup, owner_of
 from shardwise.zero.gather_pool import GatherPool
-from shardwise.zero.gathered import guard_state_dict
 from shardwise.zero.layout import FlatLayout
 from shardwise.zero.partition import BuildHooks, Cutting, broadcast_model, build_groups
 from shardwise.zero.policy import CommPolicy, GroupOptions, OffloadPolicy, PrecisionPolicy, ShardPolicy
-from shardwise.zero.stage3 import ParamFetcher, assign_params, find_units
+from shardwise.zero.stage3.fetcher import ParamFetcher, assign_params, find_units
+from shardwise.zero.stage3.gathered import guard_state_dict
 from shardwise.zero.store import Reader, store_factory
 
 

@@ -8,7 +8,7 @@ learning rate) nor dtypes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,21 +18,6 @@ from shardwise.comm import Comm
 from shardwise.zero.flat_group import InflightLimit, ShardedGroup
 from shardwise.zero.policy import DEFAULT_GROUP_OPTIONS, GroupOptions, ShardPolicy
 from shardwise.zero.store import ShardStore
-
-
-def normalize_param_groups(model: nn.Module, model_parameters: Iterable | None) -> list[dict]:
-    """DeepSpeed's ``model_parameters``: None, an iterable of tensors, or of group dicts."""
-    if model_parameters is None:
-        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    items = list(model_parameters)
-    if items and isinstance(items[0], dict):
-        groups = [dict(g) for g in items]
-        for g in groups:
-            g["params"] = list(g["params"])
-        return groups
-    if items and isinstance(items[0], tuple):  # named_parameters()
-        items = [p for _, p in items]
-    return [{"params": items}]
 
 
 def _pg_index(model: nn.Module, param_groups: list[dict]) -> dict[int, int]:

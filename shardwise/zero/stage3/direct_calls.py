@@ -1,6 +1,6 @@
 """Stage 3: a submodule called on its own gathers what its forward reads, and releases it after.
 
-The units' hooks (``zero/stage3.py``) gather a decoder layer before it runs, and the root's hooks
+The units' hooks (``zero/stage3/fetcher.py``) gather a decoder layer before it runs, and the root's hooks
 gather what no unit owns (embeddings, final norm, head, parameters shared by two units). A module
 called directly, not from the model's forward (``t5.get_encoder()(ids)`` in ``generate``, a
 fused loss calling ``lm_head`` or the embedding, a test calling ``layers[0].mlp``), used to run
@@ -43,11 +43,11 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from shardwise.zero.eager_hooks import eager_hook, forward_is_compiled
-from shardwise.zero.external import ReleasedUseCheck
+from shardwise.zero.stage3.external import ReleasedUseCheck
 
 if TYPE_CHECKING:
     from shardwise.zero.flat_group import ShardedGroup
-    from shardwise.zero.stage3 import ParamFetcher
+    from shardwise.zero.stage3.fetcher import ParamFetcher
 
 
 @dataclass

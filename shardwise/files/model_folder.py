@@ -4,7 +4,7 @@ transformers reads the folder by itself (``config.json``, tokenizer files, weigh
 symlinks and blocking on a FIFO, and rejects a damaged folder with whatever its code raises
 (``JSONDecodeError``, ``KeyError``, ``OSError``, ``SafetensorError``, a tokenizers exception).
 So before transformers sees a folder, :func:`check_model_folder` applies the one file rule
-(``safe_files``: every top-level file a regular file inside the folder or its hub ``blobs``) and
+(``files.safe``: every top-level file a regular file inside the folder or its hub ``blobs``) and
 checks ``config.json`` itself (strict JSON object, a ``model_type`` string, positive sizes); and
 :func:`loading` turns what transformers raises on the folder into one :class:`UserError` naming
 it. A folder missing a weight the model needs is refused (:func:`refuse_missing`) instead of
@@ -19,9 +19,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardwise.cli_errors import UserError
-from shardwise.safe_files import check_folder, hub_roots, read_in
-from shardwise.safetensors_io import SafetensorsFile
+from shardwise.errors import CheckpointError, UserError
+from shardwise.files.safe import check_folder, confine, hub_roots, read_in, read_json
+from shardwise.files.safetensors_io import SafetensorsFile
 
 # config keys that count something: a zero, negative or non-integer value cannot build a model
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -120,3 +120,27 @@ def refuse_missing(info: dict, folder: str | os.PathLike, flag: str = "--model")
         raise UserError(f"{flag} {folder}: the safetensors files {kind} {len(names)} parameter(s) "
                         f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); refusing to leave "
                         "them at random init")
+
+
+def read_weight_map(folder: Path, index: Path) -> dict[str, Path]:
+    """``model.safetensors.index.json``'s ``weight_map`` with every file confined to ``folder``."""
+    data = read_json(confine(folder, index.name, folder, CheckpointError) if index.parent == folder else index)
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+        raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to file names")
+    files = {f: confine(folder, f, index, CheckpointError) for f in set(wm.values())}
+    return {name: files[f] for name, f in wm.items()}
+
+
+def weight_map(folder: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the index or the single file."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return read_weight_map(folder, index)
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
+                                "(shardwise reads weights from safetensors only)")
+    with SafetensorsFile(single) as f:
+        return dict.fromkeys(f.tensors, single)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.safe_files import open_regular
+from shardwise.files.safe import open_regular
 
 # safetensors dtype name <-> torch dtype: the only such table in shardwise
 ST_DTYPES: dict[str, torch.dtype] = {

@@ -19,7 +19,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from shardwise.cli_errors import OneLineParser
+from shardwise.errors import OneLineParser
 
 # packages shardwise works with, and which `pip install shardwise[EXTRA]` brings each
 PACKAGES = {"torch": "core", "transformers": "core", "safetensors": "core", "pydantic": "core",

@@ -1,50 +1,33 @@
 """zero.Init's reader of a ``from_pretrained`` folder: each rank reads only the element ranges it needs.
 
-Split from ``zero/init.py`` (which re-exports both names): the weight map of an HF safetensors folder,
-and the source that serves a parameter's range by its own name, a tied alias, or the stored tensors
+Split from ``zero/init/context.py`` (which re-exports both names, ``weight_map`` from ``files/model_folder.py``):
+the source that serves a parameter's range by its own name, a tied alias, or the stored tensors
 transformers converts into it (``zero/hub_names.py``).
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shardwise.cli_errors import UserError
-from shardwise.safetensors_io import SafetensorsFile
-from shardwise.zero.hub_names import StoredRows, folder_of, hub_names
-
-
-def weight_map(folder: str | os.PathLike) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, from the index or the single file."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        from shardwise.checkpoint.validate import read_weight_map
-
-        return read_weight_map(folder, index)
-    single = folder / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
-                                "(shardwise reads weights from safetensors only)")
-    with SafetensorsFile(single) as f:
-        return dict.fromkeys(f.tensors, single)
-
+from shardwise.errors import UserError
+from shardwise.files.model_folder import weight_map
+from shardwise.files.safetensors_io import SafetensorsFile
+from shardwise.zero.init.hub_names import StoredRows, folder_of, hub_names
 
 
 class SafetensorsSource:
     """zero.Init's view of an HF safetensors folder: a parameter's name (or a tied alias) -> file.
 
     The index is confined to the folder (:func:`weight_map`); files are opened on first use by the
-    one reader (:class:`~shardwise.safetensors_io.SafetensorsFile`, header validated), and each
+    one reader (:class:`~shardwise.files.safetensors_io.SafetensorsFile`, header validated), and each
     rank reads exactly the element ranges of its shards (``bytes_read`` shows it). Given the
     ``model``, a name the folder stores otherwise (the hub's per-expert MoE layout that
     ``save_pretrained`` writes) is read from the stored tensors transformers would convert
-    (:mod:`shardwise.zero.hub_names`).
+    (:mod:`shardwise.zero.init.hub_names`).
     """
 
     def __init__(self, folder: Path, model: nn.Module | None = None):

@@ -25,11 +25,13 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
-from shardwise.cli_errors import UserError
+from shardwise.errors import CheckpointError, UserError
 
 MANIFEST = ".shardwise-outputs.json"
 ErrorType = type[Exception]
+MAX_JSON = 1 << 30  # a larger JSON file in a checkpoint or model folder is damage
 
 
 def plain_name(name: object) -> bool:
@@ -242,3 +244,18 @@ class OutputFolder:
                 if p.is_symlink() or p.is_file():
                     p.unlink()
         write_atomic(self.out / MANIFEST, json.dumps(sorted(written), indent=1).encode())
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def read_json(path: Path) -> Any:
+    """Strict JSON (no NaN/Infinity, UTF-8), or a CheckpointError naming ``path``."""
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{path}: file is missing")
+    raw = read_regular(path, MAX_JSON, CheckpointError)  # a FIFO or folder is refused, never blocks
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt): {e}"[:500]) from e

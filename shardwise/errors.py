@@ -25,6 +25,13 @@ class UserError(ValueError, OneLineError):
     """Bad user input; the message names the flag, key or file and the fix."""
 
 
+class CheckpointError(RuntimeError, OneLineError):
+    """A checkpoint is missing, corrupt, truncated, or does not fit the engine it is loaded into.
+
+    Here, not in ``checkpoint/``, because the readers of model folders below the checkpoint code
+    (``files/``, zero.Init's folder reader) raise it too; ``checkpoint`` hands it on by name."""
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exception types the CLI reports as one line."""
     return (OneLineError,)

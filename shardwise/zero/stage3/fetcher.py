@@ -17,14 +17,14 @@ gradient arrives, i.e. just before the unit's backward, and gathers it again
 reduce-scattered.
 
 External parameters (used by a unit that does not own them) are found by
-``shardwise.zero.external``: a read of ``module.weight`` while a unit runs gathers
+``shardwise.zero.stage3.external``: a read of ``module.weight`` while a unit runs gathers
 it and records it as that unit's external, so later forwards gather it with the unit.
 
 The order is recorded during the first forward and re-recorded whenever a
 forward takes another path, silently (one debug line).
 
 A submodule called on its own (not from the model's forward) gathers what it reads through
-``shardwise.zero.direct_calls``.
+``shardwise.zero.stage3.direct_calls``.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from shardwise.zero.direct_calls import DirectCalls
 from shardwise.zero.eager_hooks import eager_hook, forward_is_compiled
-from shardwise.zero.external import ReleasedUseCheck, track_access
 from shardwise.zero.flat_group import ShardedGroup
-from shardwise.zero.leaf import z3_leaf_module
+from shardwise.zero.stage3.direct_calls import DirectCalls
+from shardwise.zero.stage3.external import ReleasedUseCheck, track_access
+from shardwise.zero.stage3.leaf import z3_leaf_module
 
 log = logging.getLogger("shardwise")
 

@@ -1,14 +1,14 @@
 """The argument parsers of ``consolidate``, ``quantize`` and ``generate``, free of torch.
 
-Their commands build them (``checkpoint.hf.consolidate_main``, ``inference.quantize.main``,
-``inference.cli.parse``) and so does ``shardwise.cli`` to answer ``--help`` before any heavy import.
+Their commands build them (``cli.consolidate.main``, ``cli.quantize.main``,
+``cli.generate.parse``) and so does ``cli.command`` to answer ``--help`` before any heavy import.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from shardwise.cli_errors import OneLineParser, bounded_int, finite_float
+from shardwise.errors import OneLineParser, bounded_int, finite_float
 
 GENERATE_EXAMPLES = """examples:
   shardwise generate --model runs/sonnets/hf --prompt "Shall I compare thee" --max-new-tokens 64

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from shardwise.train import main
+from shardwise.cli.train import main
 from shardwise.train.model import ModelSource
 from shardwise.train.model import build_model as _build
 from shardwise.train.presets import MODEL_PRESETS, REPO_DATA

@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.cli_errors import UserError
-from shardwise.commands.parsers import DTYPES, generate_parser
-from shardwise.model_folder import check_model_folder, loading
+from shardwise.cli.parsers import DTYPES, generate_parser
+from shardwise.errors import UserError
+from shardwise.files.model_folder import check_model_folder, loading
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     if args.nproc > 1 and "RANK" not in os.environ:  # not a rank yet: start the ranks
-        from shardwise.cli import launch
+        from shardwise.cli.command import launch
 
         rest = [a for i, a in enumerate(argv)  # the ranks must not see --nproc (nor torchrun)
                 if not a.startswith("--nproc") and not (i > 0 and argv[i - 1] == "--nproc")]

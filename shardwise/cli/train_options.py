@@ -4,8 +4,8 @@ Every option is a flag and also a key of a run config file (``--run-config run.t
 keys are the flag names with ``_`` or ``-``); flags given on the command line override the file.
 The DeepSpeed config (``--config``, or a ``config`` table/object inside the run config) is read
 here once, ``"auto"`` scheduler step counts are filled from ``--steps`` (as the HF Trainer does),
-and the whole resolved set is written to ``RUN_DIR/run_config.json``: a run is reproducible with
-``shardwise train --run-config RUN_DIR/run_config.json``.
+and the whole resolved set is written to ``RUN_DIR/run_config.json`` (``train.outputs.resolved``):
+a run is reproducible with ``shardwise train --run-config RUN_DIR/run_config.json``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli_errors import OneLineParser, UserError
+from shardwise.errors import OneLineParser, UserError
 from shardwise.train.defaults import SUMMARY, default_config
 from shardwise.train.outputs import check_run_folder
 from shardwise.train.presets import MODEL_PRESETS, REPO_DATA
@@ -196,10 +196,3 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except ConfigError as e:
             p.error(f"--config: {e}")
     return args
-
-
-def resolved(args: argparse.Namespace) -> dict[str, Any]:
-    """What run_config.json records: every option, with the DeepSpeed config inline."""
-    out = {k: v for k, v in vars(args).items() if k not in ("run_config", "ds_config", "config")}
-    out["config"] = args.ds_config
-    return out

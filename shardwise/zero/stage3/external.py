@@ -32,7 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
-    from shardwise.zero.stage3 import ParamFetcher
+    from shardwise.zero.stage3.fetcher import ParamFetcher
 
 
 class TrackedParameters(dict):

@@ -2,7 +2,7 @@
 
 From a directory, the model is built with its parameters on the meta device (no memory), the TP
 plan is applied (the parallel layers slice meta tensors for free), and then each parameter is
-read from the safetensors files (``shardwise.safetensors_io``) for exactly the ranges this rank holds, so a
+read from the safetensors files (``shardwise.files.safetensors_io``) for exactly the ranges this rank holds, so a
 rank never holds (or reads) the full weights of a sharded layer. Buffers (rotary frequencies) are
 built normally on the CPU.
 """
@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, compute_device, init_distributed
+from shardwise.files.safetensors_io import SafetensorsFile
 from shardwise.layout import get_mesh
-from shardwise.safetensors_io import SafetensorsFile
 from shardwise.tensor_parallel.layers import ShardSpec, full_shape, read_tp_slice
 from shardwise.tensor_parallel.plan import apply_tensor_parallel, tp_state_of
-from shardwise.zero.init import params_on_meta, weight_map
+from shardwise.zero.init.context import params_on_meta, weight_map
 
 
 def _read_local(f: SafetensorsFile, key: str, spec: ShardSpec | None, shape: tuple[int, ...],

@@ -7,25 +7,24 @@ import os
 import subprocess
 import sys
 
-from shardwise.cli_errors import OneLineParser, UserError, bounded_int, positive_float, run_command
+from shardwise.errors import OneLineParser, UserError, bounded_int, positive_float, run_command
 from shardwise.launch.devices import BACKENDS, count_gpus, launch_notice, plan_world, rank_env
-from shardwise.net import free_port
+from shardwise.launch.net import free_port
 
 SUBCOMMANDS = {
-    "train": ("shardwise.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),
-    "estimate": ("shardwise.estimate.report", "memory and communication per ZeRO stage, and advice"),
-    "consolidate": ("shardwise.checkpoint", "turn a sharded checkpoint into an HF model directory"),
-    "generate": ("shardwise.inference.cli", "generate text from an HF model directory"),
-    "quantize": ("shardwise.inference.quantize",
+    "train": ("shardwise.cli.train", "train any causal LM on local text: checkpoints, resume, eval, HF export"),
+    "estimate": ("shardwise.cli.estimate", "memory and communication per ZeRO stage, and advice"),
+    "consolidate": ("shardwise.cli.consolidate", "turn a sharded checkpoint into an HF model directory"),
+    "generate": ("shardwise.cli.generate", "generate text from an HF model directory"),
+    "quantize": ("shardwise.cli.quantize",
                  "write an int8/int4 copy of an HF model directory for streamed generate"),
-    "env": ("shardwise.commands.env", "versions, devices, backends, extras, what the DeepSpeed facade serves"),
+    "env": ("shardwise.cli.env", "versions, devices, backends, extras, what the DeepSpeed facade serves"),
 }
-ENTRY = {"shardwise.checkpoint": "consolidate_main"}
 # `SUBCOMMAND --help` builds these torch-free parsers, so help answers before any heavy import
-HELP_PARSERS = {"train": ("shardwise.train.options", "build_parser"),
-                "consolidate": ("shardwise.commands.parsers", "consolidate_parser"),
-                "generate": ("shardwise.commands.parsers", "generate_parser"),
-                "quantize": ("shardwise.commands.parsers", "quantize_parser")}
+HELP_PARSERS = {"train": ("shardwise.cli.train_options", "build_parser"),
+                "consolidate": ("shardwise.cli.parsers", "consolidate_parser"),
+                "generate": ("shardwise.cli.parsers", "generate_parser"),
+                "quantize": ("shardwise.cli.parsers", "quantize_parser")}
 
 EPILOG = """examples:
   shardwise train --model llama-micro --data data/sonnets.txt --steps 40 --out runs/first   (one process)
@@ -126,8 +125,8 @@ def _check_target(target: list[str], passthrough: list[str], world_size: int | N
         raise UserError(f"{target[0]!r} is neither a subcommand ({', '.join(SUBCOMMANDS)}) nor a script "
                         "file; check the path")
     if target[0] == "train":  # argument errors once, here, not once per rank
+        from shardwise.cli.train_options import parse_args
         from shardwise.config import SupportedFeatures, load_config
-        from shardwise.train.options import parse_args
 
         train_args = parse_args(target[1:])
         if world_size is not None:  # a config error here, not one traceback per rank
@@ -246,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         print(f"shardwise {cmd}: error: not available in this build ({e}); install its extras", file=sys.stderr)
         return 2
-    return run_command(f"shardwise {cmd}", getattr(mod, ENTRY.get(mod_name, "main")), rest)
+    return run_command(f"shardwise {cmd}", mod.main, rest)
 
 
 if __name__ == "__main__":

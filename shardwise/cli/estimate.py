@@ -1,0 +1,96 @@
+"""``shardwise estimate``: its flags, checked at the edge, then the library's arithmetic (memory,
+communication, step time, the longest sequence)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from shardwise.cli.planner import add_planner_args, run_planner
+from shardwise.errors import OneLineParser
+from shardwise.estimate.long_context import add_long_context_args, run_long_context
+from shardwise.estimate.memory import estimate, model_facts, parse_bytes, parse_count
+from shardwise.estimate.report import check_model_config, format_report
+
+
+def _arg(parse: Any, kind: str, high: int) -> Any:
+    """Wrap a parser so argparse reports '--flag: <reason>' for bad or absurd values (1..high)."""
+    def conv(text: str) -> int:
+        try:
+            v = parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+        if not 0 < v <= high:
+            raise argparse.ArgumentTypeError(f"{kind} must be between 1 and {high:.0e}: {text!r}")
+        return v
+    conv.__name__ = kind
+    return conv
+
+
+EPILOG = """examples:
+  shardwise estimate --params 7.5B --devices 64
+  shardwise estimate --model ./llama-7b --devices 8 --micro-batch 1 --seq 4096 --device-memory 80GB
+  shardwise estimate --params 70B --devices 16 --tp 8 --offload optimizer --json
+  shardwise estimate --model ./llama-7b --devices 16 --nodes 2 --gpus-per-node 8 --inter-bw 25GB \\
+      --intra-bw 300GB --latency 10us --tflops 400 --micro-batch 1 --seq 4096 --device-memory 80GB
+units: counts take K/M/B/T (powers of 1000); GB = 1e9 bytes, GiB = 2^30 bytes, G = GB."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`shardwise estimate` CLI; returns the exit code (2 for bad input, naming the flag)."""
+    p = OneLineParser(prog="shardwise estimate", epilog=EPILOG,
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      description="Estimate per-device memory and communication for ZeRO "
+                                  "stages 0-3, offload and tensor parallelism.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=_arg(parse_count, "count", 10**15), help="parameter count, e.g. 7.5B")
+    src.add_argument("--model", help="HF model directory or config.json (exact count, shapes)")
+    p.add_argument("--devices", type=_arg(parse_count, "count", 10**8), required=True, help="total devices")
+    p.add_argument("--tp", type=_arg(parse_count, "count", 10**6), default=1, help="tensor-parallel degree")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
+    p.add_argument("--master", choices=["fp32", "master", "states"], default="fp32",
+                   help="fp32 masters (default); 'master': DeepSpeed's {bf16,fp16}_master_weights_and_grads; "
+                        "'states': also bf16_optimizer_states (docs/precision.md)")
+    p.add_argument("--master-update", choices=["kahan", "stochastic", "nearest"], default="kahan",
+                   help="shardwise.master_update of a 16-bit master (kahan keeps a 2-byte compensation)")
+    p.add_argument("--micro-batch", type=_arg(parse_count, "count", 10**9), help="micro batch per device")
+    p.add_argument("--seq", type=_arg(parse_count, "count", 10**9), help="sequence length")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--device-memory", type=_arg(parse_bytes, "size", 10**18), help="e.g. 80GB, 80GiB")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    add_planner_args(p)
+    add_long_context_args(p)
+    try:
+        args = p.parse_args(argv)
+        if args.devices % args.tp:
+            p.error(f"--devices {args.devices} is not divisible by --tp {args.tp}")
+        if (args.micro_batch is None) != (args.seq is None):
+            p.error("--micro-batch and --seq go together")
+        if args.master != "fp32" and (args.dtype == "fp32" or (args.master == "states" and args.dtype != "bf16")):
+            p.error(f"--master {args.master} does not apply to --dtype {args.dtype} "
+                    "(bf16: master, states; fp16: master)")
+        if args.micro_batch and not args.model:
+            p.error("--micro-batch/--seq need --model (hidden size, layers, heads for activations)")
+        facts = None
+        if args.model:
+            try:
+                check_model_config(args.model)
+                facts = model_facts(args.model)
+            except (ValueError, KeyError, OSError) as exc:  # UserError is a ValueError
+                p.error(f"--model: {exc}")
+        if facts and facts.num_heads and facts.num_heads % args.tp:
+            p.error(f"--tp {args.tp} does not divide the model's {facts.num_heads} attention heads")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.nodes is not None:
+        return run_planner(p, args, facts)
+    if args.budget is not None:
+        return run_long_context(p, args, facts)
+    est = estimate(facts.params if facts else args.params, args.devices, tp=args.tp, dtype=args.dtype,
+                   offload=args.offload, micro_batch=args.micro_batch, seq=args.seq, facts=facts,
+                   activation_checkpointing=args.activation_checkpointing,
+                   device_memory=args.device_memory, master=args.master, kahan=args.master_update == "kahan")
+    print(json.dumps(est.to_dict()) if args.json else format_report(est))
+    return 0
