@@ -38,6 +38,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                 "`shardwise consolidate` of a train run carry theirs)")
     if args.top_p is not None and args.temperature is None:
         p.error("--top-p needs --temperature (sampling); greedy decoding ignores it")
+    if args.backend != "auto" and args.nproc == 1 and "RANK" not in os.environ:
+        p.error(f"--backend {args.backend} picks the ranks' backend: add --nproc N (N >= 2)")
     if args.tp > max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))):
         p.error(f"--tp {args.tp} needs at least as many ranks: add --nproc {args.tp}")
     return args
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rest = [a for i, a in enumerate(argv)  # the ranks must not see --nproc (nor torchrun)
                 if not a.startswith("--nproc") and not (i > 0 and argv[i - 1] == "--nproc")]
-        return launch(["--nproc", str(args.nproc), "--", "generate", *rest])
+        return launch(["--nproc", str(args.nproc), "--backend", args.backend, "--", "generate", *rest])
 
     import torch
     import torch.distributed as dist
