@@ -90,7 +90,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespa
     cases.write_text(json.dumps({name: argv for name, (argv, _) in _cases(tmp).items()}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, RUNNER, str(cases), str(out)], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=ROOT)
+                          env=env, timeout=600, cwd=tmp)  # train without --out writes runs/default here
     assert done.returncode == 0, done.stderr[-3000:]
     return {name: SimpleNamespace(**r) for name, r in json.loads(out.read_text()).items()}
 
