@@ -59,7 +59,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "train steps string": (["train", "--config", EXAMPLE, "--steps", "ten"], "--steps"),
         "train timeout 0": (["train", "--config", EXAMPLE, "--timeout", "0"], "--timeout"),
         "train missing config": (["train", "--config", str(tmp / "none.json")], "--config"),
-        "train bad config key": (["train", "--config", str(bad_cfg), "--steps", "1"], "stag"),
+        "train bad config key": (["train", "--config", str(bad_cfg), "--steps", "1", "--out", str(tmp / "typo_run")],
+                                 "stag"),
+        "train missing data": (["train", "--config", EXAMPLE, "--data", str(tmp / "nodata.txt"), "--out",
+                                str(tmp / "nodata_run")], "nodata.txt"),
         "train float steps in run config": (["train", "--config", EXAMPLE, "--run-config", str(float_steps)],
                                             "'steps' must be a whole number, got 2.5"),
         "consolidate missing folder": (["consolidate", str(tmp / "nockpt"), str(tmp / "out")], "nockpt"),
@@ -92,7 +95,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespa
     done = subprocess.run([sys.executable, RUNNER, str(cases), str(out)], capture_output=True, text=True,
                           env=env, timeout=600, cwd=tmp)  # train without --out writes runs/default here
     assert done.returncode == 0, done.stderr[-3000:]
-    return {name: SimpleNamespace(**r) for name, r in json.loads(out.read_text()).items()}
+    found = {name: SimpleNamespace(**r) for name, r in json.loads(out.read_text()).items()}
+    found["run folders left"] = SimpleNamespace(paths=sorted(p.name for p in tmp.iterdir() if p.name.endswith("_run")
+                                                              or p.name == "runs"))
+    return found
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
@@ -104,6 +110,13 @@ def test_user_error_is_one_line_exit_2(name: str, results: dict, tmp_path: Path)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-2000:]
     assert word in lines[0] and "error" in lines[0], lines[0]
+
+
+@pytest.mark.subprocess
+def test_refused_train_leaves_no_run_folder(results: dict) -> None:
+    """A config typo or a missing --data is refused before --out is created (it used to leave a lock,
+    run_config.json and the tokenized data there, after half a minute of work)."""
+    assert results["run folders left"].paths == []
 
 
 @pytest.mark.subprocess

@@ -23,7 +23,7 @@ from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.cli_errors import UserError, one_line, user_error_types
 from shardwise.comm import RanksDivergedError, make_comm
 from shardwise.commands.units import human_counts
-from shardwise.config import ConfigError
+from shardwise.config import ConfigError, SupportedFeatures, load_config
 from shardwise.train import loop
 from shardwise.train.advice import eval_rise_note, passes_note
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
@@ -39,7 +39,7 @@ from shardwise.train.divergence import (
 )
 from shardwise.train.export import write_side_files
 from shardwise.train.hf_datasets import dataset_kind, dataset_to_jsonl
-from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
+from shardwise.train.model import ModelError, ModelSource, build_model, load_tokenizer, n_params, resolve_model
 from shardwise.train.options import parse_args, resolved
 from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics
 from shardwise.train.run_folder import RunLock
@@ -117,13 +117,13 @@ class Job:
 def _setup(args, shardwise) -> Job:
     """Model, data and engine for ``args``; refuses to start fresh over an existing run's checkpoints."""
     run_dir = Path(args.out)
+    src = _check_before_writing(args)
     lock = _lock_run_folder(run_dir)
     if args.resume == "none" and (run_dir / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--out {run_dir} already holds checkpoints; pass --resume auto to continue it, or "
                           "choose another --out")
     if dist.get_rank() == 0:
         (run_dir / "run_config.json").write_text(json.dumps(resolved(args), indent=1) + "\n")
-    src = resolve_model(args.model)
     tokenizer = load_tokenizer(src)
     data = TokenData.open(_prepare_data(args, tokenizer, run_dir), args.seq, args.eval_fraction, args.seed)
     stage = (args.ds_config.get("zero_optimization") or {}).get("stage", 0)
@@ -150,6 +150,19 @@ def _setup(args, shardwise) -> Job:
     state = {"seq": args.seq, "seed": args.seed, "global_batch": global_batch}
     return Job(args, engine, data, tokenizer, run_dir, global_batch * args.seq, state, lock=lock,
                guard=NonFiniteGuard(engine.max_nonfinite_steps))
+
+
+def _check_before_writing(args: Any) -> ModelSource:
+    """The model source, after refusing what the options alone show wrong, before --out is made.
+
+    A typo in the config (found by the engine, after tokenizing) or a --data path that does not exist
+    used to be refused only after the run folder held a lock, run_config.json and the tokenized data:
+    a folder the next run would find, and half a minute spent first.
+    """
+    load_config(args.ds_config, world_size=dist.get_world_size(), supported=SupportedFeatures.everything())
+    if dataset_kind(args.data) is None and not Path(args.data).exists():
+        raise DataError(f"--data {args.data}: no such file or folder")
+    return resolve_model(args.model)
 
 
 def _lock_run_folder(run_dir: Path) -> RunLock | None:
