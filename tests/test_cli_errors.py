@@ -40,8 +40,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     batch16 = tmp / "batch16.json"  # 16 = 4 x 2 x dp_world: no whole dp_world of 3 (the examples fit any N)
     batch16.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
                                    "gradient_accumulation_steps": 2}))
+    (tmp / "trained" / "hf").mkdir(parents=True, exist_ok=True)  # a `shardwise train` run folder's export
+    (tmp / "trained" / "hf" / "config.json").write_text("{}")
     return {
         "generate missing model": (["generate", "--model", "/missing", "--prompt", "hi"], "/missing"),
+        "generate run folder": (["generate", "--model", str(tmp / "trained"), "--prompt", "hi"],
+                                "is a run folder; its exported model is --model "),
         "estimate 1e400 params": (["estimate", "--params", "1e400", "--devices", "2"], "--params"),
         "estimate negative params": (["estimate", "--params", "-5", "--devices", "2"], "--params"),
         "estimate string params": (["estimate", "--params", "abc", "--devices", "2"], "--params"),

@@ -29,6 +29,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not args.prompt:
         p.error("--prompt is empty; give at least one character of text to continue")
     if not (Path(args.model) / "config.json").is_file():
+        if (Path(args.model) / "hf" / "config.json").is_file():  # a `shardwise train` run folder
+            p.error(f"--model {args.model!r} is a run folder; its exported model is --model "
+                    f"{Path(args.model) / 'hf'}")
         p.error(f"--model {args.model!r}: no config.json there; pass a folder written by save_pretrained "
                 "or `shardwise consolidate` (Hub names are not downloaded)")
     names = os.listdir(args.model) if os.access(args.model, os.R_OK | os.X_OK) else ["tokenizer?"]  # unreadable: later
