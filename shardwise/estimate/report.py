@@ -146,7 +146,10 @@ def check_model_config(src: str) -> None:
     """Refuse a config.json whose shape fields are not whole numbers in range (UserError naming the key)."""
     path = Path(src) / "config.json" if Path(src).is_dir() else Path(src)
     if not path.is_file():
-        raise UserError(f"{src!r}: no config.json there; pass an HF model folder or its config.json")
+        from shardwise.train.presets import MODEL_PRESETS  # torch-free, like this module
+
+        preset = " (a `shardwise train` preset, not a file: pass a run's export, RUN/hf)" * (src in MODEL_PRESETS)
+        raise UserError(f"{src!r}: no config.json there{preset}; pass an HF model folder or its config.json")
     try:  # a folder's config.json must be a regular file inside it (safe_files)
         raw = read_in(path.parent, path.name) if Path(src).is_dir() else read_regular(path, 64 << 20)
         data = json.loads(raw.decode("utf-8"))
