@@ -18,13 +18,14 @@ $(VENV)/.installed: pyproject.toml
 	@case "$(TORCH_BUILD)" in cpu|cuda) ;; *) echo "TORCH_BUILD must be cpu or cuda, got '$(TORCH_BUILD)'"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@echo "installing torch $(TORCH_VERSION), $(TORCH_BUILD) build"
+	@echo "installing torch $(TORCH_VERSION), $(TORCH_BUILD) build (200 MB to a few GB: pip shows the download)"
 	@if [ "$(TORCH_BUILD)" = cuda ] || [ "$$(uname -s)" = Darwin ]; then \
-		$(PY) -m pip install -q torch==$(TORCH_VERSION); \
+		$(PY) -m pip install torch==$(TORCH_VERSION); \
 	else \
-		$(PY) -m pip install -q torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
-		$(PY) -m pip install -q torch==$(TORCH_VERSION)+cpu --index-url $(TORCH_CPU_INDEX); \
+		$(PY) -m pip install torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
+		$(PY) -m pip install torch==$(TORCH_VERSION)+cpu --index-url $(TORCH_CPU_INDEX); \
 	fi
+	@echo "installing shardwise and what its tests use (transformers, accelerate, peft, trl, datasets, ...)"
 	$(PY) -m pip install -q -e '.[test]'
 	@$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda) if torch.version.cuda else print('torch', torch.__version__, 'CPU build')"
 	touch $@

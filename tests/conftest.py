@@ -16,7 +16,7 @@ if not GPU_TIER:
 
 from rank_pool import RankPool  # noqa: E402
 
-pytest_plugins = ["suite_plugin"]  # issue 48: the closing figures, the subprocess mark, `make test-fast`
+pytest_plugins = ["suite_plugin", "tree_guard"]  # issue 48: closing figures, marks; no writes into the checkout
 
 _pools: dict[int, RankPool] = {}
 

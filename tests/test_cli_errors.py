@@ -40,8 +40,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     batch16 = tmp / "batch16.json"  # 16 = 4 x 2 x dp_world: no whole dp_world of 3 (the examples fit any N)
     batch16.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
                                    "gradient_accumulation_steps": 2}))
+    (tmp / "trained" / "hf").mkdir(parents=True, exist_ok=True)  # a `shardwise train` run folder's export
+    (tmp / "trained" / "hf" / "config.json").write_text("{}")
     return {
         "generate missing model": (["generate", "--model", "/missing", "--prompt", "hi"], "/missing"),
+        "generate run folder": (["generate", "--model", str(tmp / "trained"), "--prompt", "hi"],
+                                "is a run folder; its exported model is --model "),
         "estimate 1e400 params": (["estimate", "--params", "1e400", "--devices", "2"], "--params"),
         "estimate negative params": (["estimate", "--params", "-5", "--devices", "2"], "--params"),
         "estimate string params": (["estimate", "--params", "abc", "--devices", "2"], "--params"),
@@ -54,12 +58,19 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "estimate 100k layers": (["estimate", "--model", _model_config(tmp, "deep", num_hidden_layers=100_000),
                                   "--devices", "2"], "num_hidden_layers"),
         "estimate missing model": (["estimate", "--model", str(tmp / "nope"), "--devices", "2"], "--model"),
+        "estimate a train preset": (["estimate", "--model", "llama-tiny", "--devices", "2"],
+                                    "a `shardwise train` preset, not a file: pass a run's export, RUN/hf"),
+        "train hub name": (["train", "--model", "gpt2", "--steps", "1", "--out", str(tmp / "hub_run")],
+                           "Hub names are not downloaded"),
         "train steps 0": (["train", "--config", EXAMPLE, "--steps", "0"], "--steps"),
         "train seq 0": (["train", "--config", EXAMPLE, "--seq", "0"], "--seq"),
         "train steps string": (["train", "--config", EXAMPLE, "--steps", "ten"], "--steps"),
         "train timeout 0": (["train", "--config", EXAMPLE, "--timeout", "0"], "--timeout"),
         "train missing config": (["train", "--config", str(tmp / "none.json")], "--config"),
-        "train bad config key": (["train", "--config", str(bad_cfg), "--steps", "1"], "stag"),
+        "train bad config key": (["train", "--config", str(bad_cfg), "--steps", "1", "--out", str(tmp / "typo_run")],
+                                 "stag"),
+        "train missing data": (["train", "--config", EXAMPLE, "--data", str(tmp / "nodata.txt"), "--out",
+                                str(tmp / "nodata_run")], "nodata.txt"),
         "train float steps in run config": (["train", "--config", EXAMPLE, "--run-config", str(float_steps)],
                                             "'steps' must be a whole number, got 2.5"),
         "consolidate missing folder": (["consolidate", str(tmp / "nockpt"), str(tmp / "out")], "nockpt"),
@@ -90,9 +101,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespa
     cases.write_text(json.dumps({name: argv for name, (argv, _) in _cases(tmp).items()}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, RUNNER, str(cases), str(out)], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=ROOT)
+                          env=env, timeout=600, cwd=tmp)  # train without --out writes runs/default here
     assert done.returncode == 0, done.stderr[-3000:]
-    return {name: SimpleNamespace(**r) for name, r in json.loads(out.read_text()).items()}
+    found = {name: SimpleNamespace(**r) for name, r in json.loads(out.read_text()).items()}
+    found["run folders left"] = SimpleNamespace(paths=sorted(p.name for p in tmp.iterdir() if p.name.endswith("_run")
+                                                              or p.name == "runs"))
+    return found
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
@@ -104,6 +118,13 @@ def test_user_error_is_one_line_exit_2(name: str, results: dict, tmp_path: Path)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-2000:]
     assert word in lines[0] and "error" in lines[0], lines[0]
+
+
+@pytest.mark.subprocess
+def test_refused_train_leaves_no_run_folder(results: dict) -> None:
+    """A config typo or a missing --data is refused before --out is created (it used to leave a lock,
+    run_config.json and the tokenized data there, after half a minute of work)."""
+    assert results["run folders left"].paths == []
 
 
 @pytest.mark.subprocess

@@ -63,6 +63,14 @@ def test_example_config_holds_at_any_world_size(name: str, tmp_path: Path) -> No
     assert params.get("total_num_steps", 7) == 7  # follows --steps
 
 
+def test_make_run_config_holds_at_any_world_size(tmp_path: Path) -> None:
+    """`make run` starts one rank per GPU: its batch fits 1-8 of them (16 sequences at 2, as documented)."""
+    args = parse_args(["--run-config", str(EX / "sonnets.toml"), "--out", str(tmp_path / "run")])
+    for world in range(1, 9):
+        cfg = load_config(args.ds_config, world_size=world, supported=SupportedFeatures.everything())
+        assert cfg._ignored == [] and cfg.train_batch_size == 8 * world and cfg.gradient_accumulation_steps == 2
+
+
 def test_the_defaults_hold_at_any_world_size(tmp_path: Path) -> None:
     args = parse_args(["--steps", "50", "--out", str(tmp_path / "run")])
     assert args.config is None and args.ds_config["scheduler"]["params"]["warmup_num_steps"] == 5

@@ -277,3 +277,39 @@ def test_the_cpu_tier_hides_the_gpus_from_every_process() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.stdout.split() == ["False", "gloo"], r.stderr[-2000:]
+
+
+def _generate(monkeypatch, capsys, tmp_path, gpus: int, *flags: str) -> tuple[int, list, str]:
+    """``shardwise generate --nproc 2`` on a machine with ``gpus`` GPUs, up to the rank launch."""
+    ran = []
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(cli, "count_gpus", lambda: gpus)
+    monkeypatch.setattr(cli, "_run_forwarding_signals", lambda cmd, env: ran.append((cmd, env)) or 0)
+    for name in ("RANK", "CUDA_VISIBLE_DEVICES", "SHARDWISE_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    code = cli.main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--nproc", "2", *flags])
+    return code, ran, capsys.readouterr().err
+
+
+def test_generate_two_ranks_one_gpu_advice_is_a_flag_it_has(monkeypatch, capsys, tmp_path) -> None:
+    """The refusal's advice (--backend gloo) is an option of `generate` itself, and following it
+    starts 2 CPU ranks with the GPU hidden, as `shardwise launch --backend gloo` does."""
+    code, ran, err = _generate(monkeypatch, capsys, tmp_path, 1)
+    assert code == 2 and not ran and err.count("\n") == 1
+    assert err.startswith("shardwise generate: error: --nproc 2: 2 ranks on this node") and "--backend gloo" in err
+    code, ran, err = _generate(monkeypatch, capsys, tmp_path, 1, "--backend", "gloo")
+    cmd, env = ran[0]
+    assert code == 0 and "--nproc_per_node=2" in cmd and cmd[cmd.index("shardwise.cli") + 1] == "generate"
+    assert env["SHARDWISE_BACKEND"] == "gloo" and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert err == "shardwise launch: 2 CPU ranks on gloo (--backend gloo: the 1 GPU hidden from them)\n"
+
+
+def test_generate_backend_without_ranks_refused(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--backend", "gloo"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("shardwise generate: error: --backend gloo picks the ranks' backend: add --nproc N")

@@ -223,6 +223,11 @@ def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path) -> None:
         _one_line(r, 2, f"--master-port {port}", f"port {port} is already in use")
         r = _run(_train_cmd(tmp_path, tmp_path / "single", None, "--steps", "1"), MASTER_PORT=port)
         _one_line(r, 2, f"MASTER_PORT={port}", "already in use")
+        # a child of a running rank (torchrun'd script, notebook) inherits its rendezvous: told what to unset
+        r = _run(_train_cmd(tmp_path, tmp_path / "child", None, "--steps", "1"), MASTER_PORT=port, RANK="0",
+                 WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        _one_line(r, 2, f"MASTER_PORT={port}: port {port} is already in use", "RANK=0 and MASTER_PORT came from the "
+                  "environment", "unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT", "shardwise launch")
     crash = tmp_path / "crash.py"
     crash.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit('rank 1 cannot start')\n"
                      "import time\ntime.sleep(30)\n")

@@ -7,6 +7,7 @@ whole state dict in RAM instead.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -225,9 +226,14 @@ def consolidate(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = Non
     specs: list[Spec] = [(n, out_dt if dt.is_floating_point else dt, shape) for n, dt, shape in saved]
     out = Path(out_dir)
     w = ShardedHFWriter(out, specs, parse_bytes(max_shard_size), guard)
+    from tqdm.auto import tqdm  # a 7B checkpoint takes minutes: a bar on a terminal (none in logs, disable=None)
+
+    bar = tqdm(total=len(specs), desc="consolidate", unit="tensor", file=sys.stderr, disable=None, leave=False)
     for (name, dt, _), (_, t) in zip(specs, _full_tensors(meta, reader, saved), strict=True):
         w.write(name, t.to(dt))
         del t
+        bar.update()
+    bar.close()
     names = w.close()
     side = copy_side_files(side_dir, side_names, out) if side_dir is not None else []
     w.finish(_write_config(cfg, out, out_dt), side)

@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from shardwise.cli.planner import add_planner_args, run_planner
-from shardwise.errors import OneLineParser
+from shardwise.errors import OneLineParser, UserError
 from shardwise.estimate.long_context import add_long_context_args, run_long_context
 from shardwise.estimate.memory import estimate, model_facts, parse_bytes, parse_count
 from shardwise.estimate.report import check_model_config, format_report
+from shardwise.train.presets import MODEL_PRESETS
 
+
+def refuse_train_preset(src: str) -> None:
+    """``--model llama-tiny`` names a ``shardwise train`` preset, not a folder: say which folder to pass."""
+    if src in MODEL_PRESETS and not Path(src).exists():
+        raise UserError(f"{src!r}: no config.json there (a `shardwise train` preset, not a file: pass a run's "
+                        "export, RUN/hf); pass an HF model folder or its config.json")
 
 def _arg(parse: Any, kind: str, high: int) -> Any:
     """Wrap a parser so argparse reports '--flag: <reason>' for bad or absurd values (1..high)."""
@@ -76,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         facts = None
         if args.model:
             try:
+                refuse_train_preset(args.model)
                 check_model_config(args.model)
                 facts = model_facts(args.model)
             except (ValueError, KeyError, OSError) as exc:  # UserError is a ValueError

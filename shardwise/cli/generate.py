@@ -29,6 +29,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not args.prompt:
         p.error("--prompt is empty; give at least one character of text to continue")
     if not (Path(args.model) / "config.json").is_file():
+        if (Path(args.model) / "hf" / "config.json").is_file():  # a `shardwise train` run folder
+            p.error(f"--model {args.model!r} is a run folder; its exported model is --model "
+                    f"{Path(args.model) / 'hf'}")
         p.error(f"--model {args.model!r}: no config.json there; pass a folder written by save_pretrained "
                 "or `shardwise consolidate` (Hub names are not downloaded)")
     names = os.listdir(args.model) if os.access(args.model, os.R_OK | os.X_OK) else ["tokenizer?"]  # unreadable: later
@@ -38,6 +41,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                 "`shardwise consolidate` of a train run carry theirs)")
     if args.top_p is not None and args.temperature is None:
         p.error("--top-p needs --temperature (sampling); greedy decoding ignores it")
+    if args.backend != "auto" and args.nproc == 1 and "RANK" not in os.environ:
+        p.error(f"--backend {args.backend} picks the ranks' backend: add --nproc N (N >= 2)")
     if args.tp > max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))):
         p.error(f"--tp {args.tp} needs at least as many ranks: add --nproc {args.tp}")
     return args
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rest = [a for i, a in enumerate(argv)  # the ranks must not see --nproc (nor torchrun)
                 if not a.startswith("--nproc") and not (i > 0 and argv[i - 1] == "--nproc")]
-        return launch(["--nproc", str(args.nproc), "--", "generate", *rest])
+        return launch(["--nproc", str(args.nproc), "--backend", args.backend, "--", "generate", *rest])
 
     import torch
     import torch.distributed as dist

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from shardwise.errors import OneLineParser, bounded_int, finite_float
+from shardwise.launch.devices import BACKENDS
 
 GENERATE_EXAMPLES = """examples:
   shardwise generate --model runs/sonnets/hf --prompt "Shall I compare thee" --max-new-tokens 64
@@ -20,6 +21,7 @@ GENERATE_EXAMPLES = """examples:
   shardwise generate --model big_int4 --prompt "Hello" --offload disk --prefetch 4 --threads 1   (2 cores)
   shardwise generate --model dir --prompt "Hello" --nproc 2                  (each rank holds 1/2)
   shardwise generate --model dir --prompt "Hello" --tp 2 --nproc 2           (tensor parallel)
+  shardwise generate --model dir --prompt "Hello" --nproc 2 --backend gloo   (2 CPU ranks on a 1-GPU machine)
   shardwise generate --model dir --prompt "Hi" --temperature 0.8 --top-p 0.95 --seed 1
 """
 
@@ -51,6 +53,9 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--tp", type=bounded_int(1, 4096, "--tp"), default=1, help="tensor parallel size")
     p.add_argument("--nproc", type=bounded_int(1, 4096, "--nproc"), default=1,
                    help="ranks to run on (relaunches via `shardwise launch`)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="with --nproc, as `shardwise launch --backend`: auto (NCCL where torch sees GPUs, else "
+                        "gloo); gloo: CPU ranks, the GPUs hidden from them")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default: the model's)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")

@@ -64,7 +64,8 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
         timeout = datetime.timedelta(seconds=float(timeout))
     if timeout is None:
         timeout = datetime.timedelta(seconds=float(os.environ.get("SHARDWISE_TIMEOUT", 600)))
-    if "RANK" not in os.environ:  # a plain `python script.py`: a world of one
+    inherited = "RANK" in os.environ  # set by a launcher, or by a parent job whose environment this one copied
+    if not inherited:  # a plain `python script.py`: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -78,8 +79,13 @@ def init_distributed(backend: str | None = None, timeout: float | datetime.timed
         if not address_in_use(exc):
             raise
         port = os.environ.get("MASTER_PORT")
-        raise UserError(f"MASTER_PORT={port}: " + port_taken(port, "set MASTER_PORT to a free port, or unset it in a "
-                        "single process (a free one is chosen)")) from None
+        how = ("set MASTER_PORT to a free port, or unset it in a single process (a free one is chosen)"
+               if not inherited else
+               f"RANK={os.environ['RANK']} and MASTER_PORT came from the environment: started from inside a running "
+               "job (a torchrun'd script, a notebook that called init_process_group), this process inherited its "
+               "rendezvous; unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for a job of its own, "
+               "or start it with `shardwise launch` (its ranks get a free port)")
+        raise UserError(f"MASTER_PORT={port}: " + port_taken(port, how)) from None
     if dist.get_rank() != 0:
         quiet_progress_bars()
     _GLOBAL_TIMEOUT[0] = timeout.total_seconds()

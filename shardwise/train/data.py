@@ -19,6 +19,7 @@ import codecs
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,9 @@ def tokenize_to_cache(sources: list[Path], tokenizer, cache_dir: Path, text_key:
     n, docs = 0, 0
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else tokenizer.encode("\n")
     sep_ids = np.asarray(sep, dtype=dtype)
+    from tqdm.auto import tqdm  # a large corpus takes minutes: a bar on a terminal (none in logs, disable=None)
+
+    bar = tqdm(desc="tokenizing --data", unit="tok", unit_scale=True, file=sys.stderr, disable=None, leave=False)
     with open_temp(bin_path) as out:
         for f in sources:
             for pieces in document_pieces(f, text_key):
@@ -138,10 +142,12 @@ def tokenize_to_cache(sources: list[Path], tokenizer, cache_dir: Path, text_key:
                 for ids, tail in encode_stream(tokenizer, pieces, dtype):
                     ids.tofile(out)
                     n, last = n + len(ids), tail
+                    bar.update(len(ids))
                 if not last.endswith("\n") or tokenizer.eos_token_id is not None:
                     sep_ids.tofile(out)
                     n += len(sep_ids)
                 docs += 1
+        bar.close()
         out.flush()
         os.fsync(out.fileno())
     commit_temp(bin_path)

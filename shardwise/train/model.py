@@ -91,7 +91,8 @@ def resolve_model(spec: str) -> ModelSource:
     if p.is_file() and p.suffix == ".json":
         return ModelSource("config", spec, p)
     raise ModelError(f"--model {spec!r} is not a preset ({', '.join(MODEL_PRESETS)}), an HF model folder "
-                     "or a config.json file")
+                     "or a config.json file (Hub names are not downloaded: download the folder first, e.g. "
+                     f"`hf download {spec} --local-dir DIR`, and pass --model DIR)")
 
 
 def load_tokenizer(src: ModelSource) -> ByteTokenizer | HFTokenizer:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from shardwise.checkpoint.formats import is_foreign
 from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.comm import RanksDivergedError, make_comm
-from shardwise.config import ConfigError
+from shardwise.config import ConfigError, SupportedFeatures, load_config
 from shardwise.errors import UserError, one_line, user_error_types
 from shardwise.train import loop
 from shardwise.train.advice import eval_rise_note, passes_note
@@ -38,7 +38,7 @@ from shardwise.train.divergence import (
 )
 from shardwise.train.export import write_side_files
 from shardwise.train.hf_datasets import dataset_kind, dataset_to_jsonl
-from shardwise.train.model import ModelError, build_model, load_tokenizer, n_params, resolve_model
+from shardwise.train.model import ModelError, ModelSource, build_model, load_tokenizer, n_params, resolve_model
 from shardwise.train.outputs import MetricsLog, memory_table, perplexity, plot_loss, read_metrics, resolved
 from shardwise.train.run_folder import RunLock
 from shardwise.units import human_counts
@@ -124,6 +124,7 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
     """Model, data and engine for ``args``; refuses to start fresh over an existing run's checkpoints.
     Rank 0's lock on the run folder is appended to ``held`` as soon as it is taken."""
     run_dir = Path(args.out)
+    src = _check_before_writing(args)
     lock = _lock_run_folder(run_dir)
     held.extend([lock] if lock is not None else [])
     if args.resume == "none" and (run_dir / "checkpoints" / "latest").is_file():
@@ -131,7 +132,6 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
                           "choose another --out")
     if dist.get_rank() == 0:
         (run_dir / "run_config.json").write_text(json.dumps(resolved(args), indent=1) + "\n")
-    src = resolve_model(args.model)
     tokenizer = load_tokenizer(src)
     data = TokenData.open(_prepare_data(args, tokenizer, run_dir), args.seq, args.eval_fraction, args.seed)
     stage = (args.ds_config.get("zero_optimization") or {}).get("stage", 0)
@@ -158,6 +158,19 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
     state = {"seq": args.seq, "seed": args.seed, "global_batch": global_batch}
     return Job(args, engine, data, tokenizer, run_dir, global_batch * args.seq, state, lock=lock,
                guard=NonFiniteGuard(engine.max_nonfinite_steps))
+
+
+def _check_before_writing(args: Any) -> ModelSource:
+    """The model source, after refusing what the options alone show wrong, before --out is made.
+
+    A typo in the config (found by the engine, after tokenizing) or a --data path that does not exist
+    used to be refused only after the run folder held a lock, run_config.json and the tokenized data:
+    a folder the next run would find, and half a minute spent first.
+    """
+    load_config(args.ds_config, world_size=dist.get_world_size(), supported=SupportedFeatures.everything())
+    if dataset_kind(args.data) is None and not Path(args.data).exists():
+        raise DataError(f"--data {args.data}: no such file or folder")
+    return resolve_model(args.model)
 
 
 def _lock_run_folder(run_dir: Path) -> RunLock | None:
