@@ -91,6 +91,8 @@ class _GuardMode(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         g = self.guard
+        if kwargs.get("generator") is not None:
+            _check_generator(func, args, kwargs)
         if func is _aten._local_scalar_dense.default:  # .item() / float() / bool(): values are fake
             if args[0].device != CPU:
                 g.host_syncs.append(g.library_line())
@@ -134,6 +136,36 @@ class _GuardMode(FakeTensorMode):
             return bool(kwargs.get("non_blocking", False)) and dev is not None and torch.device(dev) == CPU \
                 and args[0].device != CPU
         return False
+
+
+def _check_generator(func, args, kwargs) -> None:  # noqa: ANN001
+    """A random op's generator on the device of the tensor it fills, as CUDA demands (a CPU
+    generator for a CUDA tensor: "Expected a 'cuda' device type for generator")."""
+    first = next(_tensors(args), None)
+    dev = torch.device(kwargs["device"]) if kwargs.get("device") is not None else first.device
+    has = _generator_devices.get(kwargs["generator"]._cdata, CPU)  # the dispatcher hands a new wrapper
+    if has.type != dev.type:
+        raise RuntimeError(f"{func}: expected a '{dev.type}' device type for generator but found "
+                           f"'{has.type}' (all tensors on the same device)")
+
+
+_generator_devices: dict[int, torch.device] = {}  # C generator address -> the device it reports
+_TORCH_GENERATOR = torch.Generator  # the class, kept: the guard serves torch.Generator
+
+
+class _Generator(torch.Generator):
+    """``torch.Generator(device=...)`` under the guard: a CPU generator that reports the device asked
+    for (the CPU build makes none for ``lazy``), so random ops check their generator's device."""
+
+    def __new__(cls, device: torch.device | str | int = "cpu") -> _Generator:
+        self = _TORCH_GENERATOR.__new__(cls, "cpu")
+        self.asked = torch.device(device)
+        _generator_devices[self._cdata] = self.asked
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.asked
 
 
 class _Event:
@@ -328,6 +360,7 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
             patch(mod, "compute_device", lambda: device)
     for obj, name, value in _stream_patches(guard, device):
         patch(obj, name, value)
+    patch(torch, "Generator", _Generator)
     patch(FakeTensor, "data_ptr", _fake_data_ptr)
     patch(torch.UntypedStorage, "data_ptr", _fake_storage_ptr)
     FakeTensor.data = property(_get_data, _set_data)  # FakeTensor has none of its own: removed after
@@ -341,6 +374,7 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
             yield guard
     finally:
         del FakeTensor.data
+        _generator_devices.clear()
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
 

