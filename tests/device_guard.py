@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo  # noqa: F401  (imported by FakeTensorMode: before torch.Event is served by the guard)
 import torch.distributed as dist
+from device_guard_streams import stream_patches
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -179,96 +180,6 @@ class _Generator(torch.Generator):
         return self.asked
 
 
-class _Event:
-    """torch.cuda.Event under the guard: ``synchronize()`` / ``wait()`` / ``query()`` end every
-    in-flight copy recorded before it (conservative: a copy after the record is not covered)."""
-
-    guard: Guard  # set on the class made for one guarded run
-
-    def __init__(self, *a, **k):  # noqa: ARG002
-        self.recorded: dict | None = None
-
-    def record(self, stream=None) -> None:  # noqa: ARG002
-        self.recorded = dict(self.guard.in_flight)
-
-    def synchronize(self) -> None:
-        self.guard.syncs += 1
-        for ref in (self.recorded or {}):
-            self.guard.in_flight.pop(ref, None)
-
-    def query(self) -> bool:
-        self.synchronize()
-        return True
-
-    def wait(self, stream=None) -> None:  # noqa: ARG002
-        """A device-side wait: orders device work, frees no host read."""
-
-    def elapsed_time(self, other) -> float:  # noqa: ARG002
-        return 0.0
-
-
-class _Stream:
-    """torch.cuda.Stream under the guard: a stream whose ``synchronize()`` ends every copy in flight."""
-
-    guard: Guard
-
-    def __init__(self, *a, **k):  # noqa: ARG002
-        pass
-
-    def synchronize(self) -> None:
-        self.guard.syncs += 1
-        self.guard.in_flight.clear()
-
-    def __enter__(self) -> _Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Work issued in the block is on this stream: the guard tracks copies, not streams."""
-
-    def wait_stream(self, other) -> None:  # noqa: ARG002
-        """Device-side ordering only."""
-
-    def wait_event(self, event) -> None:  # noqa: ARG002
-        """Device-side ordering only."""
-
-    def record_event(self, event: _Event | None = None) -> _Event:
-        event = event or self.guard_event()
-        event.record()
-        return event
-
-    def query(self) -> bool:
-        self.synchronize()
-        return True
-
-    def guard_event(self) -> _Event:
-        return type("Event", (_Event,), {"guard": self.guard})()
-
-
-def _stream_patches(guard: Guard, device: torch.device) -> list[tuple[object, str, object]]:
-    """``torch.cuda``'s and ``torch.accelerator``'s stream and event names, served without a GPU
-    build: ``device`` is the current accelerator, its streams and events end in-flight copies."""
-    event = type("Event", (_Event,), {"guard": guard})
-    new_stream = type("Stream", (_Stream,), {"guard": guard})
-    stream = new_stream()
-
-    def synchronize(device=None) -> None:  # noqa: ARG001
-        stream.synchronize()
-
-    def current_stream(*a, **k) -> _Stream:  # noqa: ARG001
-        return stream
-
-    def use_stream(s=None):  # noqa: ANN001, ANN202
-        return contextlib.nullcontext(s)
-
-    names = {"Event": event, "Stream": new_stream, "current_stream": current_stream,
-             "default_stream": current_stream, "stream": use_stream, "synchronize": synchronize}
-    acc = {"is_available": lambda: True, "current_accelerator": lambda *a, **k: torch.device(device.type),
-           "current_stream": current_stream, "synchronize": synchronize, "device_count": lambda: 1,
-           "current_device_index": lambda: device.index or 0}
-    return ([(torch.cuda, k, v) for k, v in names.items()] + [(torch.accelerator, k, v) for k, v in acc.items()]
-            + [(torch, "Event", event), (torch, "Stream", new_stream)])
-
-
 _ids = itertools.count(1)
 _storage_ids: dict[int, int] = {}  # StorageImpl address -> id (a freed address reused keeps its id: harmless)
 
@@ -369,7 +280,7 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
     for mod in [m for name, m in list(sys.modules.items()) if name.startswith("shardwise") and m is not None]:
         if getattr(mod, "compute_device", None) is original:
             patch(mod, "compute_device", lambda: device)
-    for obj, name, value in _stream_patches(guard, device):
+    for obj, name, value in stream_patches(guard, device):
         patch(obj, name, value)
     patch(torch, "Generator", _Generator)
     patch(FakeTensor, "data_ptr", _fake_data_ptr)
