@@ -128,3 +128,27 @@ def test_sequence_parallel(world2, monkeypatch, stage, attention, tiles):
     assert engine.global_steps == 1 and sp.size == 2
     # the length check read its all-reduced lengths (at stage 3 inside ZeRO's torch-function wrapper)
     assert any(k in line for line in guard.host_syncs for k in ("sequence_parallel/attention.py", "zero/external.py"))
+
+
+@pytest.mark.parametrize(("stage", "precision", "offload"), [(3, None, None), (2, torch.bfloat16, "optimizer"),
+                                                             (3, torch.bfloat16, "all")])
+def test_fully_shard_api(world2, stage, precision, offload):
+    """``shardwise.shard`` + ``ShardedOptimizer`` + ``clip_grad_norm_`` (the FSDP2-style front end):
+    the returned norm is on the device of the gradients it measured, as torch's (the CPU master grads
+    under optimizer offload, as FSDP2's with its CPU offload policy)."""
+    import shardwise
+
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1))
+    with device_guard() as guard:
+        model = shardwise.shard(model, stage=stage, mixed_precision=precision, offload=offload, bucket_size=4000,
+                                persistence_threshold=0)
+        opt = shardwise.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        batch = ids.to(DEVICE)
+        model(input_ids=batch, labels=batch).loss.backward()
+        norm = shardwise.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+        assert norm.device == (DEVICE if offload is None else torch.device("cpu"))
+        assert model(input_ids=batch, labels=batch).loss.device == DEVICE
+    assert not guard.in_flight
