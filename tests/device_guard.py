@@ -38,7 +38,7 @@ import torch
 import torch._dynamo  # noqa: F401  (imported by FakeTensorMode: before torch.Event is served by the guard)
 import torch.distributed as dist
 from device_guard_streams import stream_patches
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
 DEVICE = torch.device("lazy", 0)  # the simulated accelerator: not the CPU, and it has a device guard here
@@ -217,6 +217,16 @@ def _fake_storage_ptr(self: torch.UntypedStorage) -> int:
 _REAL_STORAGE_PTR = torch.UntypedStorage.data_ptr
 
 
+def _fake_numpy(self: torch.Tensor, *, force: bool = False):  # noqa: ANN202, ARG001
+    """``.numpy()`` of a fake tensor (a checkpoint writer's bytes): zeros of its shape for a CPU tensor;
+    a device tensor is refused as CUDA refuses it (the bytes must be copied to the host first)."""
+    if self.device != CPU:
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy: copy the tensor to host memory "
+                        "first (expected all tensors to be on the same device)")
+    with unset_fake_temporarily():
+        return torch.zeros(self.shape, dtype=self.dtype).numpy()
+
+
 def _guarded_read_into(fd: int, pos: int, dst: torch.Tensor, what: str) -> None:  # noqa: ARG001
     """``safetensors_io.read_into`` under the guard: file bytes go only into a CPU tensor (a device
     tensor here would be a pread into device memory); fake tensors have no bytes to fill."""
@@ -284,6 +294,7 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
         patch(obj, name, value)
     patch(torch, "Generator", _Generator)
     patch(FakeTensor, "data_ptr", _fake_data_ptr)
+    patch(FakeTensor, "numpy", _fake_numpy)
     patch(torch.UntypedStorage, "data_ptr", _fake_storage_ptr)
     FakeTensor.data = property(_get_data, _set_data)  # FakeTensor has none of its own: removed after
     import shardwise.safetensors_io as sio
