@@ -60,7 +60,8 @@ class Guard:
     bool_reads: int = 0  # host reads of a bool (an overflow check, a loop's "finished?")
     finish_after: int | None = None  # bool reads answer True after this many (None: always False)
     in_flight: dict = field(default_factory=dict)  # storage -> where the copy was made
-    answers: dict = field(default_factory=dict)  # library-line substring -> the value its host reads give
+    answers: dict = field(default_factory=dict)  # library-line substring -> what its host reads give
+    # (a number, or (number, bool): the bool for a bool read)
 
     def library_line(self) -> str:
         """The innermost shardwise frame of the current stack (where a finding is reported)."""
@@ -107,7 +108,8 @@ class _GuardMode(FakeTensorMode):
                 g.host_syncs.append(line)
             answer = next((v for k, v in g.answers.items() if k in g.library_stack()), None) if g.answers else None
             if answer is not None:  # a check that compares values (equal shard lengths: 0 and 0)
-                return bool(answer) if args[0].dtype == torch.bool else answer
+                number, flag = answer if isinstance(answer, tuple) else (answer, bool(answer))
+                return flag if args[0].dtype == torch.bool else number
             if args[0].dtype != torch.bool:
                 return 1  # a step count, a norm
             g.bool_reads += 1  # False: no overflow, not finished (until finish_after: a loop's stop)

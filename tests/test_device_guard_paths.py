@@ -213,3 +213,33 @@ def test_checkpoint_save_load_16bit(world1, monkeypatch, tmp_path, zero):
     as CUDA refuses it); reading skips the bytes (``read_into``)."""
     checkpoint_round_trip(monkeypatch, tmp_path, zero)
 
+
+
+def test_train_loop(world2, tmp_path):
+    """One step of ``shardwise train``'s loop (``train/loop.py``: micro-batches moved to the device,
+    the loss and stop flag all-reduced), its eval and probe forwards, the weights' divergence check,
+    with the csv monitor on (the step's values reduced and logged). Checkpointing within the loop is
+    the checkpoint test above (a world of 1)."""
+    import numpy as np
+
+    import shardwise
+    from shardwise.train import loop
+    from shardwise.train.data import TokenData
+    from shardwise.train.divergence import NonFiniteGuard
+
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 12 * SEQ).astype(np.int64)
+    data = TokenData(tokens, SEQ, n_train=10, n_eval=2, seed=0)
+    cfg = {**config(2), "steps_per_print": 1,
+           "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "guard"}}
+    model = tiny_llama()
+    with device_guard() as guard:
+        guard.answers["train/divergence.py"] = (0, True)  # finite weights: each within range, no rank flagged
+        engine, *_ = shardwise.initialize(model=model, config=cfg)
+        result = loop.train_step(engine, data, 0, loop.StopRequest())
+        eval_loss = loop.evaluate(engine, data)
+        probe = loop.probe_loss(engine, data)
+        NonFiniteGuard(0).check_weights(engine, 1, "the checkpoint")
+    assert engine.global_steps == 1 and not result.stopped
+    assert all(isinstance(v, float) for v in (result.loss, eval_loss, probe))
+    assert any(tmp_path.rglob("*.csv"))  # the monitor wrote the step's values
+    assert not guard.in_flight
