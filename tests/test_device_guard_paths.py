@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from device_guard import DEVICE, device_guard, fake_world
+from device_guard import DEVICE, HostReadBeforeSync, device_guard, fake_world
 from test_device_guard import MICRO, SEQ, VOCAB, config, tiny_llama, train_steps
 
 import shardwise.zero.low_precision as low_precision
@@ -243,3 +243,21 @@ def test_train_loop(world2, tmp_path):
     assert all(isinstance(v, float) for v in (result.loss, eval_loss, probe))
     assert any(tmp_path.rglob("*.csv"))  # the monitor wrote the step's values
     assert not guard.in_flight
+
+
+def _wait_without_the_event(self):
+    """``GradToHost.wait`` with its event's synchronize left out (the side stream's copy not fenced)."""
+    self._copied, self._source = None, None
+    return self.buffer
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_side_stream_copy_unfenced_fails(world2, monkeypatch, stage):
+    """Proof for the offload side stream (``zero/host_copy.py GradToHost``): its copy is queued on the
+    side stream under ``with stream:`` and fenced by an event; the host reading the buffer without
+    that event's synchronize fails under the guard."""
+    from shardwise.zero.host_copy import GradToHost
+
+    monkeypatch.setattr(GradToHost, "wait", _wait_without_the_event)
+    with pytest.raises(HostReadBeforeSync, match="non_blocking device-to-host copy"):
+        train_steps(config(stage, offload_optimizer={"device": "cpu"}))
