@@ -261,3 +261,33 @@ def test_side_stream_copy_unfenced_fails(world2, monkeypatch, stage):
     monkeypatch.setattr(GradToHost, "wait", _wait_without_the_event)
     with pytest.raises(HostReadBeforeSync, match="non_blocking device-to-host copy"):
         train_steps(config(stage, offload_optimizer={"device": "cpu"}))
+
+
+def test_zero_inference_prefetch_on_the_copy_stream(world1, model_folder, monkeypatch):
+    """``offload="cpu"`` with prefetch: each read-ahead layer's copy is queued on the side copy stream
+    (``host_copy.copy_ahead``, a ``CopyAhead`` the gather waits for on the device), the layer needed
+    now on the compute stream; every tensor on its device. (Stream order is not modelled by the guard:
+    the copy stream waiting for the compute stream, and the compute stream for the copy's event,
+    are read in the code, not checked here.)"""
+    import shardwise.zero.store as store
+    from shardwise.inference.load import init_inference
+    from shardwise.zero.host_copy import CopyAhead
+
+    queued = []
+
+    def counted(dst, src):
+        out = ahead(dst, src)
+        queued.append(out)
+        return out
+
+    ahead = store.copy_ahead
+    monkeypatch.setattr(store, "copy_ahead", counted)
+    ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1))
+    with device_guard() as guard:
+        guard.finish_after = 6
+        model = init_inference(model_folder, offload="cpu", prefetch=1, dtype=torch.float32)
+        batch = ids.to(DEVICE)
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2, do_sample=False,
+                             pad_token_id=0)
+    assert out.device == DEVICE
+    assert queued and all(isinstance(w, CopyAhead) and w.device == DEVICE for w in queued)
