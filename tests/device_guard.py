@@ -50,6 +50,10 @@ class HostReadBeforeSync(RuntimeError):
     """The host read a non_blocking device-to-host copy before any synchronize or event wait."""
 
 
+class StreamOrderError(RuntimeError):
+    """The compute stream used a device tensor a side stream wrote, before waiting for that stream."""
+
+
 @dataclass
 class Guard:
     """What one guarded run saw (the mixing errors themselves are raised, not recorded)."""
@@ -60,6 +64,9 @@ class Guard:
     bool_reads: int = 0  # host reads of a bool (an overflow check, a loop's "finished?")
     finish_after: int | None = None  # bool reads answer True after this many (None: always False)
     in_flight: dict = field(default_factory=dict)  # storage -> where the copy was made
+    on_side: dict = field(default_factory=dict)  # storage -> the side stream whose copy wrote it
+    streams: list = field(default_factory=list)  # the streams entered (``with stream:``), innermost last
+    compute_stream: object = None
     answers: dict = field(default_factory=dict)  # library-line substring -> what its host reads give
     # (a number, or (number, bool): the bool for a bool read)
 
@@ -123,7 +130,12 @@ class _GuardMode(FakeTensorMode):
                     raise HostReadBeforeSync(
                         f"{func} reads on the host a non_blocking device-to-host copy before any "
                         f"synchronize or event wait; copied at {g.in_flight[ref]}, read at {g.library_line()}")
+        side = g.streams[-1] if g.streams and g.streams[-1] is not g.compute_stream else None
+        if g.on_side and side is None and not func.is_view and func.namespace != "prim":
+            _check_stream_order(g, func, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if side is not None and func is _aten.copy_.default and args[0].device != CPU:
+            g.on_side[_storage(args[0])] = side
         if self._nonblocking_d2h(func, args, kwargs):
             dst = args[0] if func is _aten.copy_.default else out
             g.nonblocking_d2h += 1
@@ -150,6 +162,15 @@ class _GuardMode(FakeTensorMode):
             return bool(kwargs.get("non_blocking", False)) and dev is not None and torch.device(dev) == CPU \
                 and args[0].device != CPU
         return False
+
+
+def _check_stream_order(g: Guard, func, args, kwargs) -> None:  # noqa: ANN001
+    """An op on the compute stream touching a device tensor a side stream's copy wrote, before a
+    ``wait_event`` / ``wait_stream`` ordered that copy first: on a GPU it may run before the copy."""
+    for t in _tensors((args, kwargs)):
+        if t.device != CPU and _storage(t) in g.on_side:
+            raise StreamOrderError(f"{func} on the compute stream uses a device tensor a side stream's copy "
+                                   f"wrote, before waiting for that stream (at {g.library_line()})")
 
 
 def _check_generator(func, args, kwargs) -> None:  # noqa: ANN001
@@ -294,6 +315,9 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
             patch(mod, "compute_device", lambda: device)
     for obj, name, value in stream_patches(guard, device):
         patch(obj, name, value)
+    import shardwise.zero.host_copy as host_copy
+
+    patch(host_copy, "_SIDE_STREAMS", {})  # side streams made under this guard only (they report to it)
     patch(torch, "Generator", _Generator)
     patch(FakeTensor, "data_ptr", _fake_data_ptr)
     patch(FakeTensor, "numpy", _fake_numpy)

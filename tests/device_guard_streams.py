@@ -23,13 +23,17 @@ class GuardEvent:
     def __init__(self, *a, **k):  # noqa: ARG002
         self.recorded: dict | None = None
 
-    def record(self, stream=None) -> None:  # noqa: ARG002
+    def record(self, stream=None) -> None:
         self.recorded = dict(self.guard.in_flight)
+        # the device writes queued on ``stream`` so far (a side stream's copies): a wait for this event orders them
+        self.side = [ref for ref, s in self.guard.on_side.items() if s is stream]
 
     def synchronize(self) -> None:
         self.guard.syncs += 1
         for ref in (self.recorded or {}):
             self.guard.in_flight.pop(ref, None)
+        for ref in getattr(self, "side", []):
+            self.guard.on_side.pop(ref, None)
 
     def query(self) -> bool:
         self.synchronize()
@@ -53,18 +57,27 @@ class GuardStream:
     def synchronize(self) -> None:
         self.guard.syncs += 1
         self.guard.in_flight.clear()
+        for ref in [r for r, s in self.guard.on_side.items() if s is self]:
+            self.guard.on_side.pop(ref)
 
     def __enter__(self) -> GuardStream:
+        """Work issued in the block is on this stream: a copy into a device tensor is marked as
+        written on it (``guard.on_side``) until the compute stream waits for it."""
+        self.guard.streams.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Work issued in the block is on this stream: the guard tracks copies, not streams."""
+        self.guard.streams.pop()
 
-    def wait_stream(self, other) -> None:  # noqa: ARG002
-        """Device-side ordering only."""
+    def wait_stream(self, other) -> None:
+        """This stream waits for everything queued on ``other``: its writes are ordered for this one."""
+        for ref in [r for r, s in self.guard.on_side.items() if s is other]:
+            self.guard.on_side.pop(ref)
 
-    def wait_event(self, event) -> None:  # noqa: ARG002
-        """Device-side ordering only."""
+    def wait_event(self, event) -> None:
+        """This stream waits for the writes recorded by ``event``."""
+        for ref in getattr(event, "side", []):
+            self.guard.on_side.pop(ref, None)
 
     def record_event(self, event: GuardEvent | None = None) -> GuardEvent:
         event = event or self.guard_event()
@@ -85,6 +98,7 @@ def stream_patches(guard: Guard, device: torch.device) -> list[tuple[object, str
     event = type("Event", (GuardEvent,), {"guard": guard})
     new_stream = type("Stream", (GuardStream,), {"guard": guard})
     stream = new_stream()
+    guard.compute_stream = stream
 
     def synchronize(device=None) -> None:  # noqa: ARG001
         stream.synchronize()
@@ -93,7 +107,7 @@ def stream_patches(guard: Guard, device: torch.device) -> list[tuple[object, str
         return stream
 
     def use_stream(s=None):  # noqa: ANN001, ANN202
-        return contextlib.nullcontext(s)
+        return contextlib.nullcontext(s) if s is None else s
 
     names = {"Event": event, "Stream": new_stream, "current_stream": current_stream,
              "default_stream": current_stream, "stream": use_stream, "synchronize": synchronize}

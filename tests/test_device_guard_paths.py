@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from device_guard import DEVICE, HostReadBeforeSync, device_guard, fake_world
+from device_guard import DEVICE, HostReadBeforeSync, StreamOrderError, device_guard, fake_world
 from test_device_guard import MICRO, SEQ, VOCAB, config, tiny_llama, train_steps
 
 import shardwise.zero.low_precision as low_precision
@@ -291,3 +291,19 @@ def test_zero_inference_prefetch_on_the_copy_stream(world1, model_folder, monkey
                              pad_token_id=0)
     assert out.device == DEVICE
     assert queued and all(isinstance(w, CopyAhead) and w.device == DEVICE for w in queued)
+
+
+def test_prefetch_used_before_its_copy_fails(world1, model_folder, monkeypatch):
+    """Proof for the copy stream: a prefetched layer used without the compute stream waiting for its
+    copy's event (``CopyAhead.wait`` a no-op) fails under the guard (``StreamOrderError``)."""
+    from shardwise.inference.load import init_inference
+    from shardwise.zero.host_copy import CopyAhead
+
+    monkeypatch.setattr(CopyAhead, "wait", lambda self: None)
+    ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(StreamOrderError, match="before waiting for that stream"), device_guard() as guard:
+        guard.finish_after = 6
+        model = init_inference(model_folder, offload="cpu", prefetch=1, dtype=torch.float32)
+        batch = ids.to(DEVICE)
+        model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
