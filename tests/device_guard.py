@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo  # noqa: F401  (imported by FakeTensorMode: before torch.Event is served by the guard)
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from device_guard_streams import stream_patches
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
 DEVICE = torch.device("lazy", 0)  # the simulated accelerator: not the CPU, and it has a device guard here
@@ -47,6 +48,10 @@ _aten = torch.ops.aten
 
 class HostReadBeforeSync(RuntimeError):
     """The host read a non_blocking device-to-host copy before any synchronize or event wait."""
+
+
+class StreamOrderError(RuntimeError):
+    """The compute stream used a device tensor a side stream wrote, before waiting for that stream."""
 
 
 @dataclass
@@ -59,6 +64,11 @@ class Guard:
     bool_reads: int = 0  # host reads of a bool (an overflow check, a loop's "finished?")
     finish_after: int | None = None  # bool reads answer True after this many (None: always False)
     in_flight: dict = field(default_factory=dict)  # storage -> where the copy was made
+    on_side: dict = field(default_factory=dict)  # storage -> the side stream whose copy wrote it
+    streams: list = field(default_factory=list)  # the streams entered (``with stream:``), innermost last
+    compute_stream: object = None
+    answers: dict = field(default_factory=dict)  # library-line substring -> what its host reads give
+    # (a number, or (number, bool): the bool for a bool read)
 
     def library_line(self) -> str:
         """The innermost shardwise frame of the current stack (where a finding is reported)."""
@@ -66,6 +76,12 @@ class Guard:
             if "/shardwise/" in fr.filename:
                 return f"{fr.filename.split('/shardwise/', 1)[1]}:{fr.lineno} {fr.line}"
         return "(outside shardwise)"
+
+    def library_stack(self) -> str:
+        """Every shardwise frame of the current stack (an answer matches any: a ZeRO-3 wrapper of a torch
+        function, ``zero/external.py``, can be the innermost one)."""
+        frames = traceback.extract_stack()
+        return "\n".join(f"{fr.filename}:{fr.lineno}" for fr in frames if "/shardwise/" in fr.filename)
 
 
 def _tensors(tree) -> Iterator[torch.Tensor]:
@@ -91,9 +107,16 @@ class _GuardMode(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         g = self.guard
+        if kwargs.get("generator") is not None:
+            _check_generator(func, args, kwargs)
         if func is _aten._local_scalar_dense.default:  # .item() / float() / bool(): values are fake
+            line = g.library_line()
             if args[0].device != CPU:
-                g.host_syncs.append(g.library_line())
+                g.host_syncs.append(line)
+            answer = next((v for k, v in g.answers.items() if k in g.library_stack()), None) if g.answers else None
+            if answer is not None:  # a check that compares values (equal shard lengths: 0 and 0)
+                number, flag = answer if isinstance(answer, tuple) else (answer, bool(answer))
+                return flag if args[0].dtype == torch.bool else number
             if args[0].dtype != torch.bool:
                 return 1  # a step count, a norm
             g.bool_reads += 1  # False: no overflow, not finished (until finish_after: a loop's stop)
@@ -107,7 +130,12 @@ class _GuardMode(FakeTensorMode):
                     raise HostReadBeforeSync(
                         f"{func} reads on the host a non_blocking device-to-host copy before any "
                         f"synchronize or event wait; copied at {g.in_flight[ref]}, read at {g.library_line()}")
+        side = g.streams[-1] if g.streams and g.streams[-1] is not g.compute_stream else None
+        if g.on_side and side is None and not func.is_view and func.namespace != "prim":
+            _check_stream_order(g, func, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if side is not None and func is _aten.copy_.default and args[0].device != CPU:
+            g.on_side[_storage(args[0])] = side
         if self._nonblocking_d2h(func, args, kwargs):
             dst = args[0] if func is _aten.copy_.default else out
             g.nonblocking_d2h += 1
@@ -136,94 +164,43 @@ class _GuardMode(FakeTensorMode):
         return False
 
 
-class _Event:
-    """torch.cuda.Event under the guard: ``synchronize()`` / ``wait()`` / ``query()`` end every
-    in-flight copy recorded before it (conservative: a copy after the record is not covered)."""
-
-    guard: Guard  # set on the class made for one guarded run
-
-    def __init__(self, *a, **k):  # noqa: ARG002
-        self.recorded: dict | None = None
-
-    def record(self, stream=None) -> None:  # noqa: ARG002
-        self.recorded = dict(self.guard.in_flight)
-
-    def synchronize(self) -> None:
-        self.guard.syncs += 1
-        for ref in (self.recorded or {}):
-            self.guard.in_flight.pop(ref, None)
-
-    def query(self) -> bool:
-        self.synchronize()
-        return True
-
-    def wait(self, stream=None) -> None:  # noqa: ARG002
-        """A device-side wait: orders device work, frees no host read."""
-
-    def elapsed_time(self, other) -> float:  # noqa: ARG002
-        return 0.0
+def _check_stream_order(g: Guard, func, args, kwargs) -> None:  # noqa: ANN001
+    """An op on the compute stream touching a device tensor a side stream's copy wrote, before a
+    ``wait_event`` / ``wait_stream`` ordered that copy first: on a GPU it may run before the copy."""
+    for t in _tensors((args, kwargs)):
+        if t.device != CPU and _storage(t) in g.on_side:
+            raise StreamOrderError(f"{func} on the compute stream uses a device tensor a side stream's copy "
+                                   f"wrote, before waiting for that stream (at {g.library_line()})")
 
 
-class _Stream:
-    """torch.cuda.Stream under the guard: a stream whose ``synchronize()`` ends every copy in flight."""
+def _check_generator(func, args, kwargs) -> None:  # noqa: ANN001
+    """A random op's generator on the device of the tensor it fills, as CUDA demands (a CPU
+    generator for a CUDA tensor: "Expected a 'cuda' device type for generator")."""
+    first = next(_tensors(args), None)
+    dev = torch.device(kwargs["device"]) if kwargs.get("device") is not None else first.device
+    has = _generator_devices.get(kwargs["generator"]._cdata, CPU)  # the dispatcher hands a new wrapper
+    if has.type != dev.type:
+        raise RuntimeError(f"{func}: expected a '{dev.type}' device type for generator but found "
+                           f"'{has.type}' (all tensors on the same device)")
 
-    guard: Guard
 
-    def __init__(self, *a, **k):  # noqa: ARG002
-        pass
+_generator_devices: dict[int, torch.device] = {}  # C generator address -> the device it reports
+_TORCH_GENERATOR = torch.Generator  # the class, kept: the guard serves torch.Generator
 
-    def synchronize(self) -> None:
-        self.guard.syncs += 1
-        self.guard.in_flight.clear()
 
-    def __enter__(self) -> _Stream:
+class _Generator(torch.Generator):
+    """``torch.Generator(device=...)`` under the guard: a CPU generator that reports the device asked
+    for (the CPU build makes none for ``lazy``), so random ops check their generator's device."""
+
+    def __new__(cls, device: torch.device | str | int = "cpu") -> _Generator:
+        self = _TORCH_GENERATOR.__new__(cls, "cpu")
+        self.asked = torch.device(device)
+        _generator_devices[self._cdata] = self.asked
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        """Work issued in the block is on this stream: the guard tracks copies, not streams."""
-
-    def wait_stream(self, other) -> None:  # noqa: ARG002
-        """Device-side ordering only."""
-
-    def wait_event(self, event) -> None:  # noqa: ARG002
-        """Device-side ordering only."""
-
-    def record_event(self, event: _Event | None = None) -> _Event:
-        event = event or self.guard_event()
-        event.record()
-        return event
-
-    def query(self) -> bool:
-        self.synchronize()
-        return True
-
-    def guard_event(self) -> _Event:
-        return type("Event", (_Event,), {"guard": self.guard})()
-
-
-def _stream_patches(guard: Guard, device: torch.device) -> list[tuple[object, str, object]]:
-    """``torch.cuda``'s and ``torch.accelerator``'s stream and event names, served without a GPU
-    build: ``device`` is the current accelerator, its streams and events end in-flight copies."""
-    event = type("Event", (_Event,), {"guard": guard})
-    new_stream = type("Stream", (_Stream,), {"guard": guard})
-    stream = new_stream()
-
-    def synchronize(device=None) -> None:  # noqa: ARG001
-        stream.synchronize()
-
-    def current_stream(*a, **k) -> _Stream:  # noqa: ARG001
-        return stream
-
-    def use_stream(s=None):  # noqa: ANN001, ANN202
-        return contextlib.nullcontext(s)
-
-    names = {"Event": event, "Stream": new_stream, "current_stream": current_stream,
-             "default_stream": current_stream, "stream": use_stream, "synchronize": synchronize}
-    acc = {"is_available": lambda: True, "current_accelerator": lambda *a, **k: torch.device(device.type),
-           "current_stream": current_stream, "synchronize": synchronize, "device_count": lambda: 1,
-           "current_device_index": lambda: device.index or 0}
-    return ([(torch.cuda, k, v) for k, v in names.items()] + [(torch.accelerator, k, v) for k, v in acc.items()]
-            + [(torch, "Event", event), (torch, "Stream", new_stream)])
+    @property
+    def device(self) -> torch.device:
+        return self.asked
 
 
 _ids = itertools.count(1)
@@ -261,6 +238,16 @@ def _fake_storage_ptr(self: torch.UntypedStorage) -> int:
 
 
 _REAL_STORAGE_PTR = torch.UntypedStorage.data_ptr
+
+
+def _fake_numpy(self: torch.Tensor, *, force: bool = False):  # noqa: ANN202, ARG001
+    """``.numpy()`` of a fake tensor (a checkpoint writer's bytes): zeros of its shape for a CPU tensor;
+    a device tensor is refused as CUDA refuses it (the bytes must be copied to the host first)."""
+    if self.device != CPU:
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy: copy the tensor to host memory "
+                        "first (expected all tensors to be on the same device)")
+    with unset_fake_temporarily():
+        return torch.zeros(self.shape, dtype=self.dtype).numpy()
 
 
 def _guarded_read_into(fd: int, pos: int, dst: torch.Tensor, what: str) -> None:  # noqa: ARG001
@@ -326,9 +313,14 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
     for mod in [m for name, m in list(sys.modules.items()) if name.startswith("shardwise") and m is not None]:
         if getattr(mod, "compute_device", None) is original:
             patch(mod, "compute_device", lambda: device)
-    for obj, name, value in _stream_patches(guard, device):
+    for obj, name, value in stream_patches(guard, device):
         patch(obj, name, value)
+    import shardwise.zero.host_copy as host_copy
+
+    patch(host_copy, "_SIDE_STREAMS", {})  # side streams made under this guard only (they report to it)
+    patch(torch, "Generator", _Generator)
     patch(FakeTensor, "data_ptr", _fake_data_ptr)
+    patch(FakeTensor, "numpy", _fake_numpy)
     patch(torch.UntypedStorage, "data_ptr", _fake_storage_ptr)
     FakeTensor.data = property(_get_data, _set_data)  # FakeTensor has none of its own: removed after
     import shardwise.files.safetensors_io as sio
@@ -341,6 +333,7 @@ def device_guard(device: torch.device = DEVICE) -> Iterator[Guard]:
             yield guard
     finally:
         del FakeTensor.data
+        _generator_devices.clear()
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
 

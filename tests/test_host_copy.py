@@ -10,7 +10,7 @@ from zero_cases import make_config
 
 from shardwise.comm import Comm
 from shardwise.zero.flat_group import ShardedGroup
-from shardwise.zero.host_copy import accelerated, broadcast_through_device, fence, to_readable
+from shardwise.zero.host_copy import accelerated, broadcast_through_device, copy_ahead, fence, to_readable
 from shardwise.zero.policy import GroupOptions, OffloadPolicy, ShardPolicy
 
 
@@ -25,6 +25,9 @@ def test_cpu_copies_are_plain_copies():
     before = src.clone()
     broadcast_through_device(Comm(solo=True), src)
     assert torch.equal(src, before)
+    fence(torch.device("cpu"), copies_too=True)
+    dst = torch.empty(37)
+    assert copy_ahead(dst, src) is None and torch.equal(dst, src)  # a prefetch's copy: in line, the same bits
 
 
 def test_cpu_offload_group_takes_todays_path():

@@ -47,12 +47,16 @@ def recorded(device: torch.device, stream: torch.Stream | None = None) -> torch.
     return event
 
 
-def fence(device: torch.device) -> None:
+def fence(device: torch.device, copies_too: bool = False) -> None:
     """Block the host until the work queued so far on ``device``'s current stream has finished
-    (rule 1: an event recorded after the copy, synchronized before the host reads)."""
+    (rule 1: an event recorded after the copy, synchronized before the host reads); ``copies_too``:
+    and the side copy stream's (a prefetch out of a pinned shard the host is about to write: rule 4)."""
     event = recorded(device)
     if event is not None:
         event.synchronize()
+        side = _SIDE_STREAMS.get(device) if copies_too and device.index is not None else None
+        if side is not None:
+            side.synchronize()
 
 
 def to_readable(src: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -74,6 +78,34 @@ def side_stream(device: torch.device) -> torch.Stream:
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.Stream(device=device)
     return _SIDE_STREAMS[device]
+
+
+class CopyAhead:
+    """A host-to-device copy queued on the side stream; ``wait()`` makes the compute stream wait
+    for its event (device-side: the host does not block)."""
+
+    def __init__(self, device: torch.device, event: torch.Event):
+        self.device, self.event = device, event
+
+    def wait(self) -> None:
+        torch.accelerator.current_stream(self.device).wait_event(self.event)
+
+
+def copy_ahead(dst: torch.Tensor, src: torch.Tensor) -> CopyAhead | None:
+    """``dst.copy_(src)`` from host memory into a device buffer, for a prefetch: queued on the side
+    copy stream, so it overlaps the kernels the compute stream runs meanwhile (one stream would run
+    them one after the other). The copy stream first waits for the compute stream, whose queued
+    kernels may still read ``dst`` (a pool buffer given back by the last layer that used it). Off an
+    accelerator the plain copy (None): the CPU path is unchanged, bit for bit."""
+    if src.device.type != "cpu" or not accelerated(dst.device):
+        dst.copy_(src, non_blocking=True)
+        return None
+    stream = side_stream(dst.device)
+    stream.wait_stream(torch.accelerator.current_stream(dst.device))
+    with stream:
+        dst.copy_(src, non_blocking=True)
+        event = recorded(dst.device, stream)
+    return CopyAhead(dst.device, event)
 
 
 class GradToHost:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import compute_device
-from shardwise.zero.host_copy import fence
+from shardwise.zero.host_copy import CopyAhead, copy_ahead, fence
 from shardwise.zero.layout import Segment
 from shardwise.zero.pending import ReadWork, read_pool
 
@@ -88,7 +88,7 @@ class ShardStore:
         """The parameters changed (optimizer step, edit, load): ``src`` is the new shard."""
         if self.shard is not None:
             if self.shard.device.type == "cpu" and src.device.type == "cpu":  # a host write: no gather's
-                fence(compute_device())  # non_blocking copy out of this (pinned) shard may still be pending
+                fence(compute_device(), copies_too=True)  # no gather's copy out of this (pinned) shard pending
             self.shard.copy_(src, non_blocking=non_blocking)
 
     @property
@@ -117,9 +117,12 @@ class ResidentStore(ShardStore):
         else:
             self.shard.copy_(owned)
 
-    def fill(self, group: Any, owned: torch.Tensor, async_read: bool) -> None:  # noqa: ARG002
-        with torch.no_grad():  # from pinned memory: queued on the compute stream, the host moves on (zero/host_copy.py)
-            owned.copy_(self.shard, non_blocking=True)
+    def fill(self, group: Any, owned: torch.Tensor, async_read: bool) -> CopyAhead | None:  # noqa: ARG002
+        with torch.no_grad():  # from pinned memory: the host moves on (zero/host_copy.py)
+            if async_read:  # a prefetch (one rank): on the copy stream, overlapping the running layer
+                return copy_ahead(owned, self.shard)
+            owned.copy_(self.shard, non_blocking=True)  # needed now: on the compute stream
+            return None
 
 
 class FileStore(ShardStore):
