@@ -79,7 +79,7 @@ class Guard:
 
     def library_stack(self) -> str:
         """Every shardwise frame of the current stack (an answer matches any: a ZeRO-3 wrapper of a torch
-        function, ``zero/external.py``, can be the innermost one)."""
+        function, ``zero/stage3/external.py``, can be the innermost one)."""
         frames = traceback.extract_stack()
         return "\n".join(f"{fr.filename}:{fr.lineno}" for fr in frames if "/shardwise/" in fr.filename)
 

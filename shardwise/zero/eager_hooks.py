@@ -8,7 +8,7 @@ breaks the graph around the hook, runs it eagerly, and compiles the module's for
 (with the parameters whole), as FSDP2's hooks are kept out of the graph. The cost is the graph
 breaks the hooks cause; ``docs/architecture.md`` ("torch.compile") counts them per layer.
 
-Stage 3's check for released parameters (a ``TorchFunctionMode``, ``zero/external.py``) must not be
+Stage 3's check for released parameters (a ``TorchFunctionMode``, ``zero/stage3/external.py``) must not be
 entered from such a hook while dynamo is tracing the model around it: in torch 2.13 the resumed
 frames then read tensor attributes wrongly (the HF forward failed with ``arange() ... got
 device=torch.Size``). :func:`forward_is_compiled` tells the hook to skip it there.

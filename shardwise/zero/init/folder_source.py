@@ -2,7 +2,7 @@
 
 Split from ``zero/init/context.py`` (which re-exports both names, ``weight_map`` from ``files/model_folder.py``):
 the source that serves a parameter's range by its own name, a tied alias, or the stored tensors
-transformers converts into it (``zero/hub_names.py``).
+transformers converts into it (``zero/init/hub_names.py``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ sharded parameters gets a pre/post hook pair that makes such a call an *entry*:
 * before it runs: the groups holding its parameters (those of units nested inside it excepted:
   their own hooks gather them) are gathered, and the unit it lies in (the root when none) is
   pushed as running, so an attribute read of another parameter during the call gathers it too
-  (``zero/external.py``), with a registered external parameter;
+  (``zero/stage3/external.py``), with a registered external parameter;
 * after it: what the entry gathered is released, and a hook on its outputs gathers it again
   before the entry's backward (a group releases itself once its gradients are reduced, and the
   end of backward releases the rest);
