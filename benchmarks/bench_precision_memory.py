@@ -7,7 +7,8 @@ bench_zero_worker.py counts), and the larger of the two is reported. Modes:
 
 * ``sw-fp32``: shardwise ZeRO-3, fp32 masters (the default): 2 + 2 + 12 bytes per parameter, all /N;
 * ``sw-master``: ``bf16_master_weights_and_grads`` (fp32 moments) with the Kahan buffer: 14/N;
-* ``sw-states``: + ``bf16_optimizer_states``, Kahan: 10/N;  ``sw-states-nearest``: no buffer, 8/N;
+* ``sw-states``: + ``bf16_optimizer_states``, Kahan: 10/N;  ``sw-states-nearest``: no buffer, 8/N
+  (``sw-states-stochastic``, on request: 8/N);
 * ``fsdp2-fp32``: FSDP2 with fp32 parameters and ``MixedPrecisionPolicy(param_dtype=bf16)`` (fp32
   sharded params = the master, fp32 grads, fp32 moments: 16/N), the policy of ``sw-fp32``;
 * ``fsdp2-bf16``: FSDP2 over bf16 parameters (bf16 grads and AdamW moments: 8/N), the policy of
@@ -17,7 +18,7 @@ bench_zero_worker.py counts), and the larger of the two is reported. Modes:
     PYTHONPATH=. .venv/bin/python benchmarks/bench_precision_memory.py --peak --checkpointing \
         --modes sw-fp32,sw-states,sw-states-nearest,fsdp2-fp32,fsdp2-bf16 --json benchmarks/results/precision_peak.json
 
-``--peak`` also measures the peak of one more training step (forward, backward, optimizer step), the way
+``--peak`` also measures the peak of a training step after the others (forward, backward, optimizer step), the way
 DeepSpeed's example reports its 31.4 -> 18.9 GB (``torch.cuda.max_memory_allocated`` of a step, with
 activation checkpointing: ``--checkpointing``): on the CPU, the live bytes before the step plus the
 highest running sum of the allocator's allocations and frees during it (``torch.profiler`` with
@@ -41,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 MODES = ("sw-fp32", "sw-master", "sw-states", "sw-states-nearest", "fsdp2-fp32", "fsdp2-bf16")
+EXTRA_MODES = ("sw-states-stochastic",)  # --modes only: the memory of nearest, plus its random bits per window
 
 
 def live_bytes(baseline: set[int]) -> int:
@@ -73,16 +75,25 @@ def storages() -> set[int]:
 
 
 def step_peak(run_step, base: set[int]) -> tuple[int, int]:
-    """(live bytes before, peak bytes during) one training step: the live bytes plus the highest running
-    sum of the CPU allocator's allocations minus frees that ``torch.profiler`` records during the step."""
-    from torch.profiler import ProfilerActivity, profile
+    """(live bytes before, peak bytes during) one training step: the live bytes at its start plus the highest
+    running sum of the CPU allocator's allocations minus frees that ``torch.profiler`` records in it.
 
-    before = live_bytes(base)
+    The profiler cannot see the free of a block allocated before it started, so a first step runs under it
+    unmeasured: whatever the measured step frees (the last step's gradients, buckets, batch) was allocated
+    in that step or in the measured one, and its free is counted."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run_step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        before = live_bytes(base)
+        with record_function("measured_step"):
+            run_step()
+    events = list(prof.profiler.kineto_results.events())
+    mark = next(e for e in events if e.name() == "measured_step")
+    start, end = mark.start_ns(), mark.start_ns() + mark.duration_ns()
     total = high = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
+    for e in sorted((e for e in events if e.name() == "[memory]" and start <= e.start_ns() <= end),
+                    key=lambda e: e.start_ns()):
         total += e.nbytes()
         high = max(high, total)
     return before, before + high
@@ -95,7 +106,7 @@ def _shardwise(model, mode: str):
         mode, {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 0,
            "bf16": {"enabled": True, **keys},
-           "shardwise": {"master_update": "nearest" if "nearest" in mode else "kahan"},
+           "shardwise": {"master_update": next((u for u in ("nearest", "stochastic") if u in mode), "kahan")},
            "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = shardwise.initialize(model=model, config=cfg)
@@ -151,7 +162,7 @@ def worker(rank: int, world: int, mode: str, model_name: str, steps: int, out: s
         step()
         peak = max(peak, live_bytes(base))
     row = {"rank": rank, "bytes": peak, "loss": float(loss.detach().float()), "memory_report": rep}
-    if peak_opts.get("peak"):  # one more step, its peak (the moments exist: the steady state's step)
+    if peak_opts.get("peak"):  # two more steps, the second's peak (the moments exist: the steady state's step)
         ids = torch.randint(0, 256, (micro, seq), generator=torch.Generator().manual_seed(steps * world + rank))
 
         def one_step() -> None:
@@ -174,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", default="benchmarks/results/precision_memory.json")
-    p.add_argument("--peak", action="store_true", help="also the peak of one more step (torch.profiler)")
+    p.add_argument("--peak", action="store_true", help="also the peak of a later step (torch.profiler)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (HF's, per layer)")
     p.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
