@@ -19,6 +19,8 @@ the master mode (docs/precision.md):
         --steps 200 --seq 64 --batch 2 --micro-batch 1 --lr 3e-4 --eval-every 25 \
         --modes fp32,bf16-kahan,bf16-stochastic,bf16-nearest --out runs/precision-0.1b \
         --json benchmarks/results/precision_curves_0.1b.json --plot docs/precision_loss_0.1b.png
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_precision_curves.py --replot --smooth 10 \
+        --json benchmarks/results/precision_curves_0.1b.json --plot docs/precision_loss_0.1b.png
 
 (the third: a 101M-parameter Llama from ``benchmarks/models/llama-0.1b.json``, byte vocabulary, global
 batch 2 of 64 tokens, sized for a shared 2-core CPU).
@@ -111,7 +113,8 @@ def summary(runs: list[dict], args: argparse.Namespace) -> dict:
     return res
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], path: Path, smooth: int = 1) -> None:
+    """Train loss (a trailing mean over ``smooth`` steps: one step of a small batch is noisy) and eval loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,9 +124,13 @@ def plot(runs: list[dict], path: Path) -> None:
     for r in runs:
         label = f"{r['mode']} (seed {r['seed']})"
         style = "--" if r["mode"] == "fp32" and r["seed"] else "-"
-        a.plot(*zip(*r["train"], strict=True), style, label=label, lw=1)
+        steps, losses = zip(*r["train"], strict=True)
+        mean = [sum(losses[max(0, i + 1 - smooth):i + 1]) / len(losses[max(0, i + 1 - smooth):i + 1])
+                for i in range(len(losses))]
+        a.plot(steps, mean, style, label=label, lw=1)
         b.plot(*zip(*r["eval"], strict=True), style + "o", label=label, ms=3, lw=1)
-    a.set(xlabel="step", ylabel="train loss", title="train loss (global batch mean)")
+    title = "train loss" + (f" (mean of the last {smooth} steps)" if smooth > 1 else " (global batch mean)")
+    a.set(xlabel="step", ylabel="train loss", title=title)
     b.set(xlabel="step", ylabel="eval loss", title="held-out loss")
     b.legend(fontsize=7)
     fig.tight_layout()
@@ -144,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail", type=int, default=10, help="final train loss: the mean of this many last steps")
     p.add_argument("--json", default="benchmarks/results/precision_curves.json")
     p.add_argument("--plot", default="docs/precision_loss.png")
+    p.add_argument("--smooth", type=int, default=1, help="the plot's train loss: a trailing mean over N steps")
+    p.add_argument("--replot", action="store_true", help="no runs: the plot again from --json's curves")
     args = p.parse_args(argv)
+    if args.replot:
+        plot(json.loads((ROOT / args.json).read_text())["runs"], ROOT / args.plot, args.smooth)
+        return 0
     out = ROOT / args.out
     plan = [("fp32", 0), ("fp32", 1)] + [(m, 0) for m in args.modes.split(",") if m != "fp32"]
     runs: list[dict] = []
@@ -152,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run(mode, seed, out, args))
         res = summary(runs, args)
         (ROOT / args.json).write_text(json.dumps(res, indent=1))
-        plot(runs, ROOT / args.plot)
+        plot(runs, ROOT / args.plot, args.smooth)
         r = runs[-1]
         print(f"{mode}-s{seed}: final eval {r['final_eval']:.4f}, train (last {args.tail}) "
               f"{r['final_train']:.4f} ({r['wall_s']} s)", flush=True)
