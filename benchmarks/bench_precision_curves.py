@@ -113,24 +113,31 @@ def summary(runs: list[dict], args: argparse.Namespace) -> dict:
     return res
 
 
+def _trailing_mean(values: list[float], n: int) -> list[float]:
+    return [sum(values[max(0, i + 1 - n):i + 1]) / len(values[max(0, i + 1 - n):i + 1]) for i in range(len(values))]
+
+
 def plot(runs: list[dict], path: Path, smooth: int = 1) -> None:
-    """Train loss (a trailing mean over ``smooth`` steps: one step of a small batch is noisy) and eval loss."""
+    """Train loss (a trailing mean over ``smooth`` steps: one step of a small batch is noisy), its difference
+    to the first run's (fp32 masters, seed 0: the same batches), and the eval loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, d, b) = plt.subplots(1, 3, figsize=(15, 4))
+    ref = _trailing_mean([loss for _, loss in runs[0]["train"]], smooth)
     for r in runs:
         label = f"{r['mode']} (seed {r['seed']})"
         style = "--" if r["mode"] == "fp32" and r["seed"] else "-"
         steps, losses = zip(*r["train"], strict=True)
-        mean = [sum(losses[max(0, i + 1 - smooth):i + 1]) / len(losses[max(0, i + 1 - smooth):i + 1])
-                for i in range(len(losses))]
+        mean = _trailing_mean(list(losses), smooth)
         a.plot(steps, mean, style, label=label, lw=1)
+        d.plot(steps, [x - y for x, y in zip(mean, ref, strict=True)], style, label=label, lw=1)
         b.plot(*zip(*r["eval"], strict=True), style + "o", label=label, ms=3, lw=1)
     title = "train loss" + (f" (mean of the last {smooth} steps)" if smooth > 1 else " (global batch mean)")
     a.set(xlabel="step", ylabel="train loss", title=title)
+    d.set(xlabel="step", ylabel="difference", title="train loss minus fp32 masters' (seed 0), same mean")
     b.set(xlabel="step", ylabel="eval loss", title="held-out loss")
     b.legend(fontsize=7)
     fig.tight_layout()
