@@ -7,13 +7,22 @@ bench_zero_worker.py counts), and the larger of the two is reported. Modes:
 
 * ``sw-fp32``: shardwise ZeRO-3, fp32 masters (the default): 2 + 2 + 12 bytes per parameter, all /N;
 * ``sw-master``: ``bf16_master_weights_and_grads`` (fp32 moments) with the Kahan buffer: 14/N;
-* ``sw-states``: + ``bf16_optimizer_states``, Kahan: 10/N;  ``sw-states-nearest``: no buffer, 8/N;
+* ``sw-states``: + ``bf16_optimizer_states``, Kahan: 10/N;  ``sw-states-nearest``: no buffer, 8/N
+  (``sw-states-stochastic``, on request: 8/N);
 * ``fsdp2-fp32``: FSDP2 with fp32 parameters and ``MixedPrecisionPolicy(param_dtype=bf16)`` (fp32
   sharded params = the master, fp32 grads, fp32 moments: 16/N), the policy of ``sw-fp32``;
 * ``fsdp2-bf16``: FSDP2 over bf16 parameters (bf16 grads and AdamW moments: 8/N), the policy of
   ``sw-states-nearest``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_precision_memory.py [--model llama-20m] [--steps 2]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_precision_memory.py --peak --checkpointing \
+        --modes sw-fp32,sw-states,sw-states-nearest,fsdp2-fp32,fsdp2-bf16 --json benchmarks/results/precision_peak.json
+
+``--peak`` also measures the peak of a training step after the others (forward, backward, optimizer step), the way
+DeepSpeed's example reports its 31.4 -> 18.9 GB (``torch.cuda.max_memory_allocated`` of a step, with
+activation checkpointing: ``--checkpointing``): on the CPU, the live bytes before the step plus the
+highest running sum of the allocator's allocations and frees during it (``torch.profiler`` with
+``profile_memory``: every CPU allocation of the process's ops, activations and transients included).
 
 Results: ``benchmarks/results/precision_memory.json``. The fp32 window of a 16-bit master step
 (zero/low_precision.py, transient, 4M elements x 16 bytes at most) is not live after the step and is
@@ -33,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 MODES = ("sw-fp32", "sw-master", "sw-states", "sw-states-nearest", "fsdp2-fp32", "fsdp2-bf16")
+EXTRA_MODES = ("sw-states-stochastic",)  # --modes only: the memory of nearest, plus its random bits per window
 
 
 def live_bytes(baseline: set[int]) -> int:
@@ -64,6 +74,31 @@ def storages() -> set[int]:
             and o.device.type != "meta" and not o.is_sparse}
 
 
+def step_peak(run_step, base: set[int]) -> tuple[int, int]:
+    """(live bytes before, peak bytes during) one training step: the live bytes at its start plus the highest
+    running sum of the CPU allocator's allocations minus frees that ``torch.profiler`` records in it.
+
+    The profiler cannot see the free of a block allocated before it started, so a first step runs under it
+    unmeasured: whatever the measured step frees (the last step's gradients, buckets, batch) was allocated
+    in that step or in the measured one, and its free is counted."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step()
+        before = live_bytes(base)
+        with record_function("measured_step"):
+            run_step()
+    events = list(prof.profiler.kineto_results.events())
+    mark = next(e for e in events if e.name() == "measured_step")
+    start, end = mark.start_ns(), mark.start_ns() + mark.duration_ns()
+    total = high = 0
+    for e in sorted((e for e in events if e.name() == "[memory]" and start <= e.start_ns() <= end),
+                    key=lambda e: e.start_ns()):
+        total += e.nbytes()
+        high = max(high, total)
+    return before, before + high
+
+
 def _shardwise(model, mode: str):
     import shardwise
 
@@ -71,7 +106,7 @@ def _shardwise(model, mode: str):
         mode, {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 0,
            "bf16": {"enabled": True, **keys},
-           "shardwise": {"master_update": "nearest" if "nearest" in mode else "kahan"},
+           "shardwise": {"master_update": next((u for u in ("nearest", "stochastic") if u in mode), "kahan")},
            "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = shardwise.initialize(model=model, config=cfg)
@@ -99,7 +134,8 @@ def _fsdp2(model, mode: str):
     return lambda b: model(**b).loss, lambda loss: loss.backward(), step, None
 
 
-def worker(rank: int, world: int, mode: str, model_name: str, steps: int, out: str, port: int) -> None:
+def worker(rank: int, world: int, mode: str, model_name: str, steps: int, out: str, port: int,
+           peak_opts: dict) -> None:
     import torch
     import torch.distributed as dist
 
@@ -111,21 +147,31 @@ def worker(rank: int, world: int, mode: str, model_name: str, steps: int, out: s
     base = storages()
     model = build_model(model_name, 128, 1234)
     model.train()
+    if peak_opts.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = sum(p.numel() for p in model.parameters())
     fwd, bwd, step, report = (_shardwise if mode.startswith("sw") else _fsdp2)(model, mode)
-    peak, rep = 0, None
+    peak, rep, micro, seq = 0, None, peak_opts.get("micro", 2), peak_opts.get("seq", 128)
     for i in range(steps):
         g = torch.Generator().manual_seed(i * world + rank)
-        ids = torch.randint(0, 256, (2, 128), generator=g)
+        ids = torch.randint(0, 256, (micro, seq), generator=g)
         loss = fwd({"input_ids": ids, "labels": ids})
         bwd(loss)
         peak = max(peak, live_bytes(base))
         rep = report() if report is not None else None  # shardwise's own count, after a backward
         step()
         peak = max(peak, live_bytes(base))
+    row = {"rank": rank, "bytes": peak, "loss": float(loss.detach().float()), "memory_report": rep}
+    if peak_opts.get("peak"):  # two more steps, the second's peak (the moments exist: the steady state's step)
+        ids = torch.randint(0, 256, (micro, seq), generator=torch.Generator().manual_seed(steps * world + rank))
+
+        def one_step() -> None:
+            bwd(fwd({"input_ids": ids, "labels": ids}))
+            step()
+
+        row["before_step_bytes"], row["step_peak_bytes"] = step_peak(one_step, base)
     every: list = [None] * world
-    dist.all_gather_object(every, {"rank": rank, "bytes": peak, "loss": float(loss.detach().float()),
-                                     "memory_report": rep})
+    dist.all_gather_object(every, row)
     if rank == 0:
         Path(out).write_text(json.dumps({"mode": mode, "params": params, "per_rank": every}))
     dist.destroy_process_group()
@@ -139,23 +185,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", default="benchmarks/results/precision_memory.json")
+    p.add_argument("--peak", action="store_true", help="also the peak of a later step (torch.profiler)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (HF's, per layer)")
+    p.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     args = p.parse_args(argv)
+    peak_opts = {"peak": args.peak, "checkpointing": args.checkpointing, "micro": args.micro, "seq": args.seq}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, mode in enumerate(args.modes.split(",")):
             out = os.path.join(tmp, f"{mode}.json")
-            mp.spawn(worker, args=(2, mode, args.model, args.steps, out, 29650 + i), nprocs=2, join=True)
+            mp.spawn(worker, args=(2, mode, args.model, args.steps, out, 29650 + i, peak_opts), nprocs=2, join=True)
             results[mode] = json.loads(Path(out).read_text())
     psi = next(iter(results.values()))["params"]
     table = {m: {"bytes_per_rank": max(x["bytes"] for x in r["per_rank"]),
                  "bytes_per_param_x_N": round(2 * max(x["bytes"] for x in r["per_rank"]) / psi, 2)}
              for m, r in results.items()}
+    for m, r in results.items():
+        if args.peak:
+            table[m]["step_peak_bytes"] = max(x["step_peak_bytes"] for x in r["per_rank"])
+    if args.peak and "sw-fp32" in table:  # each peak against the fp32-master run's, as DeepSpeed's 18.9 / 31.4
+        for t in table.values():
+            t["step_peak_vs_sw_fp32"] = round(t["step_peak_bytes"] / table["sw-fp32"]["step_peak_bytes"], 4)
     res = {"model": args.model, "params": psi, "world": 2, "stage": 3, "steps": args.steps, "modes": table,
+           "batch": {"micro": args.micro, "seq": args.seq, "checkpointing": args.checkpointing},
            "raw": results, "cmd": " ".join(["benchmarks/bench_precision_memory.py", *(argv or sys.argv[1:])])}
     (ROOT / args.json).write_text(json.dumps(res, indent=1))
     for m, t in table.items():
         mib, per = t["bytes_per_rank"] / 2**20, t["bytes_per_param_x_N"]
-        print(f"{m:>18}: {mib:8.1f} MiB per rank = {per:5.2f} bytes x Ψ / N")
+        extra = (f"; step peak {t['step_peak_bytes'] / 2**20:8.1f} MiB ({t.get('step_peak_vs_sw_fp32', '-')} "
+                 "of sw-fp32's)") if args.peak else ""
+        print(f"{m:>18}: {mib:8.1f} MiB per rank = {per:5.2f} bytes x Ψ / N{extra}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""One-command check of shardwise on one NVIDIA GPU (at most ~8 minutes): writes a JSON and a markdown table.
+"""One-command check of shardwise on one NVIDIA GPU (at most ~10 minutes): writes a JSON and a markdown table.
 
     python benchmarks/gpu_check.py                      # on the GPU machine: every section
     python benchmarks/gpu_check.py --smoke              # anywhere, tiny sizes, CUDA-only sections skipped
@@ -18,6 +18,9 @@ own time limit, so that a hang, a crash or an out-of-memory in one still leaves 
 * ``train``: the main job, ``shardwise train --run-config examples/sonnets.toml``: loss falls, tokens/s;
 * ``step_vs_fsdp2``: bf16 step time, peak memory and MFU of shardwise ZeRO-3, FSDP2 and torch's own
   single-GPU baseline on a ~1B Llama, interleaved rounds (one process per run, so each peak is its own);
+* ``precision``: DeepSpeed's low-precision master modes at ZeRO-3 beside FSDP2 with the same precision
+  policy (``gpu_check_precision.py``): peak allocated per mode, its fraction of fp32 masters', the loss
+  after a few steps against fp32 masters';
 * ``zero_inference``: tokens/s of ZeRO-Inference streaming a ~13B random-weight Llama from CPU
   memory against the copy limit it measures (the weights are written once under ``--workdir``).
 
@@ -48,11 +51,13 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # the section and goals modules beside this file, imported where used
-# (name, seconds at most on the GPU machine); the sum is the 480 s default budget. Measured on an H200 at
+# (name, seconds at most on the GPU machine); the sum is the 600 s default budget. Measured on an H200 at
 # e6c7cdc: stages 14-17 s, offload_bandwidth 5, checkpoint_offload 13, step_vs_fsdp2 50-67 (4 runs; 6 now),
-# zero_inference 72 (the 13B model's write included); the new sections are estimates with room
+# zero_inference 72 (the 13B model's write included); the new sections are estimates with room (precision:
+# 7 fresh processes of a 1B model, ~15 s each expected)
 SECTIONS = [("stages", 50), ("determinism", 50), ("offload_bandwidth", 15), ("checkpoint_offload", 15),
-            ("parallel", 35), ("checkpoint", 30), ("train", 60), ("step_vs_fsdp2", 125), ("zero_inference", 100)]
+            ("parallel", 35), ("checkpoint", 30), ("train", 60), ("step_vs_fsdp2", 125), ("precision", 120),
+            ("zero_inference", 100)]
 
 
 def cpu_model() -> str:
@@ -180,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="scratch folder (the 13B random model is kept here for reuse); "
                    "default: /tmp/shardwise_gpu_check (smoke: under --out)")
     p.add_argument("--only", default=None, help="comma-separated section names")
-    p.add_argument("--budget-s", type=float, default=480.0, help="total seconds for every section together")
+    p.add_argument("--budget-s", type=float, default=600.0, help="total seconds for every section together")
     p.add_argument("--isolate", action="store_true", help="with --smoke: one process per section, as without it")
     args = p.parse_args(argv)
     names = [n for n, _ in SECTIONS]

@@ -7,13 +7,18 @@ measured (its section was skipped, failed, or lacks the number: never counted as
 4. ZeRO-3's MFU >= torch's own single-GPU baseline's (autocast bf16, no sharding);
 5. ZeRO-Inference >= 90% of the host-to-device copy limit measured in the same run;
 6. offload deterministic: three identical runs of every offload mode bitwise equal;
-7. the main job (``shardwise train``) runs and its loss falls.
+7. the main job (``shardwise train``) runs and its loss falls;
+8. the precision section's ZeRO-3 peaks no higher than FSDP2's with the same precision policy (fp32
+   masters against fp32 parameters, bf16 master + states with nearest rounding against bf16 parameters);
+9. every bf16-state mode's peak at or below DeepSpeed's reported ratio to fp32 masters (18.93 / 31.38).
 """
 
 from __future__ import annotations
 
 MATCH_SECTIONS = ("stages", "determinism", "parallel", "checkpoint")
 COPY_FRACTION = 0.9
+DEEPSPEED_RATIO = 18.93 / 31.38  # gpu_check_precision.DEEPSPEED_RATIO (not imported: that module needs torch)
+SAME_POLICY = (("fp32-masters", "fsdp2-fp32-params"), ("bf16-states-nearest", "fsdp2-bf16-params"))
 
 
 def _rows(report: dict, name: str) -> list[dict] | None:
@@ -95,10 +100,24 @@ def _train(report: dict) -> dict:
                  f"{r['steps']} steps, {r['tokens_per_s']:,.0f} tokens/s", r["loss_falls"])
 
 
+def _precision(report: dict) -> list[dict]:
+    """Goals 8 and 9, from the GPU peaks of the precision section (none on CPU: not measured)."""
+    peaks = {r["run"]: r["peak_GiB"] for r in _rows(report, "precision") or [] if r.get("peak_GiB") is not None}
+    pairs = [(a, b) for a, b in SAME_POLICY if a in peaks and b in peaks]
+    policy = _goal("ZeRO-3 peak <= FSDP2's with the same precision policy",
+                   "; ".join(f"{a} {peaks[a]:.2f} GiB, {b} {peaks[b]:.2f} GiB" for a, b in pairs) or "not measured",
+                   all(peaks[a] <= peaks[b] for a, b in pairs) if len(pairs) == len(SAME_POLICY) else None)
+    states = sorted(k for k in peaks if k.startswith("bf16-states"))
+    ratios = {k: peaks[k] / peaks["fp32-masters"] for k in states if peaks.get("fp32-masters")}
+    met = all(v <= DEEPSPEED_RATIO for v in ratios.values()) if len(ratios) == 3 else None
+    measured = ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()) or "not measured"
+    return [policy, _goal(f"bf16-state peaks <= DeepSpeed's {DEEPSPEED_RATIO:.3f} of fp32 masters'", measured, met)]
+
+
 def goals(report: dict) -> list[dict]:
     """The goals table's rows, in the order of the module docstring."""
     return [_every_row_matches(report), *_vs_fsdp2(report), _inference(report), _offload_deterministic(report),
-            _train(report)]
+            _train(report), *_precision(report)]
 
 
 def markdown_lines(rows: list[dict]) -> list[str]:

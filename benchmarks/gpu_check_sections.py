@@ -39,6 +39,7 @@ from gpu_check_inference import zero_inference
 from gpu_check_long_context import checkpoint_offload
 from gpu_check_paths import checkpoint, parallel
 from gpu_check_perf import step_vs_fsdp2, step_worker
+from gpu_check_precision import precision, precision_worker
 from gpu_check_train import train
 
 # -- stages ----------------------------------------------------------------------------------------------
@@ -165,12 +166,12 @@ def offload_bandwidth(smoke: bool, workdir: str, limit_s: float) -> dict:  # noq
 SECTIONS: dict[str, Callable[[bool, str, float], dict]] = {
     "stages": stages, "determinism": determinism, "offload_bandwidth": offload_bandwidth,
     "checkpoint_offload": checkpoint_offload, "parallel": parallel, "checkpoint": checkpoint, "train": train,
-    "step_vs_fsdp2": step_vs_fsdp2, "zero_inference": zero_inference}
+    "step_vs_fsdp2": step_vs_fsdp2, "precision": precision, "zero_inference": zero_inference}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("name", choices=[*SECTIONS, "step_worker"])
+    p.add_argument("name", choices=[*SECTIONS, "step_worker", "precision_worker"])
     p.add_argument("--result", required=True)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--workdir", default="/tmp/shardwise_gpu_check")
@@ -178,11 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=None,
                    help="time.time() by which the caller kills this process; overrides --limit-s, so the "
                    "seconds spent starting Python and importing torch count against the section's limit")
-    p.add_argument("--impl", default=None, help="step_worker: shardwise, fsdp2 or torch")
+    p.add_argument("--impl", default=None, help="step_worker: shardwise, fsdp2 or torch; precision_worker: "
+                   "a run of gpu_check_precision.RUNS")
     args = p.parse_args(argv)
     keep_result_at(args.result)
     if args.name == "step_worker":
         res = step_worker(args.impl, args.smoke)
+    elif args.name == "precision_worker":
+        res = precision_worker(args.impl, args.smoke)
     else:
         limit_s = args.limit_s if args.deadline is None else args.deadline - time.time()
         res = SECTIONS[args.name](args.smoke, args.workdir, limit_s)
