@@ -15,7 +15,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 SECTIONS = ["stages", "determinism", "offload_bandwidth", "checkpoint_offload", "parallel", "checkpoint", "train",
-            "step_vs_fsdp2", "precision", "zero_inference"]
+            "step_vs_fsdp2", "zero_inference", "precision"]
 
 
 def _env() -> dict:
