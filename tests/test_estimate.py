@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
+from shardwise.cli.estimate import main
 from shardwise.estimate import (
     ModelFacts,
     count_params,
     estimate,
     format_report,
-    main,
     model_facts,
     parse_bytes,
     parse_count,

@@ -13,11 +13,11 @@ from tiny_models import VOCAB, batches, build
 from tolerance import equivalence_tol, flip_mlp
 from zero_cases import max_rel_diff, row_losses
 
+from shardwise.inference.tensor_parallel import init_inference
 from shardwise.layout import get_mesh
 from shardwise.tensor_parallel import (
     apply_tensor_parallel,
     gather_state_dict,
-    init_inference,
     tp_grad_norm,
     tp_state_of,
     vocab_parallel_cross_entropy,
