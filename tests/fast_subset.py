@@ -12,17 +12,21 @@ from __future__ import annotations
 FAST: dict[str, list[str]] = {
     "checkpoint": ["test_checkpoint.py::test_resume_same_layout_is_bitwise_identical"],
     "comm": ["test_policy.py::test_make_comm_solo_forms"],
-    "commands": ["test_cli_newcomer.py::test_help_lists_every_subcommand"],
+    "cli": ["test_cli_newcomer.py::test_help_lists_every_subcommand"],
     "config": ["test_config.py::test_hf_all_auto_zero2_resolves",
                "test_config_keys.py::test_every_schema_field_is_classified"],
     "deepspeed": ["test_deepspeed_facade.py::test_lion_update_rule"],
     "engine": ["test_ds_engine_surface.py::test_every_deepspeed_engine_method_is_served_or_refused_by_name"],
     "estimate": ["test_estimate.py::test_zero_paper_figure1_numbers"],
+    "files": ["test_safetensors_io.py::test_range_reads_equal_load_file"],
     "fsdp": ["test_shard_api.py::test_plain_loop_matches_single_process[3]"],
     "inference": ["test_inference_api.py::test_single_process_call_forms_generate_what_transformers_generates"],
     "launch": ["test_launch.py::test_default_rendezvous_restarts_with_a_fresh_store"],
+    "layout": ["test_run_layout.py::test_served_combinations_pass_the_check",
+               "test_run_layout.py::test_one_counter_for_every_group"],
     "moe": ["test_moe.py::test_dispatch_then_combine_restores_input_and_gradient[4-7-2]"],
     "monitor": ["test_monitor.py::test_sections_are_checked"],
+    "optim": ["test_precision.py::test_state_dict_round_trip", "test_optim.py::test_warmup_decay_lr"],
     "sequence_parallel": [
         "test_sequence_parallel.py::test_forward_backward_equal_whole_sequence[sdpa-2-15-None-False]"],
     "tensor_parallel": ["test_tensor_parallel.py::test_vocab_parallel_cross_entropy_matches_torch"],
@@ -30,10 +34,8 @@ FAST: dict[str, list[str]] = {
     "utils": ["test_ds_conformance.py::test_repeating_loader_restarts"],
     "zero": ["test_zero.py::test_fp32_llama_matches_single_process[2]",
              "test_stage3.py::test_stage3_fp32_matches_single_process[llama]"],
-    # the modules at the package's top level, and the suite's own harness
-    "shardwise": ["test_precision.py::test_state_dict_round_trip",
-                  "test_safetensors_io.py::test_range_reads_equal_load_file",
-                  "test_package_layout.py::test_no_import_cycles",
+    # the modules at the package's top level (errors, units), and the suite's own harness
+    "shardwise": ["test_package_layout.py::test_no_import_cycles",
                   "test_rank_pool.py::test_each_case_starts_clean_whatever_the_last_one_left",
                   "test_fast_subset.py::test_every_package_has_a_fast_test"],
 }
