@@ -195,3 +195,33 @@ def copy_gbps(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return src.numel() * src.element_size() / statistics.median(times) / 1e9
+
+
+def engine_step(engine) -> Callable[[torch.Tensor], float]:
+    """One training step of a shardwise engine on a batch of token ids; returns the loss."""
+
+    def step(ids: torch.Tensor) -> float:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    return step
+
+
+def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                   autocast: torch.dtype | None = None) -> Callable[[torch.Tensor], float]:
+    """One plain torch step (FSDP2 or no library): forward, ``loss.backward()``, ``opt.step()``;
+    ``autocast``: the forward under ``torch.autocast`` in that dtype."""
+    device_type = next(model.parameters()).device.type
+
+    def step(ids: torch.Tensor) -> float:
+        with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    return step
+

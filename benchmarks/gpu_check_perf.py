@@ -24,9 +24,11 @@ from gpu_check_common import (
     TINY,
     cuda,
     engine_config,
+    engine_step,
     in_own_process,
     join_world_of_one,
     llama,
+    optimizer_step,
     run_child,
     save_partial,
     skip,
@@ -67,31 +69,13 @@ def _fsdp2(model: torch.nn.Module):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if cuda() else {}))
-
-    def step(ids: torch.Tensor) -> float:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
-
-    return step
+    return optimizer_step(model, opt)
 
 
 def _torch_baseline(model: torch.nn.Module):
     """torch alone on one GPU: fp32 weights, bf16 autocast, fused AdamW (no sharding library at all)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if cuda() else {}))
-    device_type = next(model.parameters()).device.type
-
-    def step(ids: torch.Tensor) -> float:
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
-
-    return step
+    return optimizer_step(model, opt, autocast=torch.bfloat16)
 
 
 def _shardwise(model: torch.nn.Module, micro: int):
@@ -100,14 +84,7 @@ def _shardwise(model: torch.nn.Module, micro: int):
     cfg = engine_config(3, "bf16", micro=micro)
     cfg["optimizer"]["params"].update(lr=1e-4)
     engine, _, _, _ = shardwise.initialize(model=model, config=cfg)
-
-    def step(ids: torch.Tensor) -> float:
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        return float(loss)
-
-    return step
+    return engine_step(engine)
 
 
 def step_worker(impl: str, smoke: bool) -> dict:

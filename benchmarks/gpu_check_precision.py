@@ -27,9 +27,11 @@ from gpu_check_common import (
     TINY,
     cuda,
     engine_config,
+    engine_step,
     in_own_process,
     join_world_of_one,
     llama,
+    optimizer_step,
     run_child,
     save_partial,
     skip,
@@ -60,14 +62,7 @@ def _shardwise_step(model: torch.nn.Module, keys: dict, update: str | None, micr
     if update is not None:
         cfg["shardwise"] = {"master_update": update}
     engine, _, _, _ = shardwise.initialize(model=model, config=cfg)
-
-    def step(ids: torch.Tensor) -> float:
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        return float(loss)
-
-    return step
+    return engine_step(engine)
 
 
 def _fsdp2_step(model: torch.nn.Module, dtype: torch.dtype):
@@ -79,15 +74,7 @@ def _fsdp2_step(model: torch.nn.Module, dtype: torch.dtype):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-
-    def step(ids: torch.Tensor) -> float:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
-
-    return step
+    return optimizer_step(model, opt)
 
 
 def precision_worker(run: str, smoke: bool) -> dict:
