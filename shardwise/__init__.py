@@ -17,7 +17,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "comm": ("shardwise.comm", None),
     "utils": ("shardwise.utils", None),
     "zero": ("shardwise.zero", None),
-    "mesh": ("shardwise.layout", None),  # scripts' shardwise.mesh.get_mesh(...): the groups moved to layout/
+    "mesh": ("shardwise.mesh", None),  # the old path of the rank grid (shardwise/mesh.py hands on layout/)
     "init_distributed": ("shardwise.comm", "init_distributed"),
     "RanksDivergedError": ("shardwise.comm", "RanksDivergedError"),
     "DeepSpeedConfigError": ("shardwise.config.schema", "ConfigError"),

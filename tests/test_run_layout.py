@@ -118,3 +118,16 @@ def test_one_counter_for_every_group():
     assert all(c.stats is layout.stats for c in comms) and layout.mesh.stats is layout.stats
     assert layout.degrees() == {"world": 1, "dp": 1, "tp": 1, "sp": 1, "ep": 1, "expert_dp": 1, "shard": 1,
                                 "replicas": 1, "hpz": 1}
+
+
+def test_the_old_mesh_path_still_imports():
+    """Scripts written against earlier releases import the groups from ``shardwise.mesh``; they get
+    the layout's own functions (one implementation), by attribute and by ``from ... import``."""
+    import shardwise
+    import shardwise.layout as layout
+    from shardwise.mesh import ExpertMesh, Mesh, SequenceMesh, get_expert_mesh, get_mesh, get_sequence_mesh
+
+    assert (get_mesh, get_sequence_mesh, get_expert_mesh) == (layout.get_mesh, layout.get_sequence_mesh,
+                                                              layout.get_expert_mesh)
+    assert (Mesh, SequenceMesh, ExpertMesh) == (layout.Mesh, layout.SequenceMesh, layout.ExpertMesh)
+    assert shardwise.mesh.get_mesh is layout.get_mesh
