@@ -7,8 +7,11 @@ run folder holds a complete one), at the ``FAULT_CALL``-th call of TARGET after 
 
 - TARGET ``all_to_all`` (Ulysses' exchange), ``all_to_all_v`` (expert dispatch/combine, ring passes),
   ``all_gather`` (ZeRO's gathers), ``forward``, ``backward``, ``step`` (the engine's);
-- ACTION ``kill`` (SIGKILL, mid-call), ``stall`` (sleep ``FAULT_STALL_S`` then go on) or ``oom``
-  (raise ``torch.OutOfMemoryError`` as the CUDA caching allocator does).
+- ACTION ``kill`` (SIGKILL, mid-call), ``stall`` (sleep, then go on) or ``oom`` (raise
+  ``torch.OutOfMemoryError`` as the CUDA caching allocator does). A stall lasts ``FAULT_STALL_S``, or
+  less where the test names a file ``FAULT_RESUME_FILE`` that it creates once every other rank has
+  ended: the stalled rank then resumes into a collective its peers have already given up on, which is
+  the case under test, without waiting out a fixed sleep chosen for the slowest host.
 
 Before acting the rank prints ``fault: rank R ACTION in TARGET at T`` (T: ``time.time()``) on stderr.
 """
@@ -40,9 +43,16 @@ def _act(target: str, action: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stall":
-        time.sleep(float(os.environ.get("FAULT_STALL_S", "8")))
+        _stall(float(os.environ.get("FAULT_STALL_S", "8")), os.environ.get("FAULT_RESUME_FILE"))
     elif action == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+
+
+def _stall(limit_s: float, resume_file: str | None) -> None:
+    """Sleep ``limit_s``, or until ``resume_file`` exists (the peers have ended), whichever is first."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end and not (resume_file and os.path.exists(resume_file)):
+        time.sleep(0.1)
 
 
 def _install(target: str, action: str, nth: int) -> None:

@@ -61,7 +61,13 @@ def _fuzz(n: int):  # 60 in the suite: ~0.5 s an example on a loaded host, the d
 def _needs_hwm():
     if not reset_hwm():
         pytest.skip("/proc/self/clear_refs is not writable: peak memory cannot be measured here")
+    # Each example collects the previous one's garbage before measuring (`_read`); with transformers and
+    # the suite's earlier tests loaded a full collection walks millions of objects (0.2-0.4 s, most of an
+    # example's time). Frozen, what exists now is skipped by every collection; unfrozen after the module.
+    gc.collect()
+    gc.freeze()
     yield
+    gc.unfreeze()
     print("\nforeign fuzz outcomes:", dict(sorted(OUTCOMES.items())))
 
 

@@ -79,6 +79,26 @@ def test_errors_name_the_fix(tmp_path: Path) -> None:
         dataset_to_jsonl("no-such-user/no-such-dataset-38", "text", tmp_path / "c")
 
 
+def test_a_hub_name_is_looked_up_offline_after_datasets_was_imported(tmp_path: Path, monkeypatch) -> None:
+    """datasets and huggingface_hub read their offline flags at import; imported before (as here: this
+    file imports datasets), a hub name not in the cache would be asked of the network, five retries
+    (23 s without network), before the same error. No request is made; the flags are restored after."""
+    import datasets
+    import huggingface_hub.constants as hub
+    from huggingface_hub import file_download
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"a network request: {args[:1]}")
+
+    monkeypatch.setattr(file_download, "get_hf_file_metadata", no_network)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with pytest.raises(DataError, match="local cache: shardwise downloads nothing") as e:
+        dataset_to_jsonl("no-such-user/no-such-dataset-39", "text", tmp_path / "c")
+    assert "network request" not in str(e.value)
+    assert hub.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False
+
+
 def test_train_cli_on_a_saved_dataset(tmp_path: Path, pool1: RankPool) -> None:
     """`shardwise train --data SAVED_DATASET` through the CLI's entry, in a one-rank pool (train_cases.py)."""
     folder = tmp_path / "ds"

@@ -6,8 +6,9 @@ rank that would hang) running ``shardwise train`` through ``fault_worker.py``, w
 fault on rank 1 after the step-1 checkpoint. Timeout 15 s (the groups the run creates get it too,
 and 4 ranks starting on a loaded 2-core host reach them seconds apart): a stalled rank is waited for that long,
 then its peers end with the diverged-ranks line naming the collective and themselves (exit 4); the
-stalled rank, resuming after 40 s, finds them gone and ends the same way (a stall close to the
-timeout is no fault: a peer that reaches the collective seconds late, on a loaded host, waits less).
+stalled rank, resuming once they have all ended (at most 40 s: a stall shorter than the timeout is no
+fault, a peer that reaches the collective seconds late on a loaded host waits less), finds them gone
+and ends the same way.
 ``SLACK_S`` (8 s) covers a rank's own exit on this shared 2-core host (torch and transformers loaded).
 """
 
@@ -59,21 +60,25 @@ def _launch(tmp: Path, world: int, ds: dict, fault: str, model: str, extra: dict
     for rank in range(world):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "FAULT": fault, "FAULT_RANK": "1", "FAULT_STALL_S": str(STALL_S), **(extra or {})}
+               "FAULT": fault, "FAULT_RANK": "1", "FAULT_STALL_S": str(STALL_S),
+               "FAULT_RESUME_FILE": str(tmp / "peers_ended"), **(extra or {})}
         procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs, out
 
 
-def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, float]]:
+def _finish(procs: list[subprocess.Popen], out: Path) -> list[tuple[int, str, float]]:
     """(exit code, stderr, time.time() at exit) per rank; every rank killed after 400 s (a hang fails;
     the start of 4 ranks on a loaded 2-core host alone can take a minute, so the bound that matters is
-    the one :func:`_check` puts on the time from the fault to each rank's end)."""
+    the one :func:`_check` puts on the time from the fault to each rank's end). Once every rank but the
+    faulty one has ended, the file a stalled rank waits for is created (``fault_worker._stall``)."""
     ended: dict[int, float] = {}
     deadline = time.time() + 400
     while len(ended) < len(procs) and time.time() < deadline:
         for i, p in enumerate(procs):
             if i not in ended and p.poll() is not None:
                 ended[i] = time.time()
+        if set(ended) >= set(range(len(procs))) - {1}:
+            (out.parent / "peers_ended").touch()
         time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
@@ -127,21 +132,21 @@ SP2_EP2 = {**DS, "train_batch_size": 4, "sequence_parallel_size": 2, "zero_optim
 @pytest.mark.parametrize("action", ["kill", "stall"])
 def test_sp2_rank_fault_in_the_ulysses_exchange(tmp_path: Path, action: str) -> None:
     procs, out = _launch(tmp_path, 2, SP2, f"all_to_all:{action}", "llama-micro", {"FAULT_CALL": "2"})
-    res = _finish(procs)
+    res = _finish(procs, out)
     _check(res, out, -9 if action == "kill" else 4, {-1: "all_to_all failed on rank"})
 
 
 @pytest.mark.parametrize("action", ["kill", "stall"])
 def test_ep2_rank_fault_in_the_expert_dispatch(tmp_path: Path, moe_folder: Path, action: str) -> None:
     procs, out = _launch(tmp_path, 2, EP2, f"all_to_all_v:{action}", str(moe_folder), {"FAULT_CALL": "3"})
-    res = _finish(procs)
+    res = _finish(procs, out)
     _check(res, out, -9 if action == "kill" else 4, {-1: "all_to_all_ep failed on rank"})
 
 
 @pytest.mark.parametrize("action", ["kill", "stall"])
 def test_sp2_x_ep2_rank_fault_on_four_ranks(tmp_path: Path, moe_folder: Path, action: str) -> None:
     procs, out = _launch(tmp_path, 4, SP2_EP2, f"all_to_all_v:{action}", str(moe_folder), {"FAULT_CALL": "3"})
-    res = _finish(procs)
+    res = _finish(procs, out)
     _check(res, out, -9 if action == "kill" else 4, {-1: "failed on rank"})
 
 
@@ -152,5 +157,5 @@ def test_sp2_x_ep2_rank_fault_on_four_ranks(tmp_path: Path, moe_folder: Path, ac
 def test_a_rank_out_of_memory_names_itself_and_the_phase(tmp_path: Path, phase: str, target: str, stage: int):
     ds = {**DS, "train_batch_size": 4, "zero_optimization": {"stage": stage}}
     procs, out = _launch(tmp_path, 2, ds, f"{target}:oom", "llama-micro")
-    res = _finish(procs)
+    res = _finish(procs, out)
     _check(res, out, 4, {1: f"rank 1 ran out of memory in the {phase} of step 2", 0: "failed on rank 0 of 2"})

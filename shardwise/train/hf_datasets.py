@@ -14,10 +14,12 @@ over the text on disk; rows stream, so memory stays bounded by a batch of rows.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +74,9 @@ def _load(data: str, kind: str, cache_dir: Path) -> Any:
     except ImportError:
         raise DataError(f"--data {data}: a Hugging Face dataset needs the datasets package "
                         "(pip install 'shardwise[hf]')") from None
-    datasets.config.HF_DATASETS_OFFLINE = True  # also when it was imported before
     try:
-        if kind == "disk":
-            return _one_split(datasets.load_from_disk(data), data)
-        if kind == "files":
-            files = [str(f) for f in _data_files(Path(data))]
-            builder = "parquet" if files[0].endswith(".parquet") else "arrow"
-            return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=str(cache_dir / "hf"))
-        return _one_split(datasets.load_dataset(data), data)
+        with _offline(datasets):
+            return _load_offline(datasets, data, kind, cache_dir)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
@@ -89,6 +85,32 @@ def _load(data: str, kind: str, cache_dir: Path) -> Any:
                 "folder)") if kind == "hub" else ""
         raise DataError(f"--data {data}: cannot load it as a Hugging Face dataset: {type(e).__name__}: "
                         f"{str(e)[:200]}{hint}") from None
+
+
+@contextlib.contextmanager
+def _offline(datasets: Any) -> Iterator[None]:
+    """Offline mode for this load, also where datasets and huggingface_hub were imported before (their
+    flags are read at import): otherwise a hub name not in the cache is looked up over the network,
+    with five retries (23 s on a machine without network) before the same error. Restored after."""
+    import huggingface_hub.constants as hub
+
+    saved = hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE
+    hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved
+
+
+def _load_offline(datasets: Any, data: str, kind: str, cache_dir: Path) -> Any:
+    """A save_to_disk folder, parquet/arrow files (one split, 'train'), or a hub name from the cache."""
+    if kind == "disk":
+        return _one_split(datasets.load_from_disk(data), data)
+    if kind == "files":
+        files = [str(f) for f in _data_files(Path(data))]
+        builder = "parquet" if files[0].endswith(".parquet") else "arrow"
+        return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=str(cache_dir / "hf"))
+    return _one_split(datasets.load_dataset(data), data)
 
 
 def _key(ds: Any, data: str, text_key: str) -> str:
