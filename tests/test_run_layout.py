@@ -176,3 +176,24 @@ def test_the_old_mesh_path_still_imports():
                                                               layout.get_expert_mesh)
     assert (Mesh, SequenceMesh, ExpertMesh) == (layout.Mesh, layout.SequenceMesh, layout.ExpertMesh)
     assert shardwise.mesh.get_mesh is layout.get_mesh
+
+
+def test_data_parallel_index_is_one_per_sequence_group():
+    """``layout.data_parallel(sp)`` (the engine's ``dp_world`` / ``dp_rank`` and ``initialize``'s sampler,
+    made before ZeRO shards): world 8, hybrid shard groups of 2 x 2 replicas x TP 1, SP 2. In the rank grid
+    (``layout/grid.py``) rank r holds shard rank r % 2 of replica r // 2; every rank of one SP group
+    ({0,1}, {2,3}, ...) must read the same sample set, and the 4 groups 4 different ones."""
+    from types import SimpleNamespace as NS
+
+    from shardwise.layout import RunLayout
+
+    world, k, sp = 8, 2, 2
+    got = {}
+    for r in range(world):
+        dp = NS(size=k, rank=r % k)  # shard group: k consecutive ranks (TP 1)
+        rep = NS(size=world // k, rank=r // k)  # its replicas: the ranks k apart
+        layout = RunLayout(NS(dp=dp, replicate=rep), None, None, None)
+        got[r] = layout.data_parallel(sp)
+    sp_groups = [[g * sp + i for i in range(sp)] for g in range(world // sp)]  # (dp * n + s) * t + tp, t = 1
+    assert all(got[r][0] == world // sp for r in got)
+    assert [{got[r][1] for r in g} for g in sp_groups] == [{i} for i in range(world // sp)]
