@@ -25,6 +25,12 @@ class UserError(ValueError, OneLineError):
     """Bad user input; the message names the flag, key or file and the fix."""
 
 
+class UsageError(RuntimeError, AssertionError):
+    """A call DeepSpeed refuses with an ``assert``: an AssertionError for scripts and tests written
+    for DeepSpeed, a RuntimeError for everyone else. Here, not in ``engine/``, because the config's
+    combination check (``config/combinations.py``) refuses two ``initialize`` arguments with it."""
+
+
 class CheckpointError(RuntimeError, OneLineError):
     """A checkpoint is missing, corrupt, truncated, or does not fit the engine it is loaded into.
 

@@ -97,6 +97,51 @@ def test_combinations_refused_in_one_line(extra, world, mpu, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("extra,world,check,error,match", [
+    ({"tensor_parallel": {"autotp_size": 2}}, 4, {"world": 3}, "ConfigError",
+     r"^tensor_parallel.autotp_size: 2 does not divide the world size 3; choose a divisor of 3$"),
+    ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 4, {"world": 6}, "ConfigError",
+     r"^sequence_parallel_size: 2 x tensor_parallel.autotp_size 2 does not divide the world size 6"),
+    ({"sequence_parallel_size": 2}, 4, {"mpu": object()}, "UsageError",
+     r"^initialize\(mpu=...\) with sequence_parallel_size > 1 is not implemented by shardwise; drop mpu="),
+    ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 4, {"sp_from_mpu": True},
+     "UsageError", r"^register_with_transformers' sequence parallelism with tensor_parallel.autotp_size > 1"),
+])
+def test_the_one_check_holds_the_loader_and_initialize_refusals(extra, world, check, error, match):
+    """The TP and TP x SP divisibility checks (``load_config``'s before) and the two refusals of groups a
+    script cut for SP (``initialize``'s before) are ``check_combinations``'s, with their own exception
+    types (``ConfigError``; ``UsageError``, an AssertionError as DeepSpeed asserts) and messages."""
+    from shardwise.config import ConfigError
+    from shardwise.engine import UsageError
+    from shardwise.layout import check_combinations
+
+    cfg = _cfg(extra, world)  # a config the loader accepts at this world, checked again as the run is laid out
+    kind = {"ConfigError": ConfigError, "UsageError": UsageError}[error]
+    with pytest.raises(kind, match=match) as e:
+        check_combinations(cfg, check.get("world", world), check.get("mpu"), check.get("sp_from_mpu", False))
+    assert "\n" not in str(e.value) and type(e.value) is kind
+
+
+def test_load_config_runs_the_one_check_with_the_mpu():
+    """``load_config`` runs ``check_combinations`` before its batch rule: a combination the layout would
+    refuse is refused once, at load (the launcher loads a train config before starting ranks); given
+    ``initialize``'s mpu, it refuses SP beside it and cuts no hpZ group of its own."""
+    from shardwise.config import SupportedFeatures, load_config
+    from shardwise.engine import UsageError
+    from shardwise.errors import UserError
+
+    base = {"train_micro_batch_size_per_gpu": 1}
+    with pytest.raises(UserError, match=r"^shard group size 3 must divide the data-parallel degree 4"):
+        load_config({**base, "zero_optimization": {"stage": 3, "mics_shard_size": 3}}, world_size=4,
+                    supported=SupportedFeatures.everything())
+    with pytest.raises(UsageError, match=r"^initialize\(mpu=...\) with sequence_parallel_size > 1"):
+        load_config({**base, "sequence_parallel_size": 2}, world_size=2, mpu=object())
+    hpz = {**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}
+    assert load_config(hpz, world_size=2, mpu=object(), supported=SupportedFeatures(stage3=True)).dp_world == 2
+    with pytest.raises(UserError, match=r"zero_optimization.zero_hpz_partition_size\)$"):
+        load_config(hpz, world_size=2, supported=SupportedFeatures(stage3=True))
+
+
 def test_served_combinations_pass_the_check():
     """What the layout serves is not refused: TP x SP with hybrid sharding and hpZ; EP with SP."""
     from shardwise.layout import check_combinations
@@ -131,3 +176,24 @@ def test_the_old_mesh_path_still_imports():
                                                               layout.get_expert_mesh)
     assert (Mesh, SequenceMesh, ExpertMesh) == (layout.Mesh, layout.SequenceMesh, layout.ExpertMesh)
     assert shardwise.mesh.get_mesh is layout.get_mesh
+
+
+def test_data_parallel_index_is_one_per_sequence_group():
+    """``layout.data_parallel(sp)`` (the engine's ``dp_world`` / ``dp_rank`` and ``initialize``'s sampler,
+    made before ZeRO shards): world 8, hybrid shard groups of 2 x 2 replicas x TP 1, SP 2. In the rank grid
+    (``layout/grid.py``) rank r holds shard rank r % 2 of replica r // 2; every rank of one SP group
+    ({0,1}, {2,3}, ...) must read the same sample set, and the 4 groups 4 different ones."""
+    from types import SimpleNamespace as NS
+
+    from shardwise.layout import RunLayout
+
+    world, k, sp = 8, 2, 2
+    got = {}
+    for r in range(world):
+        dp = NS(size=k, rank=r % k)  # shard group: k consecutive ranks (TP 1)
+        rep = NS(size=world // k, rank=r // k)  # its replicas: the ranks k apart
+        layout = RunLayout(NS(dp=dp, replicate=rep), None, None, None)
+        got[r] = layout.data_parallel(sp)
+    sp_groups = [[g * sp + i for i in range(sp)] for g in range(world // sp)]  # (dp * n + s) * t + tp, t = 1
+    assert all(got[r][0] == world // sp for r in got)
+    assert [{got[r][1] for r in g} for g in sp_groups] == [{i} for i in range(world // sp)]

@@ -117,3 +117,20 @@ def test_single_process_plan_sources_and_identity():
     ids = torch.randint(0, 509, (1, 6))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_the_old_init_inference_path_names_its_new_home():
+    """``from shardwise.tensor_parallel import init_inference`` (before TP inference moved to
+    ``shardwise.inference``) is refused in one line naming the import that works, and that import gives
+    the function; serving the old path would close a loop between the two packages
+    (``tests/test_package_layout.py``). Other missing names stay plain AttributeErrors."""
+    import shardwise.tensor_parallel as tp
+    from shardwise.inference import tensor_parallel as tp_inference
+
+    with pytest.raises(ImportError, match=r"^shardwise.tensor_parallel.init_inference moved: use "
+                                          r"`from shardwise.inference.tensor_parallel import init_inference`") as e:
+        from shardwise.tensor_parallel import init_inference  # noqa: F401
+    assert "\n" not in str(e.value) and not isinstance(e.value, AttributeError)
+    new_home = str(e.value).split("`")[1].split()
+    assert new_home[1] == tp_inference.__name__ and callable(getattr(tp_inference, new_home[3]))
+    assert not hasattr(tp, "no_such_name") and "init_inference" not in tp.__all__

@@ -4,6 +4,7 @@
 - ``schema``: the pydantic models of every section, ``ConfigError``, ``SupportedFeatures``.
 - ``keys``: the table of every DeepSpeed key (supported, accepted, refused) and the docs it generates.
 - ``triage``: keys outside the schema: typo suggestions, unsupported-but-harmless notes.
+- ``combinations``: ``check_combinations``, every refusal of a combination of parallelism degrees.
 - ``load``: ``load_config``: normalize -> validate -> resolve ("auto", the batch rule).
 """
 

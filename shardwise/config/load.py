@@ -13,6 +13,7 @@ from typing import Any, TypeVar, get_args, get_origin
 import torch
 from pydantic import BaseModel, ValidationError
 
+from shardwise.config.combinations import check_combinations
 from shardwise.config.dotted import settle_dotted, take_dotted, warn_dotted
 from shardwise.config.keys import children
 from shardwise.config.read import read_config, timeout_of  # noqa: F401 (re-exported)
@@ -285,21 +286,16 @@ def _resolve_batch(cfg: ShardwiseConfig) -> None:
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = tbs, mbs, gas
 
 
-def _check_sequence_parallel(cfg: ShardwiseConfig, world_size: int) -> None:
-    sp, tp = cfg.sequence_parallel_size, cfg.tp_size  # TP x SP x DP = world (shardwise/layout/grid.py)
-    if world_size % (sp * tp):
-        with_tp = f" x tensor_parallel.autotp_size {tp}" if tp > 1 else ""
-        raise ConfigError(f"sequence_parallel_size: {sp}{with_tp} does not divide the world size {world_size}; "
-                          f"choose a divisor of {world_size // tp if world_size % tp == 0 else world_size}")
-
-
 def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world_size: int = 1,
                 tp_size_hint: int | None = None, hidden_size: int | None = None,
-                supported: SupportedFeatures | None = None) -> ShardwiseConfig:
+                supported: SupportedFeatures | None = None, mpu: Any = None,
+                sp_from_mpu: bool = False) -> ShardwiseConfig:
     """Load a DeepSpeed JSON config (path or dict) and resolve "auto", aliases and the batch rule.
 
     world_size: total ranks; hidden_size: the model's, for the "auto" bucket sizes (None: defaults);
-    tp_size_hint: a tensor-parallel size chosen outside the config, which must agree with it.
+    tp_size_hint: a tensor-parallel size chosen outside the config, which must agree with it;
+    mpu, sp_from_mpu: the groups ``initialize`` was given (``config/combinations.py``; world_size is then
+    the mpu's data-parallel ranks).
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -312,10 +308,7 @@ def load_config(config: str | os.PathLike[str] | dict[str, Any] | None, *, world
     cfg._world_size = world_size
     _resolve_tp(cfg, tp_size_hint)
     _check_supported(cfg, supported or SupportedFeatures())
-    if cfg.tp_size < 1 or world_size % cfg.tp_size:
-        raise ConfigError(f"tensor_parallel.autotp_size: {cfg.tp_size} does not divide the world size "
-                          f"{world_size}; choose a divisor of {world_size}")
-    _check_sequence_parallel(cfg, world_size)
+    check_combinations(cfg, world_size, mpu, sp_from_mpu)  # every combination of degrees, before the batch rule
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
     z = cfg.zero_optimization

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise.comm import compute_device
+from shardwise.errors import UsageError
 from shardwise.zero.bucket_step import mark_repeat_safe
 
 if TYPE_CHECKING:
@@ -23,11 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardwise")
 
 TAG_MODES = ("ignore", "warn", "fail")
-
-
-class UsageError(RuntimeError, AssertionError):
-    """A call DeepSpeed refuses with an ``assert``: an AssertionError for scripts and tests written
-    for DeepSpeed, a RuntimeError for everyone else."""
 
 
 class UsedParams:
@@ -118,13 +115,13 @@ def check_save_args(engine: Engine, save_dir, tag: str | None) -> str | None:
     return box[0]
 
 
-def guard_direct_step(engine: Engine, optimizer: torch.optim.Optimizer | None) -> None:
-    """The optimizer ``initialize`` returns steps the engine's shards; stepping it directly would
-    skip the reduction wait, unscaling, clipping and the all-gather of the result (a silent no-op
-    or a wrong step), so it is refused with the fix. The engine's own step sets
-    ``_engine_stepping``."""
-    if optimizer is None:
-        return
+def direct_step_guard(engine: Engine) -> Callable[..., None]:
+    """The step pre-hook that refuses a direct ``optimizer.step()``, made before ZeRO shards (the engine
+    registers it on the optimizer ``initialize`` returns, once that exists).
+
+    That optimizer steps the engine's shards; stepping it directly would skip the reduction wait,
+    unscaling, clipping and the all-gather of the result (a silent no-op or a wrong step), so it is
+    refused with the fix. The engine's own step sets ``_engine_stepping``."""
     ref = weakref.ref(engine)
 
     def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:  # noqa: ARG001
@@ -134,4 +131,4 @@ def guard_direct_step(engine: Engine, optimizer: torch.optim.Optimizer | None) -
                              "waits for the gradient reduction, unscales, clips, steps this optimizer and the "
                              "lr scheduler, and shares the updated parameters")
 
-    optimizer.register_step_pre_hook(mark_repeat_safe(pre_step))  # a check: may run once per bucket
+    return mark_repeat_safe(pre_step)  # a check: may run once per bucket

@@ -10,10 +10,11 @@ each backward live in :class:`~shardwise.zero.builder.Sharding`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from shardwise.comm import configure as configure_comms_log
-from shardwise.engine.checks import check_all_used, check_save_args, guard_direct_step, track_used
+from shardwise.engine.checks import check_all_used, check_save_args, direct_step_guard, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.memory import memory_report
 from shardwise.engine.nonfinite import skip_nonfinite_step
@@ -68,6 +69,46 @@ def options_from_config(config) -> ShardOptions:
     )
 
 
+def optimizer_recipe(config, client, rank: int) -> tuple[Callable[[list[dict]], Any], type | None] | None:
+    """How the optimizer will be made, settled from the config and the arguments before ZeRO shards:
+    ``(make(groups), class or None)`` for ``build_on_sharding``, or None (no optimizer).
+
+    DeepSpeed's rules: a client optimizer (or factory) wins over the config's ``optimizer`` section;
+    with neither the engine is for evaluation only."""
+    if client is not None:
+        if config.optimizer is not None and rank == 0:
+            log.warning("optimizer= was passed to initialize(): the config's `optimizer` section "
+                        f"({config.optimizer.type}) is ignored, as DeepSpeed does")
+        kind = type(client) if isinstance(client, torch.optim.Optimizer) else None  # None: a factory
+        return functools.partial(rebuild_client_optimizer, client), kind
+    if config.optimizer is None:
+        return None
+    opt_type = config.optimizer.type
+    return functools.partial(build_optimizer, opt_type, dict(config.optimizer.params)), config_optimizer_class(opt_type)
+
+
+def scheduler_recipe(config, client) -> Callable[[torch.optim.Optimizer], Any] | None:
+    """How the LR scheduler will be made from the optimizer, settled before ZeRO shards: a client
+    factory, a client scheduler (checked against the optimizer), the config's ``scheduler`` section,
+    or None (no scheduler)."""
+    if client is not None:
+        if callable(client) and not hasattr(client, "step"):
+            return client
+        return functools.partial(client_scheduler, client)
+    if config.scheduler is None:
+        return None
+    return functools.partial(build_scheduler, config.scheduler.type, dict(config.scheduler.params))
+
+
+def client_scheduler(client, optimizer: torch.optim.Optimizer):
+    """A scheduler the script built: it must drive the optimizer the engine returns."""
+    if getattr(client, "optimizer", optimizer) is not optimizer:
+        raise UsageError("lr_scheduler= was built on another optimizer than the one passed as "
+                         "optimizer=; build it on that optimizer or pass a callable "
+                         "(lambda opt: Scheduler(opt, ...))")
+    return client
+
+
 class Engine(EngineAccessors, nn.Module):
     """DeepSpeed-style engine around ``module`` (the contract: docs/deepspeed_api.md)."""
 
@@ -82,26 +123,26 @@ class Engine(EngineAccessors, nn.Module):
         self.layout = layout if layout is not None else RunLayout.from_config(config)
         mesh = self.layout.mesh
         self.comm, self.tp, self.replica = mesh.dp, mesh.tp, mesh.replicate
+        # data-parallel replicas (sampler, batch rule): ZeRO shards over SP x DP ranks; one SP group, one sample set
+        self.dp_world, self.dp_rank = self.layout.data_parallel(config.sequence_parallel_size)
         self.gas = config.gradient_accumulation_steps
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.skipped_steps = 0
+        self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.nonfinite_steps = 0  # non-finite gradient norms without a loss scaler (shardwise.engine.nonfinite)
         self.max_nonfinite_steps = config.shardwise.max_nonfinite_steps
         self._in_no_sync = False
         self._last_loss: torch.Tensor | None = None
         self.last_grad_norm: float | None = None
         self.compute_dtype: torch.dtype = config.compute_dtype
+        # settled from the config before anything is sharded; what needs the shards is made after
         options = options_from_config(config)
         self.offload_optimizer, self.offload_param = options.offload_optimizer, options.offload_param
-        self.sharding = shard_module(model, options, self.comm, self.replica, self.tp, mesh.secondary,
-                                     compute_dtype=self.compute_dtype, model_parameters=model_parameters,
-                                     optimizer=optimizer, tp_plan=False if model_is_tp else "auto")
-        sh = self.sharding
+        make_optimizer = optimizer_recipe(config, optimizer, self.comm.rank)
+        make_scheduler = scheduler_recipe(config, lr_scheduler)
+        step_guard = direct_step_guard(self)
+        self.sharding = sh = shard_module(model, options, self.comm, self.replica, self.tp, mesh.secondary,
+                                          compute_dtype=self.compute_dtype, model_parameters=model_parameters,
+                                          optimizer=optimizer, tp_plan=False if model_is_tp else "auto")
         self.module = model
-        # data-parallel replicas (sampler, batch rule): ZeRO shards over SP x DP ranks; one SP group, one sample set
-        sp = config.sequence_parallel_size
-        self.dp_world, self.dp_rank = sh.dp_world // sp, sh.dp_rank // sp
         # SP (Ulysses or ring attention) and ALST's checkpoint offload (None without each), docs/long_context.md
         self.sequence_parallel, self.checkpoint_offload = setup_long_context(model, self.layout.sequence,
                                                                              config.shardwise)
@@ -112,11 +153,13 @@ class Engine(EngineAccessors, nn.Module):
 
         master_groups = [{**opts, "params": [g.master for g in gs]}
                          for opts, gs in zip(sh.param_groups, self.groups_by_pg, strict=True)]
-        self.optimizer = require_elementwise(self._make_optimizer(optimizer, master_groups), sh, config.precision)
-        guard_direct_step(self, self.optimizer)
+        built = None if make_optimizer is None else build_on_sharding(sh, master_groups, *make_optimizer)
+        self.optimizer = require_elementwise(built, sh, config.precision)
         if self.optimizer is not None:
+            self.optimizer.register_step_pre_hook(step_guard)
             self.optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: the last step was skipped
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        no_scheduler = self.optimizer is None or make_scheduler is None  # DeepSpeed: none without an optimizer
+        self.lr_scheduler = None if no_scheduler else make_scheduler(self.optimizer)
 
         self.fp16 = config.precision == "fp16"
         self.loss_scaler = DynamicLossScaler.from_fp16_config(config.fp16) if self.fp16 else None
@@ -133,37 +176,6 @@ class Engine(EngineAccessors, nn.Module):
     def wait_for_params(self) -> None:
         """Finish the asynchronous all-gathers of the last step (before reading parameters)."""
         self.sharding.wait_for_params()
-
-    def _make_optimizer(self, client, master_groups: list[dict]) -> torch.optim.Optimizer | None:
-        """DeepSpeed's rules: a client optimizer (or factory) wins over the config's ``optimizer``
-        section; with neither the engine is for evaluation only (``optimizer`` is None)."""
-        if client is not None:
-            if self.config.optimizer is not None and self.comm.rank == 0:
-                log.warning("optimizer= was passed to initialize(): the config's `optimizer` section "
-                            f"({self.config.optimizer.type}) is ignored, as DeepSpeed does")
-            kind = type(client) if isinstance(client, torch.optim.Optimizer) else None  # None: a factory
-            return build_on_sharding(self.sharding, master_groups,
-                                     lambda groups: rebuild_client_optimizer(client, groups), kind)
-        if self.config.optimizer is None:
-            return None
-        opt_type, params = self.config.optimizer.type, dict(self.config.optimizer.params)
-        return build_on_sharding(self.sharding, master_groups, lambda groups: build_optimizer(opt_type, params, groups),
-                                 config_optimizer_class(opt_type))
-
-    def _make_scheduler(self, client):
-        if self.optimizer is None:
-            return None  # DeepSpeed configures no scheduler without an optimizer
-        if client is not None:
-            if callable(client) and not hasattr(client, "step"):
-                return client(self.optimizer)
-            if getattr(client, "optimizer", self.optimizer) is not self.optimizer:
-                raise UsageError("lr_scheduler= was built on another optimizer than the one passed as "
-                                 "optimizer=; build it on that optimizer or pass a callable "
-                                 "(lambda opt: Scheduler(opt, ...))")
-            return client
-        if self.config.scheduler is None:
-            return None
-        return build_scheduler(self.config.scheduler.type, dict(self.config.scheduler.params), self.optimizer)
 
     # -- forward / backward ---------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

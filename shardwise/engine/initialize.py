@@ -128,6 +128,7 @@ def initialize(
     _join(dist_init_required, distributed_port, timeout_of(config))
     _setup_logging()
     cfg, layout = _config_and_layout(config, model, mpu, sp_mpu is not None)
+    loader = None if training_data is None else _dataloader(training_data, layout, cfg, collate_fn)
     if is_sharded(model):  # initialize() again on a model an earlier engine wraps, as DeepSpeed allows
         unshard_module(model)
     apply_from_config(model, cfg, layout.expert)  # expert_parallel: split the experts before ZeRO shards the rest
@@ -138,7 +139,6 @@ def initialize(
                     lr_scheduler=lr_scheduler, model_is_tp=mpu is not None, layout=layout)
     engine.mpu = mpu if sp_mpu is None else sp_mpu
     atexit.register(_finish_pending, weakref.ref(engine))
-    loader = None if training_data is None else _dataloader(training_data, engine, cfg, collate_fn)
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
@@ -163,24 +163,20 @@ def _config_and_layout(config: Any, model: nn.Module, mpu: Any,
     world = dist.get_world_size()
     if mpu is not None:
         world = mpu_sizes(mpu)[1]  # the batch rule counts data-parallel ranks only
-    cfg = load_config(config, world_size=world, hidden_size=hidden,
+    cfg = load_config(config, world_size=world, hidden_size=hidden, mpu=mpu, sp_from_mpu=sp_mpu,
                       supported=SupportedFeatures.everything() if mpu is None else
                       SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True))
     if mpu is not None:
-        if cfg.sequence_parallel_size > 1:
-            raise UsageError("initialize(mpu=...) with sequence_parallel_size > 1 is not implemented by "
-                             "shardwise; drop mpu= (shardwise cuts the SP groups itself)")
         return cfg, RunLayout.from_config(cfg, mpu=mpu, mesh_of_mpu=lambda: mesh_from_mpu(mpu, model))
-    if sp_mpu and cfg.tp_size > 1:  # its groups were cut without TP, and scripts hold them
-        raise UsageError("register_with_transformers' sequence parallelism with tensor_parallel.autotp_size > 1 "
-                         "is not implemented by shardwise; set sequence_parallel_size in the config instead")
     return cfg, RunLayout.from_config(cfg)
 
 
-def _dataloader(training_data: Dataset, engine: Engine, cfg: ShardwiseConfig,
+def _dataloader(training_data: Dataset, layout: RunLayout, cfg: ShardwiseConfig,
                 collate_fn: Callable | None) -> DataLoader:
-    """DeepSpeed's training loader: this data-parallel rank's part, micro-batch sized."""
-    sampler = DistributedSampler(training_data, num_replicas=engine.dp_world, rank=engine.dp_rank,
+    """DeepSpeed's training loader: this data-parallel rank's part, micro-batch sized (the engine's
+    ``dp_world`` / ``dp_rank``: the same ``layout.data_parallel``), made before anything is sharded."""
+    replicas, rank = layout.data_parallel(cfg.sequence_parallel_size)
+    sampler = DistributedSampler(training_data, num_replicas=replicas, rank=rank,
                                  shuffle=True, seed=cfg.seed if getattr(cfg, "seed", None) else 0)
     return DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
                       collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)

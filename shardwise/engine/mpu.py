@@ -59,7 +59,7 @@ def mark_tp_params(model: nn.Module, tp: Comm) -> int:
 
 def mesh_from_mpu(mpu: Any, model: nn.Module) -> Mesh:
     """The engine's dp and tp groups from ``mpu``; the model's split parameters marked for it (the run
-    layout has refused ``tensor_parallel.autotp_size`` beside it: ``shardwise/layout/checks.py``)."""
+    layout has refused ``tensor_parallel.autotp_size`` beside it: ``shardwise/config/combinations.py``)."""
     mp, dp = mpu_sizes(mpu)
     stats = CommStats()
     data = make_comm(mpu.get_data_parallel_group(), stats, size=dp)

@@ -2,14 +2,15 @@
 
 - ``grid``: the one rank grid every process group is cut from (replicate x shard x TP; SP; EP x EDP);
   ``get_mesh``, ``get_sequence_mesh``, ``get_expert_mesh`` for scripts that cut groups themselves.
-- ``checks``: :func:`check_combinations`, every refusal of a combination of degrees, in one function.
+- :func:`check_combinations` (from ``config/combinations.py``, where ``load_config`` runs it too): every
+  refusal of a combination of degrees, in one function.
 - ``run``: :class:`RunLayout`, made from the config at the start of ``initialize`` (and of ``shard()``):
   every degree, every group, one ``CommStats``.
 """
 
 from __future__ import annotations
 
-from shardwise.layout.checks import check_combinations
+from shardwise.config.combinations import check_combinations
 from shardwise.layout.grid import (
     ExpertMesh,
     Mesh,

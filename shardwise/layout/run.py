@@ -1,12 +1,12 @@
 """``RunLayout``: a run's degrees and groups, made once from the config, with one byte counter.
 
 Before any parameter moves, :meth:`RunLayout.from_config` runs every combination check
-(``layout/checks.py``) and cuts every group the run needs from the one rank grid (``layout/grid.py``):
-ZeRO's shard, replica and hpZ groups, TP's, SP's and EP's. Every group counts into the layout's
-one :class:`~shardwise.comm.CommStats`, so ``engine.comm_stats()``, the comms logger and the
-per-rank report see every collective of the run, the sequence exchange's and expert dispatch's
-all-to-alls included. The engine, ZeRO, sequence parallelism and expert parallelism receive their
-groups from it and cut none.
+(``check_combinations``, ``config/combinations.py``) and cuts every group the run needs from the
+one rank grid (``layout/grid.py``): ZeRO's shard, replica and hpZ groups, TP's, SP's and EP's.
+Every group counts into the layout's one :class:`~shardwise.comm.CommStats`, so
+``engine.comm_stats()``, the comms logger and the per-rank report see every collective of the run,
+the sequence exchange's and expert dispatch's all-to-alls included. The engine, ZeRO, sequence
+parallelism and expert parallelism receive their groups from it and cut none.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.comm import CommStats
-from shardwise.layout.checks import check_combinations
+from shardwise.config.combinations import check_combinations
 from shardwise.layout.grid import ExpertMesh, Mesh, SequenceMesh, get_expert_mesh, get_mesh, get_sequence_mesh
 
 
@@ -72,6 +72,12 @@ class RunLayout:
         """Ranks holding the same experts (their gradients are reduced over these only)."""
         return self.expert.edp.size if self.expert is not None else self.dp
 
+    def data_parallel(self, sp: int) -> tuple[int, int]:
+        """``(replicas, this rank's index)`` of the data, for the sampler and the batch rule: ZeRO shards
+        over SP x DP ranks (shard group x its replicas), and the ``sp`` ranks of one SP group read one sample set."""
+        dp, rep = self.mesh.dp, self.mesh.replicate
+        return dp.size * rep.size // sp, (rep.rank * dp.size + dp.rank) // sp
+
     def degrees(self) -> dict[str, int]:
         """Every degree by name (for reports and logs)."""
         return {"world": self.world, "dp": self.dp, "tp": self.tp, "sp": self.sp, "ep": self.ep,
@@ -99,8 +105,8 @@ class RunLayout:
         """The run's layout from a loaded config, after :func:`check_combinations` (collective).
 
         ``mpu``: a Megatron-style object whose groups the script cut; ``mesh_of_mpu()`` makes them
-        the layout's mesh (``engine/mpu.py``), its counter the layout's (EP beside an mpu is refused
-        here, SP by ``initialize``)."""
+        the layout's mesh (``engine/mpu.py``), its counter the layout's (TP, SP or EP beside an mpu is
+        refused by the check, which ``load_config`` ran before with the mpu's data-parallel world)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_combinations(cfg, world, mpu)
         ep = cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 0

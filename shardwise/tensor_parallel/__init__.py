@@ -33,3 +33,19 @@ __all__ = [
     "vocab_parallel_cross_entropy", "causal_lm_loss",
     "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp",
 ]
+
+_MOVED = {"init_inference": "shardwise.inference.tensor_parallel"}  # name -> where it lives now
+
+
+def __getattr__(name: str) -> object:
+    """A name that moved out of this package is refused in one line naming its new home.
+
+    ``init_inference`` (TP-sliced inference from a model folder) lived here before it moved to
+    ``shardwise.inference.tensor_parallel``. Handing it on from here would make this package import
+    ``inference/``, which imports this one: a loop between packages. So the old path is not served, and
+    the ImportError (not an AttributeError, which ``from ... import`` would replace with its own words)
+    says where to import it from."""
+    if name in _MOVED:
+        raise ImportError(f"shardwise.tensor_parallel.{name} moved: use `from {_MOVED[name]} import {name}` "
+                          f"(or shardwise.init_inference(path, tensor_parallel_size=n))")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
