@@ -153,6 +153,7 @@ class ShardedGroup(StageThreeGather, GradReduction):
         # the step's first reduce-scatter writes it instead of adding onto a zeroed one (two passes
         # over the shard fewer, the cost that kept stage 2 behind stage 1)
         self._shard_grad_empty = True
+        self.grad_released = False  # stage 3: shard_grad let go after a step (not: no backward reached it yet)
         if self.trainable and not self.policy.shard_grads:
             self._alloc_flat_grad()
         self._filled: list[bool] = []
@@ -280,6 +281,7 @@ class ShardedGroup(StageThreeGather, GradReduction):
         if self.policy.shard_params:
             self.shard_grad = None
             self._shard_grad_empty = True
+            self.grad_released = True  # owned_grad() makes a zeroed one again for a reader (tensor_fragment)
 
     def publish_master(self, async_op: bool = False) -> Work | None:
         """Write the stepped master into ``flat_param`` and share it with every rank."""
