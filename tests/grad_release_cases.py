@@ -72,7 +72,10 @@ def release_sequence(overlap: bool, gas: int) -> dict:
         out.append({"after_upcast": after_upcast, "before_reduce": before_reduce, "after_backward": after_backward,
                     "after_step": _held(groups, torch.bfloat16) + _held(groups, torch.float32),
                     "report_grads": int(engine.memory_report()["grads"])})
-    return {"numels": numels, "steps": out}
+    from shardwise.utils import safe_get_full_grad
+
+    read = safe_get_full_grad(model.model.layers[0].mlp.up_proj.weight)  # after the step: zeros, as before
+    return {"numels": numels, "steps": out, "read_after_step_zero": read is not None and not read.any().item()}
 
 
 def train(release: bool, overlap: bool, gas: int, precision: str) -> dict:

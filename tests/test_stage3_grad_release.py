@@ -24,6 +24,7 @@ def test_stage3_holds_a_16bit_grad_shard_only_from_its_reduction_to_its_upcast(p
             for i, bf16, fp32 in step["after_upcast"]:
                 assert (bf16, fp32) == (2 * sum(n[i + 1:]), 4 * sum(n[:i + 1])), (i, bf16, fp32)
             assert step["after_step"] == 0 and step["report_grads"] == 0
+        assert r["read_after_step_zero"]  # DeepSpeed's getter between steps reads zeros, not None
 
 
 @pytest.mark.parametrize(("precision", "overlap", "gas"), [("bf16", True, 2), ("fp32", False, 1)])
