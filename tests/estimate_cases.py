@@ -65,8 +65,9 @@ def measure(kind: str, stages: list[int], precision: str, steps: int = 1, seq: i
         for s in range(steps):
             ids = data[s, 0, rank:rank + 1]
             engine.backward(engine(input_ids=ids, labels=ids).loss)
+            grads = engine.memory_report()["grads"]  # as backward leaves them: stage 3 lets go at the step
             engine.step()
-        rep = engine.memory_report()
+        rep = {**engine.memory_report(), "grads": grads}
         est = estimate(psi, world, dtype=precision).stages[stage]
         groups = list(engine.groups) + [g for gs in engine.unit_groups for g in gs if not g.trainable]
         padding = sum(g.padded_numel - g.numel for g in groups)

@@ -93,7 +93,7 @@ class _Where:
         if reduced and getattr(eng, "gradient_average", True):
             scale /= g.comm.size
         if g.policy.shard_grads:
-            return (None if g.shard_grad is None else g.owned_grad()), scale
+            return (None if g.shard_grad is None and not g.grad_released else g.owned_grad()), scale
         if g.flat_grad is None:
             return None, scale
         return g.flat_grad.narrow(0, g.own_start, g.own_numel), scale

@@ -153,6 +153,7 @@ class ShardedGroup(StageThreeGather, GradReduction):
         # the step's first reduce-scatter writes it instead of adding onto a zeroed one (two passes
         # over the shard fewer, the cost that kept stage 2 behind stage 1)
         self._shard_grad_empty = True
+        self.grad_released = False  # stage 3: shard_grad let go after a step (not: no backward reached it yet)
         if self.trainable and not self.policy.shard_grads:
             self._alloc_flat_grad()
         self._filled: list[bool] = []
@@ -267,7 +268,20 @@ class ShardedGroup(StageThreeGather, GradReduction):
         else:
             mg = to_readable(g, self.master.device, self.master.dtype)  # fenced: the host scales it next
             self.master.grad = mg.mul_(scale)
+            self.release_grad_shard()  # upcast: the 16-bit shard is read no more this step
         return self.master.grad
+
+    def release_grad_shard(self) -> None:
+        """Stage 3: let go of the reduced 16-bit gradient shard, as FSDP2 frees its gradients. Dropped
+        once upcast into the master's gradient (group by group, so a step holds one group's 16-bit
+        shard beside the fp32 gradients, not all of them) and at ``zero_grad``, so that between steps
+        and in the next backward only the groups already reduced hold one (``reduce_grads`` makes it
+        when the group's first reduce-scatter writes it). Stage 2 keeps its shard: whole-model buffers
+        reused every step are what keep it ahead of stage 1 (``zero/pending.py``)."""
+        if self.policy.shard_params:
+            self.shard_grad = None
+            self._shard_grad_empty = True
+            self.grad_released = True  # owned_grad() makes a zeroed one again for a reader (tensor_fragment)
 
     def publish_master(self, async_op: bool = False) -> Work | None:
         """Write the stepped master into ``flat_param`` and share it with every rank."""
@@ -298,6 +312,7 @@ class ShardedGroup(StageThreeGather, GradReduction):
         if self.flat_grad is not None and not self.policy.shard_grads:
             self.flat_grad.zero_()
         self._shard_grad_empty = True  # (not zeroed: the next reduce-scatter overwrites it)
+        self.release_grad_shard()
 
     # -- reports ----------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
