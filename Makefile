@@ -35,8 +35,12 @@ setup: $(VENV)/.installed
 run: setup
 	$(VENV)/bin/shardwise launch --nproc $(NPROC)$(if $(BACKEND), --backend $(BACKEND)) -- train --run-config examples/sonnets.toml --resume auto
 
+# Two pytest-xdist workers, whole files to a worker (a file's module fixtures, e.g. one launch shared by its
+# tests, run once): on 2 cores one worker's waits (process starts, rendezvous, timeouts under test) are the
+# other's CPU time (docs/testing.md). Each worker keeps its own rank pools; TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) --no-print-directory test-gpu; fi
 
 # the GPU tier: tests marked `gpu`, CUDA left visible (tests/conftest.py hides it from every other test)

@@ -20,6 +20,7 @@ from rank_pool import RankPool
 
 _SPAWNED: dict[str, float] = {}  # test id -> seconds, for tests that started a process of their own
 _UNMARKED: dict[str, set[str]] = {}  # test id -> programs it started without the `subprocess` mark
+_UNMARKED_HERE: dict[str, set[str]] = {}  # the same, seen in this process, until its report carries them
 # what libraries start for themselves (ctypes.util.find_library asks ldconfig, gcc or ld; platform asks uname):
 # not a test's process
 _INCIDENTAL = {"ldconfig", "gcc", "cc", "ld", "objdump", "uname", "nvidia-smi"}
@@ -41,24 +42,46 @@ def pytest_configure(config) -> None:
         item = _CURRENT[0]
         program = os.path.basename(str(args if isinstance(args, (str, bytes, os.PathLike)) else args[0]))
         if item is not None and item.get_closest_marker("subprocess") is None and program not in _INCIDENTAL:
-            _UNMARKED.setdefault(item.nodeid, set()).add(program)
+            _UNMARKED_HERE.setdefault(item.nodeid, set()).add(program)
         return start(self, args, *rest, **kwargs)
 
     subprocess.Popen._execute_child = noting_child
 
 
+_POOLS = {"starts": 0, "wait_s": 0.0}  # summed from every test's report (the pools live in the workers)
+_AT_START: dict[str, tuple[int, float]] = {}  # test id -> (RankPool.starts, RankPool.start_s) when it began
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001
     _CURRENT[0] = item
-    waited = RankPool.start_s
+    _AT_START[item.nodeid] = (RankPool.starts, RankPool.start_s)
     yield
     _CURRENT[0] = None
-    _POOL_WAIT[item.nodeid] = RankPool.start_s - waited
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The figures a test's process saw ride on its teardown report (``user_properties``), so the
+    process that prints them sees them too when the suite runs on pytest-xdist workers."""
+    if call.when == "teardown":
+        starts, start_s = _AT_START.pop(item.nodeid, (RankPool.starts, RankPool.start_s))
+        item.user_properties += [("pool_starts", RankPool.starts - starts),
+                                 ("pool_wait_s", RankPool.start_s - start_s),
+                                 ("unmarked_programs", sorted(_UNMARKED_HERE.pop(item.nodeid, set())))]
+    yield
 
 
 def pytest_runtest_logreport(report) -> None:
     seconds = _SPAWNED if "subprocess" in report.keywords else _SLOW
     seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
+    props = dict(report.user_properties) if report.when == "teardown" else {}
+    if "pool_wait_s" in props:
+        _POOLS["starts"] += props["pool_starts"]
+        _POOLS["wait_s"] += props["pool_wait_s"]
+        _POOL_WAIT[report.nodeid] = props["pool_wait_s"]
+        if props["unmarked_programs"]:
+            _UNMARKED.setdefault(report.nodeid, set()).update(props["unmarked_programs"])
 
 
 @pytest.hookimpl(trylast=True)  # after the slowest durations, the last lines of the run
@@ -68,7 +91,7 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     write = terminalreporter.write_line
     terminalreporter.section("subprocess tests and rank pools")
     write(f"{len(_SPAWNED)} subprocess tests (marked `subprocess`) took {sum(_SPAWNED.values()):.1f} s in all")
-    write(f"rank pools: {RankPool.starts} starts, {RankPool.start_s:.1f} s waiting for ranks to join")
+    write(f"rank pools: {_POOLS['starts']} starts, {_POOLS['wait_s']:.1f} s waiting for ranks to join")
     for nodeid, programs in sorted(_UNMARKED.items()):
         write(f"started a subprocess without the `subprocess` mark: {nodeid} ({', '.join(sorted(programs))})")
     for nodeid, s in sorted(_SLOW.items(), key=lambda kv: -kv[1]):
