@@ -61,6 +61,20 @@ def _train_in(pool: RankPool, tmp: Path, out: Path, *extra: str) -> None:
     assert all(code == 0 for code, _, _ in answers), "".join(o + e for _, o, e in answers)[-3000:]
 
 
+def _in_pool(pool: RankPool, tmp: Path, out: Path, *extra: str, ds: dict | None = None,
+             check_lock: bool = True) -> subprocess.CompletedProcess:
+    """``shardwise train`` on the pool's ranks through the CLI's entry, read as a launch's output:
+    the exit code every rank returned (they must agree), every rank's stdout and stderr, rank 0's
+    first. For the tests whose subject is what a run writes or refuses, not the process."""
+    argv = _train_args(tmp, out, *extra, ds=ds)
+    answers = pool.run("train_cases:train", argv, check_lock, timeout=400)
+    codes = {code for code, _, _ in answers}
+    log = "".join(o + e for _, o, e in answers)
+    assert len(codes) == 1, (codes, log[-3000:])
+    return subprocess.CompletedProcess(argv, codes.pop(), "".join(o for _, o, _ in answers),
+                                       "".join(e for _, _, e in answers))
+
+
 def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=400)
 
@@ -104,18 +118,21 @@ def test_keep_holds_the_newest_saves_and_latest_after_resuming_an_earlier_step(t
     assert [m["step"] for m in read_metrics(out) if m["kind"] == "train"] == [1, 2, 3]
 
 
-@pytest.mark.subprocess
-def test_rank_file_missing_on_resume_is_one_line_exit_2(two_rank_run) -> None:
+def test_rank_file_missing_on_resume_is_one_line_exit_2(two_rank_run, pool2: RankPool) -> None:
+    """The refusal itself (code 2 on both ranks, one line naming the file); the launcher's exit code
+    and its one line for a rank's refusal are the launch tests' subject."""
     tmp, first = two_rank_run
     out = tmp / "damaged"
-    subprocess.run(["cp", "-a", str(first), str(out)], check=True)
+    shutil.copytree(first, out, symlinks=True)
     (out / "checkpoints" / "global_step4" / "rank00001.safetensors").unlink()
-    r = _run(_train_cmd(tmp, out, 2, "--steps", "5", "--no-export", "--resume", "auto"))
+    r = _in_pool(pool2, tmp, out, "--steps", "5", "--no-export", "--resume", "auto")
     _one_line(r, 2, "rank00001.safetensors", "missing")
 
 
 @pytest.mark.subprocess
-def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: Path) -> None:
+def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: Path, pool2: RankPool) -> None:
+    """The holder is a process of its own (the lock is held across processes, then SIGKILLed); the
+    refused second writer runs on the pool's 2 ranks, processes other than the holder's."""
     out = tmp_path / "shared"
     first = subprocess.Popen(_train_cmd(tmp_path, out, None, "--steps", "100000", "--save-every", "0",
                                         "--no-export"), env=_env(), stdout=subprocess.DEVNULL,
@@ -126,7 +143,7 @@ def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: P
             time.sleep(0.2)  # a metrics line: the first run holds the lock and trains
         assert first.poll() is None, first.stderr.read()[-3000:]
         config_before = (out / "run_config.json").read_text()
-        second = _run(_train_cmd(tmp_path, out, 2, "--steps", "5", "--resume", "auto"))
+        second = _in_pool(pool2, tmp_path, out, "--steps", "5", "--resume", "auto", check_lock=False)
         _one_line(second, 2, f"--out {out} is in use by another run", f"pid {first.pid}")
         assert (out / "run_config.json").read_text() == config_before  # the refused run wrote nothing
         first.send_signal(signal.SIGKILL)  # no exit handler runs: only the kernel can drop the lock
@@ -139,39 +156,41 @@ def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: P
     RunLock(out).acquire().release()  # is no obstacle: the kernel dropped the lock with the process
 
 
-def _run_all(cmds: list[list[str]]) -> list[subprocess.CompletedProcess]:
-    """Run single-process commands side by side (each uses one thread): the test waits for the slowest."""
-    procs = [subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
-    done = []
-    for cmd, p in zip(cmds, procs, strict=True):
-        out, err = p.communicate(timeout=400)
-        done.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
-    return done
-
-
 @pytest.mark.subprocess
-def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path) -> None:
-    """lr 1e36: step 1 is finite and blows the weights up, step 2's gradient norm is NaN."""
+def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path, pool1: RankPool) -> None:
+    """lr 1e36: step 1 is finite and blows the weights up, step 2's gradient norm is NaN.
+
+    That run is a process of its own (exit 3 as the OS sees it, the CLI's one line); the other five,
+    about where and why a run stops and what it leaves, run one after another on the world-1 pool
+    while it trains."""
     big = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 1e36}}}
     overflow = {**DS, "fp16": {"enabled": True, "initial_scale_power": 0},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e6}}}
     typo = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 1e6}}}  # issue 46: 1e6 for 1e-6
     nan, tolerated, last, skips, evals, no_eval = (tmp_path / n for n in (
         "nan", "tolerated", "last_step", "scaler_skips", "eval_nan", "no_eval"))
-    r_nan, r_tol, r_last, r_skips, r_eval, r_no_eval = _run_all([
-        _train_cmd(tmp_path, nan, None, "--steps", "4", "--save-every", "1", "--keep", "0", ds=big),
+    cmd = _train_cmd(tmp_path, nan, None, "--steps", "4", "--save-every", "1", "--keep", "0", ds=big)
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
         # one skipped (no update), the next stops; set by the config key (the flag overrides it)
-        _train_cmd(tmp_path, tolerated, None, "--steps", "4", "--save-every", "1",
-                   ds={**big, "shardwise": {"max_nonfinite_steps": 1}}),
+        r_tol = _in_pool(pool1, tmp_path, tolerated, "--steps", "4", "--save-every", "1",
+                         ds={**big, "shardwise": {"max_nonfinite_steps": 1}})
         # finite loss and gradients at the last step, but the weights leave fp16's range
-        _train_cmd(tmp_path, last, None, "--steps", "1", ds=overflow),
+        r_last = _in_pool(pool1, tmp_path, last, "--steps", "1", ds=overflow)
         # overflow skips of fp16's loss scaler (2**24 overflows at first) are not divergence
-        _train_cmd(tmp_path, skips, None, "--steps", "3", ds={**DS, "fp16": {"enabled": True,
-                                                                             "initial_scale_power": 24}}),
+        r_skips = _in_pool(pool1, tmp_path, skips, "--steps", "3",
+                           ds={**DS, "fp16": {"enabled": True, "initial_scale_power": 24}})
         # loss and gradient norm finite (step 2's norm exactly 0.0), the final eval loss NaN
-        _train_cmd(tmp_path, evals, None, "--steps", "2", "--save-every", "1", ds=typo),
+        r_eval = _in_pool(pool1, tmp_path, evals, "--steps", "2", "--save-every", "1", ds=typo)
         # the same with no eval data: the probe forward before the checkpoint finds it
-        _train_cmd(tmp_path, no_eval, None, "--steps", "2", "--save-every", "1", "--eval-fraction", "0", ds=typo)])
+        r_no_eval = _in_pool(pool1, tmp_path, no_eval, "--steps", "2", "--save-every", "1", "--eval-fraction", "0",
+                             ds=typo)
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    r_nan = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     _one_line(r_nan, 3, "diverged at step 2:", "gradient norm nan", "checkpoints/global_step1")
     assert (nan / "checkpoints" / "latest").read_text() == "global_step1" and not (nan / "hf").exists()
     assert sorted(p.name for p in (nan / "checkpoints").iterdir()) == ["global_step1", "latest", "zero_to_fp32.py"]

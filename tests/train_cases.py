@@ -16,11 +16,13 @@ import warnings
 import torch.distributed as dist
 
 
-def train(argv: list[str]) -> tuple[int, str, str]:
+def train(argv: list[str], check_lock: bool = True) -> tuple[int, str, str]:
     """Run ``shardwise train ARGV`` on this rank; returns (exit code, stdout, stderr) of this rank.
 
     The world must be the pool's after the run: a run that tore it down would fail every later case;
     and rank 0 must have let go of the run folder's lock (this process can take it again at once).
+    ``check_lock=False`` skips that last check, for a run refused because another process holds
+    the lock (taking it here would be refused too, rightly).
     """
     from pathlib import Path
 
@@ -33,7 +35,7 @@ def train(argv: list[str]) -> tuple[int, str, str]:
     with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
     assert dist.is_initialized(), "shardwise train destroyed a process group it did not make"
-    if dist.get_rank() == 0 and "--out" in argv:
+    if check_lock and dist.get_rank() == 0 and "--out" in argv:
         out_dir = Path(argv[len(argv) - argv[::-1].index("--out")])  # after the last --out, as argparse reads it
         if (out_dir / ".shardwise-lock").exists():
             RunLock(out_dir).acquire().release()  # refused ("in use by another run") if main() still held it
