@@ -1,7 +1,7 @@
 """Every example in examples/ runs as examples/README.md says, briefly (a few steps, llama-micro), and its
 config holds at any --nproc without a notice; `shardwise train` runs with no --config at all. The
-example configs train on the rank pools through the CLI's own entry; `make run`'s command and the
-seed walkthrough are launched as a user launches them.
+example configs and `make run`'s run config train on the rank pools through the CLI's own entry; the
+seed walkthrough is launched as a user launches it.
 
 What the examples show at full length (about a minute each, the held-out loss falling to the end)
 is measured in examples/README.md, not here: these runs only prove each command starts, trains and
@@ -81,7 +81,7 @@ def test_the_defaults_hold_at_any_world_size(tmp_path: Path) -> None:
 
 def _train_in(pool: RankPool, *args: str) -> str:
     """`shardwise train ARGS` on the pool's ranks through the CLI's entry (tests/train_cases.py): every
-    rank's output, as a launch prints it. The launch itself is `test_make_run_config`'s subject."""
+    rank's output, as a launch prints it."""
     answers = pool.run("train_cases:train", list(args), timeout=600)
     log = "".join(stdout + stderr for _, stdout, stderr in answers)
     assert all(code == 0 for code, _, _ in answers), log[-3000:]
@@ -95,11 +95,14 @@ def test_example_config_trains(name: str, tmp_path: Path, pool2: RankPool) -> No
     assert not re.search(r"warning|accepted and ignored|note:", log, re.IGNORECASE), log[-3000:]
 
 
-@pytest.mark.subprocess
-def test_make_run_config(tmp_path: Path) -> None:
-    """`make run`'s run config (its steps cut short here)."""
-    log = _shardwise("launch", "--nproc", "2", "--", "train", "--run-config", "examples/sonnets.toml", *SHORT,
-                     "--out", str(tmp_path / "run"))
+def test_make_run_config(tmp_path: Path, pool2: RankPool) -> None:
+    """`make run`'s run config (its steps cut short here), from the checkout as `make run` runs it, on
+    the pool's 2 ranks: the config is the subject; a launched 2-rank `shardwise train` is
+    test_train_job's and test_exports' (the launch adds nothing to a rank's output)."""
+    answers = pool2.run("train_cases:train_from", str(ROOT), ["--run-config", "examples/sonnets.toml", *SHORT,
+                                                               "--out", str(tmp_path / "run")], timeout=600)
+    log = "".join(stdout + stderr for _, stdout, stderr in answers)
+    assert all(code == 0 for code, _, _ in answers), log[-3000:]
     assert "final eval loss" in log and "warning" not in log.lower()
 
 

@@ -42,6 +42,15 @@ def train(argv: list[str], check_lock: bool = True) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def train_from(folder: str, argv: list[str]) -> tuple[int, str, str]:
+    """``train(argv)`` run from ``folder``, as a user runs a command from the checkout (relative
+    paths in ARGV and in a run config); the pool puts the working directory back after the case."""
+    import os
+
+    os.chdir(folder)
+    return train(argv)
+
+
 def train_in(pool, argv: list[str], timeout: float = 600) -> str:
     """(In the test process.) ``shardwise train ARGV`` on every rank of ``pool``; asserts every rank
     exits 0 and returns every rank's output, rank 0's first, as a launch would print it."""
