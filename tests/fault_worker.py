@@ -1,7 +1,8 @@
 """One rank of a `shardwise train` job with a fault injected into one rank (the fault tests' worker).
 
-``python fault_worker.py TRAIN_ARGS...`` runs ``shardwise train`` in this process (RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT set by the test, no launcher), after wrapping one entry point:
+``run_rank(TRAIN_ARGS)`` (in a rank forked by ``fresh_ranks.start``, or ``python fault_worker.py
+TRAIN_ARGS...``) runs ``shardwise train`` in this process (RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set by the test, no launcher), after wrapping one entry point:
 ``FAULT="TARGET:ACTION"`` on rank ``FAULT_RANK``, armed once the first checkpoint is saved (so the
 run folder holds a complete one), at the ``FAULT_CALL``-th call of TARGET after that (default 1):
 
@@ -79,10 +80,16 @@ def _install(target: str, action: str, nth: int) -> None:
     Engine.save_checkpoint = saved
 
 
-if __name__ == "__main__":
+def run_rank(argv: list[str]) -> int:
+    """This rank's ``shardwise train`` with the fault installed where the environment asks; its exit
+    code (what ``python fault_worker.py ARGS`` exits with, and ``fresh_ranks.start``'s rank too)."""
     faulthandler.dump_traceback_later(600, exit=True)  # a hang shows where (re-armed at the fault)
     fault = os.environ.get("FAULT")
     if fault and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "1"):
         name, act = fault.split(":")
         _install(name, act, int(os.environ.get("FAULT_CALL", "1")))
-    sys.exit(main(sys.argv[1:]))
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run_rank(sys.argv[1:]))

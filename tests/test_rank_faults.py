@@ -2,13 +2,17 @@
 with one line, within the collective timeout, and the run folder keeps its last complete checkpoint.
 
 The ranks are plain processes (RANK, WORLD_SIZE, MASTER_* set here, no launcher: nothing else ends a
-rank that would hang) running ``shardwise train`` through ``fault_worker.py``, which injects the
-fault on rank 1 after the step-1 checkpoint. Timeout 15 s (the groups the run creates get it too,
-and 4 ranks starting on a loaded 2-core host reach them seconds apart): a stalled rank is waited for that long,
-then its peers end with the diverged-ranks line naming the collective and themselves (exit 4); the
-stalled rank, resuming once they have all ended (at most 40 s: a stall shorter than the timeout is no
-fault, a peer that reaches the collective seconds late on a loaded host waits less), finds them gone
-and ends the same way.
+rank that would hang) running ``shardwise train`` through ``fault_worker.run_rank``, which injects the
+fault on rank 1 after the step-1 checkpoint. They are forked from a server that has imported torch,
+transformers and shardwise (``fresh_ranks.py``: the process, its exit code, SIGKILL and output are
+the subject, the imports are not), each with its own environment, argv and stdout/stderr files, and
+ending on the interpreter's exit path (atexit teardown included). Timeout 15 s (the groups the run
+creates get it too, and 4 ranks starting on a loaded 2-core host reach them seconds apart): a
+stalled rank is waited for that long, then its peers end with the diverged-ranks line naming the
+collective and themselves (exit 4); the stalled rank, resuming once they have all ended (at most 40
+s: a stall shorter than the timeout is no fault, a peer that reaches the collective seconds late on
+a loaded host waits less), finds them gone and ends the same
+way.
 ``SLACK_S`` (8 s) covers a rank's own exit on this shared 2-core host (torch and transformers loaded).
 """
 
@@ -17,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,13 +29,22 @@ import pytest
 
 from shardwise.launch.net import free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fresh_ranks  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "fault_worker.py"
 TIMEOUT_S, STALL_S, SLACK_S = 15, 40, 8
 DS = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
 # Each case is about rank processes dying or stalling: the process is the subject (docs/testing.md).
 pytestmark = pytest.mark.subprocess
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rank_server():
+    """One forkserver for the module (imports paid once), stopped and reaped after its last test."""
+    with fresh_ranks.server([*fresh_ranks.PRELOAD, "fault_worker"]):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +64,7 @@ def _launch(tmp: Path, world: int, ds: dict, fault: str, model: str, extra: dict
     """Start ``world`` ranks of a 3-step run saving every step; returns (processes, run folder, start)."""
     cfg, out = tmp / "ds.json", tmp / "run"
     cfg.write_text(json.dumps(ds))
-    args = [sys.executable, str(WORKER), "--config", str(cfg), "--model", model, "--seq", "32", "--steps", "3",
+    args = ["--config", str(cfg), "--model", model, "--seq", "32", "--steps", "3",
             "--save-every", "1", "--keep", "0", "--eval-every", "0", "--eval-fraction", "0", "--sample-tokens",
             "0", "--no-export", "--timeout", str(TIMEOUT_S), "--out", str(out)]
     port = str(free_port())
@@ -62,11 +74,11 @@ def _launch(tmp: Path, world: int, ds: dict, fault: str, model: str, extra: dict
                "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "FAULT": fault, "FAULT_RANK": "1", "FAULT_STALL_S": str(STALL_S),
                "FAULT_RESUME_FILE": str(tmp / "peers_ended"), **(extra or {})}
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(fresh_ranks.start("fault_worker:run_rank", args, env, tmp / f"rank{rank}"))
     return procs, out
 
 
-def _finish(procs: list[subprocess.Popen], out: Path) -> list[tuple[int, str, float]]:
+def _finish(procs: list[fresh_ranks.Rank], out: Path) -> list[tuple[int, str, float]]:
     """(exit code, stderr, time.time() at exit) per rank; every rank killed after 400 s (a hang fails;
     the start of 4 ranks on a loaded 2-core host alone can take a minute, so the bound that matters is
     the one :func:`_check` puts on the time from the fault to each rank's end). Once every rank but the
