@@ -75,6 +75,7 @@ def _launch(tmp: Path, world: int, ds: dict, fault: str, model: str, extra: dict
                "FAULT": fault, "FAULT_RANK": "1", "FAULT_STALL_S": str(STALL_S),
                "FAULT_RESUME_FILE": str(tmp / "peers_ended"), **(extra or {})}
         procs.append(fresh_ranks.start("fault_worker:run_rank", args, env, tmp / f"rank{rank}"))
+    assert fresh_ranks.server_threads() == 1  # torch, transformers, shardwise imported: no thread before fork
     return procs, out
 
 
