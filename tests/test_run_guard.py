@@ -1,6 +1,9 @@
 """`shardwise train` and `shardwise launch` against runs that lose checkpoints, run twice, diverge or
 cannot start (issue 34), tiny models, one test per class: the real CLI in subprocesses where the
 process is the subject (exit codes, one-line errors, a kill), else the CLI's entry in the rank pools.
+A single-process ``shardwise train`` is forked from a server that has imported torch, transformers
+and shardwise (``fresh_ranks.py``: the CLI's entry, its own environment, argv, output files and exit
+code as the OS sees it); the launcher, which imports no torch, is started as a program.
 
 - retention keeps the saves written last and never the one ``latest`` names (a resume into a
   folder whose older run went further);
@@ -25,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import fresh_ranks
 import pytest
 import torch
 from rank_pool import RankPool
@@ -49,11 +53,6 @@ def _train_args(tmp: Path, out: Path, *extra: str, ds: dict | None = None) -> li
             "--sample-tokens", "0", "--out", str(out), *extra]
 
 
-def _train_cmd(tmp: Path, out: Path, nproc: int | None, *extra: str, ds: dict | None = None) -> list[str]:
-    launch = [] if nproc is None else ["launch", "--nproc", str(nproc), "--"]
-    return [sys.executable, "-m", "shardwise.cli", *launch, "train", *_train_args(tmp, out, *extra, ds=ds)]
-
-
 def _train_in(pool: RankPool, tmp: Path, out: Path, *extra: str) -> None:
     """The same run on the pool's ranks through the CLI's entry (tests/train_cases.py): for the
     tests about the run folder, not about the process."""
@@ -73,6 +72,27 @@ def _in_pool(pool: RankPool, tmp: Path, out: Path, *extra: str, ds: dict | None 
     assert len(codes) == 1, (codes, log[-3000:])
     return subprocess.CompletedProcess(argv, codes.pop(), "".join(o for _, o, _ in answers),
                                        "".join(e for _, _, e in answers))
+
+
+@pytest.fixture(scope="module")
+def cli_server():
+    """A forkserver with the CLI's imports done, for this module's single-process runs."""
+    with fresh_ranks.server():
+        yield
+
+
+def _forked_train(tmp: Path, out: Path, *extra: str, ds: dict | None = None, **env: str) -> fresh_ranks.Rank:
+    """``python -m shardwise.cli train ...`` as a process forked from ``cli_server``."""
+    argv = ["train", *_train_args(tmp, out, *extra, ds=ds)]
+    return fresh_ranks.start("shardwise.cli.command:main", argv, _env(**env), tmp / f"proc_{out.name}")
+
+
+def _ended(rank: fresh_ranks.Rank, timeout: float = 400) -> subprocess.CompletedProcess:
+    """The forked run's exit code and output, read as ``subprocess.run``'s (killed after ``timeout``)."""
+    if rank.wait(timeout) is None:
+        rank.kill()
+    stdout, stderr = rank.communicate()
+    return subprocess.CompletedProcess(["shardwise", "train"], rank.returncode, stdout, stderr)
 
 
 def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -130,24 +150,23 @@ def test_rank_file_missing_on_resume_is_one_line_exit_2(two_rank_run, pool2: Ran
 
 
 @pytest.mark.subprocess
-def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: Path, pool2: RankPool) -> None:
+def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: Path, pool2: RankPool,
+                                                                    cli_server) -> None:  # noqa: ARG001
     """The holder is a process of its own (the lock is held across processes, then SIGKILLed); the
     refused second writer runs on the pool's 2 ranks, processes other than the holder's."""
     out = tmp_path / "shared"
-    first = subprocess.Popen(_train_cmd(tmp_path, out, None, "--steps", "100000", "--save-every", "0",
-                                        "--no-export"), env=_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    first = _forked_train(tmp_path, out, "--steps", "100000", "--save-every", "0", "--no-export")
     try:
         deadline = time.time() + 240
         while time.time() < deadline and first.poll() is None and not read_metrics(out):
             time.sleep(0.2)  # a metrics line: the first run holds the lock and trains
-        assert first.poll() is None, first.stderr.read()[-3000:]
+        assert first.poll() is None, first.err.read_text()[-3000:]
         config_before = (out / "run_config.json").read_text()
         second = _in_pool(pool2, tmp_path, out, "--steps", "5", "--resume", "auto", check_lock=False)
         _one_line(second, 2, f"--out {out} is in use by another run", f"pid {first.pid}")
         assert (out / "run_config.json").read_text() == config_before  # the refused run wrote nothing
-        first.send_signal(signal.SIGKILL)  # no exit handler runs: only the kernel can drop the lock
-        first.wait(timeout=60)
+        first.kill()  # SIGKILL: no exit handler runs, only the kernel can drop the lock
+        assert first.wait(timeout=60) == -signal.SIGKILL
     finally:
         if first.poll() is None:
             first.kill()
@@ -157,7 +176,8 @@ def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: P
 
 
 @pytest.mark.subprocess
-def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path, pool1: RankPool) -> None:
+def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path, pool1: RankPool,
+                                                     cli_server) -> None:  # noqa: ARG001
     """lr 1e36: step 1 is finite and blows the weights up, step 2's gradient norm is NaN.
 
     That run is a process of its own (exit 3 as the OS sees it, the CLI's one line); the other five,
@@ -169,8 +189,7 @@ def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path, pool1: Ran
     typo = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 1e6}}}  # issue 46: 1e6 for 1e-6
     nan, tolerated, last, skips, evals, no_eval = (tmp_path / n for n in (
         "nan", "tolerated", "last_step", "scaler_skips", "eval_nan", "no_eval"))
-    cmd = _train_cmd(tmp_path, nan, None, "--steps", "4", "--save-every", "1", "--keep", "0", ds=big)
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _forked_train(tmp_path, nan, "--steps", "4", "--save-every", "1", "--keep", "0", ds=big)
     try:
         # one skipped (no update), the next stops; set by the config key (the flag overrides it)
         r_tol = _in_pool(pool1, tmp_path, tolerated, "--steps", "4", "--save-every", "1",
@@ -185,12 +204,11 @@ def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path, pool1: Ran
         # the same with no eval data: the probe forward before the checkpoint finds it
         r_no_eval = _in_pool(pool1, tmp_path, no_eval, "--steps", "2", "--save-every", "1", "--eval-fraction", "0",
                              ds=typo)
-        stdout, stderr = proc.communicate(timeout=400)
+        r_nan = _ended(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    r_nan = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     _one_line(r_nan, 3, "diverged at step 2:", "gradient norm nan", "checkpoints/global_step1")
     assert (nan / "checkpoints" / "latest").read_text() == "global_step1" and not (nan / "hf").exists()
     assert sorted(p.name for p in (nan / "checkpoints").iterdir()) == ["global_step1", "latest", "zero_to_fp32.py"]
@@ -230,7 +248,7 @@ def test_sampled_non_finite_logits_stop_sampling() -> None:
 
 
 @pytest.mark.subprocess
-def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path) -> None:
+def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path, cli_server) -> None:  # noqa: ARG001
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -240,11 +258,11 @@ def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path) -> None:
         r = _run([sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--master-port", port,
                   str(script)])
         _one_line(r, 2, f"--master-port {port}", f"port {port} is already in use")
-        r = _run(_train_cmd(tmp_path, tmp_path / "single", None, "--steps", "1"), MASTER_PORT=port)
+        r = _ended(_forked_train(tmp_path, tmp_path / "single", "--steps", "1", MASTER_PORT=port))
         _one_line(r, 2, f"MASTER_PORT={port}", "already in use")
         # a child of a running rank (torchrun'd script, notebook) inherits its rendezvous: told what to unset
-        r = _run(_train_cmd(tmp_path, tmp_path / "child", None, "--steps", "1"), MASTER_PORT=port, RANK="0",
-                 WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        r = _ended(_forked_train(tmp_path, tmp_path / "child", "--steps", "1", MASTER_PORT=port, RANK="0",
+                                 WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1"))
         _one_line(r, 2, f"MASTER_PORT={port}: port {port} is already in use", "RANK=0 and MASTER_PORT came from the "
                   "environment", "unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT", "shardwise launch")
     crash = tmp_path / "crash.py"
