@@ -21,7 +21,8 @@ each fresh interpreter pays on this kind of host. Each rank:
 
 The signal handlers a rank starts with are a fresh interpreter's (the forkserver restores SIGINT and
 SIGCHLD in the child; SIGTERM is untouched). Unlike fresh processes, every rank shares the server's
-hash seed (``PYTHONHASHSEED``) and the server's already-initialised module state.
+hash seed (``PYTHONHASHSEED``) and its already-initialised module state, reads stdin from /dev/null,
+and is a multiprocessing child (``current_process().name`` is ``rank-R``, not ``MainProcess``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import forkserver
 from pathlib import Path
 
@@ -126,7 +127,7 @@ def _child(entry: str, argv: list[str], env: dict[str, str], out: str, err: str)
     os._exit(code)
 
 
-def _run(fn, argv: list[str]) -> tuple[int, bool]:
+def _run(fn: Callable[[list[str]], object], argv: list[str]) -> tuple[int, bool]:
     """``sys.exit(fn(argv))`` at the top of a script: (exit code, whether KeyboardInterrupt ended it)."""
     try:
         sys.exit(fn(argv))
