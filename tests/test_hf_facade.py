@@ -32,10 +32,10 @@ LAST = range(job.SAVE_EVERY + 1, job.STEPS + 1)  # the steps a resumed run takes
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """tests/hf_facade_job.py's part of the 2-rank launch this process shares (tests/facade_launch.py)."""
-    res = facade_launch.launched(tmp_path_factory)
+    res = facade_launch.part(tmp_path_factory, "hf")
     # The job checks every rank runs on the facade; an installed DeepSpeed (none here) must be named as unused.
     assert (importlib.util.find_spec("deepspeed") is not None) == ("DeepSpeed is installed" in res["stderr"])
-    out = res["root"] / "hf"
+    out = res["root"]
     return {"root": out, **json.loads((out / "results.json").read_text())}
 
 

@@ -25,8 +25,8 @@ import hf_seq2seq_job as job  # noqa: E402
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """tests/hf_seq2seq_job.py's part of the 2-rank launch this process shares (tests/facade_launch.py),
-    which saves :func:`job.tiny_llama` into the part's ``llama/`` before it starts."""
-    out = facade_launch.launched(tmp_path_factory)["root"] / "seq2seq"
+    which saves :func:`job.tiny_llama` into the part's ``llama/`` before asking for it."""
+    out = facade_launch.part(tmp_path_factory, "seq2seq")["root"]
     return {"root": out, **torch.load(out / "results.pt")}
 
 

@@ -299,7 +299,7 @@ def test_hf_trainer_with_expert_parallel_config(tmp_path_factory):
     import facade_launch
     from transformers import AutoModelForCausalLM
 
-    tmp_path = facade_launch.launched(tmp_path_factory)["root"] / "moe"
+    tmp_path = facade_launch.part(tmp_path_factory, "moe")["root"]
     res = json.loads((tmp_path / "results.json").read_text())
     tol = _reference("mixtral", 2)
     ids = moe_cases.batches(1, 1, 2)[0, 0]

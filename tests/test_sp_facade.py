@@ -41,7 +41,7 @@ def _launch(out: Path, nproc: int, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """The 2-rank cases: this job's part of the 2-rank launch this process shares (tests/facade_launch.py)."""
-    return json.loads((facade_launch.launched(tmp_path_factory)["root"] / "sp" / "results.json").read_text())
+    return json.loads((facade_launch.part(tmp_path_factory, "sp")["root"] / "results.json").read_text())
 
 
 def _rel(a: dict, b: dict) -> float:
