@@ -25,7 +25,6 @@ import facade_launch  # noqa: E402
 import hf_facade_job as job  # noqa: E402
 from tolerance import equivalence_tol  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 LAST = range(job.SAVE_EVERY + 1, job.STEPS + 1)  # the steps a resumed run takes
 
 
