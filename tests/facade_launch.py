@@ -4,8 +4,9 @@ A launched rank spends ~6 CPU s importing torch, shardwise's facade, transformer
 well under 1 s per training case (a tiny model, a few steps), so four 2-rank launches cost about four
 times one. The stock scripts of tests/test_hf_facade.py (Trainer, PEFT, Accelerate),
 tests/test_hf_seq2seq.py (Seq2SeqTrainer, resize at ZeRO-3), tests/test_moe.py (the Trainer with
-``expert_parallel``) and tests/test_sp_facade.py (the Trainer's and Accelerate's SP paths, DeepSpeed's
-Ulysses API) are therefore parts of one real launch: the first file of a pytest process (an xdist
+``expert_parallel``), tests/test_sp_facade.py (the Trainer's and Accelerate's SP paths, DeepSpeed's
+Ulysses API) and tests/test_trl_facade.py (TRL's SFT, DPO, GRPO; TRL imported only by its part) are
+therefore parts of one real launch: the first file of a pytest process (an xdist
 worker) that needs one starts the launch, and each file asks it for its own part, which the two
 ranks run one after another, each into a folder of its own. A worker pays for one launch and for
 the parts of the files it runs, nothing else. Each part starts its trainings afresh as it did in a
@@ -14,8 +15,7 @@ arguments). The ranks wait between parts outside any collective (polling the req
 end when asked at the pytest process's exit, or when that process is gone.
 
 A part failing on a rank fails its test and ends the launch (its group may be broken): the later
-parts' tests fail naming the first failure. The 4-rank SP x DP cases and TRL keep launches of their
-own (another world size; TRL's imports).
+parts' tests fail naming the first failure. The 4-rank SP x DP cases keep a launch of their own.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("hf", "seq2seq", "moe", "sp")
+PARTS = ("hf", "seq2seq", "moe", "sp", "trl")
 _POLL_S = 0.1
 _launch: dict = {}  # this process's launch: proc, root, done (parts served), error (the first failure)
 
 
 def part(tmp_path_factory, name: str) -> dict:
     """Part ``name`` run by this process's launch (started on the first call): ``{"root": its results
-    folder, "stderr": the launch's stderr so far}``."""
+    folder, "stderr": the launch's stderr so far, "log": what the ranks printed while they ran it}``."""
     assert name in PARTS, name
     if not _launch:
         _start(tmp_path_factory.mktemp("facade_launch"))
@@ -51,8 +51,7 @@ def part(tmp_path_factory, name: str) -> dict:
             _launch["error"] = f"part {name}: {e}"
             _stop()
             raise
-        _launch["done"].add(name)
-    return {"root": root / name, "stderr": (root / "launch.err").read_text()}
+    return {"root": root / name, "stderr": (root / "launch.err").read_text(), "log": _launch["done"][name]}
 
 
 def _start(root: Path) -> None:
@@ -63,7 +62,7 @@ def _start(root: Path) -> None:
            str(os.getpid())]
     with open(root / "launch.out", "w") as out, open(root / "launch.err", "w") as err:
         proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=out, stderr=err)
-    _launch.update(proc=proc, root=root, done=set())
+    _launch.update(proc=proc, root=root, done={})
     atexit.register(_stop)
 
 
@@ -73,6 +72,8 @@ def _serve(root: Path, name: str, timeout_s: float = 1800) -> None:
         import hf_seq2seq_job
 
         hf_seq2seq_job.tiny_llama().save_pretrained(root / name / "llama")
+    logs = [root / "launch.out", root / "launch.err"]
+    start = [len(f.read_text()) for f in logs]
     request = f"{len(_launch['done']):03d}-{name}"
     (root / "requests" / f".{request}").write_text("")
     (root / "requests" / f".{request}").rename(root / "requests" / request)  # whole, or not there
@@ -84,6 +85,7 @@ def _serve(root: Path, name: str, timeout_s: float = 1800) -> None:
             "\n".join(f.read_text() for f in failed) or f"the launch ended ({ended}) or timed out",
             (root / "launch.out").read_text()[-3000:], (root / "launch.err").read_text()[-5000:])
         time.sleep(_POLL_S)
+    _launch["done"][name] = "".join(f.read_text()[n:] for f, n in zip(logs, start, strict=True))
 
 
 def _stop() -> None:
@@ -104,9 +106,11 @@ def _run_part(root: Path, name: str) -> None:
     import hf_seq2seq_job
     import moe_trainer_job
     import sp_facade_job
+    import trl_job  # imports TRL itself only when its part runs
 
     run = {"hf": lambda out: hf_facade_job.main_at(out, ["trainer", "accelerate"]),
-           "seq2seq": hf_seq2seq_job.main_at, "moe": moe_trainer_job.main_at, "sp": sp_facade_job.main_at}[name]
+           "seq2seq": hf_seq2seq_job.main_at, "moe": moe_trainer_job.main_at, "sp": sp_facade_job.main_at,
+           "trl": lambda out: trl_job.main_at(out, ["sft", "dpo", "grpo"])}[name]
     run(root / name)
 
 
