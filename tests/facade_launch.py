@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("hf", "seq2seq", "moe", "sp", "trl")
+PARTS = ("hf", "seq2seq", "moe", "sp", "trl")  # tests/<job>.py's main_at for each: _JOBS
 _POLL_S = 0.1
 _launch: dict = {}  # this process's launch: proc, root, done (parts served), error (the first failure)
 
@@ -101,17 +101,16 @@ def _stop() -> None:
         proc.wait()
 
 
-def _run_part(root: Path, name: str) -> None:
-    import hf_facade_job
-    import hf_seq2seq_job
-    import moe_trainer_job
-    import sp_facade_job
-    import trl_job  # imports TRL itself only when its part runs
+# each part's job module and the arguments of its ``main_at`` after the folder; imported when the part runs
+_JOBS = {"hf": ("hf_facade_job", (["trainer", "accelerate"],)), "seq2seq": ("hf_seq2seq_job", ()),
+         "moe": ("moe_trainer_job", ()), "sp": ("sp_facade_job", ()), "trl": ("trl_job", (["sft", "dpo", "grpo"],))}
 
-    run = {"hf": lambda out: hf_facade_job.main_at(out, ["trainer", "accelerate"]),
-           "seq2seq": hf_seq2seq_job.main_at, "moe": moe_trainer_job.main_at, "sp": sp_facade_job.main_at,
-           "trl": lambda out: trl_job.main_at(out, ["sft", "dpo", "grpo"])}[name]
-    run(root / name)
+
+def _run_part(root: Path, name: str) -> None:
+    import importlib
+
+    module, args = _JOBS[name]
+    importlib.import_module(module).main_at(root / name, *args)
 
 
 def _next_request(root: Path, served: int, parent: int) -> str | None:
