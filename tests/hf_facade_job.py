@@ -203,7 +203,12 @@ def main() -> None:
     import deepspeed
 
     assert deepspeed.__version__.endswith("+shardwise"), deepspeed  # the facade, even if one is installed
-    root, parts = Path(sys.argv[1]), sys.argv[2:] or ["trainer", "accelerate"]
+    main_at(Path(sys.argv[1]), sys.argv[2:] or ["trainer", "accelerate"])
+
+
+def main_at(root: Path, parts: list[str]) -> None:
+    """Every training of ``parts`` into ``root`` (also run by tests/facade_launch.py's shared launch)."""
+    root.mkdir(parents=True, exist_ok=True)
     res = {}
     if "trainer" in parts:
         res["trainer"] = trainer_cases(root)

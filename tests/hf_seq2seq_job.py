@@ -109,10 +109,16 @@ def resize_case(folder: Path) -> dict:
 
 def main() -> None:
     import deepspeed
-    from hf_facade_job import cpu_state
 
     assert deepspeed.__version__.endswith("+shardwise"), deepspeed
-    root = Path(sys.argv[1])
+    main_at(Path(sys.argv[1]))
+
+
+def main_at(root: Path) -> None:
+    """Both cases into ``root``, which holds the saved :func:`tiny_llama` in ``llama/`` (also run by
+    tests/facade_launch.py's shared launch)."""
+    from hf_facade_job import cpu_state
+
     cpu_state()
     res = {"predict": predict(root / "s2s", {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                                              "zero_optimization": {"stage": 3,

@@ -52,12 +52,13 @@ def run(out: Path, ep: int | None, stage: int, source: Path) -> dict:
             "local_experts": int(model.model.layers[0].mlp.experts.gate_up_proj.shape[0])}
 
 
-if __name__ == "__main__":
+def main_at(root: Path) -> None:
+    """The four runs into ``root`` (also run by tests/facade_launch.py's shared launch)."""
     from hf_facade_job import cpu_state
     from moe_cases import build
 
     cpu_state()  # the process group, before the first run makes its own state
-    root = Path(sys.argv[1])
+    root.mkdir(parents=True, exist_ok=True)
     source = root / "source"
     if torch.distributed.get_rank() == 0:
         build("mixtral", aux=0.02).save_pretrained(source)
@@ -66,3 +67,7 @@ if __name__ == "__main__":
            for stage in (2, 3) for name, ep in (("ep", 2), ("plain", None))}
     if torch.distributed.get_rank() == 0:
         (root / "results.json").write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main_at(Path(sys.argv[1]))

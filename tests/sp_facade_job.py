@@ -257,8 +257,14 @@ def main() -> None:
     import deepspeed
 
     assert deepspeed.__version__.endswith("+shardwise"), deepspeed
-    root = Path(sys.argv[1])
-    if sys.argv[2:] == ["spdp"]:  # 4 ranks: SP 2 x DP 2, the SP groups [0, 1] and [2, 3]
+    main_at(Path(sys.argv[1]), spdp=sys.argv[2:] == ["spdp"])
+
+
+def main_at(root: Path, spdp: bool = False) -> None:
+    """The 2-rank cases (``spdp``: the 4-rank ones) into ``root`` (the 2-rank ones are also run by
+    tests/facade_launch.py's shared launch)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if spdp:  # 4 ranks: SP 2 x DP 2, the SP groups [0, 1] and [2, 3]
         res = {"spdp": run(root / "spdp", 2, sp=2, steps=SPDP_STEPS, order=list(range(SAMPLES))),
                "acc_spdp": accelerate_loop(2, steps=SPDP_STEPS)}
     else:

@@ -1,6 +1,7 @@
 """Stock HF Trainer / PEFT / Accelerate scripts on 2 gloo ranks through
 ``shardwise launch --as-deepspeed`` (issue 18), with no DeepSpeed installed, against plain
-single-process references. One launch runs every training (tests/hf_facade_job.py).
+single-process references. One launch runs every training (tests/hf_facade_job.py), the launch this
+pytest process shares with other facade tests (tests/facade_launch.py).
 
 Tolerances: the stage-2 runs and their references agree in exact arithmetic; they differ by fp32
 round-off (two half-batch gradients averaged across ranks instead of one batch). The bound comes
@@ -14,31 +15,26 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import facade_launch  # noqa: E402
 import hf_facade_job as job  # noqa: E402
 from tolerance import equivalence_tol  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 LAST = range(job.SAVE_EVERY + 1, job.STEPS + 1)  # the steps a resumed run takes
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("hf_facade")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--as-deepspeed",
-           str(ROOT / "tests" / "hf_facade_job.py"), str(out)]
-    res = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    """tests/hf_facade_job.py's part of the 2-rank launch this process shares (tests/facade_launch.py)."""
+    res = facade_launch.part(tmp_path_factory, "hf")
     # The job checks every rank runs on the facade; an installed DeepSpeed (none here) must be named as unused.
-    assert (importlib.util.find_spec("deepspeed") is not None) == ("DeepSpeed is installed" in res.stderr)
+    assert (importlib.util.find_spec("deepspeed") is not None) == ("DeepSpeed is installed" in res["stderr"])
+    out = res["root"]
     return {"root": out, **json.loads((out / "results.json").read_text())}
 
 

@@ -11,8 +11,6 @@ ranks, summed in another order than one process sums them: within 1e-6 relative 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,20 +18,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import facade_launch  # noqa: E402
 import hf_seq2seq_job as job  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("hf_seq2seq")
-    job.tiny_llama().save_pretrained(out / "llama")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--as-deepspeed",
-           str(ROOT / "tests" / "hf_seq2seq_job.py"), str(out)]
-    res = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    """tests/hf_seq2seq_job.py's part of the 2-rank launch this process shares (tests/facade_launch.py),
+    which saves :func:`job.tiny_llama` into the part's ``llama/`` before asking for it."""
+    out = facade_launch.part(tmp_path_factory, "seq2seq")["root"]
     return {"root": out, **torch.load(out / "results.pt")}
 
 

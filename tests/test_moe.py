@@ -287,26 +287,19 @@ def test_shardwise_train_with_ep_matches_the_run_without(tmp_path, pool2):
 
 
 @pytest.mark.subprocess
-def test_hf_trainer_with_expert_parallel_config(tmp_path):
+def test_hf_trainer_with_expert_parallel_config(tmp_path_factory):
     """The HF Trainer (`--deepspeed` config with `expert_parallel`, shardwise's facade, no DeepSpeed),
     at ZeRO-2 (model built first) and ZeRO-3 (model made by `from_pretrained` after the
     TrainingArguments, so under transformers' zero.Init): the same losses as the same Trainer run
     without EP, and `save_model` writes the full model: `from_pretrained` loads the trained engine's
-    full weights bit for bit (logits equal), and the no-EP run's within the measured bound."""
+    full weights bit for bit (logits equal), and the no-EP run's within the measured bound. The runs are
+    tests/moe_trainer_job.py's part of the 2-rank launch this process shares (tests/facade_launch.py)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
+    import facade_launch
     from transformers import AutoModelForCausalLM
 
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--as-deepspeed",
-           str(root / "tests" / "moe_trainer_job.py"), str(tmp_path)]
-    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    tmp_path = facade_launch.part(tmp_path_factory, "moe")["root"]
     res = json.loads((tmp_path / "results.json").read_text())
     tol = _reference("mixtral", 2)
     ids = moe_cases.batches(1, 1, 2)[0, 0]

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import facade_launch  # noqa: E402
 import sp_facade_job as job  # noqa: E402
 from tolerance import equivalence_tol  # noqa: E402
 
@@ -39,7 +40,8 @@ def _launch(out: Path, nproc: int, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    return _launch(tmp_path_factory.mktemp("sp_facade"), 2)
+    """The 2-rank cases: this job's part of the 2-rank launch this process shares (tests/facade_launch.py)."""
+    return json.loads((facade_launch.part(tmp_path_factory, "sp")["root"] / "results.json").read_text())
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -49,16 +51,42 @@ def _rel(a: dict, b: dict) -> float:
     return max(abs(a[k] - b[k]) / abs(b[k]) for k in b)
 
 
+def _trainer_reference(out: Path, steps: int, other: dict, **kw) -> tuple[dict, dict[str, float]]:
+    """The Trainer without SP or DeepSpeed in this process, and the bounds from its noise floor: the
+    same Trainer again with ``other`` changed (another split, or another experts kernel)."""
+    ref = job.run(out / "ref", None, steps=steps, **kw)
+    again = job.run(out / "ref_again", None, steps=steps, **{**kw, **other})
+    return ref, equivalence_tol({what: _rel(again[what], ref[what]) for what in ("loss", "grad_norm")}, steps)
+
+
+# Each reference is computed once per file (module scope), by the first test that needs it: the
+# tests that compare with it (three stages, two MoE runs) share the one single-process run.
+@pytest.fixture(scope="module")
+def trainer_ref(tmp_path_factory) -> tuple[dict, dict[str, float]]:
+    """Batches of 2; noise floor: 2 accumulated micro-batches of 1."""
+    return _trainer_reference(tmp_path_factory.mktemp("sp_ref"), job.STEPS, {"batch": 1, "gas": 2})
+
+
+@pytest.fixture(scope="module")
+def moe_trainer_ref(tmp_path_factory) -> tuple[dict, dict[str, float]]:
+    """The MoE model; noise floor: its `eager` experts kernel."""
+    return _trainer_reference(tmp_path_factory.mktemp("sp_moe_ref"), job.STEPS, {"moe": "eager"}, moe="default")
+
+
+@pytest.fixture(scope="module")
+def loop_ref() -> tuple[dict, float]:
+    """The plain-PyTorch loop (batches of 2 in order); noise floor: each batch in 2 micro-batches."""
+    ref = job.reference_loop(1)
+    return ref, equivalence_tol({"loss": _rel(job.reference_loop(2), ref)}, job.STEPS)["loss"]
+
+
 @pytest.mark.parametrize("stage", [2, 3, "3_offload"])
 @pytest.mark.subprocess
-def test_trainer_sp2_matches_single_process(launched, tmp_path, stage):
+def test_trainer_sp2_matches_single_process(launched, trainer_ref, stage):
     """3_offload: ZeRO 3 with activation checkpointing and ``shardwise.offload_activation_checkpoints``
     in the DeepSpeed config the Trainer passes: the facade's engine honours the key (bytes moved per step
     on this rank: the 2 layers' inputs, 2 samples x 8 tokens (its shard of 16) x 32 values x 4 bytes)."""
-    ref = job.run(tmp_path / "ref", None)
-    other = job.run(tmp_path / "ref_acc", None, batch=1, gas=2)
-    noise = {what: _rel(other[what], ref[what]) for what in ("loss", "grad_norm")}
-    tol = equivalence_tol(noise, job.STEPS)
+    ref, tol = trainer_ref
     got = launched[f"z{stage}"]
     if stage == "3_offload":
         assert got["offloaded_bytes"] == job.STEPS * 2 * 2 * 8 * 32 * 4, got["offloaded_bytes"]
@@ -86,23 +114,20 @@ def test_trainer_sp2_dp2_on_four_gloo_ranks(tmp_path, launched_spdp):
     (torch's all_gather backward takes the group rank for a global one); the facade's replacement
     gives the no-SP losses and gradient norms of the same samples per step (``job.SPDP_ORDER``)."""
     got = launched_spdp["spdp"]
-    ref = job.run(tmp_path / "ref", None, batch=4, steps=job.SPDP_STEPS, order=job.SPDP_ORDER)
-    other = job.run(tmp_path / "ref_acc", None, batch=2, gas=2, steps=job.SPDP_STEPS, order=job.SPDP_ORDER)
-    tol = equivalence_tol({what: _rel(other[what], ref[what]) for what in ("loss", "grad_norm")}, job.SPDP_STEPS)
+    ref, tol = _trainer_reference(tmp_path, job.SPDP_STEPS, {"batch": 2, "gas": 2}, batch=4, order=job.SPDP_ORDER)
     for what in ("loss", "grad_norm"):
         assert _rel(got[what], ref[what]) <= tol[what], (what, got[what], ref[what], tol)
 
 
 @pytest.mark.parametrize("loop", ["acc1", "acc3", "ds2", "ds3"])
 @pytest.mark.subprocess
-def test_batch_moving_sp_loops_match_plain_torch(launched, loop):
+def test_batch_moving_sp_loops_match_plain_torch(launched, loop_ref, loop):
     """The usual batch-moving loop (``batch = {k: v.to(device) for k, v in batch.items()}``, which stops
     at the first non-tensor value) through Accelerate's documented SP loop at ZeRO 1 and 3 (model left
     in eval mode: SP stays on, gradients are enabled) and DeepSpeed 0.19.8's own API (the mpu of
     ``register_with_transformers``, ``UlyssesSPDataLoaderAdapter``, ``engine.backward``) at ZeRO 2 and 3:
     the SP adapter's batches hold tensors only, as DeepSpeed's do, and give the plain-PyTorch losses."""
-    ref, resplit = job.reference_loop(1), job.reference_loop(2)
-    tol = equivalence_tol({"loss": _rel(resplit, ref)}, job.STEPS)["loss"]
+    ref, tol = loop_ref
     assert _rel(launched[loop], ref) <= tol, (launched[loop], ref, tol)
 
 
@@ -120,7 +145,7 @@ def test_accelerate_sp_loop_with_an_moe_model_and_its_aux_loss(launched):
 
 @pytest.mark.parametrize("run", ["moe", "moe_ep"])
 @pytest.mark.subprocess
-def test_trainer_sp2_moe_aux_loss_matches_single_process(launched, tmp_path, run):
+def test_trainer_sp2_moe_aux_loss_matches_single_process(launched, moe_trainer_ref, run):
     """An MoE model (Qwen3-MoE, router aux loss at coefficient 0.1, half the samples right padded) through
     the Trainer's SP path at ZeRO 2: the facade's SP loss takes each shard's aux term out of the model's
     loss and adds the aux loss over the whole sequence once (pads left out by the adapter's token mask),
@@ -128,8 +153,6 @@ def test_trainer_sp2_moe_aux_loss_matches_single_process(launched, tmp_path, run
     ``moe_ep``: the same with ``expert_parallel`` (AutoEP's keys, EP 2) in the Trainer's DeepSpeed config,
     SP 2 and EP 2 on the same two ranks. Noise floor: the reference trained again with the `eager`
     experts kernel."""
-    ref = job.run(tmp_path / "ref", None, moe="default")
-    other = job.run(tmp_path / "ref_eager", None, moe="eager")
-    tol = equivalence_tol({what: _rel(other[what], ref[what]) for what in ("loss", "grad_norm")}, job.STEPS)
+    ref, tol = moe_trainer_ref
     for what in ("loss", "grad_norm"):
         assert _rel(launched[run][what], ref[what]) <= tol[what], (what, launched[run][what], ref[what], tol)

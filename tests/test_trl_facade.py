@@ -16,32 +16,27 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import facade_launch  # noqa: E402
 import trl_job as job  # noqa: E402
 from tolerance import equivalence_tol  # noqa: E402
 
 pytest.importorskip("trl")
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = range(1, job.STEPS + 1)
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("trl_facade")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--as-deepspeed",
-           str(ROOT / "tests" / "trl_job.py"), str(out)]
-    res = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    assert (importlib.util.find_spec("deepspeed") is not None) == ("DeepSpeed is installed" in res.stderr)
-    return {"root": out, "log": res.stdout + res.stderr, **json.loads((out / "results.json").read_text())}
+    """tests/trl_job.py's part of the 2-rank launch this process shares (tests/facade_launch.py); ``log``:
+    what the ranks printed while they ran it."""
+    res = facade_launch.part(tmp_path_factory, "trl")
+    assert (importlib.util.find_spec("deepspeed") is not None) == ("DeepSpeed is installed" in res["stderr"])
+    return {"root": res["root"], "log": res["log"], **json.loads((res["root"] / "results.json").read_text())}
 
 
 def _max_rel(a: dict, b: dict, keys) -> float:

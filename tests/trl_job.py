@@ -163,7 +163,12 @@ def main() -> None:
     import deepspeed
 
     assert deepspeed.__version__.endswith("+shardwise"), deepspeed
-    root, parts = Path(sys.argv[1]), sys.argv[2:] or ["sft", "dpo", "grpo"]
+    main_at(Path(sys.argv[1]), sys.argv[2:] or ["sft", "dpo", "grpo"])
+
+
+def main_at(root: Path, parts: list[str]) -> None:
+    """The trainings of ``parts`` into ``root`` (also run by tests/facade_launch.py's shared launch)."""
+    root.mkdir(parents=True, exist_ok=True)
     res: dict = {}
     if "sft" in parts:
         cpu_state()
