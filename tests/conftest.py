@@ -27,6 +27,26 @@ def _pool(world: int) -> RankPool:
     return _pools[world]
 
 
+# What a launcher (or shardwise's world of one) puts in the environment. A test that initializes in
+# pytest's own process (the device guard, the engine-surface tests) leaves RANK=0 and a MASTER_PORT its
+# live store listens on; a later file's subprocess copying os.environ would inherit that rendezvous and
+# be refused ("started from inside a running job"), an order-dependent failure under pytest-xdist.
+LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def launcher_environment_ends_with_its_file():
+    """Each test file starts with the launcher variables pytest started with (the process group, if a
+    file made one, stays: later in-process code finds it initialized and reads the defaults)."""
+    before = {key: os.environ.get(key) for key in LAUNCHER_KEYS}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def pool1() -> RankPool:
     """A world of one (a rank of its own, so a case's process group never lives in pytest's process)."""

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# what a launcher sets; the blocks run as from a user's shell, never inside an earlier test's job
+LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```bash runnable[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -41,7 +44,8 @@ def test_the_marker_is_found() -> None:
 def test_runnable_commands(page: Path, tmp_path: Path) -> None:
     for name in ("data", "examples"):
         (tmp_path / name).symlink_to(ROOT / name)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+    fresh_shell = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
+    env = {**fresh_shell, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     for i, block in enumerate(runnable_blocks(page.read_text())):
         r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True,
