@@ -40,7 +40,7 @@ run: setup
 # other's CPU time (docs/testing.md). Each worker keeps its own rank pools; TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
+	$(PY) -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) --no-print-directory test-gpu; fi
 
 # the GPU tier: tests marked `gpu`, CUDA left visible (tests/conftest.py hides it from every other test)

@@ -27,14 +27,19 @@ def test_default_rendezvous_restarts_with_a_fresh_store() -> None:
     assert "--rdzv_backend=c10d" in cmd and any(c.startswith("--rdzv_endpoint=127.0.0.1:") for c in cmd)
 
 
-def _launch(out: Path, *flags: str, kill_at: int | None = None) -> list[dict]:
+def _start(out: Path, *flags: str, kill_at: int | None = None) -> subprocess.Popen:
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     if kill_at is not None:
         env["KILL_AT"] = str(kill_at)
-    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", *flags, "--", WORKER,
-                        str(out), str(STEPS)], env=env, capture_output=True, text=True, timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
+    with (out / "stderr.txt").open("w") as err:  # a file: no pipe to fill while the other job runs
+        return subprocess.Popen([sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", *flags, "--",
+                                 WORKER, str(out), str(STEPS)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _losses(job: subprocess.Popen, out: Path) -> list[dict]:
+    job.wait(timeout=400)
+    assert job.returncode == 0, (out / "stderr.txt").read_text()[-3000:]
     return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
 
 
@@ -42,8 +47,15 @@ def _launch(out: Path, *flags: str, kill_at: int | None = None) -> list[dict]:
 def test_killed_rank_restarts_and_resumes_with_the_same_losses(tmp_path: Path) -> None:
     """Rank 1 is SIGKILLed inside step 5; the job restarts, resumes from the step-4 checkpoint and
     every step's loss equals the uninterrupted run's (the space form of --max-restarts, too)."""
-    killed = _launch(tmp_path / "killed", "--max-restarts", "2", kill_at=5)
-    plain = _launch(tmp_path / "plain")
+    jobs = {"killed": _start(tmp_path / "killed", "--max-restarts", "2", kill_at=5),  # side by side: own ports
+            "plain": _start(tmp_path / "plain")}
+    try:
+        killed, plain = (_losses(job, tmp_path / name) for name, job in jobs.items())
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.wait()
     assert {e["attempt"] for e in killed} == {0, 1}, killed  # it did restart
     resumed = [e for e in killed if e["attempt"] == 1]
     assert resumed[0]["step"] == 4  # from the latest checkpoint (saved after step 3), not from 0
