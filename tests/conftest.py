@@ -16,7 +16,8 @@ if not GPU_TIER:
 
 from rank_pool import RankPool  # noqa: E402
 
-pytest_plugins = ["suite_plugin", "tree_guard"]  # issue 48: closing figures, marks; no writes into the checkout
+# issue 48: closing figures, marks, files to xdist workers; no writes into the checkout
+pytest_plugins = ["suite_plugin", "tree_guard", "worker_plan"]
 
 _pools: dict[int, RankPool] = {}
 

@@ -113,28 +113,8 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-# The files that take longest (wall seconds on 2 quiet cores, whole files to a worker, measured
-# 2026-12-05), handed out first under pytest-xdist so the run does not end with one worker busy on a
-# long file while the other waits (longest-first scheduling); the rest keep pytest's order. Ordering
-# only: nothing is skipped. xdist's own reordering (by a file's number of tests) would undo it:
-# `make test` passes --no-loadscope-reorder.
-LONGEST_FILES = ("test_rank_faults.py", "test_launch_exit.py", "test_inference.py", "test_moe.py",
-                 "test_ds_examples.py", "test_sp_facade.py", "test_loops.py", "test_train_job.py", "test_launch.py",
-                 "test_stage3.py", "test_monitor.py", "test_gpu_check.py", "test_inference_quant.py",
-                 "test_zeropp.py", "test_sequence_parallel.py", "test_zero.py", "test_multinode.py",
-                 "test_hf_cpu_unchanged.py", "test_exports.py", "test_device_guard.py")
-
-
-def _longest_first(items: list) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
-
-
 def pytest_collection_modifyitems(config, items) -> None:
     from fast_subset import fast_ids, is_fast
-
-    if hasattr(config, "workerinput"):  # an xdist worker: its order is the order files are handed out
-        _longest_first(items)
 
     found = set()
     for item in items:

@@ -1,0 +1,82 @@
+"""How `make test` hands test files to its two pytest-xdist workers (issue 48), loaded by tests/conftest.py.
+
+Two rules, ordering and grouping only (every test runs, each exactly once):
+
+* **Files that share a per-process resource go to one worker together.** The 4-rank pool (four rank
+  processes that import torch and transformers: ~18 CPU s to start), the shared `--as-deepspeed`
+  launch (tests/facade_launch.py) and the forkserver of tests/fresh_ranks.py are made once per pytest
+  process, by the first file that asks. Spread over both workers they start twice; grouped, once. A
+  file joins a group when its source names the resource; files that name two resources merge
+  their groups (test_moe.py uses the 4-rank pool and the facade launch).
+* **Longest first.** The groups, then the files that take longest (`LONGEST_FILES`, wall seconds on 2
+  quiet cores), are handed out first, so the run does not end with one worker busy on a long file
+  while the other waits. xdist's own reordering (by a file's number of tests) would undo it:
+  `make test` passes `--no-loadscope-reorder`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+# a resource made once per pytest process -> the words in a test file's source that show it uses it
+SHARED_RESOURCES = {"the 4-rank pool": r"\bpool4\b", "the shared facade launch": r"\bfacade_launch\b",
+                    "the fresh-rank forkserver": r"\bfresh_ranks\b"}
+
+LONGEST_FILES = ("test_rank_faults.py", "test_launch_exit.py", "test_inference.py", "test_moe.py",
+                 "test_ds_examples.py", "test_sp_facade.py", "test_loops.py", "test_train_job.py", "test_launch.py",
+                 "test_stage3.py", "test_monitor.py", "test_gpu_check.py", "test_inference_quant.py",
+                 "test_zeropp.py", "test_sequence_parallel.py", "test_zero.py", "test_multinode.py",
+                 "test_hf_cpu_unchanged.py", "test_exports.py", "test_device_guard.py")
+
+
+@functools.cache
+def resource_groups() -> tuple[frozenset[str], ...]:
+    """The groups of test file names that must share a worker, the group of most files first."""
+    users = {name: {f.name for f in TESTS.glob("test_*.py") if re.search(pattern, f.read_text())}
+             for name, pattern in SHARED_RESOURCES.items()}
+    groups: list[set[str]] = []
+    for files in users.values():
+        touching = [g for g in groups if g & files]
+        merged = set(files).union(*touching)
+        groups = [g for g in groups if not g & files] + [merged]
+    return tuple(frozenset(g) for g in sorted(groups, key=lambda g: (-len(g), sorted(g))) if len(g) > 1)
+
+
+def scope_of(file_name: str) -> str:
+    """The unit a worker receives: a resource group's name, or the file itself."""
+    for i, group in enumerate(resource_groups()):
+        if file_name in group:
+            return f"shared resource group {i}"
+    return file_name
+
+
+def hand_out_order(file_name: str) -> int:
+    """Sort key for a worker's collection (the order the controller hands scopes out)."""
+    groups = resource_groups()
+    for i, group in enumerate(groups):
+        if file_name in group:
+            return i
+    longest = {name: i for i, name in enumerate(LONGEST_FILES)}
+    return len(groups) + longest.get(file_name, len(longest))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: its order is the order files are handed out
+        items.sort(key=lambda item: hand_out_order(item.path.name))  # stable: a file's tests keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with resource groups: one scope per group instead of one per file."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ResourceGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(Path(super()._split_scope(nodeid)).name)
+
+    return ResourceGroupScheduling(config, log)
