@@ -35,13 +35,18 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing import forkserver
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# What the suite's forkserver imports before it forks anything: the union of what its users need (the
+# fault and CLI ranks here, the rank pools of tests/rank_pool.py, the inference memory runs of
+# tests/inference_cases.py), so whichever starts it first, each child starts with its imports done.
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama",
-           "transformers.models.mixtral.modeling_mixtral", "shardwise.cli.train", "fresh_ranks"]
+           "transformers.models.mixtral.modeling_mixtral", "shardwise.cli.train", "shardwise.engine",
+           "shardwise.train.run", "shardwise.inference.load", "fresh_ranks", "rank_pool", "fault_worker",
+           "inference_cases"]
 
 
 class Rank:
@@ -74,27 +79,18 @@ class Rank:
         return (self.out.read_text(errors="replace"), self.err.read_text(errors="replace"))
 
 
-@contextlib.contextmanager
-def server(preload: list[str] | None = None) -> Iterator[None]:
-    """A forkserver of our own for the block: any running one (another module's preload) is stopped
-    first, and ours is stopped and reaped at the end, so its CPU time and its ranks' count in the
-    test process's children (``/usr/bin/time``) and no rank outlives the block."""
+def context() -> multiprocessing.context.BaseContext:
+    """multiprocessing's forkserver context, its server preloading ``PRELOAD``: one server per pytest
+    process, started by its first user and never stopped before the process ends (the rank pools'
+    ranks are its children: stopped, it could no longer report their exit codes or kill them)."""
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))  # the server imports this module and the entry's by name
-    _stop_server()
-    modules = list(preload or PRELOAD)
+    ctx = multiprocessing.get_context("forkserver")
+    modules = list(PRELOAD)
     if "pytest" in sys.modules:  # a child imports the parent's __main__ (pytest's) before its target
         modules.append("pytest")
-    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
-    try:
-        yield
-    finally:
-        _stop_server()
-
-
-def _stop_server() -> None:
-    # the only way to end the stdlib's forkserver and reap it (its own tests use it)
-    forkserver._forkserver._stop()  # noqa: SLF001
+    ctx.set_forkserver_preload(modules)  # read when the server starts; no effect once it runs
+    return ctx
 
 
 def start(entry: str, argv: list[str], env: dict[str, str], folder: Path) -> Rank:
@@ -102,8 +98,7 @@ def start(entry: str, argv: list[str], env: dict[str, str], folder: Path) -> Ran
     output goes to ``folder``/stdout and ``folder``/stderr."""
     folder.mkdir(parents=True, exist_ok=True)
     out, err = folder / "stdout", folder / "stderr"
-    ctx = multiprocessing.get_context("forkserver")
-    process = ctx.Process(target=_child, args=(entry, list(argv), dict(env), str(out), str(err)),
+    process = context().Process(target=_child, args=(entry, list(argv), dict(env), str(out), str(err)),
                           name=f"rank-{env.get('RANK', '?')}")
     process.start()
     return Rank(process, out, err)

@@ -159,19 +159,17 @@ def measure(folder: str, mode: str, new_tokens: int, prefetch: int = 1, batch: i
 def forked_runs(jobs: list[tuple[str, str]], runs: int) -> dict[tuple[str, str], list[dict]]:
     """``measure`` for each (folder, mode) in ``runs`` fresh processes, two at a time (2 cores).
 
-    Each process is forked from a server that has only imported torch, transformers' Llama and
-    shardwise (multiprocessing's forkserver, one task per process): it starts where a fresh
+    Each process is forked from the suite's server that has imported torch, transformers' Llama and
+    shardwise (multiprocessing's forkserver, ``fresh_ranks.PRELOAD``, one task per process): it starts where a fresh
     interpreter stands after those imports, takes its own baseline and peak (``measure`` resets the
     peak to the current RSS first) and exits. The imports, about 7 s a process on 2 cores, are paid
     once instead of once per run. Such a child starts with fewer library pages mapped than a fresh
     interpreter has after the same imports (fork shares file pages lazily), so what it touches
     again counts as growth: 7-10 MB more excess per run than fresh processes on the AMD machine
     (``benchmarks/bench_inference.py --memory-runs 3``), a stricter figure for the same bound."""
-    import multiprocessing
+    import fresh_ranks
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "transformers.models.llama.modeling_llama",
-                                "shardwise.inference.load", "inference_cases"])
+    ctx = fresh_ranks.context()  # the suite's forkserver (its preload includes the imports above)
     todo = [job for job in jobs for _ in range(runs)]
     with ctx.Pool(2, maxtasksperchild=1) as pool:
         results = pool.starmap(measure, [(folder, mode, 4) for folder, mode in todo], chunksize=1)

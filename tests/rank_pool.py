@@ -1,7 +1,8 @@
 """Run test functions on N gloo ranks that stay up for the whole pytest session.
 
 Starting ranks costs seconds each (importing torch and transformers), so a pool
-of N processes is started once; a test sends ``"module:function"`` plus
+of N processes is started once, its ranks forked from the suite's forkserver that
+has already done those imports (tests/fresh_ranks.py); a test sends ``"module:function"`` plus
 arguments to every rank and gets each rank's return value back. A test whose
 ranks must fail a collective (which leaves the gloo group unusable) runs in a
 fresh pool via :func:`run_fresh`.
@@ -30,6 +31,8 @@ import tempfile
 import time
 import traceback
 from typing import Any
+
+import fresh_ranks
 
 from shardwise.launch.net import free_port
 
@@ -151,10 +154,14 @@ class RankPool:
     starts = 0
     start_s = 0.0
 
-    def __init__(self, world: int, timeout_s: float = 120.0, warm: bool = False):
+    def __init__(self, world: int, timeout_s: float = 120.0, warm: bool = False, fresh_interpreter: bool = False):
         self.world = world
         self.timeout_s = timeout_s
         self.warm = warm  # the session's pools pre-import what cases need (see _warm_imports)
+        # ranks are forked from the suite's forkserver, its imports done (tests/fresh_ranks.py): a start
+        # costs a fork and the rendezvous, not ~4.5 CPU s of imports a rank; a new interpreter per rank
+        # only where the case needs one (an environment read at process start, e.g. glibc's malloc knobs)
+        self.fresh_interpreter = fresh_interpreter
         self.started = False
         self.procs: list[Any] = []
         self._start()
@@ -162,7 +169,7 @@ class RankPool:
     def _start(self) -> None:
         self._t0 = time.perf_counter()
         self._joined = False
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("spawn") if self.fresh_interpreter else fresh_ranks.context()
         port = free_port()
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.outbox = ctx.Queue()
@@ -244,9 +251,10 @@ class RankPool:
         self.procs = []
 
 
-def run_fresh(world: int, target: str, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> list[Any]:
+def run_fresh(world: int, target: str, *args: Any, timeout_s: float = 60.0, fresh_interpreter: bool = False,
+              **kwargs: Any) -> list[Any]:
     """Run on a pool of its own, closed afterwards (for tests that break the group)."""
-    pool = RankPool(world, timeout_s=timeout_s)
+    pool = RankPool(world, timeout_s=timeout_s, fresh_interpreter=fresh_interpreter)
     try:
         return pool.run(target, *args, **kwargs)
     finally:

@@ -34,10 +34,9 @@ def _fresh(arg: str) -> tuple[int, str, str]:
 
 
 def test_a_forked_rank_starts_and_ends_as_a_fresh_interpreter(tmp_path: Path) -> None:
-    with fresh_ranks.server(["torch", "fresh_ranks"]):
-        ranks = {arg: fresh_ranks.start("fresh_ranks:probe", [arg], _env(), tmp_path / arg) for arg in CASES}
-        forked = {arg: (r.wait(120), *r.communicate()) for arg, r in ranks.items()}
-        assert fresh_ranks.server_threads() == 1  # it forks with no thread another could need
+    ranks = {arg: fresh_ranks.start("fresh_ranks:probe", [arg], _env(), tmp_path / arg) for arg in CASES}
+    forked = {arg: (r.wait(120), *r.communicate()) for arg, r in ranks.items()}
+    assert fresh_ranks.server_threads() == 1  # it forks with no thread another could need
     for arg in CASES:
         fresh = _fresh(arg)
         for (code, out, err), how in ((fresh, "fresh"), (forked[arg], "forked")):

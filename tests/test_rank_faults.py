@@ -40,13 +40,6 @@ DS = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "optimizer": {"
 pytestmark = pytest.mark.subprocess
 
 
-@pytest.fixture(scope="module", autouse=True)
-def rank_server():
-    """One forkserver for the module (imports paid once), stopped and reaped after its last test."""
-    with fresh_ranks.server([*fresh_ranks.PRELOAD, "fault_worker"]):
-        yield
-
-
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory) -> Path:
     """A tiny Mixtral (4 experts) with a word-level tokenizer, for expert parallelism."""

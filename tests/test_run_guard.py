@@ -74,15 +74,8 @@ def _in_pool(pool: RankPool, tmp: Path, out: Path, *extra: str, ds: dict | None 
                                        "".join(e for _, _, e in answers))
 
 
-@pytest.fixture(scope="module")
-def cli_server():
-    """A forkserver with the CLI's imports done, for this module's single-process runs."""
-    with fresh_ranks.server():
-        yield
-
-
 def _forked_train(tmp: Path, out: Path, *extra: str, ds: dict | None = None, **env: str) -> fresh_ranks.Rank:
-    """``python -m shardwise.cli train ...`` as a process forked from ``cli_server``."""
+    """``python -m shardwise.cli train ...`` as a process forked from the suite's forkserver (CLI imports done)."""
     argv = ["train", *_train_args(tmp, out, *extra, ds=ds)]
     return fresh_ranks.start("shardwise.cli.command:main", argv, _env(**env), tmp / f"proc_{out.name}")
 
@@ -150,8 +143,7 @@ def test_rank_file_missing_on_resume_is_one_line_exit_2(two_rank_run, pool2: Ran
 
 
 @pytest.mark.subprocess
-def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: Path, pool2: RankPool,
-                                                                    cli_server) -> None:  # noqa: ARG001
+def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: Path, pool2: RankPool) -> None:
     """The holder is a process of its own (the lock is held across processes, then SIGKILLed); the
     refused second writer runs on the pool's 2 ranks, processes other than the holder's."""
     out = tmp_path / "shared"
@@ -176,8 +168,7 @@ def test_second_writer_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path: P
 
 
 @pytest.mark.subprocess
-def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path, pool1: RankPool,
-                                                     cli_server) -> None:  # noqa: ARG001
+def test_non_finite_values_stop_the_run_at_their_step(tmp_path: Path, pool1: RankPool) -> None:
     """lr 1e36: step 1 is finite and blows the weights up, step 2's gradient norm is NaN.
 
     That run is a process of its own (exit 3 as the OS sees it, the CLI's one line); the other five,
@@ -248,7 +239,7 @@ def test_sampled_non_finite_logits_stop_sampling() -> None:
 
 
 @pytest.mark.subprocess
-def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path, cli_server) -> None:  # noqa: ARG001
+def test_port_in_use_and_crashed_rank_are_one_line(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

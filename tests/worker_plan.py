@@ -2,12 +2,14 @@
 
 Two rules, ordering and grouping only (every test runs, each exactly once):
 
-* **Files that share a per-process resource go to one worker together.** The 4-rank pool (four rank
-  processes that import torch and transformers: ~18 CPU s to start), the shared `--as-deepspeed`
-  launch (tests/facade_launch.py) and the forkserver of tests/fresh_ranks.py are made once per pytest
-  process, by the first file that asks. Spread over both workers they start twice; grouped, once. A
-  file joins a group when its source names the resource; files that name two resources merge
-  their groups (test_moe.py uses the 4-rank pool and the facade launch).
+* **Files that share a per-process resource go to one worker together.** The shared `--as-deepspeed`
+  launch (tests/facade_launch.py: two ranks and a launcher that import torch, transformers, PEFT,
+  Accelerate and TRL, ~15 CPU s) is made once per pytest process, by the first file that asks for a
+  part. Spread over both workers it starts twice; grouped, once. A file joins the group when its
+  source names the resource; files that name two resources merge their groups. (The rank pools and
+  the forked fresh ranks are not listed: their ranks fork from the suite's forkserver with the
+  imports done, so a second worker's start costs a fork and a rendezvous, and grouping their 30-odd
+  files would only make the work units coarser.)
 * **Longest first.** The groups, then the files that take longest (`LONGEST_FILES`, wall seconds on 2
   quiet cores), are handed out first, so the run does not end with one worker busy on a long file
   while the other waits. xdist's own reordering (by a file's number of tests) would undo it:
@@ -23,8 +25,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 # a resource made once per pytest process -> the words in a test file's source that show it uses it
-SHARED_RESOURCES = {"the 4-rank pool": r"\bpool4\b", "the shared facade launch": r"\bfacade_launch\b",
-                    "the fresh-rank forkserver": r"\bfresh_ranks\b"}
+SHARED_RESOURCES = {"the shared facade launch": r"\bfacade_launch\b"}
 
 LONGEST_FILES = ("test_rank_faults.py", "test_launch_exit.py", "test_inference.py", "test_moe.py",
                  "test_ds_examples.py", "test_sp_facade.py", "test_loops.py", "test_train_job.py", "test_launch.py",
