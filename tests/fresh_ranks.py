@@ -19,8 +19,9 @@ each fresh interpreter pays on this kind of host. Each rank:
   finalization (module teardown, C++ static destructors): a crash there would not show.
 - reports its exit code like ``Popen``: negative for a signal (the server reaps it).
 
-The signal handlers a rank starts with are a fresh interpreter's (the forkserver restores SIGINT and
-SIGCHLD in the child; SIGTERM is untouched). Unlike fresh processes, every rank shares the server's
+The signal handlers a rank starts with are those a fresh interpreter started from the test's process
+would have (``_fresh_signal_handlers``: what the test's process ignores stays ignored, the rest at their
+defaults, SIGINT raising KeyboardInterrupt). Unlike fresh processes, every rank shares the server's
 hash seed (``PYTHONHASHSEED``) and its already-initialised module state, reads stdin from /dev/null,
 and is a multiprocessing child (``current_process().name`` is ``rank-R``, not ``MainProcess``).
 """
@@ -98,14 +99,33 @@ def start(entry: str, argv: list[str], env: dict[str, str], folder: Path) -> Ran
     output goes to ``folder``/stdout and ``folder``/stderr."""
     folder.mkdir(parents=True, exist_ok=True)
     out, err = folder / "stdout", folder / "stderr"
-    process = context().Process(target=_child, args=(entry, list(argv), dict(env), str(out), str(err)),
-                          name=f"rank-{env.get('RANK', '?')}")
+    ignored = [int(s) for s in _RESET_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+    process = context().Process(target=_child, args=(entry, list(argv), dict(env), str(out), str(err), ignored),
+                                name=f"rank-{env.get('RANK', '?')}")
     process.start()
     return Rank(process, out, err)
 
 
-def _child(entry: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """The forked rank: environment, fds and argv of its own, the entry, then the interpreter's exit."""
+# What a new interpreter started from the test's process now would find: an ignored signal stays ignored
+# across exec, any other starts at its default (SIGINT: Python's KeyboardInterrupt handler). The server
+# restores its own start-up handlers in a child, and those are whatever its starter had when the suite
+# first needed it (a test may have been ignoring SIGINT for a moment), so each rank sets them anew.
+_RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                  signal.SIGCHLD)
+
+
+def _fresh_signal_handlers(ignored: list[int]) -> None:
+    for sig in _RESET_SIGNALS:
+        if int(sig) in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+        else:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+def _child(entry: str, argv: list[str], env: dict[str, str], out: str, err: str, ignored: list[int]) -> None:
+    """The forked rank: environment, fds, argv and signal handlers of its own, the entry, then the
+    interpreter's exit."""
+    _fresh_signal_handlers(ignored)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
