@@ -20,7 +20,7 @@ each fresh interpreter pays on this kind of host. Each rank:
 - reports its exit code like ``Popen``: negative for a signal (the server reaps it).
 
 The signal handlers a rank starts with are those a fresh interpreter started from the test's process
-would have (``_fresh_signal_handlers``: what the test's process ignores stays ignored, the rest at their
+would have (``fresh_signal_handlers``: what the test's process ignores stays ignored, the rest at their
 defaults, SIGINT raising KeyboardInterrupt). Unlike fresh processes, every rank shares the server's
 hash seed (``PYTHONHASHSEED``) and its already-initialised module state, reads stdin from /dev/null,
 and is a multiprocessing child (``current_process().name`` is ``rank-R``, not ``MainProcess``).
@@ -99,8 +99,7 @@ def start(entry: str, argv: list[str], env: dict[str, str], folder: Path) -> Ran
     output goes to ``folder``/stdout and ``folder``/stderr."""
     folder.mkdir(parents=True, exist_ok=True)
     out, err = folder / "stdout", folder / "stderr"
-    ignored = [int(s) for s in _RESET_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
-    process = context().Process(target=_child, args=(entry, list(argv), dict(env), str(out), str(err), ignored),
+    process = context().Process(target=_child, args=(entry, list(argv), dict(env), str(out), str(err), ignored_here()),
                                 name=f"rank-{env.get('RANK', '?')}")
     process.start()
     return Rank(process, out, err)
@@ -114,7 +113,13 @@ _RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, 
                   signal.SIGCHLD)
 
 
-def _fresh_signal_handlers(ignored: list[int]) -> None:
+def ignored_here() -> list[int]:
+    """The signals this process ignores now (a new interpreter started from it would ignore them too)."""
+    return [int(s) for s in _RESET_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+
+
+def fresh_signal_handlers(ignored: list[int]) -> None:
+    """In a forked child: the handlers a new interpreter started with ``ignored`` ignored would have."""
     for sig in _RESET_SIGNALS:
         if int(sig) in ignored:
             signal.signal(sig, signal.SIG_IGN)
@@ -125,7 +130,7 @@ def _fresh_signal_handlers(ignored: list[int]) -> None:
 def _child(entry: str, argv: list[str], env: dict[str, str], out: str, err: str, ignored: list[int]) -> None:
     """The forked rank: environment, fds, argv and signal handlers of its own, the entry, then the
     interpreter's exit."""
-    _fresh_signal_handlers(ignored)
+    fresh_signal_handlers(ignored)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):

@@ -101,7 +101,8 @@ def _warm_imports() -> None:
 
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, inbox: mp.Queue, outbox: mp.Queue,
-            warm: bool = False) -> None:
+            warm: bool = False, ignored: tuple[int, ...] = ()) -> None:
+    fresh_ranks.fresh_signal_handlers(list(ignored))  # as a spawned interpreter would start
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
@@ -175,7 +176,7 @@ class RankPool:
         self.outbox = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, daemon=True,
                                   args=(r, self.world, port, self.timeout_s, self.inboxes[r], self.outbox,
-                                        self.warm and not self.started))
+                                        self.warm and not self.started, tuple(fresh_ranks.ignored_here())))
                       for r in range(self.world)]
         for p in self.procs:
             p.start()
