@@ -93,3 +93,68 @@ def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
     finally:
         InflightLimit.make_room, gloo_exchange._apart = make_room, apart  # a pool worker runs other cases next
     return {"losses": losses, "weights": weights}
+
+
+def master_store_bytes(offload: str) -> dict:
+    """A bf16 stage-3 engine with fp32 masters (every parameter sharded): which tensor is each group's
+    persistent copy, and the bytes it and ``memory_report()`` count, before and after a step."""
+    from shardwise.zero.store import MasterStore
+
+    rank = dist.get_rank()
+    model = build_llama(layers=2)
+    extra = {}
+    if offload == "param":
+        extra["offload_param"] = {"device": "cpu"}
+    if offload in ("param", "optimizer"):
+        extra["offload_optimizer"] = {"device": "cpu"}
+    cfg = make_config(3, precision="bf16", stage3_param_persistence_threshold=0, **extra)
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    groups = engine.groups
+
+    def held() -> dict:
+        return {"master_store": [isinstance(g.store, MasterStore) and g.param_shard is g.master for g in groups],
+                "store_bytes": [g.store.nbytes for g in groups],
+                "shard_dtype": [str(g.param_shard.dtype) for g in groups],
+                "report": {k: int(v) for k, v in engine.memory_report().items()}}
+
+    out = {"shard": [g.own_numel for g in groups], "built": held()}
+    run_micro_batches(engine, batches(1, 1, 4, 16, vocab=64), rank, 2)
+    out["stepped"] = held()
+    return out
+
+
+def master_store_edits() -> dict:
+    """Writes that must land in the fp32 master when it is the persistent copy: a ``GatheredParameters``
+    edit on one rank, and ``safe_set_full_fp32_param`` with a value bf16 cannot hold."""
+    from shardwise.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    rank = dist.get_rank()
+    model = build_llama(layers=2)
+    cfg = make_config(3, precision="bf16", stage3_param_persistence_threshold=0)
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    run_micro_batches(engine, batches(1, 1, 4, 16, vocab=64), rank, 2)
+    w = model.model.layers[0].mlp.up_proj.weight
+    edit = torch.linspace(-1, 1, w.numel()).reshape(w.shape).to(torch.bfloat16)
+    with GatheredParameters([w], modifier_rank=0):
+        if rank == 0:
+            w.data.copy_(edit)
+    after_edit = safe_get_full_fp32_param(w)
+    fine = torch.linspace(-1, 1, w.numel()).reshape(w.shape) + 1e-4  # not bf16 numbers
+    safe_set_full_fp32_param(w, fine)
+    master = safe_get_full_fp32_param(w)
+    with GatheredParameters([w]):
+        gathered = w.detach().clone()
+    return {"edit": edit.float(), "after_edit": after_edit, "fine": fine, "master": master, "gathered": gathered}
+
+
+def train_store(master_store: bool, overlap: bool, gas: int, precision: str) -> dict:
+    """Three stage-3 steps; ``master_store=False`` keeps a 16-bit shard beside the fp32 master, as before."""
+    from shardwise.zero.flat_group import ShardedGroup
+
+    chooses = ShardedGroup._master_is_the_store
+    if not master_store:
+        ShardedGroup._master_is_the_store = lambda self, offload: False
+    try:
+        return train(True, overlap, gas, precision)
+    finally:
+        ShardedGroup._master_is_the_store = chooses

@@ -53,3 +53,38 @@ def test_stage3_lean_backward_changes_no_bit_at_4_ranks(pool4):
     for a, b in zip(before, lean, strict=True):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+
+
+@pytest.mark.parametrize("offload", ["none", "optimizer", "param"])
+def test_stage3_fp32_master_is_the_persistent_copy_without_offload(pool2, offload):
+    """bf16 with fp32 masters: no 16-bit shard beside the master (2 bytes x Ψ/N less); under offload
+    (the master on the host) the 16-bit shard stays, as before."""
+    for r in pool2.run("lean_cases:master_store_bytes", offload):
+        shard = sum(r["shard"])
+        for when in ("built", "stepped"):
+            held = r[when]
+            lean = offload == "none"
+            assert held["master_store"] == [lean] * len(r["shard"])
+            assert held["shard_dtype"] == ["torch.float32" if lean else "torch.bfloat16"] * len(r["shard"])
+            assert sum(held["store_bytes"]) == (0 if lean else 2 * shard)
+            rep = held["report"]
+            assert rep["params"] == (0 if lean else 2 * shard)  # every group released
+            assert rep["master_params"] == 4 * shard
+        assert r["stepped"]["report"]["optimizer_states"] == 8 * shard  # AdamW's two fp32 moments
+
+
+def test_stage3_master_store_takes_every_write(pool2):
+    for r in pool2.run("lean_cases:master_store_edits"):
+        assert torch.equal(r["after_edit"], r["edit"])  # rank 0's edit, in every rank's master
+        assert torch.equal(r["master"], r["fine"])  # the fp32 value itself, not rounded to bf16
+        assert torch.equal(r["gathered"], r["fine"].to(torch.bfloat16))  # a gather rounds it, once
+
+
+@pytest.mark.parametrize(("precision", "overlap", "gas"),
+                         [("bf16", True, 2), ("bf16", False, 1), ("fp16", True, 1), ("fp32", True, 1)])
+def test_stage3_master_store_changes_no_bit(pool2, precision, overlap, gas):
+    before = pool2.run("lean_cases:train_store", False, overlap, gas, precision)
+    lean = pool2.run("lean_cases:train_store", True, overlap, gas, precision)
+    for a, b in zip(before, lean, strict=True):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])

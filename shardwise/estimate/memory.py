@@ -164,6 +164,10 @@ class StageEstimate:
     comm_elements: int
     comm_bytes: int
     pcie_bytes: int
+    # what shardwise itself holds on a device (memory_report()'s model states during a step), where it is
+    # leaner than the paper's figure above: see resident_state_bytes
+    resident_bytes: int = 0
+    resident_formula: str = ""
 
 
 @dataclass
@@ -253,6 +257,24 @@ def model_state_bytes(psi: int, n: int, dtype: str, stage: int, offload: str, ma
     return dev, host, _formula(*coef[False]), _formula(*coef[True])
 
 
+def master_is_the_store(dtype: str, stage: int, offload: str, master: str) -> bool:
+    """Does shardwise keep no 16-bit parameter shard beside an fp32 master here? At stage 3 with the master
+    on the device (no offload), the master is the persistent copy and a gather casts it into the
+    all-gather (``zero/store.py``, ``MasterStore``); the ZeRO paper's 16Ψ/N counts a 16-bit shard too."""
+    return stage == 3 and offload == "none" and dtype != "fp32" and master == "fp32"
+
+
+def resident_state_bytes(psi: int, n: int, dtype: str, stage: int, offload: str, master: str = "fp32",
+                         kahan: bool = True) -> tuple[int, str]:
+    """Device bytes of model states shardwise holds during a step, and their formula: the paper's
+    (:func:`model_state_bytes`) less the 16-bit parameter shard where :func:`master_is_the_store`."""
+    dev, _, formula, _ = model_state_bytes(psi, n, dtype, stage, offload, master, kahan)
+    if not master_is_the_store(dtype, stage, offload, master):
+        return dev, formula
+    shard = -(-psi // n)
+    return dev - 2 * shard, _formula(0, dev // shard - 2)
+
+
 def _activations(facts: ModelFacts, micro_batch: int, seq: int, tp: int, dtype: str,
                  checkpointing: bool) -> dict[str, Any]:
     """arXiv 2205.05198: s·b·h·(34 + 5·a·s/h) bytes per layer (16-bit), /t with sequence parallel."""
@@ -301,6 +323,7 @@ def estimate(params: int, devices: int, tp: int = 1, dtype: Dtype = "bf16", offl
     for st in range(4):
         off = _effective_offload(st, offload)
         dev, host, f_dev, f_host = model_state_bytes(psi, n, dtype, st, offload, master, kahan)
+        resident, f_resident = resident_state_bytes(psi, n, dtype, st, offload, master, kahan)
         elems = (3 if st == 3 else 2) * psi
         # host<->device per step: grad shard down, param shard up (+ fwd and bwd fetch with "params")
         pcie = 0 if off == "none" else (2 + 2 * (off == "params")) * -(-psi // n) * el
@@ -309,10 +332,16 @@ def estimate(params: int, devices: int, tp: int = 1, dtype: Dtype = "bf16", offl
             per_device_bytes=dev, host_bytes=host, cluster_bytes=dev * devices,
             cluster_host_bytes=host * devices, saving=1 - dev / base,
             comm_collectives=_COLLECTIVES[st], comm_elements=elems,
-            comm_bytes=elems * (n - 1) // n * el, pcie_bytes=pcie)
+            comm_bytes=elems * (n - 1) // n * el, pcie_bytes=pcie, resident_bytes=resident,
+            resident_formula=f_resident)
     est = Estimate(params=params, devices=devices, tp=tp, dp=n, dtype=dtype, offload=offload, psi=psi,
                    components=comps, stages=stages, device_memory=device_memory, facts=facts,
                    master=master, kahan=kahan)
+    s3 = stages[3]
+    if s3.resident_bytes != s3.per_device_bytes:
+        est.notes.append(f"Stage 3 in shardwise: {s3.resident_formula} = {s3.resident_bytes / 1e9:,.2f} GB per device, "
+                         f"below the paper's {s3.formula}: its fp32 master on the device is the parameters' "
+                         "persistent copy (no 16-bit shard beside it; a gather casts the master).")
     if tp > 1:
         est.notes.append(f"TP: every parameter is treated as split {tp} ways (Ψ = params/tp); norms and "
                          "biases are in fact replicated, so this slightly underestimates.")
