@@ -10,7 +10,7 @@ from zero_cases import make_config
 
 import shardwise
 from shardwise.estimate import estimate
-from shardwise.estimate.memory import master_is_the_store
+from shardwise.estimate.states import master_is_the_store
 
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")  # memory_report() keys
 
