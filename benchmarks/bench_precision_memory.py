@@ -5,7 +5,8 @@ after a backward and after a step each rank counts the bytes of every live tenso
 created (params, grads, masters, optimizer state, buffers; deduplicated by storage, as
 bench_zero_worker.py counts), and the larger of the two is reported. Modes:
 
-* ``sw-fp32``: shardwise ZeRO-3, fp32 masters (the default): 2 + 2 + 12 bytes per parameter, all /N;
+* ``sw-fp32``: shardwise ZeRO-3, fp32 masters (the default): 2 + 12 bytes per parameter, all /N (the
+  fp32 master is the parameters' persistent copy: no 16-bit shard beside it, zero/store.py);
 * ``sw-master``: ``bf16_master_weights_and_grads`` (fp32 moments) with the Kahan buffer: 14/N;
 * ``sw-states``: + ``bf16_optimizer_states``, Kahan: 10/N;  ``sw-states-nearest``: no buffer, 8/N
   (``sw-states-stochastic``, on request: 8/N);

@@ -10,6 +10,7 @@ from zero_cases import make_config
 
 import shardwise
 from shardwise.estimate import estimate
+from shardwise.estimate.states import master_is_the_store
 
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")  # memory_report() keys
 
@@ -48,6 +49,8 @@ def expected_components(psi: int, world: int, precision: str, stage: int) -> dic
     for c in est.components:
         per_param = c.bytes // est.psi
         out[report_key(c.name)] += per_param * (shard if stage >= c.sharded_from_stage else psi)
+    if master_is_the_store(precision, stage, "none", "fp32"):  # the fp32 master is the parameters' copy
+        out["params"] -= 2 * shard
     return out
 
 
@@ -74,9 +77,10 @@ def measure(kind: str, stages: list[int], precision: str, steps: int = 1, seq: i
         results.append({
             "kind": kind, "stage": stage, "precision": precision, "psi": psi, "world": world,
             "report": {k: rep[k] for k in MODEL_STATES}, "measured": sum(rep[k] for k in MODEL_STATES),
-            "estimated": est.per_device_bytes, "formula": est.formula,
+            # shardwise's own figure (the paper's, less a 16-bit shard beside an fp32 master at stage 3)
+            "estimated": est.resident_bytes, "formula": est.resident_formula, "paper": est.per_device_bytes,
             # the same formula with Ψ counted as the engine lays it out (each group padded to N)
-            "estimated_padded": estimate(psi + padding, world, dtype=precision).stages[stage].per_device_bytes,
+            "estimated_padded": estimate(psi + padding, world, dtype=precision).stages[stage].resident_bytes,
             "expected": expected_components(psi, world, precision, stage),
             "groups": len(groups), "padding_elements": padding,
             "steps": engine.global_steps,

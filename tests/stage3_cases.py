@@ -268,7 +268,7 @@ def after_backward_state(precision: str) -> list[dict]:
             "buckets": sum(g.flat_grad is not None or bool(g._buckets_in_flight) for g in groups),
             "pending": sum(bool(g._pending) for g in groups),
             "in_use": groups[0].inflight.in_use, "comm_buffers": int(rep["comm_buffers"]),
-            "params": int(rep["params"]),
+            "params": int(rep["params"]), "master_params": int(rep["master_params"]),
             "shard_bytes": sum(g.shard_numel * g.flat_param.element_size() for g in groups),
             "report_total": int(rep["total"]), "live": _live_bytes(baseline), "batch_bytes": ids.nbytes})
         engine.step()

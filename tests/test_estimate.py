@@ -83,6 +83,26 @@ def test_mixed_precision_formulas(psi, n):
         assert s.comm_bytes == s.comm_elements * (n - 1) // n * 2
 
 
+@pytest.mark.parametrize(("dtype", "offload", "master", "resident3"), [
+    ("bf16", "none", "fp32", 14), ("fp16", "none", "fp32", 14), ("bf16", "optimizer", "fp32", 4),
+    ("bf16", "params", "fp32", 2), ("fp32", "none", "fp32", 16), ("bf16", "none", "states", 10),
+])
+def test_stage3_resident_figure_beside_the_papers(dtype, offload, master, resident3):
+    """The paper's per-device figures stay; shardwise's own (what memory_report() holds in a step) drops the
+    16-bit parameter shard at stage 3 only where the fp32 master stays on the device (zero/store.py)."""
+    psi, n = 10**9, 8
+    est = estimate(psi, n, dtype=dtype, offload=offload, master=master)
+    for st, s in est.stages.items():
+        if st < 3:
+            assert (s.resident_bytes, s.resident_formula) == (s.per_device_bytes, s.formula)
+    s3 = est.stages[3]
+    assert s3.resident_bytes == resident3 * psi // n
+    lean = s3.resident_bytes != s3.per_device_bytes
+    assert s3.per_device_bytes == s3.resident_bytes + (2 * psi // n if lean else 0)
+    assert lean is (resident3 == 14)
+    assert any("Stage 3 in shardwise: 14Ψ/N" in note for note in est.notes) is lean
+
+
 def test_fp32_formulas_and_components():
     psi, n = 10**9, 8
     est = estimate(psi, n, dtype="fp32")

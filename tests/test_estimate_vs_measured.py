@@ -2,7 +2,9 @@
 
 Each case trains a tiny HF model for one step on real gloo ranks, then compares the model-state bytes
 the rank holds (params + grads + master_params + optimizer_states) with the estimator's per-device
-bytes for the same exact Ψ, N, stage and dtype. fp32 has no separate master (K = 8); bf16 is 2 + 2 + 12.
+bytes for the same exact Ψ, N, stage and dtype (shardwise's own figure, ``resident_bytes``: the paper's
+but at stage 3 in bf16, where the fp32 master is the parameters' copy). fp32 has no separate master
+(K = 8); bf16 is 2 + 2 + 12 (stage 3: 2 + 12).
 Stage 3 runs with ``stage3_param_persistence_threshold: 0`` so every parameter is sharded.
 
 Allowed difference: 2% of the estimate plus padding. The engine pads each flat group to a multiple

@@ -41,8 +41,15 @@ class GlooExchanges:
         size = full.numel() // n
         mine = full.narrow(0, r * size, size)
         others = [j for j in range(n) if j != r]
-        buf = self._take_buffer((n - 1) * size, full.dtype, full.device)
-        recv = {j: buf.narrow(0, i * size, size) for i, j in enumerate(others)}
+        # ``out`` apart from ``full`` (a stage >= 2 shard) receives the first other rank's chunk itself:
+        # the first sum is written over it (one of its own two terms, elementwise), so that chunk
+        # needs no receive buffer (none at 2 ranks); the sums and their order are the same
+        direct = out if out is not None and _apart(out, full) and _fits(out, full, size) else None
+        staged = others[1:] if direct is not None else others
+        buf = self._take_buffer(len(staged) * size, full.dtype, full.device) if staged else None
+        recv = {j: buf.narrow(0, i * size, size) for i, j in enumerate(staged)}
+        if direct is not None:
+            recv[others[0]] = direct
         handles = []
         for j in others:  # every isend / irecv is posted at once: no ordering to deadlock on
             handles.append(self._guard("reduce_scatter", dist.isend, full.narrow(0, j * size, size),
@@ -52,7 +59,8 @@ class GlooExchanges:
         def add_in_rank_order() -> None:
             sum_in_rank_order([mine if j == r else recv[j] for j in range(n)], mine,
                                out if out is not None else mine)
-            self._give_buffer(buf)
+            if buf is not None:
+                self._give_buffer(buf)
             if finish is not None:
                 finish()
 
@@ -125,3 +133,13 @@ def sum_in_rank_order(terms: list[torch.Tensor], mine: torch.Tensor, dest: torch
     torch.add(terms[0], terms[1], out=dest)
     for t in terms[2:]:
         dest.add_(t)
+
+
+def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do ``a`` and ``b`` share no storage (so a receive into ``a`` cannot touch what ``b`` sends)?"""
+    return a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+
+def _fits(out: torch.Tensor, full: torch.Tensor, size: int) -> bool:
+    """Can ``out`` take a chunk of ``full`` as it is sent (its dtype, ``size`` contiguous elements)?"""
+    return out.dtype == full.dtype and out.numel() == size and out.is_contiguous()

@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
+from shardwise.estimate.states import (
+    components,
+    effective_offload,
+    model_state_bytes,
+    resident_note,
+    resident_state_bytes,
+)
+
 Dtype = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "optimizer", "params"]
 MARGIN = 0.10  # share of device memory kept free for the CUDA context, allocator slack, buffers
@@ -164,6 +172,8 @@ class StageEstimate:
     comm_elements: int
     comm_bytes: int
     pcie_bytes: int
+    resident_bytes: int = 0  # shardwise's own device figure (estimate/states.py), the paper's but at stage 3
+    resident_formula: str = ""
 
 
 @dataclass
@@ -199,7 +209,7 @@ class Estimate:
     recommendation: dict[str, Any] | None = None
     facts: ModelFacts | None = None
     notes: list[str] = field(default_factory=list)
-    master: str = "fp32"  # "fp32", "master" or "states" (see _components)
+    master: str = "fp32"  # "fp32", "master" or "states" (see states.components)
     kahan: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,50 +217,6 @@ class Estimate:
         out = dataclasses.asdict(self)
         out["stages"] = {str(k): v for k, v in out["stages"].items()}
         return out
-
-
-def _components(dtype: str, offload: str, master: str = "fp32", kahan: bool = True) -> list[tuple[str, int, int, bool]]:
-    """(name, bytes per param, first sharded stage, offloaded to host) for the chosen precision. ``master``
-    (docs/precision.md): "fp32", "master" (``*_master_weights_and_grads``: the 16-bit parameter shard is the
-    master, fp32 moments) or "states" (+ ``bf16_optimizer_states``); ``kahan``: its 16-bit compensation."""
-    opt_host, param_host = offload in ("optimizer", "params"), offload == "params"
-    if dtype == "fp32":
-        return [("fp32 params", 4, 3, param_host), ("fp32 grads", 4, 2, False),
-                ("Adam m (fp32)", 4, 1, opt_host), ("Adam v (fp32)", 4, 1, opt_host)]
-    if master == "fp32":
-        return [(f"{dtype} params", 2, 3, param_host), ("fp32 master params", 4, 1, opt_host),
-                (f"{dtype} grads", 2, 2, False), ("Adam m (fp32)", 4, 1, opt_host),
-                ("Adam v (fp32)", 4, 1, opt_host)]
-    k, sd = (2, dtype) if master == "states" else (4, "fp32")
-    out = [(f"{dtype} params, stepped in place", 2, 3, param_host), (f"{dtype} grads", 2, 2, False),
-           (f"Adam m ({sd})", k, 1, opt_host), (f"Adam v ({sd})", k, 1, opt_host)]
-    if opt_host:  # the optimizer steps a host copy of the 16-bit shard
-        out.insert(1, (f"{dtype} master copy (host)", 2, 1, True))
-    if kahan:
-        out.append((f"Kahan compensation ({dtype})", 2, 1, opt_host))
-    return out
-
-
-def _effective_offload(stage: int, offload: str) -> str:
-    """Offload needs ZeRO (stage >= 1); parameter offload needs stage 3, else only the optimizer moves."""
-    if stage == 0:
-        return "none"
-    return "optimizer" if offload == "params" and stage < 3 else offload
-
-
-def _formula(rep: int, shard: int) -> str:
-    parts = ([f"{rep}Ψ"] if rep else []) + ([f"{shard}Ψ/N"] if shard else [])
-    return " + ".join(parts) or "0"
-
-
-def model_state_bytes(psi: int, n: int, dtype: str, stage: int, offload: str, master: str = "fp32",
-                      kahan: bool = True) -> tuple[int, int, str, str]:
-    """Device bytes, host bytes and their formulas for one rank; shards are padded (ceil) like chunk."""
-    coef = {False: [0, 0], True: [0, 0]}  # on_host -> [replicated, sharded] bytes per parameter
-    for _name, k, from_stage, host in _components(dtype, _effective_offload(stage, offload), master, kahan):
-        coef[host][stage >= from_stage] += k
-    dev, host = ((r * psi + sh * -(-psi // n)) for r, sh in (coef[False], coef[True]))
-    return dev, host, _formula(*coef[False]), _formula(*coef[True])
 
 
 def _activations(facts: ModelFacts, micro_batch: int, seq: int, tp: int, dtype: str,
@@ -295,12 +261,13 @@ def estimate(params: int, devices: int, tp: int = 1, dtype: Dtype = "bf16", offl
     n, psi = devices // tp, -(-params // tp)
     el = 4 if dtype == "fp32" else 2
     comps = [Component(name, f"{k}Ψ", k * psi, s, host)
-             for name, k, s, host in _components(dtype, offload, master, kahan)]
+             for name, k, s, host in components(dtype, offload, master, kahan)]
     base = model_state_bytes(psi, n, dtype, 0, "none", master, kahan)[0]
     stages: dict[int, StageEstimate] = {}
     for st in range(4):
-        off = _effective_offload(st, offload)
+        off = effective_offload(st, offload)
         dev, host, f_dev, f_host = model_state_bytes(psi, n, dtype, st, offload, master, kahan)
+        resident, f_resident = resident_state_bytes(dev, f_dev, psi, n, dtype, st, offload, master)
         elems = (3 if st == 3 else 2) * psi
         # host<->device per step: grad shard down, param shard up (+ fwd and bwd fetch with "params")
         pcie = 0 if off == "none" else (2 + 2 * (off == "params")) * -(-psi // n) * el
@@ -309,10 +276,12 @@ def estimate(params: int, devices: int, tp: int = 1, dtype: Dtype = "bf16", offl
             per_device_bytes=dev, host_bytes=host, cluster_bytes=dev * devices,
             cluster_host_bytes=host * devices, saving=1 - dev / base,
             comm_collectives=_COLLECTIVES[st], comm_elements=elems,
-            comm_bytes=elems * (n - 1) // n * el, pcie_bytes=pcie)
+            comm_bytes=elems * (n - 1) // n * el, pcie_bytes=pcie, resident_bytes=resident,
+            resident_formula=f_resident)
     est = Estimate(params=params, devices=devices, tp=tp, dp=n, dtype=dtype, offload=offload, psi=psi,
                    components=comps, stages=stages, device_memory=device_memory, facts=facts,
                    master=master, kahan=kahan)
+    est.notes += resident_note(stages[3])
     if tp > 1:
         est.notes.append(f"TP: every parameter is treated as split {tp} ways (Ψ = params/tp); norms and "
                          "biases are in fact replicated, so this slightly underestimates.")

@@ -146,8 +146,9 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     g.wait_gathered()  # a pending all-gather (stages 1-2) would overwrite the new value
     with torch.no_grad():
         w.write(w.param_shard(), value.float())
-        if g.master is not None and not g.master_is_view and g.param_shard is not None:
-            w.write(g.param_shard, value)
+        shard = g.param_shard  # a 16-bit copy beside the master (not with a MasterStore: the master is it)
+        if g.master is not None and not g.master_is_view and shard is not None and shard is not g.master:
+            w.write(shard, value)
         if g.is_gathered:
             param.data.copy_(value.reshape(param.shape))
 

@@ -30,7 +30,7 @@ from shardwise.zero.host_copy import GradToHost, accelerated, to_readable
 from shardwise.zero.layout import FlatLayout
 from shardwise.zero.pending import InflightLimit, ReadWork
 from shardwise.zero.policy import DEFAULT_GROUP_OPTIONS, GroupOptions, OffloadPolicy, ShardPolicy
-from shardwise.zero.store import ResidentStore, ShardStore
+from shardwise.zero.store import MasterStore, ResidentStore, ShardStore
 
 
 def owner_of(p: torch.Tensor) -> ShardedGroup | None:
@@ -139,10 +139,19 @@ class ShardedGroup(StageThreeGather, GradReduction):
             self.master = torch.empty(self.own_numel, dtype=master_dtype, device=dev,
                                       pin_memory=offload.pin_memory and torch.cuda.is_available())
             self.master.copy_(owned)
+            if self._master_is_the_store(offload):
+                self.store = MasterStore(self.master)  # the 16-bit shard it was made from goes
         # offload on an accelerator: the owned gradient goes to the host on a side stream (host_copy.py)
         on_host = self.master is not None and self.master.device.type == "cpu" and accelerated(self.device)
         self.to_host = GradToHost(self.device, self.own_numel, self.master.dtype,
                                   offload.pin_memory) if on_host else None
+
+    def _master_is_the_store(self, offload: OffloadPolicy) -> bool:
+        """Stage 3, a separate master on the compute device (not offloaded), the shard resident there and
+        gathered exactly (no qwZ): the master can be the persistent copy (``store.MasterStore``)."""
+        store = self.store
+        return (self.policy.shard_params and type(store) is ResidentStore and store.device is None
+                and offload.device is None and self.weight_bits == 0)
 
     def _init_grads(self) -> None:
         """Without grad sharding the flat grad buffer is persistent and every param.grad is a view

@@ -143,6 +143,8 @@ class GradReduction:
         if self.inflight is None:
             self._bucket_base = torch.empty(self.padded_numel, dtype=self.grad_dtype, device=self.device)
         else:
+            if self.policy.shard_params:  # stage 3: the filling bucket and limit - 1 reducing (make_room)
+                self.inflight.make_room()
             self._bucket_base = self.inflight.take_bucket(self.padded_numel, self.grad_dtype, self.device)
         self.flat_grad = self._bucket_base.narrow(0, 0, self.padded_numel)
 

@@ -73,6 +73,21 @@ class InflightLimit:
         while len(self._queue) > self.limit:
             self._queue.popleft().wait()
 
+    def make_room(self) -> None:
+        """Before a stage-3 bucket starts filling: wait for the oldest pending reductions until fewer
+        than ``limit`` remain, so a bucket fills beside ``limit - 1`` reducing ones (one at the default
+        2), not ``limit`` (besides it only the root's, which fills from the head's gradient, the
+        first of a backward, to the embedding's, the last).
+
+        FSDP2 likewise holds one reduce-scatter input in flight while the next unit's backward runs,
+        and waits for it before the next reduce-scatter. A wait here performs the same additions in
+        the same order as the later wait would have (no number changes), only earlier: by the time
+        a unit's first gradient arrives its predecessor's exchange has had a whole recomputed
+        forward and a gradient to finish, so little overlap is lost, and a layer's bucket (2 bytes x
+        its parameters in bf16) less is held through the backward's peak."""
+        while len(self._queue) >= self.limit:
+            self._queue.popleft().wait()
+
     def take_bucket(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D buffer of at least ``numel`` elements (uninitialized: the caller fills or zeroes it)."""
         self._in_use += 1

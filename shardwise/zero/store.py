@@ -8,6 +8,8 @@ of them instead of a flag per mode:
 * :class:`ResidentStore`: the shard is a tensor on the compute device (plain stage 3) or in
   (optionally pinned) CPU memory (``offload_param``, ZeRO-Inference ``offload="cpu"``); a gather
   copies it in.
+* :class:`MasterStore`: the trainable group's fp32 master on the compute device is the copy (no
+  16-bit shard beside it); a gather casts it in.
 * :class:`FileStore`: nothing is resident; every gather reads the shard again through a reader
   (ZeRO-Inference ``offload="disk"``, and quantized stores that dequantize into the buffer). Read
   on the reader thread when a single rank prefetches, so the read overlaps compute.
@@ -141,6 +143,44 @@ class FileStore(ShardStore):
             return ReadWork(read_pool().submit(self._read, group, owned))
         self._read(group, owned)
         return None
+
+
+class MasterStore(ShardStore):
+    """Stage 3 with an fp32 master on the compute device: the master *is* the persistent copy.
+
+    A 16-bit shard beside the master would only ever hold ``master`` rounded to the compute dtype
+    (every step writes it from the master, ``publish_master``), so a gather casts the master into
+    the flat buffer's owned range instead, as FSDP2 casts its fp32 shard into its all-gather input:
+    the same rounding, bit for bit, and 2 bytes x the shard less between uses (the master's 4 and
+    the optimizer's state remain). ``shard`` is the master itself (fp32): what readers of the
+    persistent copy get (a gather's source, DeepSpeed's ``ds_tensor`` piece, a comparison
+    after ``GatheredParameters``); writes into it are writes into the master.
+
+    Not with ``offload_param`` or ``offload_optimizer``: the master then lives on the host, and a gather
+    from it would cross the bus every time (and the host would write a pinned copy a gather may
+    still be reading); those keep a :class:`ResidentStore` (``ShardedGroup._init_master``)."""
+
+    def __init__(self, master: torch.Tensor):
+        super().__init__(None)
+        self.shard = master
+
+    def keep(self, group: Any, owned: torch.Tensor | None) -> None:
+        """Nothing to keep: the master was made from the shard (``ShardedGroup._init_master``)."""
+
+    def fill(self, group: Any, owned: torch.Tensor, async_read: bool) -> None:  # noqa: ARG002
+        with torch.no_grad():  # same device: on the compute stream, rounded as a 16-bit copy would be
+            owned.copy_(self.shard)
+
+    def update(self, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """A new value for the parameters (an edit, a load): it goes into the master. Writing the
+        master itself (``publish_master`` after a step) has nothing left to do."""
+        if src is not self.shard:
+            self.shard.copy_(src, non_blocking=non_blocking)
+
+    @property
+    def nbytes(self) -> int:
+        """0: the master's bytes are counted once, as the master (``memory_report()["master_params"]``)."""
+        return 0
 
 
 def store_factory(mode: str = "device", reader: Reader | None = None,

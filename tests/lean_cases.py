@@ -1,0 +1,160 @@
+"""Rank-side checks of stage 3's lean backward (used by test_stage3_lean.py).
+
+A stage-3 bucket starts filling beside at most ``limit - 1`` pending reductions
+(``InflightLimit.make_room``), and on gloo a reduce-scatter into a separate shard receives the other
+rank's chunk into that shard, with no receive buffer (``comm/gloo_exchange.py``). Byte counts here are
+exact, from the model's sizes: a group's bucket is its padded numel in the gradient dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tiny_models import batches
+from transformers import AutoModelForCausalLM, LlamaConfig
+from zero_cases import make_config, run_micro_batches
+
+import shardwise
+import shardwise.comm.gloo_exchange as gloo_exchange
+from shardwise.zero import GatheredParameters
+from shardwise.zero.pending import InflightLimit
+
+
+def build_llama(layers: int = 4, seed: int = 0) -> torch.nn.Module:
+    """A tiny Llama with enough decoder layers for two reductions to be pending behind a filling bucket."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    cfg.attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.train()
+    return model
+
+
+def _live_buckets(groups: list) -> tuple[list[int], int]:
+    """Indices of the groups whose gradient bucket is live (filling, or reducing and not yet waited for),
+    and the bytes of those buckets."""
+    live, nbytes = [], 0
+    for i, g in enumerate(groups):
+        held = ([g._bucket_base] if g._bucket_base is not None else []) + list(g._buckets_in_flight)
+        if held:
+            live.append(i)
+            nbytes += sum(b.numel() * b.element_size() for b in held)
+    return live, nbytes
+
+
+def bucket_sequence(overlap: bool, gas: int) -> dict:
+    """Two bf16 steps at stage 3 (every parameter sharded), recording at each bucket's first gradient which
+    groups hold a live bucket, and every receive buffer gloo's reduce-scatter takes (elements)."""
+    rank = dist.get_rank()
+    model = build_llama()
+    cfg = make_config(3, precision="bf16", overlap=overlap, gas=gas, stage3_param_persistence_threshold=0)
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    groups = engine.groups
+    takes: list[tuple[int, list[int], int]] = []
+    buffers: list[int] = []
+    for i, g in enumerate(groups):
+        def taken(take=g._take_bucket, i=i) -> None:
+            take()
+            takes.append((i, *_live_buckets(groups)))
+        g._take_bucket = taken
+    comm = groups[0].comm
+    take_buffer = comm._take_buffer
+
+    def buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffers.append(numel)
+        return take_buffer(numel, dtype, device)
+
+    comm._take_buffer = buffer
+    data = batches(2, gas, 2 * 2, 16, vocab=64)
+    run_micro_batches(engine, data, rank, 2)
+    del comm._take_buffer
+    return {"padded": [g.padded_numel for g in groups], "takes": takes, "buffers": buffers,
+            "shard": [g.shard_numel for g in groups]}
+
+
+def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
+    """Three stage-3 steps; ``lean=False`` runs as before the change (no early wait, a receive buffer for
+    every chunk): the bit-for-bit baseline."""
+    make_room, apart = InflightLimit.make_room, gloo_exchange._apart
+    if not lean:
+        InflightLimit.make_room = lambda self: None
+        gloo_exchange._apart = lambda a, b: False
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = build_llama()
+        cfg = make_config(3, precision=precision, overlap=overlap, gas=gas, dp=world,
+                          stage3_param_persistence_threshold=0)
+        engine, *_ = shardwise.initialize(model=model, config=cfg)
+        losses = run_micro_batches(engine, batches(3, gas, 2 * world, 16, vocab=64), rank, 2)
+        with GatheredParameters(model.parameters()):
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        InflightLimit.make_room, gloo_exchange._apart = make_room, apart  # a pool worker runs other cases next
+    return {"losses": losses, "weights": weights}
+
+
+def master_store_bytes(offload: str) -> dict:
+    """A bf16 stage-3 engine with fp32 masters (every parameter sharded): which tensor is each group's
+    persistent copy, and the bytes it and ``memory_report()`` count, before and after a step."""
+    from shardwise.zero.store import MasterStore
+
+    rank = dist.get_rank()
+    model = build_llama(layers=2)
+    extra = {}
+    if offload == "param":
+        extra["offload_param"] = {"device": "cpu"}
+    if offload in ("param", "optimizer"):
+        extra["offload_optimizer"] = {"device": "cpu"}
+    cfg = make_config(3, precision="bf16", stage3_param_persistence_threshold=0, **extra)
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    groups = engine.groups
+
+    def held() -> dict:
+        return {"master_store": [isinstance(g.store, MasterStore) and g.param_shard is g.master for g in groups],
+                "store_bytes": [g.store.nbytes for g in groups],
+                "shard_dtype": [str(g.param_shard.dtype) for g in groups],
+                "report": {k: int(v) for k, v in engine.memory_report().items()}}
+
+    out = {"shard": [g.own_numel for g in groups], "built": held()}
+    run_micro_batches(engine, batches(1, 1, 4, 16, vocab=64), rank, 2)
+    out["stepped"] = held()
+    return out
+
+
+def master_store_edits() -> dict:
+    """Writes that must land in the fp32 master when it is the persistent copy: a ``GatheredParameters``
+    edit on one rank, and ``safe_set_full_fp32_param`` with a value bf16 cannot hold."""
+    from shardwise.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    rank = dist.get_rank()
+    model = build_llama(layers=2)
+    cfg = make_config(3, precision="bf16", stage3_param_persistence_threshold=0)
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    run_micro_batches(engine, batches(1, 1, 4, 16, vocab=64), rank, 2)
+    w = model.model.layers[0].mlp.up_proj.weight
+    edit = torch.linspace(-1, 1, w.numel()).reshape(w.shape).to(torch.bfloat16)
+    with GatheredParameters([w], modifier_rank=0):
+        if rank == 0:
+            w.data.copy_(edit)
+    after_edit = safe_get_full_fp32_param(w)
+    fine = torch.linspace(-1, 1, w.numel()).reshape(w.shape) + 1e-4  # not bf16 numbers
+    safe_set_full_fp32_param(w, fine)
+    master = safe_get_full_fp32_param(w)
+    with GatheredParameters([w]):
+        gathered = w.detach().clone()
+    return {"edit": edit.float(), "after_edit": after_edit, "fine": fine, "master": master, "gathered": gathered}
+
+
+def train_store(master_store: bool, overlap: bool, gas: int, precision: str) -> dict:
+    """Three stage-3 steps; ``master_store=False`` keeps a 16-bit shard beside the fp32 master, as before."""
+    from shardwise.zero.flat_group import ShardedGroup
+
+    chooses = ShardedGroup._master_is_the_store
+    if not master_store:
+        ShardedGroup._master_is_the_store = lambda self, offload: False
+    try:
+        return train(True, overlap, gas, precision)
+    finally:
+        ShardedGroup._master_is_the_store = chooses

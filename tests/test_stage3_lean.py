@@ -1,0 +1,90 @@
+"""Stage 3's backward holds no more reduce-scatter memory than is in flight (docs/precision.md, "The peak
+of a step"): a bucket fills beside at most one pending reduction, gloo receives a 2-rank reduce-scatter's
+chunk straight into the gradient shard; exact byte counts from the model's sizes, and the same bits as
+before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize(("overlap", "gas"), [(True, 1), (True, 2), (False, 1)])
+def test_stage3_bucket_fills_beside_one_pending_reduction(pool2, overlap, gas):
+    for r in pool2.run("lean_cases:bucket_sequence", overlap, gas):
+        padded = r["padded"]
+        backwards = [[]]
+        for i, live, nbytes in r["takes"]:
+            if backwards[-1] and i == backwards[-1][0][0]:  # the first group taken again: the next backward
+                backwards.append([])
+            backwards[-1].append((i, live, nbytes))
+        assert len(backwards) == 2 * gas
+        for takes in backwards:
+            order = [i for i, _, _ in takes]
+            assert sorted(order) == list(range(len(padded)))  # every group's bucket, once a backward
+            first = order[0]  # the root: its head's gradient comes first, its embedding's last
+            for k, (i, live, nbytes) in enumerate(takes):
+                # filling: this group and the root; reducing: the group before it, with overlap only
+                expect = {first, i} | ({order[k - 1]} if overlap and k > 1 else set())
+                assert set(live) == expect, (k, live, expect)
+                assert nbytes == 2 * sum(padded[j] for j in expect), (k, nbytes)  # bf16 buckets
+        # 2 ranks: a reduce-scatter into the shard receives into it; only accumulation (the second
+        # micro-batch onto a shard) stages the other rank's chunk, one shard's size each
+        shard = r["shard"]
+        assert sorted(r["buffers"]) == sorted(shard * (gas - 1) * 2), r["buffers"]
+
+
+@pytest.mark.parametrize(("precision", "overlap", "gas"),
+                         [("bf16", True, 2), ("bf16", True, 1), ("bf16", False, 2), ("fp32", True, 1),
+                          ("fp32", False, 1)])
+def test_stage3_lean_backward_changes_no_bit(pool2, precision, overlap, gas):
+    before = pool2.run("lean_cases:train", False, overlap, gas, precision)
+    lean = pool2.run("lean_cases:train", True, overlap, gas, precision)
+    for a, b in zip(before, lean, strict=True):
+        assert a["losses"] == b["losses"]
+        assert a["weights"].keys() == b["weights"].keys()
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+
+
+def test_stage3_lean_backward_changes_no_bit_at_4_ranks(pool4):
+    """4 ranks: the shard receives the first other rank's chunk, the other two are staged."""
+    before = pool4.run("lean_cases:train", False, True, 2, "bf16")
+    lean = pool4.run("lean_cases:train", True, True, 2, "bf16")
+    for a, b in zip(before, lean, strict=True):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+
+
+@pytest.mark.parametrize("offload", ["none", "optimizer", "param"])
+def test_stage3_fp32_master_is_the_persistent_copy_without_offload(pool2, offload):
+    """bf16 with fp32 masters: no 16-bit shard beside the master (2 bytes x Ψ/N less); under offload
+    (the master on the host) the 16-bit shard stays, as before."""
+    for r in pool2.run("lean_cases:master_store_bytes", offload):
+        shard = sum(r["shard"])
+        for when in ("built", "stepped"):
+            held = r[when]
+            lean = offload == "none"
+            assert held["master_store"] == [lean] * len(r["shard"])
+            assert held["shard_dtype"] == ["torch.float32" if lean else "torch.bfloat16"] * len(r["shard"])
+            assert sum(held["store_bytes"]) == (0 if lean else 2 * shard)
+            rep = held["report"]
+            assert rep["params"] == (0 if lean else 2 * shard)  # every group released
+            assert rep["master_params"] == 4 * shard
+        assert r["stepped"]["report"]["optimizer_states"] == 8 * shard  # AdamW's two fp32 moments
+
+
+def test_stage3_master_store_takes_every_write(pool2):
+    for r in pool2.run("lean_cases:master_store_edits"):
+        assert torch.equal(r["after_edit"], r["edit"])  # rank 0's edit, in every rank's master
+        assert torch.equal(r["master"], r["fine"])  # the fp32 value itself, not rounded to bf16
+        assert torch.equal(r["gathered"], r["fine"].to(torch.bfloat16))  # a gather rounds it, once
+
+
+@pytest.mark.parametrize(("precision", "overlap", "gas"),
+                         [("bf16", True, 2), ("bf16", False, 1), ("fp16", True, 1), ("fp32", True, 1)])
+def test_stage3_master_store_changes_no_bit(pool2, precision, overlap, gas):
+    before = pool2.run("lean_cases:train_store", False, overlap, gas, precision)
+    lean = pool2.run("lean_cases:train_store", True, overlap, gas, precision)
+    for a, b in zip(before, lean, strict=True):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
