@@ -14,6 +14,10 @@ Two rules, ordering and grouping only (every test runs, each exactly once):
   quiet cores), are handed out first, so the run does not end with one worker busy on a long file
   while the other waits. xdist's own reordering (by a file's number of tests) would undo it:
   `make test` passes `--no-loadscope-reorder`.
+* **The file that loads every core by itself goes last** (`LAST_FILES`): tests/test_launch_exit.py
+  runs four 2-rank launches side by side with a busy loop (the load its abort needed). Beside a
+  pool test it tripled that test's wall time (a `torch.compile` case: 9 s alone, 31 s beside it);
+  last, it fills the cores the other worker leaves as the run ends.
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ TESTS = Path(__file__).resolve().parent
 # a resource made once per pytest process -> the words in a test file's source that show it uses it
 SHARED_RESOURCES = {"the shared facade launch": r"\bfacade_launch\b"}
 
-LONGEST_FILES = ("test_rank_faults.py", "test_launch_exit.py", "test_inference.py", "test_moe.py",
-                 "test_ds_examples.py", "test_sp_facade.py", "test_loops.py", "test_train_job.py", "test_launch.py",
+LONGEST_FILES = ("test_rank_faults.py", "test_inference.py", "test_moe.py",
+                 "test_sp_facade.py", "test_loops.py", "test_train_job.py", "test_launch.py",
                  "test_stage3.py", "test_monitor.py", "test_gpu_check.py", "test_inference_quant.py",
                  "test_zeropp.py", "test_sequence_parallel.py", "test_zero.py", "test_multinode.py",
                  "test_hf_cpu_unchanged.py", "test_exports.py", "test_device_guard.py")
+
+
+LAST_FILES = ("test_launch_exit.py",)
 
 
 @functools.cache
@@ -61,6 +68,8 @@ def hand_out_order(file_name: str) -> int:
     for i, group in enumerate(groups):
         if file_name in group:
             return i
+    if file_name in LAST_FILES:
+        return len(groups) + len(LONGEST_FILES) + 1 + LAST_FILES.index(file_name)
     longest = {name: i for i, name in enumerate(LONGEST_FILES)}
     return len(groups) + longest.get(file_name, len(longest))
 
