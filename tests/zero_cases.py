@@ -216,6 +216,14 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], floor: 
     return worst
 
 
+def assert_same_bits(runs_a: list[dict], runs_b: list[dict]) -> None:
+    """(In the test process.) Two pool runs' per-rank results agree to the bit: losses and every weight."""
+    for a, b in zip(runs_a, runs_b, strict=True):
+        assert a["losses"] == b["losses"]
+        assert a["weights"].keys() == b["weights"].keys()
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+
+
 def no_sync_stage2() -> None:
     engine, *_ = shardwise.initialize(model=build("llama"), config=make_config(2))
     with engine.no_sync():
