@@ -1,4 +1,9 @@
-"""`shardwise launch`: flags before the target, and restart-and-resume after a killed rank (gloo)."""
+"""`shardwise launch`: flags before the target, and restart-and-resume after a killed rank (gloo).
+
+The killed job is a real launch (its processes, their kill and the restart are the subject); the
+uninterrupted run it is compared with is the same script on the rank pool's two ranks
+(tests/script_cases.py), as the launcher would run it: same world size, same code, same losses.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from rank_pool import RankPool
+from script_cases import run_in
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "launch_worker.py")
@@ -37,26 +44,27 @@ def _start(out: Path, *flags: str, kill_at: int | None = None) -> subprocess.Pop
                                  WORKER, str(out), str(STEPS)], env=env, stdout=subprocess.DEVNULL, stderr=err)
 
 
-def _losses(job: subprocess.Popen, out: Path) -> list[dict]:
-    job.wait(timeout=400)
-    assert job.returncode == 0, (out / "stderr.txt").read_text()[-3000:]
+def _losses(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.subprocess
-def test_killed_rank_restarts_and_resumes_with_the_same_losses(tmp_path: Path) -> None:
+def test_killed_rank_restarts_and_resumes_with_the_same_losses(tmp_path: Path, pool2: RankPool) -> None:
     """Rank 1 is SIGKILLed inside step 5; the job restarts, resumes from the step-4 checkpoint and
     every step's loss equals the uninterrupted run's (the space form of --max-restarts, too)."""
-    jobs = {"killed": _start(tmp_path / "killed", "--max-restarts", "2", kill_at=5),  # side by side: own ports
-            "plain": _start(tmp_path / "plain")}
+    job = _start(tmp_path / "killed", "--max-restarts", "2", kill_at=5)
     try:
-        killed, plain = (_losses(job, tmp_path / name) for name, job in jobs.items())
+        (tmp_path / "plain").mkdir()
+        run_in(pool2, WORKER, [str(tmp_path / "plain"), str(STEPS)])  # while the killed job runs
+        job.wait(timeout=400)
+        assert job.returncode == 0, (tmp_path / "killed" / "stderr.txt").read_text()[-3000:]
     finally:
-        for job in jobs.values():
-            if job.poll() is None:
-                job.kill()
-                job.wait()
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    killed, plain = _losses(tmp_path / "killed"), _losses(tmp_path / "plain")
     assert {e["attempt"] for e in killed} == {0, 1}, killed  # it did restart
+    assert {e["attempt"] for e in plain} == {0} and [e["step"] for e in plain] == list(range(STEPS))
     resumed = [e for e in killed if e["attempt"] == 1]
     assert resumed[0]["step"] == 4  # from the latest checkpoint (saved after step 3), not from 0
     last = {e["step"]: e["loss"] for e in killed}  # the last record of each step
