@@ -5,7 +5,8 @@ well under 1 s per training case (a tiny model, a few steps), so four 2-rank lau
 times one. The stock scripts of tests/test_hf_facade.py (Trainer, PEFT, Accelerate),
 tests/test_hf_seq2seq.py (Seq2SeqTrainer, resize at ZeRO-3), tests/test_moe.py (the Trainer with
 ``expert_parallel``), tests/test_sp_facade.py (the Trainer's and Accelerate's SP paths, DeepSpeed's
-Ulysses API) and tests/test_trl_facade.py (TRL's SFT, DPO, GRPO; TRL imported only by its part) are
+Ulysses API), tests/test_trl_facade.py (TRL's SFT, DPO, GRPO; TRL imported only by its part) and
+tests/test_monitor.py (every monitoring section, native and facade; W&B offline) are
 therefore parts of one real launch: the first file of a pytest process (an xdist
 worker) that needs one starts the launch, and each file asks it for its own part, which the two
 ranks run one after another, each into a folder of its own. A worker pays for one launch and for
@@ -31,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("hf", "seq2seq", "moe", "sp", "trl")  # tests/<job>.py's main_at for each: _JOBS
+PARTS = ("hf", "seq2seq", "moe", "sp", "trl", "monitor")  # tests/<job>.py's main_at for each: _JOBS
 _POLL_S = 0.1
 _launch: dict = {}  # this process's launch: proc, root, done (parts served), error (the first failure)
 
@@ -103,7 +104,8 @@ def _stop() -> None:
 
 # each part's job module and the arguments of its ``main_at`` after the folder; imported when the part runs
 _JOBS = {"hf": ("hf_facade_job", (["trainer", "accelerate"],)), "seq2seq": ("hf_seq2seq_job", ()),
-         "moe": ("moe_trainer_job", ()), "sp": ("sp_facade_job", ()), "trl": ("trl_job", (["sft", "dpo", "grpo"],))}
+         "moe": ("moe_trainer_job", ()), "sp": ("sp_facade_job", ()), "trl": ("trl_job", (["sft", "dpo", "grpo"],)),
+         "monitor": ("monitor_job", ())}
 
 
 def _run_part(root: Path, name: str) -> None:

@@ -1,9 +1,12 @@
 """Every monitoring section on, at ZeRO-2 and ZeRO-3, through the native API and the facade (tests/test_monitor.py).
 
-Launched once with ``shardwise launch --nproc 2 --as-deepspeed``: four trainings in one job
-(``native2``, ``native3`` through ``shardwise.initialize``; ``facade2`` (fp16) and ``facade3``
-through ``import deepspeed``). Each writes its monitors under ``<out>/<name>/``; every rank
-returns what the loop saw (its losses, ``get_lr()``, what it printed), rank 0 writes ``results.json``.
+A part (``monitor``) of the 2-rank ``shardwise launch --as-deepspeed`` the pytest process shares
+(tests/facade_launch.py), or a launch of its own (``main``): four trainings in one job (``native2``,
+``native3`` through ``shardwise.initialize``; ``facade2`` (fp16) and ``facade3`` through ``import
+deepspeed``). Each writes its monitors under ``<out>/<name>/``; every rank returns what the loop saw
+(its losses, ``get_lr()``, what it printed), rank 0 writes ``results.json``. As a part it leaves the
+process as it found it for the next part: W&B's environment and the comms logger's switches (which a
+config's ``comms_logger`` section sets for the whole process, as in DeepSpeed) are put back.
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -85,19 +88,43 @@ def train(name: str, root: Path) -> dict:
     return result
 
 
-def main() -> None:
-    root = Path(sys.argv[1])
+WANDB_ENV = ("WANDB_MODE", "WANDB_DIR", "WANDB_SILENT")
+
+
+def main_at(root: Path) -> None:
+    """The four trainings, their monitors and ``results.json`` under ``root`` (the world is made if
+    no earlier part made it: ``init_distributed`` uses one that is up)."""
     import shardwise
+    from shardwise.comm.log import COMMS_LOG
 
     shardwise.init_distributed()
-    results = {}
-    for name in RUNS:
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, train(name, root))
-        results[name] = per_rank
-    if dist.get_rank() == 0:
-        (root / "results.json").write_text(json.dumps(results))
-    torch.distributed.barrier()
+    if "transformers" in sys.modules:  # an earlier part's ZeRO-3 TrainingArguments may still be alive: its
+        # process-wide HF DeepSpeed config would build the models here under zero.Init (a process of its own has none)
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    root.mkdir(parents=True, exist_ok=True)
+    saved_env = {k: os.environ.get(k) for k in WANDB_ENV}
+    saved_log = dict(vars(COMMS_LOG))
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(root), WANDB_SILENT="true")
+    try:
+        results = {}
+        for name in RUNS:
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, train(name, root))
+            results[name] = per_rank
+        if dist.get_rank() == 0:
+            (root / "results.json").write_text(json.dumps(results))
+        dist.barrier()
+    finally:
+        for k, v in saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        COMMS_LOG.reset()
+        vars(COMMS_LOG).update({k: v for k, v in saved_log.items() if k not in ("records", "_lock")})
+
+
+def main() -> None:
+    main_at(Path(sys.argv[1]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Monitoring and profiling sections (issue 37), read back with the real readers.
 
-One launch (tests/monitor_job.py) trains four times on 2 gloo ranks with every section on:
-ZeRO-2 and ZeRO-3, through ``shardwise.initialize`` and through ``import deepspeed``. TensorBoard
+One job (tests/monitor_job.py, a part of the 2-rank ``--as-deepspeed`` launch the pytest process
+shares: tests/facade_launch.py) trains four times on 2 gloo ranks with every section on: ZeRO-2 and
+ZeRO-3, through ``shardwise.initialize`` and through ``import deepspeed``. TensorBoard
 events are read with tensorboard's ``EventAccumulator``, the CSV files with ``csv``, the offline
 W&B run with wandb's own protobuf records; each value is checked against what the loop saw.
 """
@@ -22,6 +23,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import facade_launch  # noqa: E402
 import monitor_job as job  # noqa: E402
 from tiny_models import build  # noqa: E402
 
@@ -43,13 +45,7 @@ def _tags(name: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("monitor")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-           "WANDB_DIR": str(out), "WANDB_SILENT": "true"}
-    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", str(WORLD), "--as-deepspeed",
-           str(ROOT / "tests" / "monitor_job.py"), str(out)]
-    res = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    out = facade_launch.part(tmp_path_factory, "monitor")["root"]
     return {"root": out, **json.loads((out / "results.json").read_text())}
 
 
