@@ -15,8 +15,10 @@ launch of its own (``cpu_state`` resets Accelerate's state; each builds its mode
 arguments). The ranks wait between parts outside any collective (polling the request folder), and
 end when asked at the pytest process's exit, or when that process is gone.
 
-A part failing on a rank fails its test and ends the launch (its group may be broken): the later
-parts' tests fail naming the first failure. The 4-rank SP x DP cases keep a launch of their own.
+A part failing on a rank (or the launch ending, or a part running past its timeout) fails that
+part's test and ends the launch (its group may be broken); the next part asked for starts a fresh
+launch, so the later files' tests still run (tests/test_facade_launch.py). The 4-rank SP x DP cases
+keep a launch of their own.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def part(tmp_path_factory, name: str) -> dict:
     """Part ``name`` run by this process's launch (started on the first call): ``{"root": its results
     folder, "stderr": the launch's stderr so far, "log": what the ranks printed while they ran it}``."""
     assert name in PARTS, name
+    if _launch.get("error"):  # an earlier part failed and ended that launch: this part gets a fresh one
+        _launch.clear()
     if not _launch:
         _start(tmp_path_factory.mktemp("facade_launch"))
-    assert "error" not in _launch, _launch.get("error")
     root = _launch["root"]
     if name not in _launch["done"]:
         try:
