@@ -8,6 +8,8 @@ exact, from the model's sizes: a group's bucket is its padded numel in the gradi
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from tiny_models import batches
@@ -44,9 +46,22 @@ def _live_buckets(groups: list) -> tuple[list[int], int]:
     return live, nbytes
 
 
-def bucket_sequence(overlap: bool, gas: int) -> dict:
+def await_exchanges(groups, limit_s: float = 60.0) -> None:
+    """Block until the communication of every pending reduction of ``groups`` is over (their additions
+    and the bucket's hand-over still left to ``wait()``): the state in which the next bucket's take
+    finds them when the exchange was fast, made certain."""
+    deadline = time.monotonic() + limit_s
+    while not all(g.reductions_completed() for g in groups):
+        assert time.monotonic() < deadline, "a reduce-scatter's exchange did not end"
+        time.sleep(0.0005)
+
+
+def bucket_sequence(overlap: bool, gas: int, force: bool = False) -> dict:
     """Two bf16 steps at stage 3 (every parameter sharded), recording at each bucket's first gradient which
-    groups hold a live bucket, and every receive buffer gloo's reduce-scatter takes (elements)."""
+    groups hold a live bucket, and every receive buffer gloo's reduce-scatter takes (elements).
+
+    ``force``: before each take, wait until the exchanges of the pending reductions are over (not
+    their ``wait()``), so the take finds the previous group's reduction finished but not waited for."""
     rank = dist.get_rank()
     model = build_llama()
     cfg = make_config(3, precision="bf16", overlap=overlap, gas=gas, stage3_param_persistence_threshold=0)
@@ -56,6 +71,8 @@ def bucket_sequence(overlap: bool, gas: int) -> dict:
     buffers: list[int] = []
     for i, g in enumerate(groups):
         def taken(take=g._take_bucket, i=i) -> None:
+            if force:
+                await_exchanges(groups)
             take()
             takes.append((i, *_live_buckets(groups)))
         g._take_bucket = taken
@@ -93,6 +110,32 @@ def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
     finally:
         InflightLimit.make_room, gloo_exchange._apart = make_room, apart  # a pool worker runs other cases next
     return {"losses": losses, "weights": weights}
+
+
+def train_early(early: bool, overlap: bool, gas: int, precision: str) -> dict:
+    """Three stage-3 steps in which every bucket's take finds the pending reductions' exchanges over
+    (``await_exchanges``); ``early=False`` leaves them pending as before the early finish
+    (``InflightLimit.finish_completed`` a no-op): the bit-for-bit baseline. ``finished_early``: how
+    many reductions ``finish_completed`` finished."""
+    finish, make_room = InflightLimit.finish_completed, InflightLimit.make_room
+    finished = [0]
+
+    def counted(self) -> None:
+        before = len(self._queue)
+        finish(self)
+        finished[0] += before - len(self._queue)
+
+    def after_exchanges(self) -> None:
+        await_exchanges(list(self._queue))
+        make_room(self)
+
+    InflightLimit.finish_completed = counted if early else (lambda self: None)
+    InflightLimit.make_room = after_exchanges
+    try:
+        out = train(True, overlap, gas, precision)
+    finally:
+        InflightLimit.finish_completed, InflightLimit.make_room = finish, make_room
+    return {**out, "finished_early": finished[0]}
 
 
 def master_store_bytes(offload: str) -> dict:

@@ -10,9 +10,13 @@ import torch
 from zero_cases import assert_same_bits
 
 
-@pytest.mark.parametrize(("overlap", "gas"), [(True, 1), (True, 2), (False, 1)])
-def test_stage3_bucket_fills_beside_one_pending_reduction(pool2, overlap, gas):
-    for r in pool2.run("lean_cases:bucket_sequence", overlap, gas):
+@pytest.mark.parametrize(("overlap", "gas", "force"),
+                         [(True, 1, False), (True, 2, False), (False, 1, False), (True, 1, True), (True, 2, True)])
+def test_stage3_bucket_fills_beside_one_pending_reduction(pool2, overlap, gas, force):
+    """At each bucket's first gradient: the filling bucket, the root's, and the previous group's while
+    its reduce-scatter is still exchanging. ``force``: every take finds the previous exchange over, so
+    ``make_room`` finishes it first and its bucket is the one reused: one layer's bucket, not two."""
+    for r in pool2.run("lean_cases:bucket_sequence", overlap, gas, force):
         padded = r["padded"]
         backwards = [[]]
         for i, live, nbytes in r["takes"]:
@@ -26,9 +30,10 @@ def test_stage3_bucket_fills_beside_one_pending_reduction(pool2, overlap, gas):
             first = order[0]  # the root: its head's gradient comes first, its embedding's last
             for k, (i, live, nbytes) in enumerate(takes):
                 # filling: this group and the root; reducing: the group before it, with overlap only
-                expect = {first, i} | ({order[k - 1]} if overlap and k > 1 else set())
-                assert set(live) == expect, (k, live, expect)
-                assert nbytes == 2 * sum(padded[j] for j in expect), (k, nbytes)  # bf16 buckets
+                expect = {first, i}
+                maybe = {order[k - 1]} if overlap and k > 1 and not force else set()  # still exchanging
+                assert expect <= set(live) <= expect | maybe, (k, live, expect)
+                assert nbytes == 2 * sum(padded[j] for j in live), (k, nbytes)  # bf16 buckets
         # 2 ranks: a reduce-scatter into the shard receives into it; only accumulation (the second
         # micro-batch onto a shard) stages the other rank's chunk, one shard's size each
         shard = r["shard"]
@@ -47,6 +52,28 @@ def test_stage3_lean_backward_changes_no_bit_at_4_ranks(pool4):
     """4 ranks: the shard receives the first other rank's chunk, the other two are staged."""
     before = pool4.run("lean_cases:train", False, True, 2, "bf16")
     assert_same_bits(before, pool4.run("lean_cases:train", True, True, 2, "bf16"))
+
+
+@pytest.mark.parametrize(("precision", "overlap", "gas"),
+                         [("bf16", True, 2), ("bf16", True, 1), ("bf16", False, 2), ("fp16", True, 1),
+                          ("fp32", True, 1)])
+def test_stage3_early_finish_changes_no_bit(pool2, precision, overlap, gas):
+    """A reduction finished at the next take (its exchange over) against the same run leaving it
+    pending until ``limit`` are: the same additions, earlier; losses and weights equal bit for bit."""
+    before = pool2.run("lean_cases:train_early", False, overlap, gas, precision)
+    after = pool2.run("lean_cases:train_early", True, overlap, gas, precision)
+    for r in after:
+        assert (r.pop("finished_early") > 0) == overlap  # the early path ran (only overlap leaves work pending)
+    for r in before:
+        assert r.pop("finished_early") == 0
+    assert_same_bits(before, after)
+
+
+def test_stage3_early_finish_changes_no_bit_at_4_ranks(pool4):
+    before = pool4.run("lean_cases:train_early", False, True, 2, "bf16")
+    after = pool4.run("lean_cases:train_early", True, True, 2, "bf16")
+    assert all(r.pop("finished_early") > 0 for r in after) and all(r.pop("finished_early") == 0 for r in before)
+    assert_same_bits(before, after)
 
 
 @pytest.mark.parametrize("offload", ["none", "optimizer", "param"])

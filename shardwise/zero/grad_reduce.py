@@ -115,6 +115,8 @@ class GradReduction:
         if w is not None:
             self._pending.append(w)
             if self.inflight is not None:  # bound the buckets (and ring buffers) held by pending work
+                if self.policy.shard_params:  # stage 3: make_room may finish it once its exchange is over
+                    w.watch()
                 self.inflight.admit(self)
 
     def _reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> Work | None:
@@ -130,6 +132,11 @@ class GradReduction:
         for i, filled in enumerate(self._filled):
             if not filled:
                 self.flat_grad.narrow(0, self.offsets[i], self.numels[i]).zero_()
+
+    def reductions_completed(self) -> bool:
+        """Is the communication of every pending reduction over (``wait()`` would only add and hand
+        the bucket on)? Never blocks: an event query on NCCL, the watcher's mark on gloo."""
+        return all(w.is_completed() for w in self._pending)
 
     def wait(self) -> None:
         for w in self._pending:

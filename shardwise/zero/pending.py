@@ -85,7 +85,19 @@ class InflightLimit:
         a unit's first gradient arrives its predecessor's exchange has had a whole recomputed
         forward and a gradient to finish, so little overlap is lost, and a layer's bucket (2 bytes x
         its parameters in bf16) less is held through the backward's peak."""
+        self.finish_completed()
         while len(self._queue) >= self.limit:
+            self._queue.popleft().wait()
+
+    def finish_completed(self) -> None:
+        """Finish, oldest first, the pending reductions whose communication is already over.
+
+        Their ``wait()`` is the one that would run later (the same additions in the same order, into
+        the same buffers), so no number changes, and nothing unfinished is waited for, so no overlap
+        is lost; but their buckets are handed on now, to be reused by the bucket about to be taken,
+        instead of living beside it until ``limit`` reductions are pending. Stops at the first one
+        still exchanging: reductions finish in the order they were admitted, as ``wait()`` s do."""
+        while self._queue and self._queue[0].reductions_completed():
             self._queue.popleft().wait()
 
     def take_bucket(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
