@@ -56,12 +56,56 @@ def await_exchanges(groups, limit_s: float = 60.0) -> None:
         time.sleep(0.0005)
 
 
-def bucket_sequence(overlap: bool, gas: int, force: bool = False) -> dict:
+class LateExchanges:
+    """Within ``with``: every exchange ends after the take of the next bucket, before its next gradient (the
+    other rank was behind): ``finish_completed`` at a take finds nothing over, at a gradient hook
+    (``keep=False``) it first waits for the pending exchanges. ``finished``: reductions the hooks finished;
+    ``after``: called after each hook's finish."""
+
+    def __init__(self, after=None):
+        self.finished, self.after = 0, after
+
+    def __enter__(self) -> LateExchanges:
+        self.original = finish = InflightLimit.finish_completed
+
+        def late(limit: InflightLimit, keep: bool = True) -> None:
+            if keep:
+                return
+            await_exchanges(list(limit._queue))
+            before = len(limit._queue)
+            finish(limit, keep)
+            self.finished += before - len(limit._queue)
+            if self.after is not None:
+                self.after(limit)
+
+        InflightLimit.finish_completed = late
+        return self
+
+    def __exit__(self, *exc) -> None:
+        InflightLimit.finish_completed = self.original
+
+
+def bucket_sequence(overlap: bool, gas: int, force: str = "") -> dict:
     """Two bf16 steps at stage 3 (every parameter sharded), recording at each bucket's first gradient which
     groups hold a live bucket, and every receive buffer gloo's reduce-scatter takes (elements).
 
-    ``force``: before each take, wait until the exchanges of the pending reductions are over (not
-    their ``wait()``), so the take finds the previous group's reduction finished but not waited for."""
+    ``force="take"``: before each take, wait until the exchanges of the pending reductions are over (not
+    their ``wait()``), so the take finds the previous group's reduction finished but not waited for.
+    ``force="hook"``: the exchanges end only after the take (``LateExchanges``); ``hooks`` records, after
+    each gradient hook's finish, the filling group, the live buckets and the bytes kept for reuse."""
+    with LateExchanges() if force == "hook" else _nothing() as late:
+        return _bucket_sequence(overlap, gas, force, late)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _bucket_sequence(overlap: bool, gas: int, force: str, late: LateExchanges | None) -> dict:
     rank = dist.get_rank()
     model = build_llama()
     cfg = make_config(3, precision="bf16", overlap=overlap, gas=gas, stage3_param_persistence_threshold=0)
@@ -71,11 +115,14 @@ def bucket_sequence(overlap: bool, gas: int, force: bool = False) -> dict:
     buffers: list[int] = []
     for i, g in enumerate(groups):
         def taken(take=g._take_bucket, i=i) -> None:
-            if force:
+            if force == "take":
                 await_exchanges(groups)
             take()
             takes.append((i, *_live_buckets(groups)))
         g._take_bucket = taken
+    hooks: list[tuple[int, list[int], int]] = []
+    if late is not None:
+        late.after = lambda limit: hooks.append((takes[-1][0], _live_buckets(groups)[0], limit.free_nbytes))
     comm = groups[0].comm
     take_buffer = comm._take_buffer
 
@@ -88,7 +135,8 @@ def bucket_sequence(overlap: bool, gas: int, force: bool = False) -> dict:
     run_micro_batches(engine, data, rank, 2)
     del comm._take_buffer
     return {"padded": [g.padded_numel for g in groups], "takes": takes, "buffers": buffers,
-            "shard": [g.shard_numel for g in groups]}
+            "shard": [g.shard_numel for g in groups], "hooks": hooks,
+            "finished_at_hooks": late.finished if late is not None else 0}
 
 
 def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
@@ -112,24 +160,29 @@ def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
     return {"losses": losses, "weights": weights}
 
 
-def train_early(early: bool, overlap: bool, gas: int, precision: str) -> dict:
-    """Three stage-3 steps in which every bucket's take finds the pending reductions' exchanges over
-    (``await_exchanges``); ``early=False`` leaves them pending as before the early finish
+def train_early(early: str, overlap: bool, gas: int, precision: str) -> dict:
+    """Three stage-3 steps. ``early="take"``: every bucket's take finds the pending reductions' exchanges
+    over (``await_exchanges``) and finishes them; ``"hook"``: they end after the take and a gradient hook
+    finishes them (``LateExchanges``); ``""``: they stay pending as before the early finish
     (``InflightLimit.finish_completed`` a no-op): the bit-for-bit baseline. ``finished_early``: how
-    many reductions ``finish_completed`` finished."""
+    many reductions were finished early."""
+    if early == "hook":
+        with LateExchanges() as late:
+            out = train(True, overlap, gas, precision)
+        return {**out, "finished_early": late.finished}
     finish, make_room = InflightLimit.finish_completed, InflightLimit.make_room
     finished = [0]
 
-    def counted(self) -> None:
+    def counted(self, keep: bool = True) -> None:
         before = len(self._queue)
-        finish(self)
+        finish(self, keep)
         finished[0] += before - len(self._queue)
 
     def after_exchanges(self) -> None:
         await_exchanges(list(self._queue))
         make_room(self)
 
-    InflightLimit.finish_completed = counted if early else (lambda self: None)
+    InflightLimit.finish_completed = counted if early else (lambda self, keep=True: None)
     InflightLimit.make_room = after_exchanges
     try:
         out = train(True, overlap, gas, precision)

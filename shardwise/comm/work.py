@@ -114,16 +114,19 @@ class _Watcher:
 
     def _run(self) -> None:
         while True:
-            handles, comm, kind, mark = self._queue.get()
-            try:
-                for h in handles:
-                    comm._guard(kind, h.wait)  # a failure is the diverged-ranks error, raised by wait()
-            except BaseException as e:  # noqa: BLE001 (handed to the waiting thread, raised there)
-                mark.error = e
-            mark.done.set()
-            # drop the handles now: a gloo work holds its tensor (a gradient bucket), which must not
-            # outlive the bucket's hand-over while this thread sleeps on the next get()
-            del handles, comm, mark
+            _wait_one(*self._queue.get())
+
+
+def _wait_one(handles: list, comm: Comm, kind: str, mark: _Watch) -> None:
+    """Wait for one watched work's handles and mark it done. A function of its own so that nothing of it
+    outlives the call: a gloo work holds its tensor (a gradient bucket or shard), which must not stay
+    alive in this thread's frame while it sleeps on the next ``get()``."""
+    try:
+        for h in handles:
+            comm._guard(kind, h.wait)  # a failure is the diverged-ranks error, raised by wait()
+    except BaseException as e:  # noqa: BLE001 (handed to the waiting thread, raised there)
+        mark.error = e
+    mark.done.set()
 
 
 _WATCHER: list[_Watcher] = []

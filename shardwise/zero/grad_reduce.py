@@ -62,6 +62,10 @@ class GradReduction:
         if self.flat_grad is None:  # stage >= 2: the bucket lives only during its backward
             self._take_bucket()
             self._filled = [False] * len(self.params)
+        elif self.inflight is not None and self.policy.shard_params:
+            # stage 3: a reduction whose exchange ended after this bucket's take (the other rank was
+            # behind) finishes here, and its bucket is let go: no take is near to reuse it
+            self.inflight.finish_completed(keep=False)
         i = self._index[id(p)]
         view = self._view(self.flat_grad, self.offsets[i], p)
         if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
