@@ -254,3 +254,29 @@ def train_store(master_store: bool, overlap: bool, gas: int, precision: str) -> 
         return train(True, overlap, gas, precision)
     finally:
         ShardedGroup._master_is_the_store = chooses
+
+
+def work_completion() -> dict:
+    """``Work.is_completed`` on gloo's point-to-point reduce-scatter: False until watched (gloo's sends and
+    receives complete only in a wait), True once watched and the other rank has sent, without running
+    the additions (the shard still holds what was received); ``wait()`` then adds as it always did."""
+    from shardwise.comm import make_comm
+
+    rank = dist.get_rank()
+    comm = make_comm("world")
+    full = torch.arange(8, dtype=torch.float32) + 10 * rank
+    out = torch.empty(4)
+    work = comm.reduce_scatter(full, out, async_op=True)
+    dist.barrier()  # both ranks have posted their sends and receives
+    unwatched = work.is_completed()
+    work.watch()
+    deadline = time.monotonic() + 60
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "the exchange did not end"
+        time.sleep(0.0005)
+    received = out.clone()  # the other rank's chunk, not yet summed
+    work.wait()
+    composite = comm.all_reduce_in_rank_order(full.clone(), async_op=True)  # a work made of works
+    composite_says = composite.is_completed()
+    composite.wait()
+    return {"unwatched": unwatched, "received": received, "out": out, "composite": composite_says}

@@ -92,6 +92,18 @@ def test_stage3_early_finish_changes_no_bit_at_4_ranks(pool4, early):
     assert_same_bits(before, after)
 
 
+def test_gloo_exchange_reports_its_end_once_watched(pool2):
+    """The query the early finish relies on, on gloo's own exchange: unwatched it cannot tell (False),
+    watched it turns True with the other rank's chunk received and nothing added yet; a work made of
+    other works (the rank-order all-reduce) answers False."""
+    for rank, r in enumerate(pool2.run("lean_cases:work_completion")):
+        other = 1 - rank
+        mine = torch.arange(4, dtype=torch.float32) + 4 * rank
+        assert r["unwatched"] is False and r["composite"] is False
+        assert torch.equal(r["received"], mine + 10 * other)  # the other rank's chunk, received into the shard
+        assert torch.equal(r["out"], (mine + 10 * 0) + (mine + 10 * 1))  # the sum in rank order, by wait()
+
+
 @pytest.mark.parametrize("offload", ["none", "optimizer", "param"])
 def test_stage3_fp32_master_is_the_persistent_copy_without_offload(pool2, offload):
     """bf16 with fp32 masters: no 16-bit shard beside the master (2 bytes x Ψ/N less); under offload

@@ -120,16 +120,26 @@ class _Watcher:
 def _wait_one(handles: list, comm: Comm, kind: str, mark: _Watch) -> None:
     """Wait for one watched work's handles and mark it done. A function of its own so that nothing of it
     outlives the call: a gloo work holds its tensor (a gradient bucket or shard), which must not stay
-    alive in this thread's frame while it sleeps on the next ``get()``."""
+    alive in this thread's frame while it sleeps on the next ``get()``.
+
+    After one failure the group is unusable (``RanksDivergedError``): later works get that error at once,
+    so the thread never sits in a wait on a dead peer while the process ends (a thread returning from
+    gloo into a finalizing interpreter aborts it)."""
+    if _FAILED:
+        mark.error = _FAILED[0]
+        mark.done.set()
+        return
     try:
         for h in handles:
             comm._guard(kind, h.wait)  # a failure is the diverged-ranks error, raised by wait()
     except BaseException as e:  # noqa: BLE001 (handed to the waiting thread, raised there)
         mark.error = e
+        _FAILED.append(e)
     mark.done.set()
 
 
 _WATCHER: list[_Watcher] = []
+_FAILED: list[BaseException] = []  # the first failed watched wait: the group is unusable after it
 
 
 def _watcher() -> _Watcher:
@@ -141,6 +151,7 @@ def _watcher() -> _Watcher:
 def _forget_watcher() -> None:
     """A forked child has no watcher thread (only the forking thread survives a fork): start anew."""
     _WATCHER.clear()
+    _FAILED.clear()
 
 
 os.register_at_fork(after_in_child=_forget_watcher)
