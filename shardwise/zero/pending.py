@@ -85,7 +85,9 @@ class InflightLimit:
         the same order as the later wait would have (no number changes), only earlier: by the time
         a unit's first gradient arrives its predecessor's exchange has had a whole recomputed
         forward and a gradient to finish, so little overlap is lost, and a layer's bucket (2 bytes x
-        its parameters in bf16) less is held through the backward's peak."""
+        its parameters in bf16) less is held through the backward's peak. Those whose exchange is
+        already over are finished first (:meth:`finish_completed`), whatever their number, so the take
+        reuses their buckets."""
         self.finish_completed()
         while len(self._queue) >= self.limit:
             self._queue.popleft().wait()
