@@ -139,7 +139,7 @@ def _bucket_sequence(overlap: bool, gas: int, force: str, late: LateExchanges | 
             "finished_at_hooks": late.finished if late is not None else 0}
 
 
-def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
+def train(lean: bool, overlap: bool, gas: int, precision: str, **zero_extra) -> dict:
     """Three stage-3 steps; ``lean=False`` runs as before the change (no early wait, a receive buffer for
     every chunk): the bit-for-bit baseline."""
     make_room, apart = InflightLimit.make_room, gloo_exchange._apart
@@ -150,7 +150,7 @@ def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
         rank, world = dist.get_rank(), dist.get_world_size()
         model = build_llama()
         cfg = make_config(3, precision=precision, overlap=overlap, gas=gas, dp=world,
-                          stage3_param_persistence_threshold=0)
+                          stage3_param_persistence_threshold=0, **zero_extra)
         engine, *_ = shardwise.initialize(model=model, config=cfg)
         losses = run_micro_batches(engine, batches(3, gas, 2 * world, 16, vocab=64), rank, 2)
         with GatheredParameters(model.parameters()):
@@ -160,7 +160,7 @@ def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
     return {"losses": losses, "weights": weights}
 
 
-def train_early(early: str, overlap: bool, gas: int, precision: str) -> dict:
+def train_early(early: str, overlap: bool, gas: int, precision: str, **zero_extra) -> dict:
     """Three stage-3 steps. ``early="take"``: every bucket's take finds the pending reductions' exchanges
     over (``await_exchanges``) and finishes them; ``"hook"``: they end after the take and a gradient hook
     finishes them (``LateExchanges``); ``""``: they stay pending as before the early finish
@@ -168,7 +168,7 @@ def train_early(early: str, overlap: bool, gas: int, precision: str) -> dict:
     many reductions were finished early."""
     if early == "hook":
         with LateExchanges() as late:
-            out = train(True, overlap, gas, precision)
+            out = train(True, overlap, gas, precision, **zero_extra)
         return {**out, "finished_early": late.finished}
     finish, make_room = InflightLimit.finish_completed, InflightLimit.make_room
     finished = [0]
@@ -185,7 +185,7 @@ def train_early(early: str, overlap: bool, gas: int, precision: str) -> dict:
     InflightLimit.finish_completed = counted if early else (lambda self, keep=True: None)
     InflightLimit.make_room = after_exchanges
     try:
-        out = train(True, overlap, gas, precision)
+        out = train(True, overlap, gas, precision, **zero_extra)
     finally:
         InflightLimit.finish_completed, InflightLimit.make_room = finish, make_room
     return {**out, "finished_early": finished[0]}

@@ -85,6 +85,16 @@ def test_stage3_early_finish_changes_no_bit(pool2, precision, overlap, gas, earl
 
 
 @pytest.mark.parametrize("early", ["take", "hook"])
+def test_stage3_early_finish_changes_no_bit_with_quantized_gradients(pool2, early):
+    """qgZ's reduce-scatter is a work made of an all-to-all: it reports that one's end (``after``)."""
+    qgz = {"zero_quantized_gradients": True}
+    before = pool2.run("lean_cases:train_early", "", True, 2, "bf16", **qgz)
+    after = pool2.run("lean_cases:train_early", early, True, 2, "bf16", **qgz)
+    assert all(r.pop("finished_early") > 0 for r in after) and all(r.pop("finished_early") == 0 for r in before)
+    assert_same_bits(before, after)
+
+
+@pytest.mark.parametrize("early", ["take", "hook"])
 def test_stage3_early_finish_changes_no_bit_at_4_ranks(pool4, early):
     before = pool4.run("lean_cases:train_early", "", True, 2, "bf16")
     after = pool4.run("lean_cases:train_early", early, True, 2, "bf16")

@@ -39,12 +39,15 @@ class Work:
     """A pending collective (one handle or several); ``wait()`` finishes it and any copy-out.
 
     ``p2p``: the handles are gloo sends and receives, whose own ``is_completed()`` stays False until
-    they are waited for; only a :meth:`watch` ed one can then say it is done."""
+    they are waited for; only a :meth:`watch` ed one can then say it is done. ``after``: the work this
+    one's ``finish`` waits for first (a work made of another, such as the quantized reduce-scatter's),
+    which answers the query for it."""
 
-    def __init__(self, handle, comm: Comm, kind: str, finish=None, p2p: bool = False):
+    def __init__(self, handle, comm: Comm, kind: str, finish=None, p2p: bool = False,
+                 after: Work | None = None):
         self._handles = handle if isinstance(handle, list) else ([] if handle is None else [handle])
         self._comm, self._kind, self._finish = comm, kind, finish
-        self._p2p = p2p
+        self._p2p, self._after = p2p, after
         self._watch: _Watch | None = None
         self.on_done = None  # the comms logger's record of this collective (comm/log.py), once finished
         if self._handles:
@@ -53,16 +56,20 @@ class Work:
     def watch(self) -> None:
         """Let :meth:`is_completed` see the end of a gloo point-to-point exchange (a no-op otherwise:
         every other backend's work answers the query itself)."""
+        if self._after is not None:
+            self._after.watch()
         if self._p2p and self._handles and self._watch is None:
             self._watch = _watcher().watch(self._handles, self._comm, self._kind)
 
     def is_completed(self) -> bool:
         """Is the communication over, so that ``wait()`` would only run the local finish? Never blocks.
 
-        False when it cannot tell: a gloo exchange not :meth:`watch` ed, or a work made of another
-        work (a ``finish`` with no handles of its own, such as the quantized reduce-scatter's)."""
+        False when it cannot tell: a gloo exchange not :meth:`watch` ed, or a work made of others with
+        no ``after`` to ask (the rank-order all-reduce's, whose finish starts another exchange)."""
         if not self._handles:
-            return self._finish is None
+            if self._finish is None:
+                return True
+            return self._after is not None and self._after.is_completed()
         if self._p2p:
             return self._watch is not None and self._watch.done.is_set()
         return all(h.is_completed() for h in self._handles)
