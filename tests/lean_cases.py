@@ -8,6 +8,8 @@ exact, from the model's sizes: a group's bucket is its padded numel in the gradi
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from tiny_models import batches
@@ -44,9 +46,66 @@ def _live_buckets(groups: list) -> tuple[list[int], int]:
     return live, nbytes
 
 
-def bucket_sequence(overlap: bool, gas: int) -> dict:
+def await_exchanges(groups, limit_s: float = 60.0) -> None:
+    """Block until the communication of every pending reduction of ``groups`` is over (their additions
+    and the bucket's hand-over still left to ``wait()``): the state in which the next bucket's take
+    finds them when the exchange was fast, made certain."""
+    deadline = time.monotonic() + limit_s
+    while not all(g.reductions_completed() for g in groups):
+        assert time.monotonic() < deadline, "a reduce-scatter's exchange did not end"
+        time.sleep(0.0005)
+
+
+class LateExchanges:
+    """Within ``with``: every exchange ends after the take of the next bucket, before its next gradient (the
+    other rank was behind): ``finish_completed`` at a take finds nothing over, at a gradient hook
+    (``keep=False``) it first waits for the pending exchanges. ``finished``: reductions the hooks finished;
+    ``after``: called after each hook's finish."""
+
+    def __init__(self, after=None):
+        self.finished, self.after = 0, after
+
+    def __enter__(self) -> LateExchanges:
+        self.original = finish = InflightLimit.finish_completed
+
+        def late(limit: InflightLimit, keep: bool = True) -> None:
+            if keep:
+                return
+            await_exchanges(list(limit._queue))
+            before = len(limit._queue)
+            finish(limit, keep)
+            self.finished += before - len(limit._queue)
+            if self.after is not None:
+                self.after(limit)
+
+        InflightLimit.finish_completed = late
+        return self
+
+    def __exit__(self, *exc) -> None:
+        InflightLimit.finish_completed = self.original
+
+
+def bucket_sequence(overlap: bool, gas: int, force: str = "") -> dict:
     """Two bf16 steps at stage 3 (every parameter sharded), recording at each bucket's first gradient which
-    groups hold a live bucket, and every receive buffer gloo's reduce-scatter takes (elements)."""
+    groups hold a live bucket, and every receive buffer gloo's reduce-scatter takes (elements).
+
+    ``force="take"``: before each take, wait until the exchanges of the pending reductions are over (not
+    their ``wait()``), so the take finds the previous group's reduction finished but not waited for.
+    ``force="hook"``: the exchanges end only after the take (``LateExchanges``); ``hooks`` records, after
+    each gradient hook's finish, the filling group, the live buckets and the bytes kept for reuse."""
+    with LateExchanges() if force == "hook" else _nothing() as late:
+        return _bucket_sequence(overlap, gas, force, late)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _bucket_sequence(overlap: bool, gas: int, force: str, late: LateExchanges | None) -> dict:
     rank = dist.get_rank()
     model = build_llama()
     cfg = make_config(3, precision="bf16", overlap=overlap, gas=gas, stage3_param_persistence_threshold=0)
@@ -56,9 +115,14 @@ def bucket_sequence(overlap: bool, gas: int) -> dict:
     buffers: list[int] = []
     for i, g in enumerate(groups):
         def taken(take=g._take_bucket, i=i) -> None:
+            if force == "take":
+                await_exchanges(groups)
             take()
             takes.append((i, *_live_buckets(groups)))
         g._take_bucket = taken
+    hooks: list[tuple[int, list[int], int]] = []
+    if late is not None:
+        late.after = lambda limit: hooks.append((takes[-1][0], _live_buckets(groups)[0], limit.free_nbytes))
     comm = groups[0].comm
     take_buffer = comm._take_buffer
 
@@ -71,10 +135,11 @@ def bucket_sequence(overlap: bool, gas: int) -> dict:
     run_micro_batches(engine, data, rank, 2)
     del comm._take_buffer
     return {"padded": [g.padded_numel for g in groups], "takes": takes, "buffers": buffers,
-            "shard": [g.shard_numel for g in groups]}
+            "shard": [g.shard_numel for g in groups], "hooks": hooks,
+            "finished_at_hooks": late.finished if late is not None else 0}
 
 
-def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
+def train(lean: bool, overlap: bool, gas: int, precision: str, **zero_extra) -> dict:
     """Three stage-3 steps; ``lean=False`` runs as before the change (no early wait, a receive buffer for
     every chunk): the bit-for-bit baseline."""
     make_room, apart = InflightLimit.make_room, gloo_exchange._apart
@@ -85,7 +150,7 @@ def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
         rank, world = dist.get_rank(), dist.get_world_size()
         model = build_llama()
         cfg = make_config(3, precision=precision, overlap=overlap, gas=gas, dp=world,
-                          stage3_param_persistence_threshold=0)
+                          stage3_param_persistence_threshold=0, **zero_extra)
         engine, *_ = shardwise.initialize(model=model, config=cfg)
         losses = run_micro_batches(engine, batches(3, gas, 2 * world, 16, vocab=64), rank, 2)
         with GatheredParameters(model.parameters()):
@@ -93,6 +158,37 @@ def train(lean: bool, overlap: bool, gas: int, precision: str) -> dict:
     finally:
         InflightLimit.make_room, gloo_exchange._apart = make_room, apart  # a pool worker runs other cases next
     return {"losses": losses, "weights": weights}
+
+
+def train_early(early: str, overlap: bool, gas: int, precision: str, **zero_extra) -> dict:
+    """Three stage-3 steps. ``early="take"``: every bucket's take finds the pending reductions' exchanges
+    over (``await_exchanges``) and finishes them; ``"hook"``: they end after the take and a gradient hook
+    finishes them (``LateExchanges``); ``""``: they stay pending as before the early finish
+    (``InflightLimit.finish_completed`` a no-op): the bit-for-bit baseline. ``finished_early``: how
+    many reductions were finished early."""
+    if early == "hook":
+        with LateExchanges() as late:
+            out = train(True, overlap, gas, precision, **zero_extra)
+        return {**out, "finished_early": late.finished}
+    finish, make_room = InflightLimit.finish_completed, InflightLimit.make_room
+    finished = [0]
+
+    def counted(self, keep: bool = True) -> None:
+        before = len(self._queue)
+        finish(self, keep)
+        finished[0] += before - len(self._queue)
+
+    def after_exchanges(self) -> None:
+        await_exchanges(list(self._queue))
+        make_room(self)
+
+    InflightLimit.finish_completed = counted if early else (lambda self, keep=True: None)
+    InflightLimit.make_room = after_exchanges
+    try:
+        out = train(True, overlap, gas, precision, **zero_extra)
+    finally:
+        InflightLimit.finish_completed, InflightLimit.make_room = finish, make_room
+    return {**out, "finished_early": finished[0]}
 
 
 def master_store_bytes(offload: str) -> dict:
@@ -158,3 +254,29 @@ def train_store(master_store: bool, overlap: bool, gas: int, precision: str) -> 
         return train(True, overlap, gas, precision)
     finally:
         ShardedGroup._master_is_the_store = chooses
+
+
+def work_completion() -> dict:
+    """``Work.is_completed`` on gloo's point-to-point reduce-scatter: False until watched (gloo's sends and
+    receives complete only in a wait), True once watched and the other rank has sent, without running
+    the additions (the shard still holds what was received); ``wait()`` then adds as it always did."""
+    from shardwise.comm import make_comm
+
+    rank = dist.get_rank()
+    comm = make_comm("world")
+    full = torch.arange(8, dtype=torch.float32) + 10 * rank
+    out = torch.empty(4)
+    work = comm.reduce_scatter(full, out, async_op=True)
+    dist.barrier()  # both ranks have posted their sends and receives
+    unwatched = work.is_completed()
+    work.watch()
+    deadline = time.monotonic() + 60
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "the exchange did not end"
+        time.sleep(0.0005)
+    received = out.clone()  # the other rank's chunk, not yet summed
+    work.wait()
+    composite = comm.all_reduce_in_rank_order(full.clone(), async_op=True)  # a work made of works
+    composite_says = composite.is_completed()
+    composite.wait()
+    return {"unwatched": unwatched, "received": received, "out": out, "composite": composite_says}

@@ -10,9 +10,13 @@ import torch
 from zero_cases import assert_same_bits
 
 
-@pytest.mark.parametrize(("overlap", "gas"), [(True, 1), (True, 2), (False, 1)])
-def test_stage3_bucket_fills_beside_one_pending_reduction(pool2, overlap, gas):
-    for r in pool2.run("lean_cases:bucket_sequence", overlap, gas):
+@pytest.mark.parametrize(("overlap", "gas", "force"),
+                         [(True, 1, ""), (True, 2, ""), (False, 1, ""), (True, 1, "take"), (True, 2, "take")])
+def test_stage3_bucket_fills_beside_one_pending_reduction(pool2, overlap, gas, force):
+    """At each bucket's first gradient: the filling bucket, the root's, and the previous group's while
+    its reduce-scatter is still exchanging. ``force="take"``: every take finds the previous exchange over,
+    so ``make_room`` finishes it first and its bucket is the one reused: one layer's bucket, not two."""
+    for r in pool2.run("lean_cases:bucket_sequence", overlap, gas, force):
         padded = r["padded"]
         backwards = [[]]
         for i, live, nbytes in r["takes"]:
@@ -26,9 +30,10 @@ def test_stage3_bucket_fills_beside_one_pending_reduction(pool2, overlap, gas):
             first = order[0]  # the root: its head's gradient comes first, its embedding's last
             for k, (i, live, nbytes) in enumerate(takes):
                 # filling: this group and the root; reducing: the group before it, with overlap only
-                expect = {first, i} | ({order[k - 1]} if overlap and k > 1 else set())
-                assert set(live) == expect, (k, live, expect)
-                assert nbytes == 2 * sum(padded[j] for j in expect), (k, nbytes)  # bf16 buckets
+                expect = {first, i}
+                maybe = {order[k - 1]} if overlap and k > 1 and force != "take" else set()  # still exchanging
+                assert expect <= set(live) <= expect | maybe, (k, live, expect)
+                assert nbytes == 2 * sum(padded[j] for j in live), (k, nbytes)  # bf16 buckets
         # 2 ranks: a reduce-scatter into the shard receives into it; only accumulation (the second
         # micro-batch onto a shard) stages the other rank's chunk, one shard's size each
         shard = r["shard"]
@@ -47,6 +52,66 @@ def test_stage3_lean_backward_changes_no_bit_at_4_ranks(pool4):
     """4 ranks: the shard receives the first other rank's chunk, the other two are staged."""
     before = pool4.run("lean_cases:train", False, True, 2, "bf16")
     assert_same_bits(before, pool4.run("lean_cases:train", True, True, 2, "bf16"))
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_stage3_exchange_over_after_the_take_is_let_go_at_the_next_gradient(pool2, gas):
+    """The rank ahead meets its predecessor's exchange unfinished at the take; once it is over, the next
+    gradient hook finishes it and lets its bucket go (not kept for reuse through this unit's backward):
+    after each such hook the live buckets are the filling ones (a layer's, the root's), and none is kept."""
+    for r in pool2.run("lean_cases:bucket_sequence", True, gas, "hook"):
+        assert r["finished_at_hooks"] >= 2 * gas * (len(r["padded"]) - 2)  # every layer's but the last
+        first = r["takes"][0][0]
+        for filling, live, kept in r["hooks"]:
+            # (the root's last gradient, the embedding's, comes after the last layer's take: only the root)
+            assert first in live and set(live) <= {first, filling}, (filling, live)
+            assert kept == 0
+
+
+@pytest.mark.parametrize(("precision", "overlap", "gas", "early"),
+                         [("bf16", True, 2, "take"), ("bf16", True, 1, "take"), ("bf16", False, 2, "take"),
+                          ("fp16", True, 1, "take"), ("fp32", True, 1, "take"), ("bf16", True, 2, "hook"),
+                          ("fp32", True, 1, "hook")])
+def test_stage3_early_finish_changes_no_bit(pool2, precision, overlap, gas, early):
+    """A reduction finished at the next take or gradient hook (its exchange over) against the same run
+    leaving it pending until ``limit`` are: the same additions, earlier; losses and weights equal bit for bit."""
+    before = pool2.run("lean_cases:train_early", "", overlap, gas, precision)
+    after = pool2.run("lean_cases:train_early", early, overlap, gas, precision)
+    for r in after:
+        assert (r.pop("finished_early") > 0) == overlap  # the early path ran (only overlap leaves work pending)
+    for r in before:
+        assert r.pop("finished_early") == 0
+    assert_same_bits(before, after)
+
+
+@pytest.mark.parametrize("early", ["take", "hook"])
+def test_stage3_early_finish_changes_no_bit_with_quantized_gradients(pool2, early):
+    """qgZ's reduce-scatter is a work made of an all-to-all: it reports that one's end (``after``)."""
+    qgz = {"zero_quantized_gradients": True}
+    before = pool2.run("lean_cases:train_early", "", True, 2, "bf16", **qgz)
+    after = pool2.run("lean_cases:train_early", early, True, 2, "bf16", **qgz)
+    assert all(r.pop("finished_early") > 0 for r in after) and all(r.pop("finished_early") == 0 for r in before)
+    assert_same_bits(before, after)
+
+
+@pytest.mark.parametrize("early", ["take", "hook"])
+def test_stage3_early_finish_changes_no_bit_at_4_ranks(pool4, early):
+    before = pool4.run("lean_cases:train_early", "", True, 2, "bf16")
+    after = pool4.run("lean_cases:train_early", early, True, 2, "bf16")
+    assert all(r.pop("finished_early") > 0 for r in after) and all(r.pop("finished_early") == 0 for r in before)
+    assert_same_bits(before, after)
+
+
+def test_gloo_exchange_reports_its_end_once_watched(pool2):
+    """The query the early finish relies on, on gloo's own exchange: unwatched it cannot tell (False),
+    watched it turns True with the other rank's chunk received and nothing added yet; a work made of
+    other works (the rank-order all-reduce) answers False."""
+    for rank, r in enumerate(pool2.run("lean_cases:work_completion")):
+        other = 1 - rank
+        mine = torch.arange(4, dtype=torch.float32) + 4 * rank
+        assert r["unwatched"] is False and r["composite"] is False
+        assert torch.equal(r["received"], mine + 10 * other)  # the other rank's chunk, received into the shard
+        assert torch.equal(r["out"], (mine + 10 * 0) + (mine + 10 * 1))  # the sum in rank order, by wait()
 
 
 @pytest.mark.parametrize("offload", ["none", "optimizer", "param"])

@@ -2,7 +2,8 @@
 
 - ``core``: process groups, :class:`Comm` (every collective the library issues), byte accounting,
   the teardown and the diverged-ranks guard; ``gloo_exchange``: gloo's all-gather and reduce-scatter
-  as point-to-point exchanges (mixed into :class:`Comm`).
+  as point-to-point exchanges (mixed into :class:`Comm`); ``work``: :class:`Work`, a collective in
+  flight, and its non-blocking ``is_completed()`` (a watcher thread for gloo's sends and receives).
 - ``compat``: DeepSpeed's ``deepspeed.comm`` names (``get_rank``, ``all_reduce``, ``barrier``, ...);
   its ``init_distributed`` (DeepSpeed's signature) is the one this package exports.
 """

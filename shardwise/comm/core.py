@@ -26,7 +26,6 @@ import atexit
 import datetime
 import os
 import sys
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,7 @@ from shardwise.comm.gloo_exchange import GlooExchanges
 from shardwise.comm.log import logged
 from shardwise.comm.objects import MoreCollectives
 from shardwise.comm.process import let_worker_threads_settle, quiet_progress_bars
+from shardwise.comm.work import Work, pending_works
 from shardwise.errors import UserError
 from shardwise.launch.net import address_in_use, free_port, port_taken
 
@@ -112,7 +112,6 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
 
 
 _GLOBAL_TIMEOUT = [600.0]
-_PENDING: weakref.WeakSet[Work] = weakref.WeakSet()  # collectives started and not yet waited for
 _DIVERGED = [False]  # a collective failed: the group is unusable, waiting on it could hang
 _OWN_GROUP = [False]  # init_distributed created the default group (so teardown destroys it)
 _TEARDOWN_REGISTERED = [False]
@@ -144,7 +143,7 @@ def _teardown() -> None:
     failed = getattr(sys, "last_value", None) is not None or _DIVERGED[0]
     if not failed:
         try:
-            for work in list(_PENDING):
+            for work in pending_works():
                 work.wait()
         except RanksDivergedError:
             failed = True
@@ -196,29 +195,6 @@ class CommStats:
         return out
 
 
-class Work:
-    """A pending collective (one handle or several); ``wait()`` finishes it and any copy-out."""
-
-    def __init__(self, handle, comm: Comm, kind: str, finish=None):
-        self._handles = handle if isinstance(handle, list) else ([] if handle is None else [handle])
-        self._comm, self._kind, self._finish = comm, kind, finish
-        self.on_done = None  # the comms logger's record of this collective (comm/log.py), once finished
-        if self._handles:
-            _PENDING.add(self)
-
-    def wait(self) -> None:
-        for h in self._handles:
-            self._comm._guard(self._kind, h.wait)
-        self._handles = []
-        _PENDING.discard(self)
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
-        if self.on_done is not None:
-            self.on_done, done = None, self.on_done
-            done()
-
-
 class Comm(GlooExchanges, MoreCollectives):
     """Collectives over one process group, counted into a shared :class:`CommStats` (all-to-all with
     split sizes and object collectives: ``comm/objects.py``; gloo's exchanges: ``comm/gloo_exchange.py``)."""
@@ -242,8 +218,8 @@ class Comm(GlooExchanges, MoreCollectives):
         self._emulate = self.backend == "gloo"
         self._free_buffers: dict[tuple, list[torch.Tensor]] = {}
 
-    def _work(self, handle, kind: str, finish=None) -> Work:
-        return Work(handle, self, kind, finish)
+    def _work(self, handle, kind: str, finish=None, p2p: bool = False) -> Work:
+        return Work(handle, self, kind, finish, p2p=p2p)
 
     # -- error handling -------------------------------------------------------------
     def _guard(self, kind: str, fn, *args, **kwargs):

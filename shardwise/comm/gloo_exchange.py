@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from shardwise.comm.core import Work
+    from shardwise.comm.work import Work
 
 
 class GlooExchanges:
@@ -64,7 +64,7 @@ class GlooExchanges:
             if finish is not None:
                 finish()
 
-        work = self._work(handles, "reduce_scatter", add_in_rank_order)
+        work = self._work(handles, "reduce_scatter", add_in_rank_order, p2p=True)
         if async_op:
             return work
         work.wait()
@@ -85,7 +85,7 @@ class GlooExchanges:
         for k in range(n - 1):
             handles = [self._guard("all_gather", dist.isend, chunk(r - k), nxt, group=self.group),
                        self._guard("all_gather", dist.irecv, chunk(r - k - 1), prv, group=self.group)]
-            work = self._work(handles, "all_gather")
+            work = self._work(handles, "all_gather", p2p=True)
             if k == n - 2 and async_op:
                 return work
             work.wait()

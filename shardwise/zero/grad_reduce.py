@@ -62,6 +62,10 @@ class GradReduction:
         if self.flat_grad is None:  # stage >= 2: the bucket lives only during its backward
             self._take_bucket()
             self._filled = [False] * len(self.params)
+        elif self.inflight is not None and self.policy.shard_params:
+            # stage 3: a reduction whose exchange ended after this bucket's take (the other rank was
+            # behind) finishes here, and its bucket is let go: no take is near to reuse it
+            self.inflight.finish_completed(keep=False)
         i = self._index[id(p)]
         view = self._view(self.flat_grad, self.offsets[i], p)
         if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
@@ -115,6 +119,8 @@ class GradReduction:
         if w is not None:
             self._pending.append(w)
             if self.inflight is not None:  # bound the buckets (and ring buffers) held by pending work
+                if self.policy.shard_params:  # stage 3: make_room may finish it once its exchange is over
+                    w.watch()
                 self.inflight.admit(self)
 
     def _reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> Work | None:
@@ -130,6 +136,11 @@ class GradReduction:
         for i, filled in enumerate(self._filled):
             if not filled:
                 self.flat_grad.narrow(0, self.offsets[i], self.numels[i]).zero_()
+
+    def reductions_completed(self) -> bool:
+        """Is the communication of every pending reduction over (``wait()`` would only add and hand
+        the bucket on)? Never blocks: an event query on NCCL, the watcher's mark on gloo."""
+        return all(w.is_completed() for w in self._pending)
 
     def wait(self) -> None:
         for w in self._pending:

@@ -57,6 +57,7 @@ class InflightLimit:
         self._queue: deque[Any] = deque()  # ShardedGroups
         self._free: list[torch.Tensor] = []  # finished stage >= 2 buckets, whole (not narrowed)
         self._in_use = 0  # buckets taken and not given back (filling or reducing)
+        self._keep = True  # give_bucket keeps a finished bucket for reuse (finish_completed(keep=False))
 
     @property
     def in_use(self) -> int:
@@ -84,9 +85,32 @@ class InflightLimit:
         the same order as the later wait would have (no number changes), only earlier: by the time
         a unit's first gradient arrives its predecessor's exchange has had a whole recomputed
         forward and a gradient to finish, so little overlap is lost, and a layer's bucket (2 bytes x
-        its parameters in bf16) less is held through the backward's peak."""
+        its parameters in bf16) less is held through the backward's peak. Those whose exchange is
+        already over are finished first (:meth:`finish_completed`), whatever their number, so the take
+        reuses their buckets."""
+        self.finish_completed()
         while len(self._queue) >= self.limit:
             self._queue.popleft().wait()
+
+    def finish_completed(self, keep: bool = True) -> None:
+        """Finish, oldest first, the pending reductions whose communication is already over.
+
+        Their ``wait()`` is the one that would run later (the same additions in the same order, into
+        the same buffers), so no number changes, and nothing unfinished is waited for, so no overlap
+        is lost; but their buckets are handed on now, to be reused by the bucket about to be taken,
+        instead of living beside it until ``limit`` reductions are pending. Stops at the first one
+        still exchanging: reductions finish in the order they were admitted, as ``wait()`` s do.
+
+        ``keep=False`` (a gradient hook of a bucket already filling, stage 3): the finished buckets are
+        let go instead of kept for reuse, since the next take is a whole unit's backward away and a
+        kept one would sit through this unit's peak. The rank that is ahead meets its predecessor's
+        exchange unfinished at the take (the other rank has not sent yet) and finishes it here."""
+        self._keep = keep
+        try:
+            while self._queue and self._queue[0].reductions_completed():
+                self._queue.popleft().wait()
+        finally:
+            self._keep = True
 
     def take_bucket(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D buffer of at least ``numel`` elements (uninitialized: the caller fills or zeroes it)."""
@@ -102,7 +126,7 @@ class InflightLimit:
         """Keep a finished bucket (its reduction has completed) for the next one: at most ``limit + 1``
         buckets exist, free or not (the smallest free ones go first); CPU buckets only."""
         self._in_use = max(self._in_use - 1, 0)
-        if bucket.device.type != "cpu":
+        if bucket.device.type != "cpu" or not self._keep:
             return
         self._free.append(bucket)
         while self._free and len(self._free) + self._in_use > self.limit + 1:

@@ -148,7 +148,7 @@ def quantized_reduce_scatter(comm: Comm, full: torch.Tensor, out: torch.Tensor, 
     if w is None:
         finish()
         return None
-    return Work(None, comm, "reduce_scatter", _then(w, finish))
+    return Work(None, comm, "reduce_scatter", _then(w, finish), after=w)  # done when the all-to-all is
 
 
 def _then(work: Work, fn):
