@@ -252,13 +252,12 @@ def test_generate_under_ep_gives_the_single_process_tokens(pool2, kind, stage):
 
 
 # -- shardwise train --ep -------------------------------------------------------------------
-@pytest.mark.subprocess
-def test_shardwise_train_with_ep_matches_the_run_without(tmp_path, pool2):
+def test_shardwise_train_with_ep_matches_the_run_without(tmp_path, pool2, pool1):
     """`shardwise train --ep 2` on a Mixtral config at ZeRO-3: the same losses as without EP,
     checkpoints, the sample and the hf/ export included; a dense model is refused in one line naming
-    its model type. The two runs go through the CLI's entry in the rank pool (tests/train_cases.py);
-    the refusal is the real command (its exit code and one line are the subject)."""
-    from test_train_job import _args, _losses, _train
+    its model type (exit 2). Every run goes through the CLI's entry in the rank pools (tests/train_cases.py;
+    the refusal on the world of one); tests/test_cli_errors.py holds the real command's exit and one line."""
+    from test_train_job import _args, _losses
     from train_cases import train_in
 
     cfg = moe_cases.moe_config("mixtral")
@@ -281,9 +280,9 @@ def test_shardwise_train_with_ep_matches_the_run_without(tmp_path, pool2):
         assert a[k] == pytest.approx(b[k], rel=tol), k
     assert (ep / "hf" / "config.json").is_file()
     ds1 = {**ds, "train_batch_size": 2}
-    r = _train(tmp_path, tmp_path / "dense", None, "--model", "llama-micro", "--steps", "1", "--ep", "1", ds=ds1,
-               check=False)
-    assert r.returncode == 2 and "model_type 'llama'" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    argv = _args(tmp_path, tmp_path / "dense", "--model", "llama-micro", "--steps", "1", "--ep", "1", ds=ds1)
+    [(code, _, err)] = pool1.run("train_cases:train", argv, timeout=300)
+    assert code == 2 and err.count("\n") == 1 and "model_type 'llama'" in err and "Traceback" not in err, err[-2000:]
 
 
 @pytest.mark.subprocess

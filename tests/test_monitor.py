@@ -12,9 +12,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -258,10 +256,11 @@ def test_peak_flops_table(monkeypatch):
         assert peak_flops(dtype, None)[0] == want, device
 
 
-@pytest.mark.subprocess
-def test_shardwise_train_honours_the_sections(tmp_path):
+def test_shardwise_train_honours_the_sections(tmp_path, pool1):
     """`shardwise train` (one process, output not a terminal): the engine's CSV and TensorBoard monitors
-    beside the run's own outputs, its train_loss equal to metrics.jsonl's loss, and plain progress lines."""
+    beside the run's own outputs, its train_loss equal to metrics.jsonl's loss, and plain progress lines.
+    Run through the CLI's entry on the world of one of the rank pool (tests/train_cases.py), its output
+    captured as a pipe would take it (not a terminal)."""
     from shardwise.train.outputs import read_metrics
 
     steps, out = 4, tmp_path / "run"
@@ -270,12 +269,11 @@ def test_shardwise_train_honours_the_sections(tmp_path):
           "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "train"},
           "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "train"}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    cmd = [sys.executable, "-m", "shardwise.cli", "train", "--config", str(tmp_path / "ds.json"), "--model",
-           "llama-micro", "--seq", "32", "--steps", str(steps), "--eval-every", "0", "--save-every", "0",
-           "--sample-tokens", "0", "--no-export", "--data", str(ROOT / "data" / "sonnets.txt"), "--out", str(out)]
-    res = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    argv = ["--config", str(tmp_path / "ds.json"), "--model", "llama-micro", "--seq", "32", "--steps", str(steps),
+            "--eval-every", "0", "--save-every", "0", "--sample-tokens", "0", "--no-export",
+            "--data", str(ROOT / "data" / "sonnets.txt"), "--out", str(out)]
+    [(code, stdout, stderr)] = pool1.run("train_cases:train", argv, timeout=600)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
     metrics = [m for m in read_metrics(out) if m["kind"] == "train"]
     with open(tmp_path / "csv" / "train" / "Train_Samples_train_loss.csv", newline="") as f:
         rows = list(csv.reader(f))[1:]
@@ -283,9 +281,9 @@ def test_shardwise_train_honours_the_sections(tmp_path):
     assert [float(v) for _, v in rows] == pytest.approx([m["loss"] for m in metrics], rel=1e-12)
     assert len(list((tmp_path / "tb" / "train").glob("events.out.tfevents.*"))) == 1
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # the run's own, kept
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[shardwise] step ")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("[shardwise] step ")]
     assert [ln.split(":")[0] for ln in lines] == ["[shardwise] step 2", "[shardwise] step 4"]
-    assert "\r" not in res.stderr  # no progress bar when the output is not a terminal
+    assert "\r" not in stderr  # no progress bar when the output is not a terminal
 
 
 def test_flops_profiler_alone_times_only_its_profile_step():
