@@ -31,11 +31,11 @@ TESTS = Path(__file__).resolve().parent
 # a resource made once per pytest process -> the words in a test file's source that show it uses it
 SHARED_RESOURCES = {"the shared facade launch": r"\bfacade_launch\b"}
 
-LONGEST_FILES = ("test_rank_faults.py", "test_inference.py", "test_moe.py",
-                 "test_sp_facade.py", "test_loops.py", "test_train_job.py", "test_launch.py",
-                 "test_stage3.py", "test_monitor.py", "test_gpu_check.py", "test_inference_quant.py",
-                 "test_zeropp.py", "test_sequence_parallel.py", "test_zero.py", "test_multinode.py",
-                 "test_hf_cpu_unchanged.py", "test_exports.py", "test_device_guard.py")
+LONGEST_FILES = ("test_inference.py", "test_rank_faults.py", "test_loops.py", "test_train_job.py",
+                 "test_launch.py", "test_doc_commands.py", "test_gpu_check.py", "test_stage3.py",
+                 "test_zeropp.py", "test_exports.py", "test_stage3_lean.py", "test_inference_quant.py",
+                 "test_multinode.py", "test_hf_cpu_unchanged.py", "test_device_guard.py", "test_whole_tensor.py",
+                 "test_zero.py", "test_device_guard_paths.py", "test_examples.py")
 
 
 LAST_FILES = ("test_launch_exit.py",)
