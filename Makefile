@@ -39,17 +39,21 @@ run: setup
 # tests, run once): on 2 cores one worker's waits (process starts, rendezvous, timeouts under test) are the
 # other's CPU time (docs/testing.md). Each worker keeps its own rank pools; TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
+# The suite starts some 300 interpreters (launched ranks, CLI runs): each would compile shardwise's and the
+# tests' modules again (~0.25 CPU s) where the environment says PYTHONDONTWRITEBYTECODE=1, as CI images
+# often do; so they are compiled once first, and the suite may write bytecode (pytest's rewritten tests).
+BYTECODE = $(PY) -m compileall -q -j 0 shardwise tests examples benchmarks >/dev/null && PYTHONDONTWRITEBYTECODE=
 test: setup
-	$(PY) -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
+	$(BYTECODE) $(PY) -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) --no-print-directory test-gpu; fi
 
 # the GPU tier: tests marked `gpu`, CUDA left visible (tests/conftest.py hides it from every other test)
 test-gpu: setup
-	SHARDWISE_TEST_GPU=1 $(PY) -m pytest -q -m gpu tests
+	$(BYTECODE) SHARDWISE_TEST_GPU=1 $(PY) -m pytest -q -m gpu tests
 
 # The inner loop (issue 48): one quick test per package (tests/fast_subset.py), a minute or two; CI runs `make test`.
 test-fast: setup
-	$(PY) -m pytest -q -m fast --durations=5 tests
+	$(BYTECODE) $(PY) -m pytest -q -m fast --durations=5 tests
 .PHONY: test-fast
 
 lint: setup
