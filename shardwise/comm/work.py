@@ -129,11 +129,14 @@ def _wait_one(handles: list, comm: Comm, kind: str, mark: _Watch) -> None:
     outlives the call: a gloo work holds its tensor (a gradient bucket or shard), which must not stay
     alive in this thread's frame while it sleeps on the next ``get()``.
 
-    After one failure the group is unusable (``RanksDivergedError``): later works get that error at once,
-    so the thread never sits in a wait on a dead peer while the process ends (a thread returning from
-    gloo into a finalizing interpreter aborts it)."""
-    if _FAILED:
-        mark.error = _FAILED[0]
+    After one failure its group is unusable (``RanksDivergedError``): later works on that group get the
+    error at once, so the thread never sits in a wait on a dead peer while the process ends (a thread
+    returning from gloo into a finalizing interpreter aborts it). Works on another group, such as one
+    made after the failed one was destroyed (a notebook that starts over), are waited for as usual."""
+    group = _group_of(comm)
+    failed = next((e for g, e in _FAILED if g is group), None)
+    if failed is not None:
+        mark.error = failed
         mark.done.set()
         return
     try:
@@ -141,12 +144,21 @@ def _wait_one(handles: list, comm: Comm, kind: str, mark: _Watch) -> None:
             comm._guard(kind, h.wait)  # a failure is the diverged-ranks error, raised by wait()
     except BaseException as e:  # noqa: BLE001 (handed to the waiting thread, raised there)
         mark.error = e
-        _FAILED.append(e)
+        _FAILED.append((group, e))
     mark.done.set()
 
 
+def _group_of(comm: Comm) -> object:
+    """The process group object a work runs on (``None`` in a Comm means the default group of the time)."""
+    if comm.group is not None:
+        return comm.group
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
 _WATCHER: list[_Watcher] = []
-_FAILED: list[BaseException] = []  # the first failed watched wait: the group is unusable after it
+_FAILED: list[tuple[object, BaseException]] = []  # (group, its first failed watched wait): unusable after it
 
 
 def _watcher() -> _Watcher:
