@@ -39,9 +39,9 @@ run: setup
 # tests, run once): on 2 cores one worker's waits (process starts, rendezvous, timeouts under test) are the
 # other's CPU time (docs/testing.md). Each worker keeps its own rank pools; TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-# The suite starts some 300 interpreters (launched ranks, CLI runs): each would compile shardwise's and the
-# tests' modules again (~0.25 CPU s) where the environment says PYTHONDONTWRITEBYTECODE=1, as CI images
-# often do; so they are compiled once first, and the suite may write bytecode (pytest's rewritten tests).
+# The suite starts fresh interpreters (launched ranks, CLI runs): each would compile shardwise's and the
+# tests' modules again (~0.2 CPU s measured) where the environment says PYTHONDONTWRITEBYTECODE=1 (this
+# machine's does); so they are compiled once first, and the suite may write bytecode (pytest's rewritten tests).
 BYTECODE = $(PY) -m compileall -q -j 0 shardwise tests examples benchmarks >/dev/null && PYTHONDONTWRITEBYTECODE=
 test: setup
 	$(BYTECODE) $(PY) -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
