@@ -155,14 +155,13 @@ class RankPool:
     starts = 0
     start_s = 0.0
 
-    def __init__(self, world: int, timeout_s: float = 120.0, warm: bool = False, fresh_interpreter: bool = False):
+    def __init__(self, world: int, timeout_s: float = 120.0, warm: bool = False):
         self.world = world
         self.timeout_s = timeout_s
         self.warm = warm  # the session's pools pre-import what cases need (see _warm_imports)
         # ranks are forked from the suite's forkserver, its imports done (tests/fresh_ranks.py): a start
-        # costs a fork and the rendezvous, not ~4.5 CPU s of imports a rank; a new interpreter per rank
-        # only where the case needs one (an environment read at process start, e.g. glibc's malloc knobs)
-        self.fresh_interpreter = fresh_interpreter
+        # costs a fork and the rendezvous, not ~4.5 CPU s of imports a rank (what a process would read
+        # from its environment at start, a case sets itself: glibc's mmap threshold with mallopt)
         self.started = False
         self.procs: list[Any] = []
         self._start()
@@ -170,7 +169,7 @@ class RankPool:
     def _start(self) -> None:
         self._t0 = time.perf_counter()
         self._joined = False
-        ctx = mp.get_context("spawn") if self.fresh_interpreter else fresh_ranks.context()
+        ctx = fresh_ranks.context()
         port = free_port()
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.outbox = ctx.Queue()
@@ -252,10 +251,9 @@ class RankPool:
         self.procs = []
 
 
-def run_fresh(world: int, target: str, *args: Any, timeout_s: float = 60.0, fresh_interpreter: bool = False,
-              **kwargs: Any) -> list[Any]:
-    """Run on a pool of its own, closed afterwards (for tests that break the group)."""
-    pool = RankPool(world, timeout_s=timeout_s, fresh_interpreter=fresh_interpreter)
+def run_fresh(world: int, target: str, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> list[Any]:
+    """Run on a pool of its own, closed afterwards (for tests that break the group or need new processes)."""
+    pool = RankPool(world, timeout_s=timeout_s)
     try:
         return pool.run(target, *args, **kwargs)
     finally:

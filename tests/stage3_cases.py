@@ -104,10 +104,17 @@ def reference_frozen() -> dict:
     return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def build_under_init_peak(layers: int, hidden: int) -> dict:
-    """Peak RSS growth while building and sharding a from_config model under zero.Init."""
+def build_under_init_peak(layers: int, hidden: int, mmap_threshold: int | None = None) -> dict:
+    """Peak RSS growth while building and sharding a from_config model under zero.Init.
+
+    ``mmap_threshold``: glibc's mmap threshold, set first with ``mallopt`` (what the environment
+    variable ``MALLOC_MMAP_THRESHOLD_`` sets when a process starts; a forked rank has started)."""
+    import ctypes
     import gc
     import resource
+
+    if mmap_threshold is not None:
+        assert ctypes.CDLL("libc.so.6").mallopt(-3, mmap_threshold) == 1  # -3: M_MMAP_THRESHOLD
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 

@@ -1,15 +1,13 @@
 """Every model folder shardwise writes runs under `shardwise generate`: train's hf/, consolidate's output
 (given the run folder itself) and quantize's copy carry the tokenizer and generation config the run
 trained with. One world-1 run of a few steps (in a rank pool), then the commands in process; the
-2-rank fine-tune of the export is launched as a user launches it (its subject is the launch's output).
+2-rank fine-tune of the export runs in the 2-rank pool (its subject is what each rank prints).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -95,19 +93,19 @@ def test_consolidate_names_the_folder_to_pass(run: Path, tmp_path: Path, capsys:
         (run / "checkpoints" / "latest.bak").rename(run / "checkpoints" / "latest")
 
 
-@pytest.mark.subprocess
-def test_only_rank_0_shows_the_loading_bar(run: Path, tmp_path: Path) -> None:
-    """Fine-tuning the export on 2 ranks: transformers' "Loading weights" bar once, not once per rank."""
+def test_only_rank_0_shows_the_loading_bar(run: Path, tmp_path: Path, pool2: RankPool) -> None:
+    """Fine-tuning the export on 2 ranks: transformers' "Loading weights" bar once, not once per rank.
+
+    Each rank's own output is checked (in the pool, as `shardwise train` runs on each rank of a
+    launch): rank 0 shows the bar once, rank 1 not at all, so a launch's merged output has it once."""
     (tmp_path / "ds.json").write_text(json.dumps(DS))
-    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", "--", "train", "--config",
-           str(tmp_path / "ds.json"), "--model", str(run / "hf"), "--seq", "64", "--steps", "1", "--eval-every", "0",
-           "--sample-tokens", "0", "--no-export", "--out", str(tmp_path / "ft")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-2000:]
-    assert log.count("Loading weights: 100%") == 1, log[-2000:]
-    assert "communication per rank: " in log and "iB" in log.split("communication per rank: ")[1].split("\n")[0]
+    argv = ["--config", str(tmp_path / "ds.json"), "--model", str(run / "hf"), "--seq", "64", "--steps", "1",
+            "--eval-every", "0", "--sample-tokens", "0", "--no-export", "--out", str(tmp_path / "ft")]
+    answers = pool2.run("train_cases:train", argv)
+    logs = [stdout + stderr for _, stdout, stderr in answers]
+    assert [code for code, _, _ in answers] == [0, 0], logs
+    assert [log.count("Loading weights: 100%") for log in logs] == [1, 0], logs
+    assert "communication per rank: " in logs[0] and "iB" in logs[0].split("communication per rank: ")[1].split("\n")[0]
 
 
 def test_generate_names_a_missing_tokenizer(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -160,9 +160,21 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=300, cwd=ROOT)
 
 
-@pytest.mark.parametrize("extra", [["--offload", "disk", "--threads", "2", "--verbose"], ["--nproc", "2"]])
-@pytest.mark.subprocess
-def test_cli_streams_greedy_tokens(tmp_path, extra):
+def _cli_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """The command's own entry in this process (torch's thread count put back after it, as it does)."""
+    from shardwise.cli import generate as generate_cli
+
+    capsys.readouterr()
+    code = generate_cli.main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["shardwise", "generate", *args], code, out.out, out.err)
+
+
+@pytest.mark.parametrize("extra", [["--offload", "disk", "--threads", "2", "--verbose"],
+                                   pytest.param(["--nproc", "2"], marks=pytest.mark.subprocess)])
+def test_cli_streams_greedy_tokens(tmp_path, extra, capsys):
+    """One process streams from disk (the command's entry, here); ``--nproc 2`` starts its ranks (a real
+    command: the launch is its subject)."""
     save_tiny("llama", str(tmp_path))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,13 +183,16 @@ def test_cli_streams_greedy_tokens(tmp_path, extra):
     with torch.no_grad():
         want = AutoModelForCausalLM.from_pretrained(str(tmp_path)).generate(ids, max_new_tokens=6, do_sample=False,
                                                                             pad_token_id=0)
-    res = _cli("--model", str(tmp_path), "--prompt", "w1 w2 w3", "--max-new-tokens", "6", *extra)
+    args = ("--model", str(tmp_path), "--prompt", "w1 w2 w3", "--max-new-tokens", "6", *extra)
+    threads = torch.get_num_threads()
+    res = _cli(*args) if "--nproc" in extra else _cli_here(capsys, *args)
+    assert torch.get_num_threads() == threads  # --threads 2 is the command's, not left to the caller
     assert res.returncode == 0, res.stderr[-3000:]
     assert tok.decode(want[0]) in res.stdout
     assert "tokens/s" in res.stdout and "peak memory" in res.stdout
     if extra[0] == "--offload":  # streamed: the loading progress line and the bytes read per token
         assert "loading: 3/3 units" in res.stderr and "MiB read per token" in res.stdout
-        assert "; 2 compute threads;" in res.stdout  # --threads 2 over the OMP_NUM_THREADS=1 of _cli
+        assert "; 2 compute threads;" in res.stdout  # --threads 2 over the suite's OMP_NUM_THREADS=1
         bound = next(line for line in res.stdout.splitlines() if "memory bound" in line)  # --verbose
         for term in ("root", "pool", "kv_cache", "activations", "allocator_slack", "measured peak"):
             assert term in bound, bound

@@ -7,8 +7,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -261,17 +259,17 @@ def test_perplexity_of_trained_model(tmp_path):
         assert abs(ppl / base - 1) <= tol, (bits, ppl, base)
 
 
-@pytest.mark.subprocess
-def test_quantize_cli_then_generate(folders, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+def test_quantize_cli_then_generate(folders, tmp_path, capsys):
+    """The two commands' own entries (``shardwise quantize``, then ``shardwise generate`` on its output),
+    in this process: what they write and print; their exit codes as the OS sees them and one-line
+    errors are tests/test_cli_errors.py's."""
+    from shardwise.cli import generate as generate_cli
+    from shardwise.cli import quantize as quantize_cli
+
     dst = str(tmp_path / "q4")
-    res = subprocess.run([sys.executable, "-m", "shardwise.cli", "quantize", folders["plain"], dst, "--bits", "4",
-                          "--group-size", str(GROUP)], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "4 bits" in res.stdout
-    res = subprocess.run([sys.executable, "-m", "shardwise.cli", "generate", "--model", dst, "--prompt", "w1 w2",
-                          "--max-new-tokens", "4", "--offload", "disk"], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "tokens/s" in res.stdout and "read per token" in res.stdout and "peak memory" in res.stdout
+    assert quantize_cli.main([folders["plain"], dst, "--bits", "4", "--group-size", str(GROUP)]) == 0
+    assert "4 bits" in capsys.readouterr().out
+    assert generate_cli.main(["--model", dst, "--prompt", "w1 w2", "--max-new-tokens", "4", "--offload", "disk"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "read per token" in out and "peak memory" in out, out
     # (bad arguments: tests/test_cli_errors.py, in one process with the other CLI errors)

@@ -118,8 +118,10 @@ def wire_ratio(bits: int, element_size: int) -> float:
 
 
 def test_sonnets_loss_and_bytes(pool2):
-    """Stage 3 with qwZ + qgZ (int8) against the exact run: same batches, 200 steps (~15 s each here)."""
-    steps, lr = 200, 2e-3
+    """Stage 3 with qwZ + qgZ (int8) against the exact run: same batches, 100 steps. Measured (AMD EPYC,
+    2026-12-05): the exact run's last 20 losses average 0.41 of its first (0.34 at 200 steps) and the
+    quantized run's are within 0.04% of them (0.3% at 200 steps), against the 1% bound."""
+    steps, lr = 100, 2e-3
     exact = pool2.run("zeropp_cases:train_sonnets", sonnets_config(3, 8, lr), steps)
     quant = pool2.run("zeropp_cases:train_sonnets", sonnets_config(3, 8, lr, zero_quantized_weights=True,
                                                                    zero_quantized_gradients=True), steps)
