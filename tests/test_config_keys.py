@@ -277,19 +277,15 @@ def test_refused_table_rows_are_reachable():
 
 @pytest.mark.subprocess
 def test_initialize_applies_the_timeout_key(tmp_path):
-    """A fresh process: shardwise.initialize joins the job with shardwise.timeout_s as its timeout."""
-    script = (
-        "import torch, shardwise, torch.distributed as dist\n"
-        "from shardwise.comm.core import _GLOBAL_TIMEOUT\n"
-        "cfg = {'shardwise': {'timeout_s': 42}, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}}\n"
-        "shardwise.initialize(model=torch.nn.Linear(2, 2), config=cfg)\n"
-        "print(_GLOBAL_TIMEOUT[0])\n"
-        "dist.destroy_process_group()\n")
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "SHARDWISE_TIMEOUT": "77",
-           "PYTHONPATH": str(Path(__file__).parent.parent)}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "42.0"
+    """A process of its own (forked after the imports, tests/fresh_ranks.py; no group, no launcher's
+    environment): shardwise.initialize joins a world of one with shardwise.timeout_s as its timeout,
+    over SHARDWISE_TIMEOUT."""
+    import fresh_ranks
+
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "SHARDWISE_TIMEOUT": "77"}
+    rank = fresh_ranks.start("process_cases:timeout_key_applied", [], env, tmp_path / "rank")
+    assert rank.wait(timeout=120) == 0, rank.communicate()[1][-2000:]
+    assert rank.communicate()[0].strip().splitlines()[-1] == "42.0"
 
 
 @pytest.mark.parametrize("config,world,words", [

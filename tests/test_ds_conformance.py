@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from shardwise.launch.net import free_port
 from shardwise.utils import (
     get_z3_leaf_modules,
     set_z3_leaf_modules_by_name,
@@ -92,20 +93,17 @@ def test_zero_init_refuses_a_custom_init_it_would_lose():
 @pytest.mark.subprocess
 def test_zero_init_joins_the_launched_job(tmp_path):
     """DeepSpeed's zero.Init initializes torch.distributed when the launcher's environment is set
-    (scripts ask for ranks inside it); shardwise joins the job the same way."""
+    (scripts ask for ranks inside it); shardwise joins the job the same way. A process of its own,
+    forked after the imports (tests/fresh_ranks.py), with no group until zero.Init makes one."""
     import os
-    import subprocess
-    import sys
 
-    code = ("import torch.distributed as d, shardwise\n"
-            "assert not d.is_initialized()\n"
-            "with shardwise.zero.Init():\n"
-            "    print(d.is_initialized(), d.get_world_size())\n")
+    import fresh_ranks
+
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(29000 + os.getpid() % 1000))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "1"]
+               MASTER_PORT=str(free_port()))
+    rank = fresh_ranks.start("process_cases:zero_init_joins_the_job", [], env, tmp_path / "rank0")
+    assert rank.wait(timeout=120) == 0, rank.communicate()[1][-2000:]
+    assert rank.communicate()[0].split() == ["True", "1"]
 
 
 def test_version_attributes():
