@@ -14,12 +14,11 @@ Two rules, ordering and grouping only (every test runs, each exactly once):
   quiet cores), are handed out first, so the run does not end with one worker busy on a long file
   while the other waits. xdist's own reordering (by a file's number of tests) would undo it:
   `make test` passes `--no-loadscope-reorder`.
-* **The files that load every core by themselves go last** (`LAST_FILES`): tests/test_launch_exit.py
-  and tests/test_launch_exit_load.py run 2-rank launches side by side (the load their abort
-  needed), the second with a busy loop. Beside a pool test they tripled that test's wall time (a
-  `torch.compile` case: 9 s alone, 31 s beside it). They were one file, run last on one worker for
-  58 s while the other had ended (a timeline of a whole run, 2026-12-05); as two files, the last two
-  handed out, each worker takes one as it ends its other work.
+* **The file that loads every core by itself goes last** (`LAST_FILES`): tests/test_launch_exit.py
+  runs its 2-rank launches side by side with a busy loop (the load its abort needed). Beside a pool
+  test it tripled that test's wall time (a `torch.compile` case: 9 s alone, 31 s beside it); last, it
+  fills the cores the other worker leaves as the run ends. (Split in two files, both went to the
+  same worker one after the other: xdist hands a worker its next file while it runs one.)
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ LONGEST_FILES = ("test_inference.py", "test_rank_faults.py", "test_loops.py", "t
                  "test_zero.py", "test_device_guard_paths.py", "test_examples.py")
 
 
-LAST_FILES = ("test_launch_exit_load.py", "test_launch_exit.py")
+LAST_FILES = ("test_launch_exit.py",)
 
 
 @functools.cache
