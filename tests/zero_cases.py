@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import torch
 import torch.distributed as dist
 from tiny_models import batches, build
@@ -115,7 +118,20 @@ def reference(kind: str, config: dict, world: int = 2, steps: int = 3, seq: int 
     orders) and the result carries ``noise`` (how far those exact-arithmetic-equal runs landed
     from it) and ``tol``, the bound derived from it (tests/tolerance.py), so the bound follows
     the CPU's kernels instead of one machine's.
+
+    The run reads only the batch, accumulation and clipping keys of ``config`` (not the stage), so
+    it is made once per test process for those (26 of a run's 59 calls were the same one) and each
+    caller gets a copy of its own.
     """
+    keys = (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config.get("gradient_clipping", 0.0))
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG as it was, made now or before
+        return copy.deepcopy(_reference(kind, *keys, world, steps, seq, noise))
+
+
+@functools.cache
+def _reference(kind: str, micro: int, gas: int, clip: float, world: int, steps: int, seq: int, noise: bool) -> dict:
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": clip}
     ref = _reference_run(kind, config, world, steps, seq, chunks=None)
     if noise:
         rows = config["train_micro_batch_size_per_gpu"] * world
