@@ -27,3 +27,24 @@ def timeout_key_applied(argv: list[str]) -> None:
     shardwise.initialize(model=torch.nn.Linear(2, 2), config=cfg)
     print(_GLOBAL_TIMEOUT[0])
     dist.destroy_process_group()
+
+
+def tokenize_peak_growth(argv: list[str]) -> None:
+    """Tokenize SOURCE into CACHE (argv) with the byte tokenizer; print the peak RSS growth in MiB.
+
+    The peak is reset to the current RSS first (``/proc/self/clear_refs``), so what a forked process
+    shares with its server is the baseline, as the imports are a new interpreter's."""
+    from pathlib import Path
+
+    from shardwise.train.data import list_sources, tokenize_to_cache
+    from shardwise.train.model import ByteTokenizer
+
+    def field_kib(name: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(name + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = field_kib("VmHWM")
+    tokenize_to_cache(list_sources(argv[0]), ByteTokenizer(), Path(argv[1]))
+    print((field_kib("VmHWM") - before) / 1024)

@@ -13,11 +13,10 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from argparse import Namespace
 from pathlib import Path
 
+import fresh_ranks
 import numpy as np
 import pytest
 import torch.distributed as dist
@@ -308,21 +307,17 @@ def test_streamed_tokens_equal_whole_document_tokens(tmp_path, monkeypatch, kind
 
 @pytest.mark.subprocess
 def test_tokenizing_a_50mb_line_is_bounded_by_a_chunk(tmp_path):
-    """Peak RSS growth of tokenizing one 48 MB line (byte tokenizer) in a fresh process; before the
-    change it grew by 16x the file (a Python list of ints), now by a few chunks."""
+    """Peak RSS growth of tokenizing one 48 MB line (byte tokenizer) in a process of its own (forked
+    after the imports, tests/fresh_ranks.py); before the change it grew by 16x the file (a Python list
+    of ints), now by a few chunks."""
     big = tmp_path / "big.txt"
     with big.open("w") as f:
         for _ in range(48):
             f.write("lorem ipsum dolor sit amet " * 38836)  # 1 MiB of one line
-    code = ("import resource, sys; from pathlib import Path\n"
-            "from shardwise.train.data import tokenize_to_cache, list_sources\n"
-            "from shardwise.train.model import ByteTokenizer\n"
-            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            "tokenize_to_cache(list_sources(sys.argv[1]), ByteTokenizer(), Path(sys.argv[2]))\n"
-            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", code, str(big), str(tmp_path / "cache")], capture_output=True,
-                         text=True, env=env, timeout=300, check=True)
-    growth_mib = float(res.stdout.strip())
+    rank = fresh_ranks.start("process_cases:tokenize_peak_growth", [str(big), str(tmp_path / "cache")],
+                             {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path / "proc")
+    assert rank.wait(timeout=300) == 0, rank.communicate()[1][-2000:]
+    out = rank.communicate()[0]
+    growth_mib = float(out.strip().splitlines()[-1])
     assert growth_mib < 100, f"tokenizing a 48 MiB line grew RSS by {growth_mib:.0f} MiB"
     assert os.path.getsize(next((tmp_path / "cache").glob("*.bin"))) == 2 * (big.stat().st_size + 1)

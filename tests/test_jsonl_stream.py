@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import fresh_ranks
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -103,24 +102,20 @@ def test_messages_name_the_line(tmp_path):
 @pytest.mark.subprocess
 def test_a_48mb_record_is_read_in_bounded_memory(tmp_path):
     """Peak RSS growth of tokenizing a JSONL file whose one record holds 48 MiB of text (escapes
-    included), byte tokenizer, in a fresh process: before, json.loads of the line and the whole
-    string grew it by about 12x the record; now a few chunks."""
+    included), byte tokenizer, in a process of its own (forked after the imports,
+    tests/fresh_ranks.py): before, json.loads of the line and the whole string grew it by about 12x
+    the record; now a few chunks."""
     big = tmp_path / "big.jsonl"
     with big.open("w") as f:
         f.write('{"id": 1, "text": "')
         for _ in range(48):
             f.write("lorem ipsum \\\"dolor\\\" sit\\n amet " * 29959)  # 1 MiB of escaped text
         f.write('", "meta": {"x": [1, 2]}}\n{"text": "end"}\n')
-    code = ("import resource, sys; from pathlib import Path\n"
-            "from shardwise.train.data import tokenize_to_cache, list_sources\n"
-            "from shardwise.train.model import ByteTokenizer\n"
-            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            "meta = tokenize_to_cache(list_sources(sys.argv[1]), ByteTokenizer(), Path(sys.argv[2]))\n"
-            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", code, str(big), str(tmp_path / "cache")], capture_output=True,
-                         text=True, env=env, timeout=300, check=True)
-    growth_mib = float(res.stdout.strip())
+    rank = fresh_ranks.start("process_cases:tokenize_peak_growth", [str(big), str(tmp_path / "cache")],
+                             {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path / "proc")
+    assert rank.wait(timeout=300) == 0, rank.communicate()[1][-2000:]
+    out = rank.communicate()[0]
+    growth_mib = float(out.strip().splitlines()[-1])
     print(f"[measured] 48 MiB JSONL record: peak RSS growth {growth_mib:.0f} MiB")
     assert growth_mib < 100, f"tokenizing a 48 MiB record grew RSS by {growth_mib:.0f} MiB"
     text_chars = 48 * 29959 * len("lorem ipsum \"dolor\" sit\n amet ")
