@@ -11,8 +11,9 @@ during finalization, caught in gdb); after an unhandled exception it ends the pr
 Both tests' jobs run at the same time (the module's ``jobs``): the DeepSpeed example's saving run
 beside the TP, ZeRO-2 and failing scripts, then its resumes as soon as the checkpoint is written, all
 beside a busy loop. Together they are the CPU load the abort needed (two ranks a job on 2 cores), and
-the file takes the time of the CPU it needs: 43 s alone on 2 quiet cores, where the two tests one
-after the other took 42 and 20 s at the end of a whole run (2026-12-05, AMD EPYC).
+the file takes the time of the CPU it needs (88 CPU s): 39-45 s alone on 2 quiet cores in four runs,
+where the two tests one after the other took 42 and 20 s at the end of a whole run (2026-12-05, AMD
+EPYC; in a whole run it now shares those cores with the other worker's last files).
 """
 
 from __future__ import annotations
