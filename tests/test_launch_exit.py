@@ -78,21 +78,25 @@ def jobs(tmp_path_factory) -> dict[str, list[subprocess.CompletedProcess]]:
     ckpt = tmp_path_factory.mktemp("exit_ckpt")
     example = [sys.executable, "-m", "shardwise.cli", "launch", "--nproc", "2", str(EXAMPLE / "checkpoint_resume.py"),
                "--deepspeed_config", str(EXAMPLE / "ds_config.json"), "--ckpt_dir", str(ckpt)]
+    started: list[subprocess.Popen] = []  # every job, so that a timeout or an error kills them all
+
+    def start(cmd: list[str]) -> subprocess.Popen:
+        started.append(_start(cmd))
+        return started[-1]
+
     burner = subprocess.Popen([sys.executable, "-c", IDLE_LOOP], start_new_session=True)
-    procs = []
     try:
-        procs = [_start(_torchrun("tp" if i % 2 == 0 else "zero")) for i in range(RUNS)] + [_start(_torchrun("error"))]
-        save = _finish(_start(example + ["--save_at", "3"]))  # the resumes only read what it wrote
-        procs += [_start(example + ["--resume"]) for _ in range(RUNS)]
-        done = [_finish(p) for p in procs]
+        scripts = [start(_torchrun("tp" if i % 2 == 0 else "zero")) for i in range(RUNS)] + [start(_torchrun("error"))]
+        save = _finish(start(example + ["--save_at", "3"]))  # the resumes only read what it wrote
+        resumes = [start(example + ["--resume"]) for _ in range(RUNS)]
+        return {"scripts": [_finish(p) for p in scripts], "example": [save] + [_finish(p) for p in resumes]}
     finally:
         burner.kill()
         burner.wait()
-        for p in procs:
+        for p in started:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return {"scripts": done[:RUNS + 1], "example": [save] + done[RUNS + 1:]}
 
 
 @pytest.mark.subprocess
