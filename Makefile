@@ -61,6 +61,6 @@ lint: setup
 
 bench: setup
 	$(PY) -m pip install -q deepspeed==0.19.8
-	$(PY) benchmarks/bench_zero.py
+	$(PY) benchmarks/zero/bench_zero.py
 
 .PHONY: setup run test test-gpu lint bench

@@ -170,7 +170,7 @@ def forked_runs(jobs: list[tuple[str, str]], runs: int, new_tokens: int = 2) -> 
     once instead of once per run. Such a child starts with fewer library pages mapped than a fresh
     interpreter has after the same imports (fork shares file pages lazily), so what it touches
     again counts as growth: 7-10 MB more excess per run than fresh processes on the AMD machine
-    (``benchmarks/bench_inference.py --memory-runs 3``), a stricter figure for the same bound."""
+    (``benchmarks/inference/bench_inference.py --memory-runs 3``), a stricter figure for the same bound."""
     import fresh_ranks
 
     ctx = fresh_ranks.context()  # the suite's forkserver (its preload includes the imports above)

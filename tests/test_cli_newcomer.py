@@ -35,7 +35,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.subprocess
 def test_every_subcommand_help_imports_no_torch() -> None:
-    """The help of each subcommand comes from a torch-free parser (timing: benchmarks/bench_help.py)."""
+    """The help of each subcommand comes from a torch-free parser (timing: benchmarks/cli/bench_help.py)."""
     code = ("import sys, contextlib, io\nfrom shardwise.cli import command as cli\n"
             "for cmd in ['train', 'estimate', 'consolidate', 'generate', 'quantize', 'env', 'launch']:\n"
             "    buf = io.StringIO()\n"

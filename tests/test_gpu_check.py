@@ -74,12 +74,12 @@ def test_smoke_writes_json_and_markdown(tmp_path):
 @pytest.mark.subprocess
 def test_section_in_its_own_process_reports_back(tmp_path):
     sys.path.insert(0, BENCH)
-    import gpu_check
+    from gpu.check import run_section
 
-    out = gpu_check.run_section("offload_bandwidth", True, 300, str(tmp_path))
+    out = run_section("offload_bandwidth", True, 300, str(tmp_path))
     want = "skipped" if not torch.cuda.is_available() else "ok"
     assert out["status"] == want, out
-    assert gpu_check.run_section("stages", True, 1, str(tmp_path))["status"] == "skipped"  # no time left
+    assert run_section("stages", True, 1, str(tmp_path))["status"] == "skipped"  # no time left
 
 
 def _h200_report() -> dict:
@@ -102,7 +102,7 @@ def _h200_report() -> dict:
 
 def test_goals_read_the_numbers_and_never_count_the_missing_as_met():
     sys.path.insert(0, BENCH)
-    from gpu_check_goals import goals, markdown_lines
+    from gpu.goals import goals, markdown_lines
 
     rows = goals(_h200_report())
     met = {r["goal"].split(" (")[0]: r["met"] for r in rows}
@@ -122,7 +122,7 @@ def test_precision_goals_read_the_gpu_peaks():
     """Goals 8 and 9 from a precision section's peaks: ZeRO-3 against FSDP2 per policy, and each bf16-state
     mode's ratio to fp32 masters against DeepSpeed's 18.93 / 31.38; a missing run leaves a goal unmeasured."""
     sys.path.insert(0, BENCH)
-    from gpu_check_goals import goals
+    from gpu.goals import goals
 
     peaks = {"fp32-masters": 15.0, "fsdp2-fp32-params": 15.5, "bf16-states-kahan": 9.3,
              "bf16-states-stochastic": 7.9, "bf16-states-nearest": 7.9, "fsdp2-bf16-params": 8.0}
@@ -142,7 +142,8 @@ def test_precision_goals_read_the_gpu_peaks():
 @pytest.mark.subprocess
 def test_bench_offload_smoke(tmp_path):
     out = tmp_path / "offload.json"
-    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_offload.py"), "--smoke", "--out", str(out)],
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "offload", "bench_offload.py"), "--smoke", "--out",
+                          str(out)],
                          capture_output=True, text=True, env=_env(), timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -159,8 +160,9 @@ def test_mfu_counts_as_the_h200_report_did():
     """The MFU formula on the 0.95B Llama: torch's autocast baseline at micro 8 x 1024 stepped in 0.151 s
     on the H200, reported there as 31.3% of 989 TFLOP/s; the same count here gives the same within 0.5%."""
     sys.path.insert(0, BENCH)
-    from gpu_check_common import MODEL_1B, llama
-    from gpu_check_perf import PEAK_BF16, model_flops_per_step, peak_flops, summarize_steps
+    from common.models import llama
+    from gpu.common import MODEL_1B
+    from gpu.perf import PEAK_BF16, model_flops_per_step, peak_flops, summarize_steps
 
     model = llama(MODEL_1B, "meta")
     assert abs(model_flops_per_step(model, MODEL_1B, 8, 1024) / 0.151 / PEAK_BF16["H200"] - 0.313) < 0.005

@@ -1,7 +1,7 @@
 """Compatibility names for the benchmarks: the main job itself lives in :mod:`shardwise.train`.
 
 ``build_model(preset, seq, seed)`` and ``ByteTextDataset`` keep the byte-level presets the
-benchmarks train (``benchmarks/bench_zero.py``), built exactly as before.
+benchmarks train (``benchmarks/zero/bench_zero.py``), built exactly as before.
 """
 
 from __future__ import annotations

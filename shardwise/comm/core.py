@@ -12,7 +12,7 @@ broadcast its tensor.
 The physical algorithm is chosen per backend. gloo's all-gather and
 reduce-scatter are slower than its all-reduce of the same full buffer, so on
 gloo both are a ring of point-to-point exchanges of shard-sized chunks (N-1
-steps). Measured here by ``benchmarks/bench_collectives.py`` (2 ranks, 64 MiB
+steps). Measured here by ``benchmarks/machine/bench_collectives.py`` (2 ranks, 64 MiB
 fp32, quiet machine): gloo all_reduce 58 ms, all_gather 97 ms, reduce_scatter
 99 ms; ring all-gather 20 ms, ring reduce-scatter 54 ms. NCCL uses the native
 collectives. The gloo reduce-scatter is now a direct exchange that adds the ranks' chunks in rank

@@ -81,7 +81,7 @@ def pairs_into(out: torch.Tensor, scales: torch.Tensor) -> bool:
 
     A bf16 (scale, 0) pair read as one little-endian int32 is the scale's 16 bits zero-extended, so
     widening the bits (uint16 to int32) makes the pairs: 0.5-1.2 ms a token on the reader thread
-    against 1.6-2.6 for a strided copy, a zero and a copy (``benchmarks/bench_stream_reads.py``)."""
+    against 1.6-2.6 for a strided copy, a zero and a copy (``benchmarks/inference/bench_stream_reads.py``)."""
     if not (_LITTLE_ENDIAN and out.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16
             and out.is_contiguous() and out.storage_offset() % 2 == 0 and out.numel() == 2 * scales.numel()):
         return False

@@ -59,7 +59,7 @@ def in_file_order(reader: Reader, params: Sequence[torch.Tensor], segments: Sequ
     start)`` (one reading files); else as given. safetensors stores tensors sorted by name, so a
     layer read in the model's order jumps back and forth and defeats the kernel's readahead (cold
     int4 layers: 116-155 ms in model order, 39-66 ms in file order, for the same 128 reads of
-    54.6 MB: ``benchmarks/bench_stream_reads.py``). The segments fill disjoint ranges, so the
+    54.6 MB: ``benchmarks/inference/bench_stream_reads.py``). The segments fill disjoint ranges, so the
     order changes nothing else."""
     position = getattr(reader, "position", None)
     if position is None:

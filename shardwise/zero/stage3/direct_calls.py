@@ -21,7 +21,7 @@ sharded parameters gets a pre/post hook pair that makes such a call an *entry*:
 Why the whole-model step costs nothing more: the hooks' first statement returns when a forward
 is already gathering (the fetcher's running stack is not empty, or the model is gathered whole),
 which is the case for every module call inside the model's forward. What remains is PyTorch's
-per-call hook dispatch (about a microsecond per module call on CPU); ``benchmarks/bench_direct_calls.py``
+per-call hook dispatch (about a microsecond per module call on CPU); ``benchmarks/zero/bench_direct_calls.py``
 measures the step with and without these hooks, figures in ``docs/architecture.md``. The
 nested-path check is plain Python on the fetcher's state, so dynamo traces it inside compiled
 layers (no graph break); the work of an entry runs eagerly (``eager_hook``).
