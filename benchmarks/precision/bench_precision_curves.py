@@ -14,20 +14,20 @@ the master mode (docs/precision.md):
     PYTHONPATH=. .venv/bin/python benchmarks/precision/bench_precision_curves.py --steps 80 --out runs/precision
     PYTHONPATH=. .venv/bin/python benchmarks/precision/bench_precision_curves.py --steps 80 --lr 3e-4 \
         --modes fp32,bf16-nearest,bf16-kahan,bf16-stochastic --out runs/precision-lr3e-4 \
-        --json benchmarks/results/precision_curves_lr3e-4.json --plot docs/precision_loss_lr3e-4.png
+        --json benchmarks/results/precision_curves_lr3e-4.json --plot docs/figures/precision_loss_lr3e-4.png
     PYTHONPATH=. .venv/bin/python benchmarks/precision/bench_precision_curves.py \
         --model benchmarks/models/llama-0.1b.json \
         --steps 200 --seq 64 --batch 2 --micro-batch 1 --lr 3e-4 --eval-every 25 \
         --modes fp32,bf16-kahan,bf16-stochastic,bf16-nearest --out runs/precision-0.1b \
-        --json benchmarks/results/precision_curves_0.1b.json --plot docs/precision_loss_0.1b.png
+        --json benchmarks/results/precision_curves_0.1b.json --plot docs/figures/precision_loss_0.1b.png
     PYTHONPATH=. .venv/bin/python benchmarks/precision/bench_precision_curves.py --replot --smooth 10 \
-        --json benchmarks/results/precision_curves_0.1b.json --plot docs/precision_loss_0.1b.png
+        --json benchmarks/results/precision_curves_0.1b.json --plot docs/figures/precision_loss_0.1b.png
 
 (the third: a 101M-parameter Llama from ``benchmarks/models/llama-0.1b.json``, byte vocabulary, global
 batch 2 of 64 tokens, sized for a shared 2-core CPU).
 
 writes ``benchmarks/results/precision_curves.json`` (every run's train and eval losses, the final
-gaps) and ``docs/precision_loss.png``. Each run is ``shardwise launch --nproc 2 -- train ...`` with the
+gaps) and ``docs/figures/precision_loss.png``. Each run is ``shardwise launch --nproc 2 -- train ...`` with the
 command line recorded in the JSON.
 """
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=10, help="steps between held-out evals (sonnets: 10)")
     p.add_argument("--tail", type=int, default=10, help="final train loss: the mean of this many last steps")
     p.add_argument("--json", default="benchmarks/results/precision_curves.json")
-    p.add_argument("--plot", default="docs/precision_loss.png")
+    p.add_argument("--plot", default="docs/figures/precision_loss.png")
     p.add_argument("--smooth", type=int, default=1, help="the plot's train loss: a trailing mean over N steps")
     p.add_argument("--replot", action="store_true", help="no runs: the plot again from --json's curves")
     args = p.parse_args(argv)

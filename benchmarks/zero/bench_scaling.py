@@ -7,8 +7,8 @@ For every (size, ranks) cell it runs ``bench_zero.py`` once with ``--repeats`` r
 cell the modes run round-robin (ddp, sw1, ..., then again), so load from other jobs spreads over
 every mode alike; each mode's figure is the median of its rounds' medians, and ``spread`` is
 (slowest round / fastest round - 1). Writes ``benchmarks/results/scaling.json``,
-``docs/benchmarks_scaling.md`` (the date, CPU model, command, the table, per-round figures) and
-``docs/scaling_ratio.png`` (step-time ratio to DDP against parameters, one line per mode and ranks;
+``docs/results/benchmarks_scaling.md`` (the date, CPU model, command, the table, per-round figures) and
+``docs/figures/scaling_ratio.png`` (step-time ratio to DDP against parameters, one line per mode and ranks;
 needs matplotlib). With more ranks than cores a rank waits for a core, so the times of those cells
 say little: the table marks them and their bytes (model states, bytes moved) are what to read.
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload-optimizer", action="store_true", help="passed to bench_zero.py")
     p.add_argument("--from-json", type=Path, nargs="+", help="re-render the doc and plot from saved results "
                    "(several: their rows in one table, e.g. cells measured in separate commands)")
-    p.add_argument("--name", default="scaling", help="stem of the outputs (results/NAME.json, docs/benchmarks_NAME.md)")
+    p.add_argument("--name", default="scaling", help="stem of the outputs (results/NAME.json, docs/results/benchmarks_NAME.md)")
     args = p.parse_args(argv)
     if args.from_json:
         saved = [json.loads(f.read_text()) for f in args.from_json]
@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 "command": " ".join(["python", "benchmarks/zero/bench_scaling.py", *(argv or sys.argv[1:])])}
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    doc = REPO / "docs" / f"benchmarks_{args.name}.md"
-    note = plot(rows, REPO / "docs" / f"{args.name}_ratio.png")
+    doc = REPO / "docs" / "results" / f"benchmarks_{args.name}.md"
+    note = plot(rows, REPO / "docs" / "figures" / f"{args.name}_ratio.png")
     doc.write_text(markdown(rows, meta) + f"\n{note}\n")
     medians = [r["spread"] for r in rows if r.get("spread") is not None]
     print(f"wrote {doc.relative_to(REPO)}; {note}; largest spread {max(medians, default=float('nan')):.0%}")
