@@ -19,9 +19,10 @@ DeepSpeed's ``TiledFusedLogitsLoss`` does not pass a scale on its output to the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from bench_long_context_worker import tiles_for
 from torch import nn
 
 IGNORE = -100
@@ -30,11 +31,14 @@ IGNORE = -100
 class DeepSpeedSP:
     name = "deepspeed"
 
-    def __init__(self, sp_size: int):
+    def __init__(self, sp_size: int, tiles_for: Callable[[int], int]):
+        """``tiles_for``: the worker's tile count for a local sequence length, handed in (not imported back
+        from the worker, which imports this file) so both implementations tile the same way."""
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
         self.size, self.mpu, self.version = sp_size, None, deepspeed.__version__
+        self.tiles_for = tiles_for
 
     def prepare(self, model: nn.Module, tiled: bool) -> None:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -43,7 +47,7 @@ class DeepSpeedSP:
             self.mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", self.size, 1)
         if tiled:
             for layer in model.model.layers:
-                _tile_mlp(layer.mlp)
+                _tile_mlp(layer.mlp, self.tiles_for)
 
     def shard(self, batch: dict) -> tuple[dict, torch.Tensor]:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
@@ -60,7 +64,7 @@ class DeepSpeedSP:
 
     def loss(self, model: nn.Module, inputs: dict, labels: torch.Tensor, tiled: bool) -> torch.Tensor:
         if tiled:
-            loss = _tiled_loss(model, inputs, labels)
+            loss = _tiled_loss(model, inputs, labels, self.tiles_for)
         else:
             logits = model(**inputs, use_cache=False).logits
             loss = model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=logits.shape[-1])
@@ -78,7 +82,7 @@ class DeepSpeedSP:
         return total / max(sum(counts), 1)
 
 
-def _tile_mlp(mlp: nn.Module) -> None:
+def _tile_mlp(mlp: nn.Module, tiles_for: Callable[[int], int]) -> None:
     """ALST's recipe: the MLP's forward through ``TiledMLP`` (the docstring's monkey patch, per module)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
@@ -97,7 +101,7 @@ def _ce_sum(head: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
-def _tiled_loss(model: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
+def _tiled_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, tiles_for: Callable[[int], int]) -> torch.Tensor:
     """The shard's mean loss, the LM head + loss through ``TiledFusedLogitsLoss`` (sum, then / tokens)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 

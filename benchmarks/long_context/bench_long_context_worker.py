@@ -291,7 +291,7 @@ def main() -> None:
     if args.impl == "deepspeed":
         from bench_long_context_ds import DeepSpeedSP
 
-        impl = DeepSpeedSP(args.sp)
+        impl = DeepSpeedSP(args.sp, tiles_for)
     else:
         impl = ShardwiseSP(args.sp)
     if dist.get_world_size() != args.sp:
