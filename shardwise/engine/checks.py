@@ -20,7 +20,7 @@ from shardwise.errors import UsageError
 from shardwise.zero.bucket_step import mark_repeat_safe
 
 if TYPE_CHECKING:
-    from shardwise.engine.engine import Engine
+    from shardwise.engine.parts import EngineParts
 
 log = logging.getLogger("shardwise")
 
@@ -46,12 +46,12 @@ class UsedParams:
 _USED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> UsedParams
 
 
-def used_params_of(engine: Engine) -> UsedParams | None:
+def used_params_of(engine: EngineParts) -> UsedParams | None:
     """The engine's unused-parameter tracking, None when it does not track (the one accessor)."""
     return _USED.get(engine)
 
 
-def track_used(engine: Engine) -> None:
+def track_used(engine: EngineParts) -> None:
     """With ``zero_optimization.ignore_unused_parameters: false`` at stage >= 2, record which
     trainable parameters receive a gradient in the current accumulation window."""
     if engine.zero_ignore_unused_parameters() or not engine.policy.shard_grads or engine in _USED:
@@ -60,7 +60,7 @@ def track_used(engine: Engine) -> None:
     _USED[engine] = UsedParams({names[id(p)]: p for g in engine.groups for p in g.params})
 
 
-def check_all_used(engine: Engine) -> None:
+def check_all_used(engine: EngineParts) -> None:
     """At the step: refuse when a trainable parameter got no gradient in the window (DeepSpeed
     asserts the same at stages 1-2 with ``ignore_unused_parameters: false``)."""
     tracking = _USED.get(engine)
@@ -81,7 +81,7 @@ def _tag_digest(tag: str) -> torch.Tensor:
     return torch.tensor([int.from_bytes(h, "little")], dtype=torch.int64, device=compute_device())
 
 
-def check_save_args(engine: Engine, save_dir, tag: str | None) -> str | None:
+def check_save_args(engine: EngineParts, save_dir, tag: str | None) -> str | None:
     """Refuse an empty ``save_dir``; check that every rank passed the same ``tag``.
 
     ``checkpoint.tag_validation`` ("Ignore" | "Warn" | "Fail", default "Warn", as DeepSpeed):
@@ -115,7 +115,7 @@ def check_save_args(engine: Engine, save_dir, tag: str | None) -> str | None:
     return box[0]
 
 
-def direct_step_guard(engine: Engine) -> Callable[..., None]:
+def direct_step_guard(engine: EngineParts) -> Callable[..., None]:
     """The step pre-hook that refuses a direct ``optimizer.step()``, made before ZeRO shards (the engine
     registers it on the optimizer ``initialize`` returns, once that exists).
 

@@ -16,14 +16,14 @@ from shardwise.units import ByteCounts
 from shardwise.zero.whole_tensor import whole_tensor_of
 
 if TYPE_CHECKING:
-    from shardwise.engine.engine import Engine
+    from shardwise.engine.parts import EngineParts
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def comm_buffer_bytes(engine: Engine) -> int:
+def comm_buffer_bytes(engine: EngineParts) -> int:
     """Buffers kept between steps for reuse: finished stage >= 2 gradient buckets (CPU) and gloo
     receive chunks. Bounded by the bucket size, not the model (see ``zero/pending.py``)."""
     groups = list(engine.groups) + [g for gs in engine.unit_groups for g in gs]
@@ -33,7 +33,7 @@ def comm_buffer_bytes(engine: Engine) -> int:
             + sum(c.free_buffer_nbytes for c in comms.values()))
 
 
-def _held_by_groups(engine: Engine, rep: dict[str, int]) -> None:
+def _held_by_groups(engine: EngineParts, rep: dict[str, int]) -> None:
     """Add what the sharded groups hold, and the parameters and gradients outside them."""
     grouped = set()
     for g in engine.groups:
@@ -50,7 +50,7 @@ def _held_by_groups(engine: Engine, rep: dict[str, int]) -> None:
                 rep["params"] += g.memory()["params"]
 
 
-def memory_report(engine: Engine) -> dict[str, int]:
+def memory_report(engine: EngineParts) -> dict[str, int]:
     """Bytes this rank holds now, by kind (tensor bytes, not RSS); a dict that prints in human units."""
     engine.wait_for_params()
     rep = {k: 0 for k in ("params", "grads", "master_params", "optimizer_states", "buffers")}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from shardwise.engine.engine import Engine
+    from shardwise.engine.parts import EngineParts
 
 log = logging.getLogger("shardwise")
 
@@ -32,7 +32,7 @@ class NonFiniteError(FloatingPointError):
         self.step, self.what, self.value = step, what, value
 
 
-def skip_nonfinite_step(engine: Engine, norm: float) -> bool:
+def skip_nonfinite_step(engine: EngineParts, norm: float) -> bool:
     """True (skip the step) while within ``engine.max_nonfinite_steps``; past it, raise."""
     step = engine.global_steps + 1
     engine.nonfinite_steps += 1

@@ -23,10 +23,10 @@ from shardwise.engine.checks import track_used
 from shardwise.engine.compat import UsageError
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.engine.parts import EngineParts
 
 
-def scale_loss(engine: Engine, loss: torch.Tensor) -> torch.Tensor:
+def scale_loss(engine: EngineParts, loss: torch.Tensor) -> torch.Tensor:
     """DeepSpeed's ``engine.scale(loss)``, for ``engine.scale(loss).backward()``: the loss times 1/gas
     and the fp16 loss scale, exactly the product ``engine.backward`` takes, and the next backward's
     gradient hook then scales nothing. (DeepSpeed leaves 1/gas to its hooks; the result is the same
@@ -43,7 +43,7 @@ def scale_loss(engine: Engine, loss: torch.Tensor) -> torch.Tensor:
     return loss * scale
 
 
-def plain_backward_rule(engine: Engine) -> tuple[bool, float]:
+def plain_backward_rule(engine: EngineParts) -> tuple[bool, float]:
     """Called when a backward the engine did not start reaches the model: (reduce now, gradient factor)."""
     scaled, engine.manual_scale_pending = engine.manual_scale_pending, False
     if engine.optimizer is None:  # evaluation only: no step, so nothing to scale for
