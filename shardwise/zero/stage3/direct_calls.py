@@ -47,7 +47,7 @@ from shardwise.zero.stage3.external import ReleasedUseCheck
 
 if TYPE_CHECKING:
     from shardwise.zero.flat_group import ShardedGroup
-    from shardwise.zero.stage3.fetcher import ParamFetcher
+    from shardwise.zero.stage3.parts import FetcherParts
 
 
 @dataclass
@@ -84,7 +84,7 @@ def _unit_of_module(units: list[nn.Module]) -> dict[int, int]:
 class DirectCalls:
     """The entry hooks of one :class:`ParamFetcher`'s model (installed by it, removed with it)."""
 
-    def __init__(self, fetcher: ParamFetcher):
+    def __init__(self, fetcher: FetcherParts):
         self.fetcher = fetcher
         self.entries: list[Entry] = []
         self.last_trace: dict[int, list[int]] = {}  # module id -> units its last direct call ran

@@ -32,7 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
-    from shardwise.zero.stage3.fetcher import ParamFetcher
+    from shardwise.zero.stage3.parts import FetcherParts
 
 
 class TrackedParameters(dict):
@@ -102,7 +102,7 @@ _METADATA = frozenset({"__get__", "size", "dim", "numel", "nelement", "ndimensio
 class ReleasedUseCheck(TorchFunctionMode):
     """Raise, naming parameter, user and fix, when a torch call is given a released parameter."""
 
-    def __init__(self, fetcher: ParamFetcher):
+    def __init__(self, fetcher: FetcherParts):
         super().__init__()
         self.fetcher = fetcher
 
