@@ -25,7 +25,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shardwise.comm.core import Comm
+    from shardwise.comm.parts import CommParts
 
 _PENDING: weakref.WeakSet[Work] = weakref.WeakSet()  # collectives started and not yet waited for
 
@@ -43,7 +43,7 @@ class Work:
     one's ``finish`` waits for first (a work made of another, such as the quantized reduce-scatter's),
     which answers the query for it."""
 
-    def __init__(self, handle, comm: Comm, kind: str, finish=None, p2p: bool = False,
+    def __init__(self, handle, comm: CommParts, kind: str, finish=None, p2p: bool = False,
                  after: Work | None = None):
         self._handles = handle if isinstance(handle, list) else ([] if handle is None else [handle])
         self._comm, self._kind, self._finish = comm, kind, finish
@@ -111,7 +111,7 @@ class _Watcher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def watch(self, handles: list, comm: Comm, kind: str) -> _Watch:
+    def watch(self, handles: list, comm: CommParts, kind: str) -> _Watch:
         mark = _Watch()
         self._queue.put((list(handles), comm, kind, mark))
         if self._thread is None:
@@ -124,7 +124,7 @@ class _Watcher:
             _wait_one(*self._queue.get())
 
 
-def _wait_one(handles: list, comm: Comm, kind: str, mark: _Watch) -> None:
+def _wait_one(handles: list, comm: CommParts, kind: str, mark: _Watch) -> None:
     """Wait for one watched work's handles and mark it done. A function of its own so that nothing of it
     outlives the call: a gloo work holds its tensor (a gradient bucket or shard), which must not stay
     alive in this thread's frame while it sleeps on the next ``get()``.
@@ -148,7 +148,7 @@ def _wait_one(handles: list, comm: Comm, kind: str, mark: _Watch) -> None:
     mark.done.set()
 
 
-def _group_of(comm: Comm) -> object:
+def _group_of(comm: CommParts) -> object:
     """The process group object a work runs on (``None`` in a Comm means the default group of the time)."""
     if comm.group is not None:
         return comm.group
