@@ -1,10 +1,12 @@
-"""The house rules of the source tree, read from the code (ast, nothing imported): one package per
-concept, no import cycles, no private names across modules, short functions.
+"""The house rules of the source tree, read from the code (ast; only the Protocol check imports): one package
+per concept, no import cycles, no private names across modules, short functions, benchmark topics that read alone,
+no room holding more than its share of the lines (``python tools/layout_figures.py`` prints the shares).
 
 A cycle is any loop in the graph of ``shardwise`` imports, a lazy import inside a function
 included (it closes the loop as surely, only later); imports under ``if TYPE_CHECKING:`` are
-left out (they never run). ``from pkg import name`` is an edge to ``pkg.name`` when that is a
-module, else to ``pkg`` (its ``__init__``, the package's public face).
+left out (they never run), except in the check between files, which counts them as a reader does.
+``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg`` (its
+``__init__``, the package's public face).
 """
 
 from __future__ import annotations
@@ -35,16 +37,16 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST):
-    """Every import statement that can run (TYPE_CHECKING blocks skipped), at any depth."""
+def _imports(tree: ast.AST, annotations: bool = False):
+    """Every import statement that can run, at any depth; TYPE_CHECKING blocks skipped unless ``annotations``."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not annotations:
             for child in node.orelse:
                 yield from _imports(child)
             continue
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        yield from _imports(node)
+        yield from _imports(node, annotations)
 
 
 def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
@@ -54,11 +56,11 @@ def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _edges(modules: dict[str, ast.Module], src: Path = SRC) -> dict[str, set[str]]:
+def _edges(modules: dict[str, ast.Module], src: Path = SRC, annotations: bool = False) -> dict[str, set[str]]:
     packages = {m for m in modules if (src.parent / m.replace(".", "/") / "__init__.py").exists()}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, tree in modules.items():
-        for node in _imports(tree):
+        for node in _imports(tree, annotations):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -103,6 +105,41 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles() -> None:
     cycles = _cycles(_edges(_modules()))
     assert not cycles, f"import cycles (lazy imports count, TYPE_CHECKING ones do not): {cycles}"
+
+
+def test_no_cycle_between_files_even_through_annotations() -> None:
+    """Files stand in an order a reader can follow, inside a package too: none names a file that names it back
+    through any chain, not even in an annotation (a TYPE_CHECKING import: it never runs, but the reader
+    still has to know the other file first). A helper that needs the object calling it names a Protocol of
+    what it reads instead (``engine/parts.py``, ``zero/stage3/parts.py``, ``comm/parts.py``)."""
+    cycles = _cycles(_edges(_modules(), annotations=True))
+    assert not cycles, f"files importing each other in a loop (annotation imports included): {cycles}"
+
+
+PROTOCOLS = [("shardwise.engine.parts", "EngineParts", "shardwise.engine.engine", "Engine"),
+             ("shardwise.zero.stage3.parts", "FetcherParts", "shardwise.zero.stage3.fetcher", "ParamFetcher"),
+             ("shardwise.comm.parts", "CommParts", "shardwise.comm.core", "Comm")]
+
+
+@pytest.mark.parametrize(("parts_module", "parts", "owner_module", "owner"), PROTOCOLS, ids=[p[1] for p in PROTOCOLS])
+def test_the_owner_has_every_part_its_helpers_read(parts_module: str, parts: str, owner_module: str,
+                                                   owner: str) -> None:
+    """Each Protocol names only what its owner class has (a class attribute or method, or a ``self.x = ...``
+    in one of its or its bases' methods), so typing a helper with it hides no missing member."""
+    import importlib
+    import inspect
+    import textwrap
+
+    proto = getattr(importlib.import_module(parts_module), parts)
+    cls = getattr(importlib.import_module(owner_module), owner)
+    wanted = set(proto.__annotations__) | {n for n, v in vars(proto).items() if callable(v) and n[:2] != "__"}
+    have = set(dir(cls))
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("shardwise."):
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+            have |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                     and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    assert len(wanted) > 1 and not wanted - have, sorted(wanted - have)
 
 
 def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
@@ -181,6 +218,48 @@ def test_package_loop_finder_finds_a_loop_through_subpackages(tmp_path: Path) ->
     (pkg / "b" / "deep" / "y.py").write_text("def f():\n    from pkg.a import z\n")
     (pkg / "a" / "z.py").write_text("")
     assert _cycles(_package_graph(_edges(_modules(pkg), pkg))) == [["pkg.a", "pkg.b"]]
+
+
+BENCH = ROOT / "benchmarks"
+
+
+def _benchmark_edges(bench: Path = BENCH) -> dict[str, set[str]]:
+    """Which benchmark file imports which (lazy and annotation imports too). A script's own folder heads
+    ``sys.path``, so a bare ``import x`` is the ``x.py`` beside it; ``import a.b`` (or ``from a import b``)
+    is ``benchmarks/a/b.py``, for the files that put ``benchmarks/`` on the path (``common/``, ``gpu/``)."""
+    files = {p.relative_to(bench).as_posix(): p for p in sorted(bench.rglob("*.py"))}
+    graph: dict[str, set[str]] = {f: set() for f in files}
+    for f, path in files.items():
+        for node in _imports(ast.parse(path.read_text()), annotations=True):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names += [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                stem = name.replace(".", "/") + ".py"
+                graph[f] |= {c for c in ((Path(f).parent / stem).as_posix(), stem) if c in files and c != f}
+    return graph
+
+
+def test_benchmarks_import_no_cycle_and_only_their_topic_and_common() -> None:
+    """A topic folder of ``benchmarks/`` reads alone: its scripts import their own folder and the shared
+    helpers of ``common/``, never another topic's folder, and never in a loop (a loose entry at the top,
+    ``gpu_check.py``, imports the folder it fronts)."""
+    graph = _benchmark_edges()
+    assert not _cycles(graph), _cycles(graph)
+    across = sorted(f"{f} -> {t}" for f, targets in graph.items() for t in targets
+                    if Path(f).parent != Path(t).parent and not t.startswith("common/") and "/" in f)
+    assert not across and graph["gpu_check.py"] == {"gpu/check.py"}, across
+
+
+def test_benchmark_import_finder_reads_each_spelling(tmp_path: Path) -> None:
+    for sub in ("a", "b", "common"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "a" / "x.py").write_text("import y\n")
+    (tmp_path / "a" / "y.py").write_text("def f():\n    from x import g\n")
+    (tmp_path / "b" / "z.py").write_text("from common.m import h\nfrom a import x\n")
+    (tmp_path / "common" / "m.py").write_text("")
+    graph = _benchmark_edges(tmp_path)
+    assert _cycles(graph) == [["a/x.py", "a/y.py"]] and graph["b/z.py"] == {"common/m.py", "a/x.py"}
 
 
 @pytest.mark.subprocess
