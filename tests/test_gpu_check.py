@@ -160,9 +160,9 @@ def test_mfu_counts_as_the_h200_report_did():
     """The MFU formula on the 0.95B Llama: torch's autocast baseline at micro 8 x 1024 stepped in 0.151 s
     on the H200, reported there as 31.3% of 989 TFLOP/s; the same count here gives the same within 0.5%."""
     sys.path.insert(0, BENCH)
-    from common.models import llama
     from gpu.common import MODEL_1B
     from gpu.perf import PEAK_BF16, model_flops_per_step, peak_flops, summarize_steps
+    from shared.models import llama
 
     model = llama(MODEL_1B, "meta")
     assert abs(model_flops_per_step(model, MODEL_1B, 8, 1024) / 0.151 / PEAK_BF16["H200"] - 0.313) < 0.005

@@ -226,7 +226,7 @@ BENCH = ROOT / "benchmarks"
 def _benchmark_edges(bench: Path = BENCH) -> dict[str, set[str]]:
     """Which benchmark file imports which (lazy and annotation imports too). A script's own folder heads
     ``sys.path``, so a bare ``import x`` is the ``x.py`` beside it; ``import a.b`` (or ``from a import b``)
-    is ``benchmarks/a/b.py``, for the files that put ``benchmarks/`` on the path (``common/``, ``gpu/``)."""
+    is ``a/b.py`` under ``benchmarks/``, for the files that put ``benchmarks/`` on the path (``shared/``, ``gpu/``)."""
     files = {p.relative_to(bench).as_posix(): p for p in sorted(bench.rglob("*.py"))}
     graph: dict[str, set[str]] = {f: set() for f in files}
     for f, path in files.items():
@@ -240,26 +240,26 @@ def _benchmark_edges(bench: Path = BENCH) -> dict[str, set[str]]:
     return graph
 
 
-def test_benchmarks_import_no_cycle_and_only_their_topic_and_common() -> None:
-    """A topic folder of ``benchmarks/`` reads alone: its scripts import their own folder and the shared
-    helpers of ``common/``, never another topic's folder, and never in a loop (a loose entry at the top,
+def test_benchmarks_import_no_cycle_and_only_their_topic_and_shared() -> None:
+    """A topic folder of ``benchmarks/`` reads alone: its scripts import their own folder and the helpers
+    in ``shared/``, never another topic's folder, and never in a loop (a loose entry at the top,
     ``gpu_check.py``, imports the folder it fronts)."""
     graph = _benchmark_edges()
     assert not _cycles(graph), _cycles(graph)
     across = sorted(f"{f} -> {t}" for f, targets in graph.items() for t in targets
-                    if Path(f).parent != Path(t).parent and not t.startswith("common/") and "/" in f)
+                    if Path(f).parent != Path(t).parent and not t.startswith("shared/") and "/" in f)
     assert not across and graph["gpu_check.py"] == {"gpu/check.py"}, across
 
 
 def test_benchmark_import_finder_reads_each_spelling(tmp_path: Path) -> None:
-    for sub in ("a", "b", "common"):
+    for sub in ("a", "b", "shared"):
         (tmp_path / sub).mkdir()
     (tmp_path / "a" / "x.py").write_text("import y\n")
     (tmp_path / "a" / "y.py").write_text("def f():\n    from x import g\n")
-    (tmp_path / "b" / "z.py").write_text("from common.m import h\nfrom a import x\n")
-    (tmp_path / "common" / "m.py").write_text("")
+    (tmp_path / "b" / "z.py").write_text("from shared.m import h\nfrom a import x\n")
+    (tmp_path / "shared" / "m.py").write_text("")
     graph = _benchmark_edges(tmp_path)
-    assert _cycles(graph) == [["a/x.py", "a/y.py"]] and graph["b/z.py"] == {"common/m.py", "a/x.py"}
+    assert _cycles(graph) == [["a/x.py", "a/y.py"]] and graph["b/z.py"] == {"shared/m.py", "a/x.py"}
 
 
 @pytest.mark.subprocess

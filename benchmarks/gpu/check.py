@@ -48,7 +48,7 @@ import sys
 import time
 import traceback
 
-from common.machine import cpu_model
+from shared.machine import cpu_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from common.models import BETAS, EPS, LR, WD
+from shared.models import BETAS, EPS, LR, WD
 
 SECTIONS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sections.py")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

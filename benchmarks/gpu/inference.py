@@ -17,8 +17,8 @@ import shutil
 import time
 
 import torch
-from common.models import llama
 from gpu.common import MODEL_13B, TINY, copy_gbps, cuda, save_partial, skip
+from shared.models import llama
 
 
 def _sync() -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 
 import torch
-from common.models import llama
 from gpu.common import cuda, save_partial
+from shared.models import llama
 
 GPU_SHAPE = {"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 8,
              "num_key_value_heads": 8, "vocab_size": 1024}

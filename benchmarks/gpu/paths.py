@@ -24,7 +24,6 @@ import shutil
 from collections.abc import Callable
 
 import torch
-from common.models import engine_config, llama
 from gpu.common import (
     STAGE_MODEL,
     TINY,
@@ -38,6 +37,7 @@ from gpu.common import (
     skip,
     torch_spread,
 )
+from shared.models import engine_config, llama
 
 SPREAD_MULTIPLE = 2.0  # as in the stages section (gpu/sections.py says why)
 MOE_SHAPE = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -19,7 +19,6 @@ import statistics
 import time
 
 import torch
-from common.models import engine_config, llama
 from gpu.common import (
     MODEL_1B,
     TINY,
@@ -32,6 +31,7 @@ from gpu.common import (
     save_partial,
     skip,
 )
+from shared.models import engine_config, llama
 
 # dense bf16 tensor-core peak FLOP/s by device name (the vendors' data sheets, without sparsity)
 # (the longest name found in the device's name wins: "H100 PCIe" before "H100")

@@ -22,7 +22,6 @@ import os
 import time
 
 import torch
-from common.models import engine_config, llama
 from gpu.common import (
     MODEL_1B,
     TINY,
@@ -35,6 +34,7 @@ from gpu.common import (
     save_partial,
     skip,
 )
+from shared.models import engine_config, llama
 
 LR = 1e-4
 DEEPSPEED_RATIO = 18.93 / 31.38  # bf16 master + states over fp32 masters, DeepSpeed's example (peak)

@@ -22,7 +22,6 @@ import torch
 if not __package__:  # run as a script (its own process): benchmarks/, not benchmarks/gpu/, heads the path
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from common.models import LR, engine_config, llama  # noqa: E402
 from gpu.common import (  # noqa: E402
     STAGE_MODEL,
     TINY,
@@ -43,6 +42,7 @@ from gpu.paths import checkpoint, parallel  # noqa: E402
 from gpu.perf import step_vs_fsdp2, step_worker  # noqa: E402
 from gpu.precision import precision, precision_worker  # noqa: E402
 from gpu.train import train  # noqa: E402
+from shared.models import LR, engine_config, llama  # noqa: E402
 
 # -- stages ----------------------------------------------------------------------------------------------
 # An fp32 engine run matches plain torch when it differs by at most SPREAD_MULTIPLE x torch's own spread,

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared helpers in common/
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared helpers in shared/
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -137,7 +137,7 @@ SHAPES = {"smoke": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_lay
 
 def _engine_step_s(shape: dict, stage: int, offload: bool, micro: int, seq: int, steps: int) -> dict:
     """One engine, ``steps`` timed steps after one warm-up: median seconds per step, parameters."""
-    from common.models import engine_config, llama
+    from shared.models import engine_config, llama
 
     import shardwise
 
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     args.rounds = args.rounds or (7 if args.compare_deepspeed else 3)
     args.numel = args.numel or ("10e6,45e6,150e6" if args.compare_deepspeed else "50e6")
-    from common.machine import RESULTS, cpu_model
+    from shared.machine import RESULTS, cpu_model
 
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(),
             "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload-optimizer", action="store_true", help="passed to bench_zero.py")
     p.add_argument("--from-json", type=Path, nargs="+", help="re-render the doc and plot from saved results "
                    "(several: their rows in one table, e.g. cells measured in separate commands)")
-    p.add_argument("--name", default="scaling", help="stem of the outputs (results/NAME.json, docs/results/benchmarks_NAME.md)")
+    p.add_argument("--name", default="scaling",
+                   help="stem of the outputs (results/NAME.json, docs/results/benchmarks_NAME.md)")
     args = p.parse_args(argv)
     if args.from_json:
         saved = [json.loads(f.read_text()) for f in args.from_json]
@@ -213,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes.split(","):
             for nproc in (int(n) for n in args.nprocs.split(",")):
                 rows += rows_of(size, nproc, run_cell(size, nproc, args, work))
-        sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared helpers in common/
-        from common.machine import RESULTS, cpu_model
+        sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared helpers in shared/
+        from shared.machine import RESULTS, cpu_model
 
         meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(),
                 "cores": os.cpu_count(), "repeats": args.repeats,
