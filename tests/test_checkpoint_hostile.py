@@ -112,7 +112,7 @@ def test_symlinked_latest_and_tag_refused(saved, victim, tmp_path):
 
 
 def test_weight_map_outside_folder_refused(tmp_path):
-    from shardwise.zero.init.context import weight_map
+    from shardwise.sharded_init.context import weight_map
 
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model-1.safetensors", "b": "../../etc/passwd"}}))

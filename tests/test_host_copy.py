@@ -1,4 +1,4 @@
-"""Offload's host copies (zero/host_copy.py): on the CPU they reduce to today's plain copies, and an
+"""Offload's host copies (zero/host_copy.py, comm/host.py): on the CPU they reduce to today's plain copies, and an
 offloaded run is bitwise repeatable (the GPU side, side stream and events, is gpu_check's)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from torch import nn
 from zero_cases import make_config
 
 from shardwise.comm import Comm
+from shardwise.comm.host import broadcast_through_device
 from shardwise.zero.flat_group import ShardedGroup
-from shardwise.zero.host_copy import accelerated, broadcast_through_device, copy_ahead, fence, to_readable
+from shardwise.zero.host_copy import accelerated, copy_ahead, fence, to_readable
 from shardwise.zero.policy import GroupOptions, OffloadPolicy, ShardPolicy
 
 

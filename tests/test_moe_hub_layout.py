@@ -1,7 +1,7 @@
 """zero.Init ``from_pretrained`` of MoE folders that ``save_pretrained`` wrote (the hub's per-expert
 layout: ``experts.N.w1/w2/w3`` for Mixtral, ``experts.N.gate/up/down_proj`` for Qwen3-MoE) while the
 model holds 3-D ``gate_up_proj`` / ``down_proj``: the deferred reader serves the 3-D tensors from the
-per-expert ones by transformers' conversion mapping (shardwise/zero/init/hub_names.py). The values are
+per-expert ones by transformers' conversion mapping (shardwise/sharded_init/hub_names.py). The values are
 copied, never computed, so they must equal plain ``from_pretrained`` bit for bit."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_an_ep_rank_reads_only_its_experts_rows(tmp_path):
     they equal plain from_pretrained's rows."""
     from transformers import AutoModelForCausalLM
 
-    from shardwise.zero.init.context import SafetensorsSource
+    from shardwise.sharded_init.context import SafetensorsSource
 
     moe_cases.build("qwen3_moe").save_pretrained(tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
@@ -57,7 +57,7 @@ def test_a_base_model_folder_reads_into_the_causal_lm_and_a_missing_tensor_is_na
     every parameter of the causal LM by transformers' prefix rule; ``lm_head``, stored under no
     name, is refused in one line naming the folder and the tensor."""
     from shardwise.errors import UserError
-    from shardwise.zero.init.context import SafetensorsSource
+    from shardwise.sharded_init.context import SafetensorsSource
 
     model = moe_cases.build("mixtral")
     model.model.save_pretrained(tmp_path)

@@ -220,6 +220,20 @@ def test_package_loop_finder_finds_a_loop_through_subpackages(tmp_path: Path) ->
     assert _cycles(_package_graph(_edges(_modules(pkg), pkg))) == [["pkg.a", "pkg.b"]]
 
 
+def test_no_room_holds_more_than_its_share_of_the_lines() -> None:
+    """No room (a package, a benchmark topic: ``tools/layout_figures.py`` says what a room is) holds more than
+    12% of the lines: past that one room is where a newcomer spends the day, and it wants cutting in two."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout_figures", ROOT / "tools" / "layout_figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    lines = figures.room_lines()
+    total = sum(lines.values())
+    over = {room: f"{n / total:.1%}" for room, n in lines.items() if n > figures.MAX_SHARE * total}
+    assert len(lines) > 20 and not over, over
+
+
 BENCH = ROOT / "benchmarks"
 
 

@@ -164,7 +164,7 @@ def test_tp_slices_read_by_ranges_equal_take(tmp_path, dim, full, size, parts):
 def test_zero_init_source_refuses_other_shape(tmp_path):
     """zero.Init reads exact ranges, and refuses a stored tensor whose shape is not the parameter's
     (its elements would belong to other rows), naming the file."""
-    from shardwise.zero.init.context import SafetensorsSource
+    from shardwise.sharded_init.context import SafetensorsSource
 
     ts = _tensors()
     save_file(ts, str(tmp_path / "model.safetensors"))

@@ -28,9 +28,7 @@ from shardwise.comm import Comm, compute_device
 from shardwise.layout import Mesh, RunLayout
 from shardwise.moe import restore_expert_groups
 from shardwise.optim.optimizers import client_param_groups
-from shardwise.tensor_parallel.plan import is_tp_sharded
-from shardwise.zero.builder import Sharding, ShardOptions, build_sharding
-from shardwise.zero.init.context import (
+from shardwise.sharded_init.context import (
     SafetensorsSource,
     is_deferred,
     is_placeholder,
@@ -38,6 +36,8 @@ from shardwise.zero.init.context import (
     swap_meta_parameters,
     tied_aliases,
 )
+from shardwise.tensor_parallel.plan import is_tp_sharded
+from shardwise.zero.builder import Sharding, ShardOptions, build_sharding
 
 log = logging.getLogger("shardwise")
 

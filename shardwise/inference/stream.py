@@ -44,12 +44,12 @@ from shardwise.files.model_folder import check_model_folder, loading
 from shardwise.files.safe import confine, hub_roots, read_in
 from shardwise.files.safetensors_io import SafetensorsFile, TensorInfo
 from shardwise.inference.allocator import pin_allocator
+from shardwise.sharded_init.context import Init, swap_meta_parameters, tied_aliases
 from shardwise.tensor_parallel.layers import read_tp_slice
 from shardwise.units import ByteCounts
 from shardwise.zero.builder import build_frozen
 from shardwise.zero.flat_group import ShardedGroup
 from shardwise.zero.gather_pool import GatherPool
-from shardwise.zero.init.context import Init, swap_meta_parameters, tied_aliases
 from shardwise.zero.stage3.fetcher import ParamFetcher
 from shardwise.zero.stage3.gathered import guard_state_dict
 

@@ -18,9 +18,9 @@ from torch import nn
 from shardwise.comm import Comm, compute_device, init_distributed
 from shardwise.files.safetensors_io import SafetensorsFile
 from shardwise.layout import get_mesh
+from shardwise.sharded_init.context import params_on_meta, weight_map
 from shardwise.tensor_parallel.layers import ShardSpec, full_shape, read_tp_slice
 from shardwise.tensor_parallel.plan import apply_tensor_parallel, tp_state_of
-from shardwise.zero.init.context import params_on_meta, weight_map
 
 
 def _read_local(f: SafetensorsFile, key: str, spec: ShardSpec | None, shape: tuple[int, ...],

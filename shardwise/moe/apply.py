@@ -20,13 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, CommStats, make_comm
+from shardwise.comm.host import broadcast_through_device
 from shardwise.errors import UserError
 from shardwise.layout import ExpertMesh, get_expert_join_group, get_expert_mesh
 from shardwise.moe.deferred import materialize_local_experts
 from shardwise.moe.experts import IMPLEMENTATION, ExpertShard, expert_shard_of, register, set_expert_shard
 from shardwise.moe.export import JOIN_TIMEOUT_S, install
 from shardwise.moe.layouts import UnsupportedMoEError, expert_layout, expert_params
-from shardwise.zero.host_copy import broadcast_through_device
 from shardwise.zero.partition import OwnGroups, own_groups, set_own_groups
 
 log = logging.getLogger("shardwise")

@@ -1,7 +1,7 @@
 """Expert parallelism on a model built under ``shardwise.zero.Init`` (``deepspeed.zero.Init``).
 
 zero.Init leaves every parameter on the meta device until ``initialize`` materializes the model
-one stage-3 unit at a time (``shardwise/zero/init/context.py``). Expert parallelism runs before that and
+one stage-3 unit at a time (``shardwise/sharded_init/context.py``). Expert parallelism runs before that and
 needs each rank's experts real, so for each MoE layer only its two 3-D expert parameters are
 materialized here, and only this rank's ``E / ep`` experts are kept:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.comm import Comm
-from shardwise.zero.init.context import SafetensorsSource, materialize_for_gather, swap_contents, tied_aliases
+from shardwise.sharded_init.context import SafetensorsSource, materialize_for_gather, swap_contents, tied_aliases
 
 
 def _root_of(p: nn.Parameter) -> nn.Module | None:

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.zero.host_copy import broadcast_through_device
-from shardwise.zero.init.edits import EditWatch
-from shardwise.zero.init.folder_source import SafetensorsSource, weight_map  # noqa: F401 - weight_map re-exported
+from shardwise.comm.host import broadcast_through_device
+from shardwise.sharded_init.edits import EditWatch
+from shardwise.sharded_init.folder_source import SafetensorsSource, weight_map  # noqa: F401 - weight_map re-exported
 
 
 class Init:

@@ -1,8 +1,8 @@
 """zero.Init's reader of a ``from_pretrained`` folder: each rank reads only the element ranges it needs.
 
-Split from ``zero/init/context.py`` (which re-exports both names, ``weight_map`` from ``files/model_folder.py``):
+Split from ``sharded_init/context.py`` (which re-exports both names, ``weight_map`` from ``files/model_folder.py``):
 the source that serves a parameter's range by its own name, a tied alias, or the stored tensors
-transformers converts into it (``zero/init/hub_names.py``).
+transformers converts into it (``sharded_init/hub_names.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from shardwise.errors import UserError
 from shardwise.files.model_folder import weight_map
 from shardwise.files.safetensors_io import SafetensorsFile
-from shardwise.zero.init.hub_names import StoredRows, folder_of, hub_names
+from shardwise.sharded_init.hub_names import StoredRows, folder_of, hub_names
 
 
 class SafetensorsSource:
@@ -27,7 +27,7 @@ class SafetensorsSource:
     rank reads exactly the element ranges of its shards (``bytes_read`` shows it). Given the
     ``model``, a name the folder stores otherwise (the hub's per-expert MoE layout that
     ``save_pretrained`` writes) is read from the stored tensors transformers would convert
-    (:mod:`shardwise.zero.init.hub_names`).
+    (:mod:`shardwise.sharded_init.hub_names`).
     """
 
     def __init__(self, folder: Path, model: nn.Module | None = None):

@@ -1,7 +1,7 @@
 """ZeRO: the sharded parameter group and what schedules it (see docs/architecture.md)."""
 
+from shardwise.sharded_init.context import Init
 from shardwise.zero.flat_group import ShardedGroup
-from shardwise.zero.init.context import Init
 from shardwise.zero.policy import ShardPolicy
 from shardwise.zero.stage3.external import (
     ReleasedParameterError,

@@ -13,7 +13,8 @@ pinned memory still reads the host buffer after the call returns. The rules this
    allocator would otherwise hand its memory to the compute stream while the copy still reads it);
 4. a pinned host buffer is not written by the host while a ``non_blocking`` copy out of it may be
    pending: an event recorded on the compute stream after that copy is synchronized first;
-5. a tensor on the host reaches a device-only backend (NCCL) through a device copy, never as it is;
+5. a tensor on the host reaches a device-only backend (NCCL) through a device copy, never as it is
+   (``comm/host.py``, ``broadcast_through_device``);
 6. on the CPU (no accelerator, or a copy between host tensors) there is no stream and no event:
    every function reduces to the plain copy, so the CPU path is today's code, bit for bit.
 """
@@ -21,8 +22,6 @@ pinned memory still reads the host buffer after the call returns. The rules this
 from __future__ import annotations
 
 import torch
-
-from shardwise.comm import Comm, compute_device
 
 _SIDE_STREAMS: dict[torch.device, torch.Stream] = {}
 
@@ -158,14 +157,3 @@ class GradToHost:
         if self._published is not None:
             self._published.synchronize()
             self._published = None
-
-
-def broadcast_through_device(comm: Comm, t: torch.Tensor, src: int = 0) -> None:
-    """Broadcast ``t`` in place even where it lives on the host and the backend takes only device
-    tensors (NCCL): a model not yet placed (expert slicing, ``GatheredParameters`` before
-    ``initialize``) is broadcast through a copy on the collectives' device. Where ``t`` is there
-    already (the CPU under gloo) it is broadcast as it is: nothing is copied."""
-    buf = t.to(compute_device())
-    comm.broadcast(buf, src=src)
-    if buf is not t:
-        t.copy_(buf)

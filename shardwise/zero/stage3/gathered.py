@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, compute_device
+from shardwise.sharded_init.context import defer_again, materialize_for_gather
 from shardwise.zero.flat_group import ShardedGroup, owner_of
-from shardwise.zero.init.context import defer_again, materialize_for_gather
 
 
 def _groups_of(params: Iterable[torch.Tensor]) -> list[ShardedGroup]:
