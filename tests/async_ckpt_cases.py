@@ -155,3 +155,27 @@ def stuck_writer(root: str) -> dict:
         if held is not None:
             held.__exit__()
     return {"error": err, "latest": (root_p / "latest").exists(), "pending": async_save.pending_tag()}
+
+
+def killed_at_phase(argv: list[str]) -> int:
+    """(A rank forked by ``fresh_ranks.start``.) ``shardwise train ARGV`` whose rank ``CRASH_RANK``
+    SIGKILLs itself when the second save (global_step2) reaches ``CRASH_PHASE``: the first save is
+    complete on disk by then (the second waits for it)."""
+    import os
+    import signal
+    import sys
+
+    from shardwise.cli.train import main
+
+    phase, victim, rank = os.environ["CRASH_PHASE"], os.environ["CRASH_RANK"], os.environ["RANK"]
+    seen = {"n": 0}
+
+    def hook(p: str) -> None:
+        if p == phase and rank == victim:
+            seen["n"] += 1
+            if seen["n"] == 2:
+                print(f"crash: rank {rank} SIGKILLed in {p}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    shard_writer.at_phase = hook
+    return main(argv)
