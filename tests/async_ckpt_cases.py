@@ -179,3 +179,24 @@ def killed_at_phase(argv: list[str]) -> int:
 
     shard_writer.at_phase = hook
     return main(argv)
+
+
+def exit_pending(argv: list[str]) -> int:
+    """(A process forked by ``fresh_ranks.start``, world 1.) An asynchronous save left pending when
+    the script returns: the exit completes it; ``fail`` in ARGV: its writer fails (a full disk), and
+    the exit reports it with exit code 1 though the script returned 0."""
+    root = Path(argv[0])
+    shardwise.init_distributed()
+    engine = _engine(2, extra={"shardwise": {"async_checkpoint": True}})
+    _train(engine, 0, 1)
+    if "fail" in argv:
+        def full(p: str) -> None:
+            if p == "fsync":
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+        shard_writer.at_phase = full
+    with Held() as held:  # still writing when the script returns
+        engine.save_checkpoint(root, tag="last")
+        held.release()
+    print("script returned", flush=True)
+    return 0

@@ -100,3 +100,23 @@ def test_a_rank_killed_in_each_phase_leaves_latest_complete_and_resumes(crashed,
         assert code == 0, (rank, o[-2000:], e[-2000:])
     assert _losses(out) == straight  # steps 2 and 3 again from the complete step-1 checkpoint
     assert (ckpt / "latest").read_text() == "global_step3" and not list(ckpt.glob(".*.partial"))
+
+
+@pytest.mark.subprocess
+def test_exit_completes_a_pending_save_or_fails_with_its_error(tmp_path):
+    """A script returning with a save still pending: the exit publishes it (exit 0), or reports its
+    writer's failure (exit 1, the error on stderr), never exit 0 with the save lost."""
+    procs = {}
+    for how in ("ok", "fail"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        procs[how] = fresh_ranks.start("async_ckpt_cases:exit_pending", [str(tmp_path / how), how], env,
+                                       tmp_path / f"proc_{how}")
+    res = {how: (p.wait(timeout=120), *p.communicate()) for how, p in procs.items()}
+    code, out, err = res["ok"]
+    assert code == 0 and "script returned" in out, err[-3000:]
+    assert (tmp_path / "ok" / "latest").read_text() == "last" and (tmp_path / "ok" / "last" / "metadata.json").is_file()
+    code, out, err = res["fail"]
+    assert code == 1 and "script returned" in out, (code, err[-3000:])
+    assert "shardwise: error:" in err and "No space left on device" in err, err[-3000:]
+    assert not (tmp_path / "fail" / "latest").exists()

@@ -49,13 +49,13 @@ def _padded(t: torch.Tensor) -> int:
 def stage(pieces: list[tuple[str, torch.Tensor]]) -> Staged:
     """Copy ``pieces`` into one host buffer (pinned when a piece is on a GPU); see the module doc."""
     total = sum(_padded(t) for _, t in pieces)
-    on_gpu = any(t.device.type == "cuda" for _, t in pieces)
+    on_gpu = any(t.device.type != "cpu" for _, t in pieces)
     buf = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=on_gpu and torch.cuda.is_available())
     out, pos = [], 0
     for name, t in pieces:
         n = t.numel() * t.element_size()
         view = buf.narrow(0, pos, n).view(t.dtype).view(t.shape)
-        view.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        view.copy_(t.detach(), non_blocking=t.device.type != "cpu")
         out.append((name, view))
         pos += _padded(t)
     event = None
