@@ -58,9 +58,52 @@ class Held:
 
 def same_bytes(root: str, stage: int, **cfg_kw) -> dict:
     """Sync and async saves of one step, training one step while the async writer is held."""
-    root_p = Path(root)
     engine = _engine(stage, **cfg_kw)
-    _train(engine, 0, 2)
+    return _same_bytes_with(engine, lambda a, b: _train(engine, a, b), Path(root))
+
+
+def same_bytes_sp(root: str) -> dict:
+    """:func:`same_bytes` for Ulysses sequence parallelism 2 (stage 2): each rank trains on its half
+    of every sequence (tests/sp_cases.py's model and batches)."""
+    from sp_cases import llama, sp_config, step_batches
+
+    from shardwise.sequence_parallel import sequence_parallel_loss, split_batch
+
+    engine, *_ = shardwise.initialize(model=llama(), config=sp_config(2, 2, dist.get_world_size()))
+    data = step_batches(engine.dp_world)
+
+    def train(a: int, b: int) -> None:
+        for replicas in data[a:b]:
+            shard = split_batch(replicas[engine.dp_rank], engine.sequence_parallel)
+            labels = shard.pop("shift_labels")
+            engine.backward(sequence_parallel_loss(engine(**shard).logits, labels, engine.sequence_parallel))
+            engine.step()
+
+    return _same_bytes_with(engine, train, Path(root))
+
+
+def same_bytes_ep(root: str, stage: int) -> dict:
+    """:func:`same_bytes` for a Mixtral with expert parallelism 2 (tests/moe_cases.py)."""
+    from moe_cases import batches, build, ds_config
+
+    from shardwise.moe import apply_expert_parallel
+
+    model = build("mixtral")
+    apply_expert_parallel(model, 2, preset="mixtral")
+    engine, *_ = shardwise.initialize(model=model, config=ds_config(stage, 0.01, 2, dist.get_world_size(), None))
+    data = batches(4, dist.get_world_size(), 2)
+
+    def train(a: int, b: int) -> None:
+        for s in range(a, b):
+            ids = data[s, engine.dp_rank]
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+    return _same_bytes_with(engine, train, Path(root))
+
+
+def _same_bytes_with(engine, train, root_p: Path) -> dict:
+    train(0, 2)
     engine.save_checkpoint(root_p / "sync", tag="t", asynchronous=False)
     with Held() as held:
         path = engine.save_checkpoint(root_p / "async", tag="t", asynchronous=True)
@@ -69,7 +112,7 @@ def same_bytes(root: str, stage: int, **cfg_kw) -> dict:
             pass  # a rank with nothing to write (stage 0's rank 1) finishes without getting there
         reached = held.reached.is_set()
         published_early = (root_p / "async" / "t").exists()
-        _train(engine, 2, 3)  # overwrites what the writer has not read yet
+        train(2, 3)  # overwrites what the writer has not read yet
         held.release()
         wait_for_checkpoint()
     out = {"pending": pending, "published_early": published_early, "path": path, "held": reached,

@@ -20,10 +20,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "sp2", "ep2_stage2", "ep2_stage3"])
 def test_async_checkpoint_is_the_sync_checkpoint_byte_for_byte(pool2, tmp_path, case):
-    stage, kw = CASES[case]
-    res = pool2.run("async_ckpt_cases:same_bytes", str(tmp_path), stage, **kw)
+    if case == "sp2":
+        res = pool2.run("async_ckpt_cases:same_bytes_sp", str(tmp_path))
+    elif case.startswith("ep2"):
+        res = pool2.run("async_ckpt_cases:same_bytes_ep", str(tmp_path), int(case[-1]))
+    else:
+        stage, kw = CASES[case]
+        res = pool2.run("async_ckpt_cases:same_bytes", str(tmp_path), stage, **kw)
     for r in res:
         assert r["pending"] == "t" and not r["published_early"] and r["after"] is None, r
         assert r["latest"] == "t" and r["path"].endswith("t")
