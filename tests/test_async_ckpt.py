@@ -80,3 +80,17 @@ def test_a_stuck_writer_fails_every_rank_in_bounded_time(pool2, tmp_path):
     for r in res:
         assert r["error"] is not None and "failed on rank 0" in r["error"] and "did not finish" in r["error"], r
         assert not r["latest"] and r["pending"] is None
+
+
+def test_retention_keeps_the_newest_complete_checkpoint_while_a_save_is_pending(tmp_path):
+    """shardwise train prunes right after an asynchronous save's call: the pending save is only a
+    partial folder, so `latest`'s (the newest complete) checkpoint is kept, and the partial too."""
+    from shardwise.train.run_folder import prune_checkpoints
+
+    for step in (1, 2):
+        (tmp_path / f"global_step{step}").mkdir()
+    (tmp_path / "latest").write_text("global_step2")
+    (tmp_path / ".global_step3.partial").mkdir()
+    gone = prune_checkpoints(tmp_path, 1)
+    assert [p.name for p in gone] == ["global_step1"]
+    assert (tmp_path / "global_step2").is_dir() and (tmp_path / ".global_step3.partial").is_dir()
