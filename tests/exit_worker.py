@@ -3,15 +3,11 @@
 ``python -m torch.distributed.run --nproc_per_node 2 exit_worker.py MODE``: trains the tiny Llama
 for a few steps with tensor parallelism 2 (``tp``) or ZeRO-2 with overlapped reduction (``zero``)
 and a tqdm bar on rank 0, then returns. ``error``: rank 1 raises after the first step (a clean
-error); rank 0 then fails its next collective. No rank may die of SIGABRT at exit. ``killed``: rank
-1 SIGKILLs itself after the first step (the OOM killer), and rank 0 ends as a shardwise subcommand
-does when a peer died: its own one line, exit 4 (run under the agent's ``--subcommand``).
+error); rank 0 then fails its next collective. No rank may die of SIGABRT at exit.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -24,16 +20,6 @@ import shardwise  # noqa: E402
 
 
 def main(mode: str) -> None:
-    if mode != "killed":
-        return train(mode)
-    try:
-        train(mode)
-    except Exception as e:  # noqa: BLE001 - what a subcommand does with a broken collective
-        print(f"error: {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
-        os._exit(4)  # as shardwise train does (train/run.py): the group is unusable
-
-
-def train(mode: str) -> None:
     shardwise.init_distributed()
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -53,8 +39,6 @@ def train(mode: str) -> None:
         engine.step()
         if mode == "error" and rank == 1 and step == 1:
             raise ValueError("a clean error in rank 1")
-        if mode == "killed" and rank == 1 and step == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

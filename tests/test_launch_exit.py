@@ -8,6 +8,9 @@ during finalization, caught in gdb); after an unhandled exception it ends the pr
 (exit 1). Each run here is a real 2-rank job. The resumed DeepSpeed-style example aborted in 5 of
 18 runs on this machine before that fix, and 0 of 30 after.
 
+Issue 58 item 6 adds one job to them: a 2-rank launch whose rank 1 is SIGKILLed (``killed_rank_worker.py``,
+torch only: about 4 CPU s), which the launcher must name whatever exit code rank 0 chose.
+
 Both tests' jobs run at the same time (the module's ``jobs``): the DeepSpeed example's saving run
 beside the TP, ZeRO-2 and failing scripts, then its resumes as soon as the checkpoint is written, all
 beside a busy loop. Together they are the CPU load the abort needed (two ranks a job on 2 cores), and
@@ -27,6 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "exit_worker.py")
+KILLED_WORKER = str(Path(__file__).resolve().parent / "killed_rank_worker.py")
 EXAMPLE = ROOT / "examples" / "deepspeed_scripts"
 # Three clean runs per test (the abort came in 5 of 18 runs before the fix, so three runs of the
 # old code all exit 0 with probability (13/18)**3 = 0.38 per test, 0.14 for both tests together);
@@ -88,7 +92,7 @@ def jobs(tmp_path_factory) -> dict[str, list[subprocess.CompletedProcess]]:
     try:
         scripts = [start(_torchrun("tp" if i % 2 == 0 else "zero")) for i in range(RUNS)] + [start(_torchrun("error"))]
         killed = start([sys.executable, "-m", "shardwise.launch.agent", "--subcommand", "--standalone",
-                        "--nproc_per_node=2", "--monitor_interval=2", WORKER, "killed"])
+                        "--nproc_per_node=2", "--monitor_interval=2", KILLED_WORKER])
         save = _finish(start(example + ["--save_at", "3"]))  # the resumes only read what it wrote
         resumes = [start(example + ["--resume"]) for _ in range(RUNS)]
         return {"scripts": [_finish(p) for p in scripts], "example": [save] + [_finish(p) for p in resumes],
