@@ -62,6 +62,18 @@ def same_bytes(root: str, stage: int, **cfg_kw) -> dict:
     return _same_bytes_with(engine, lambda a, b: _train(engine, a, b), Path(root))
 
 
+def same_bytes_kept_buffer(root: str) -> dict:
+    """``shardwise.keep_checkpoint_buffer``: two rounds of :func:`same_bytes` on one engine, the second
+    async save staged into the buffer the first one kept (the same memory)."""
+    from shardwise.checkpoint import staging
+
+    engine = _engine(2, extra={"shardwise": {"keep_checkpoint_buffer": True}})
+    first = _same_bytes_with(engine, lambda a, b: _train(engine, a, b), Path(root) / "first")
+    kept = staging._KEPT[0].data_ptr()
+    second = _same_bytes_with(engine, lambda a, b: _train(engine, a, b), Path(root) / "second")
+    return {**second, "first_differ": first.get("differ"), "reused": staging._KEPT[0].data_ptr() == kept}
+
+
 def same_bytes_sp(root: str) -> dict:
     """:func:`same_bytes` for Ulysses sequence parallelism 2 (stage 2): each rank trains on its half
     of every sequence (tests/sp_cases.py's model and batches)."""

@@ -14,6 +14,8 @@ saved, 12 bytes a parameter) and save after a step, several times each way. Per 
   per save (flat: the copy is freed after each write);
 - ``step_s`` / ``overlapped_step_s``: median step time with no save pending, and of the steps the
   writer overlapped (the writer thread shares the cores with training);
+- ``kept_buffer_*``: the same async saves with ``shardwise.keep_checkpoint_buffer`` on (the staging
+  buffer kept for the next save; the first save allocates it and is left out of the median);
 - ``load_s``: a synchronous ``load_checkpoint`` of the last checkpoint.
 
 Only shardwise, torch, transformers and the standard library are used.
@@ -102,8 +104,10 @@ def _sync_saves(engine, vocab: int, folder: Path, saves: int) -> list[float]:
     return out
 
 
-def _async_saves(engine, vocab: int, folder: Path, saves: int) -> dict:
+def _async_saves(engine, vocab: int, folder: Path, saves: int, keep: bool) -> dict:
     from shardwise.checkpoint import async_save
+
+    engine.config.shardwise.keep_checkpoint_buffer = keep  # shardwise.keep_checkpoint_buffer
 
     block, write, extra, after, overlapped = [], [], [], [], []
     base_rss = _rss_mb()
@@ -113,7 +117,7 @@ def _async_saves(engine, vocab: int, folder: Path, saves: int) -> dict:
         before = _rss_mb()
         with PeakRSS() as peak:
             t = time.perf_counter()
-            engine.save_checkpoint(folder / "async", tag=f"a{i}", asynchronous=True)
+            engine.save_checkpoint(folder / "async", tag=f"a{int(keep)}{i}", asynchronous=True)
             block.append(time.perf_counter() - t)
             n = 0
             while async_save.pending_tag() is not None:  # training goes on; a step's poll publishes
@@ -131,7 +135,8 @@ def _size_run(size: str, folder: Path, saves: int) -> dict:
         _step(engine, vocab, i)
     plain = [_step(engine, vocab, 50 + i) for i in range(4)]
     sync = _sync_saves(engine, vocab, folder, saves)
-    asy = _async_saves(engine, vocab, folder, saves)
+    asy = _async_saves(engine, vocab, folder, saves, keep=False)
+    kept = _async_saves(engine, vocab, folder, saves + 1, keep=True)  # the first one allocates the buffer
     dist.barrier()
     t = time.perf_counter()
     engine.load_checkpoint(folder / "async")
@@ -144,6 +149,10 @@ def _size_run(size: str, folder: Path, saves: int) -> dict:
             "async_all_s": [round(x, 3) for x in asy["blocking"]],
             "blocking_ratio": round(med(asy["blocking"]) / med(sync), 3),
             "async_write_s": round(med(asy["write"]), 3),
+            "kept_buffer_blocking_s": round(med(kept["blocking"][1:]), 3),
+            "kept_buffer_all_s": [round(x, 3) for x in kept["blocking"]],
+            "kept_buffer_ratio": round(med(kept["blocking"][1:]) / med(sync), 3),
+            "kept_buffer_rss_after_mb": [round(x) for x in kept["after"]],
             "extra_host_mb": [round(x) for x in asy["extra"]],
             "rss_after_mb": [round(x) for x in asy["after"]],
             "step_s": round(med(plain), 3),

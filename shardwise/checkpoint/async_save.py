@@ -92,7 +92,19 @@ def _writer_loop() -> None:
 
 
 _PENDING: list[PendingSave | None] = [None]
+_LAST: list[PendingSave | None] = [None]  # the last save handed to the writer, published or not
 _EXIT_HOOK = [False]
+
+
+def writer_idle() -> bool:
+    """True when the writer has finished with every save handed to it (a kept staging buffer may
+    then be written again; a writer given up on after the timeout may still be reading it)."""
+    return _LAST[0] is None or _LAST[0].done.is_set()
+
+
+def keep_buffer(engine: Any) -> bool:
+    """``shardwise.keep_checkpoint_buffer`` of ``engine``'s config (False without one)."""
+    return bool(getattr(getattr(getattr(engine, "config", None), "shardwise", None), "keep_checkpoint_buffer", False))
 
 
 def pending_tag() -> str | None:
@@ -116,7 +128,7 @@ def start(job: SaveJob, staged: Staged) -> None:
     if _WRITER[0] is None or not _WRITER[0].is_alive():
         _WRITER[0] = threading.Thread(target=_writer_loop, name="shardwise-checkpoint-writer", daemon=True)
         _WRITER[0].start()
-    _PENDING[0] = PendingSave(job, staged)
+    _PENDING[0] = _LAST[0] = PendingSave(job, staged)
     _QUEUE.put(_PENDING[0])
 
 

@@ -172,7 +172,7 @@ def save_checkpoint(engine: CheckpointTarget, save_dir: str | Path, tag: str | N
         job.meta = engine_meta(engine, comm.size) if comm.rank == 0 else None
         if background:
             shard_writer.at_phase("staging")
-            staged = stage(pieces)
+            staged = stage(pieces, keep=async_save.keep_buffer(engine) and async_save.writer_idle())
         else:
             write_rank(tmp, comm.rank, job.manifest, pieces)
     except BaseException as e:  # noqa: BLE001 - re-raised by agree() on every rank

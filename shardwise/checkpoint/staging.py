@@ -46,11 +46,25 @@ def _padded(t: torch.Tensor) -> int:
     return n + (-n % ALIGN)
 
 
-def stage(pieces: list[tuple[str, torch.Tensor]]) -> Staged:
-    """Copy ``pieces`` into one host buffer (pinned when a piece is on a GPU); see the module doc."""
+_KEPT: list[torch.Tensor | None] = [None]  # keep=True: the buffer reused by the next save
+
+
+def stage(pieces: list[tuple[str, torch.Tensor]], keep: bool = False) -> Staged:
+    """Copy ``pieces`` into one host buffer (pinned when a piece is on a GPU); see the module doc.
+
+    ``keep`` (``shardwise.keep_checkpoint_buffer``; the caller passes it only when the last writer
+    has finished with the buffer): the buffer stays allocated for the next save instead of going
+    back after the write. Copying into fresh memory is bound by the kernel zeroing its pages (640 MB:
+    0.29-0.34 s, against 0.06 s into mapped pages, on this project's 2-core host), so a kept buffer
+    makes the call about five times shorter, for one copy of the state held all run."""
     total = sum(_padded(t) for _, t in pieces)
     on_gpu = any(t.device.type != "cpu" for _, t in pieces)
-    buf = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=on_gpu and torch.cuda.is_available())
+    pinned = on_gpu and torch.cuda.is_available()
+    buf = _KEPT[0] if keep else None
+    if buf is None or buf.numel() < total or buf.is_pinned() != pinned:
+        _KEPT[0] = None  # the old one goes before the new one is made
+        buf = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pinned)
+    _KEPT[0] = buf if keep else None
     out, pos = [], 0
     for name, t in pieces:
         n = t.numel() * t.element_size()

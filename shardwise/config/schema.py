@@ -208,6 +208,8 @@ class ShardwiseSection(_Section):
     # asynchronous checkpoints (checkpoint/async_save.py): None follows DeepSpeed's switches
     # (checkpoint.writer.decoupled, datastates_ckpt); true/false overrides them
     async_checkpoint: Bool | None = None
+    # an asynchronous save's host staging buffer kept for the next save (checkpoint/staging.py)
+    keep_checkpoint_buffer: Bool = False
 
 
 class ShardwiseConfig(_Section):
