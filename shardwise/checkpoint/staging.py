@@ -4,7 +4,8 @@ Why a copy: the pieces are views of the live masters, optimizer state and buffer
 next ``engine.step()`` overwrites while the background writer still reads them (the torn
 checkpoints of other libraries). One flat buffer (each piece 64-byte aligned) holds them all: one
 allocation, the save's only extra host memory, dropped when the writer finishes (a large
-allocation goes back to the OS when freed, so the peak stays flat save after save).
+allocation goes back to the OS when freed, so the peak stays flat save after save), or kept for the
+next save with ``shardwise.keep_checkpoint_buffer``.
 
 On a GPU the buffer is pinned and the copies are queued ``non_blocking`` on the current stream,
 so the call returns before they finish and the training kernels queued after it on that stream
