@@ -176,7 +176,7 @@ def checkpoint_round_trip(monkeypatch, tmp_path, zero: dict) -> None:
     import shardwise
     import shardwise.checkpoint.load  # noqa: F401  (binds rng_setter: patched below)
     import shardwise.checkpoint.save  # noqa: F401
-    from shardwise.checkpoint import fileio
+    from shardwise.checkpoint import fileio, wait_for_checkpoint
 
     _outside_the_fake_mode(monkeypatch, fileio.rng_state)
     _outside_the_fake_mode(monkeypatch, fileio.rng_setter)
@@ -191,6 +191,8 @@ def checkpoint_round_trip(monkeypatch, tmp_path, zero: dict) -> None:
         engine.backward(engine(input_ids=batch, labels=batch).loss)
         engine.step()
         engine.save_checkpoint(tmp_path, tag="t")
+        engine.save_checkpoint(tmp_path / "async", tag="t", asynchronous=True)  # staged: non_blocking + event
+        wait_for_checkpoint()
         path, _ = engine.load_checkpoint(tmp_path, tag="t")
         engine.save_16bit_model(tmp_path / "hf")
         assert engine(input_ids=batch, labels=batch).loss.device == DEVICE

@@ -28,8 +28,8 @@ from shardwise.checkpoint.fileio import (
 from shardwise.checkpoint.formats import FOREIGN, open_checkpoint
 from shardwise.checkpoint.frozen import frozen_groups, full_shape, module_extras, read_whole, saved_extras
 from shardwise.checkpoint.load import read_saved, resolve_tag
+from shardwise.checkpoint.publish import model_config
 from shardwise.checkpoint.run_files import checkpoints_folder, copy_side_files, find_side_files
-from shardwise.checkpoint.save import model_config
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.checkpoint.validate import confined_path
 from shardwise.comm import Comm, CommStats

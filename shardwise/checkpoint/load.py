@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardwise.checkpoint import async_save
 from shardwise.checkpoint.experts import saved_offset, saved_shape
 from shardwise.checkpoint.fileio import (
     CheckpointError,
@@ -38,7 +39,7 @@ from shardwise.checkpoint.frozen import (
     read_whole,
     saved_extras,
 )
-from shardwise.checkpoint.save import IMPL_KEYS
+from shardwise.checkpoint.publish import IMPL_KEYS
 from shardwise.checkpoint.tp import (
     direct_key,
     logical_shape,
@@ -339,8 +340,8 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | N
     ``verify=False`` skips the sha256 pass (sizes are still checked). ``load_module_strict=False``
     loads the names the model and checkpoint share (shapes must still match) and logs the rest.
     """
-    comm = world_comm()
-    engine.wait_for_params()  # the last step's asynchronous all-gathers still write the parameters
+    async_save.complete(block=True)  # a pending asynchronous save is published (or fails) first
+    comm, _ = world_comm(), engine.wait_for_params()  # the last step's all-gathers may still write the params
     with_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
     err: BaseException | None = None
     path, meta, st = None, {}, _Staged()

@@ -81,15 +81,21 @@ def whole_state_pieces(engine: CheckpointTarget, writes: bool) -> tuple[list[tup
     return pieces, entries
 
 
-def merge_whole_state(engine: CheckpointTarget, manifests: list[dict]) -> dict | None:
+def whole_optimizer_name(engine: CheckpointTarget) -> str | None:
+    """The optimizer's class name when it keeps non-elementwise state, else None (read at the save
+    call: the metadata is written later, maybe after training went on, :mod:`checkpoint.publish`)."""
+    return None if whole_tensor_of(engine.optimizer) is None else type(engine.optimizer).__name__
+
+
+def merge_whole_state(optimizer_name: str | None, manifests: list[dict]) -> dict | None:
     """The metadata section from every rank's manifest (None for a flat optimizer)."""
-    if whole_tensor_of(engine.optimizer) is None:
+    if optimizer_name is None:
         return None
     tensors: dict[str, dict] = {}
     for m in manifests:
         for name, e in m.get(SECTION, {}).items():
             tensors[name] = {**e, "file": m["file"]}
-    return {"optimizer": type(engine.optimizer).__name__, "tensors": tensors}
+    return {"optimizer": optimizer_name, "tensors": tensors}
 
 
 # -- schema -------------------------------------------------------------------------------------

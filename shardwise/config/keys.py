@@ -285,6 +285,8 @@ KEYS: tuple[Key, ...] = (
     Key("elasticity", R, "elastic batch sizes", disabled, subtree=True),
     Key("nebula", R, "Nebula checkpointing", disabled, subtree=True),
     Key("datastates", R, "DataStates checkpointing", disabled, subtree=True),
+    Key("datastates_ckpt", H, "DataStates' switch (on for any value but false): asynchronous saves, as "
+        "checkpoint.writer.decoupled ([checkpoints.md](checkpoints.md))", subtree=True),
     Key("graph_harvesting", I, "CUDA graph capture; " + _PERF),
     Key("checkpoint", H, "section"),
     Key("checkpoint.load_universal", R, "loading DeepSpeed universal checkpoints", default(False)),
@@ -293,7 +295,11 @@ KEYS: tuple[Key, ...] = (
     Key("checkpoint.use_node_local_storage", I, "where DeepSpeed writes; shardwise writes to save_dir"),
     Key("checkpoint.parallel_write", I, "checkpoint write pipelining; " + _PERF, subtree=True),
     Key("checkpoint.checkpoint_serialization", I, "DeepSpeed's torch.save format; shardwise writes safetensors"),
-    Key("checkpoint.writer", I, "checkpoint writer engine; " + _PERF, subtree=True),
+    Key("checkpoint.writer", H, "section: DeepSpeed's checkpoint writer"),
+    Key("checkpoint.writer.decoupled", H, "true: asynchronous saves, written in the background and "
+        "published once durable ([checkpoints.md](checkpoints.md))"),
+    *(Key("checkpoint.writer." + k, I, "DeepSpeed's writer engine tuning; " + _PERF)
+      for k in ("type", "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel", "io_multiplier")),
     Key("aio", I, "NVMe I/O tuning (NVMe offload is refused)", subtree=True),
     Key("activation_checkpointing", I, "configures deepspeed.checkpointing, called by the model; "
         "recomputation gives the same numbers", subtree=True),
@@ -329,6 +335,12 @@ KEYS: tuple[Key, ...] = (
     Key("shardwise.sequence_parallel_attention", H, "\"auto\" (default): Ulysses when it can split the "
         "heads over `sequence_parallel_size`, ring attention otherwise; \"ulysses\" or \"ring\" to choose "
         "([long_context.md](long_context.md))"),
+    Key("shardwise.async_checkpoint", H, "true: saves return once the state is copied and are written in "
+        "the background ([checkpoints.md](checkpoints.md)); false: synchronous whatever DeepSpeed's keys say; "
+        "default: DeepSpeed's keys (shardwise train: true)"),
+    Key("shardwise.keep_checkpoint_buffer", H, "true: an asynchronous save's host copy of the state is kept "
+        "for the next save (one copy held all run; the call about 5x shorter on the CPU) instead of freed "
+        "after its write ([checkpoints.md](checkpoints.md#asynchronous-saves))"),
     Key("shardwise.master_update", H, "how a bf16/fp16 master takes its update: \"kahan\" (default: a "
         "compensation buffer keeps what rounding lost), \"stochastic\" (bf16 only) or \"nearest\" "
         "([precision.md](precision.md))", master_update_ok),

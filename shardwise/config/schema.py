@@ -205,6 +205,11 @@ class ShardwiseSection(_Section):
     sequence_parallel_attention: Literal["auto", "ulysses", "ring"] = "auto"
     # how a bf16/fp16 master takes its fp32 update (zero/low_precision.py, docs/precision.md)
     master_update: Literal["nearest", "kahan", "stochastic"] = "kahan"
+    # asynchronous checkpoints (checkpoint/async_save.py): None follows DeepSpeed's switches
+    # (checkpoint.writer.decoupled, datastates_ckpt); true/false overrides them
+    async_checkpoint: Bool | None = None
+    # an asynchronous save's host staging buffer kept for the next save (checkpoint/staging.py)
+    keep_checkpoint_buffer: Bool = False
 
 
 class ShardwiseConfig(_Section):
@@ -241,6 +246,7 @@ class ShardwiseConfig(_Section):
     activation_checkpointing: FreeDict = Field(default_factory=dict)
     data_types: FreeDict = Field(default_factory=dict)
     checkpoint: FreeDict = Field(default_factory=dict)
+    datastates_ckpt: FreeDict | Bool | None = None  # DataStates' switch: asynchronous saves (any value but false)
     # monitoring and profiling: checked sections, honoured by shardwise/monitor/
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.checkpoint import wait_for_checkpoint
 from shardwise.comm import compute_device
 from shardwise.engine.checks import UsageError, used_params_of  # noqa: F401 (UsageError re-exported)
 from shardwise.engine.ds_surface import DEEPSPEED_ENGINE_METHODS, DeepSpeedEngineExtras, refuse
@@ -243,6 +244,7 @@ class EngineAccessors(DeepSpeedEngineExtras):
         Afterwards the module no longer gathers or reduces anything; at stage 3 its parameters
         stay released placeholders (gather them with ``GatheredParameters`` first if needed).
         """
+        wait_for_checkpoint()  # as DeepSpeed's destroy commits a decoupled save
         self.sharding.remove()
         self.monitor.close()
         tracking = used_params_of(self)

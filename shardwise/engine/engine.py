@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
+from shardwise.checkpoint import load_checkpoint, poll_checkpoint, save_16bit_model, save_checkpoint
 from shardwise.comm import configure as configure_comms_log
 from shardwise.engine.checks import check_all_used, check_save_args, direct_step_guard, track_used
 from shardwise.engine.compat import EngineAccessors, UsageError
@@ -258,6 +258,7 @@ class Engine(EngineAccessors, nn.Module):
         """Call after every micro-batch; steps and zeroes grads at the accumulation boundary."""
         with self.monitor.step():  # the step timer, then the boundary's events, profile and progress line
             self._step()
+        poll_checkpoint()  # a pending asynchronous save is published once every rank wrote it (DeepSpeed's commit)
 
     def _step(self) -> None:
         if self._in_no_sync:
@@ -351,15 +352,17 @@ class Engine(EngineAccessors, nn.Module):
 
     # -- checkpoints (implemented in shardwise.checkpoint; these only delegate) -------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> str:
+                        exclude_frozen_parameters: bool = False, asynchronous: bool | None = None) -> str:
         """Sharded checkpoint of model, optimizer, scheduler, counters and RNG (collective).
 
         ``exclude_frozen_parameters=True`` (DeepSpeed's): frozen parameters are not written, only
-        listed; a load leaves them as the model it loads into has them.
+        listed; a load leaves them as the model it loads into has them. ``asynchronous`` (None: the
+        config's ``shardwise.async_checkpoint`` / DeepSpeed's writer keys): return once the state is
+        copied, written in the background (docs/checkpoints.md).
         """
         tag = check_save_args(self, save_dir, tag)
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
+                               exclude_frozen_parameters=exclude_frozen_parameters, asynchronous=asynchronous)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

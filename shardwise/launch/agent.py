@@ -11,6 +11,8 @@ report, and exit code 1 whatever the ranks said. Here the agent runs in-process
 - any other failure (a script's exception, a signal): one line naming the rank, its exit code or
   signal and where its output is; the exit code is the rank's (1 after a signal); the rank's own
   traceback, printed above it, is the detail;
+- a rank killed by a signal (SIGKILL: "killed; out of host memory?") is always named, also when its
+  peers then exited first with a code of their own (4: "a peer process died"): that code is kept;
 - the master port already in use: one line naming the port and how to pick another, exit 2.
 """
 
@@ -25,16 +27,48 @@ ONE_LINE_CODES = (2, 3, 4)  # shardwise subcommands print their own one line bef
 QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",)  # "failed (exitcode: 2)", "Sending SIGTERM"
 
 
+def how_killed(signum: int, name: str) -> str:
+    """``signal 9 (SIGKILL: killed; out of host memory?)``: the signal and what usually sent it."""
+    why = {9: "killed; out of host memory?", 15: "terminated", 6: "aborted", 11: "segmentation fault",
+           7: "bus error; shared memory (/dev/shm) full?"}.get(signum)
+    return f"signal {signum} ({name}{': ' + why if why else ''})"
+
+
+def _rank_words(rank: int, failure) -> str:
+    return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+
+
 def failure_line(exc, subcommand: bool) -> tuple[str | None, int]:
-    """(the one line to print, or None; the exit code) for torchrun's ``ChildFailedError``."""
+    """(the line(s) to print, or None; the exit code) for torchrun's ``ChildFailedError``.
+
+    A rank killed by a signal (the OOM killer's SIGKILL) prints nothing itself, and its peers then
+    fail their next collective: they exit first or in the same poll of the agent, with a code of
+    their own (4, "a peer process died"), and torchrun's first failure (its timestamps are whole
+    seconds, ties go to the lowest rank) is a survivor. So every rank killed by a signal is named
+    here, whichever failure torchrun calls first, and the exit code stays the survivors' choice.
+    Once one rank failed the agent stops the others with SIGTERM, and lists them too: a SIGTERM
+    beside another failure is the agent's own, not news.
+    """
     rank, failure = exc.get_first_failure()
     code = failure.exitcode
-    if code in ONE_LINE_CODES and subcommand:
-        return None, code
-    what = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
-    where = f"; error file {failure.error_file}" if failure.error_file and failure.error_file != "<N/A>" else ""
-    return (f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {what}{where}; its output is above"
-            f"{' (SIGKILL: often out of memory)' if code == -9 else ''}"), code if code > 0 else 1
+    failures = sorted(exc.failures.items())
+    if any(f.exitcode != -15 for _, f in failures):
+        failures = [(r, f) for r, f in failures if f.exitcode != -15]
+        if failure.exitcode == -15:
+            rank, failure = failures[0]
+            code = failure.exitcode
+    killed = [(r, f) for r, f in failures if f.exitcode < 0]
+    if code < 0 or not killed:
+        if code in ONE_LINE_CODES and subcommand:
+            return None, code
+        what = f"was killed by {how_killed(-code, failure.signal_name())}" if code < 0 else f"exited with code {code}"
+        where = f"; error file {failure.error_file}" if failure.error_file and failure.error_file != "<N/A>" else ""
+        first = f"{_rank_words(rank, failure)} {what}{where}; its output is above"
+        others = [f"{_rank_words(r, f)} was killed by {how_killed(-f.exitcode, f.signal_name())}"
+                  for r, f in killed if r != rank]
+        return "; ".join([first, *others]), code if code > 0 else 1
+    lines = [f"{_rank_words(r, f)} was killed by {how_killed(-f.exitcode, f.signal_name())}" for r, f in killed]
+    return (f"{'; '.join(lines)}; the other ranks' errors (exit code {code}) follow from it"), code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.checkpoint import wait_for_checkpoint
 from shardwise.comm import make_comm
 from shardwise.engine import NonFiniteError
 from shardwise.sequence_parallel import router_aux_loss, sequence_parallel_loss, split_batch
@@ -188,10 +189,19 @@ def sample(engine, tokenizer, prompt_ids: list[int], max_new_tokens: int, seed: 
     return tokenizer.decode(out[0].tolist())
 
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int) -> str:
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep: int, wait: bool = False) -> str:
     """Checkpoint ``global_step{step}`` (collective); rank 0 then deletes all but the ``keep``
-    written last (never the one ``latest`` names: :func:`run_folder.prune_checkpoints`)."""
-    path = engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state=client_state)
+    written last (never the one ``latest`` names: :func:`run_folder.prune_checkpoints`).
+
+    Asynchronous unless the config's ``shardwise.async_checkpoint`` is false: the call returns once
+    the state is copied and training goes on while it is written (docs/checkpoints.md). ``wait``
+    (the last step's and a stop's save): published before returning. Until then ``latest`` names
+    the previous complete checkpoint, which the pruning therefore keeps."""
+    own = engine.config.shardwise.async_checkpoint
+    path = engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state=client_state,
+                                  asynchronous=True if own is None else own)
+    if wait:
+        wait_for_checkpoint()
     if dist.get_rank() == 0:
         prune_checkpoints(ckpt_dir, keep)
     return path

@@ -8,6 +8,7 @@ SIGTERM/SIGINT) -> final eval, sample, hf/ export, loss.png, memory table.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise.checkpoint import wait_for_checkpoint
 from shardwise.checkpoint.formats import is_foreign
 from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.comm import RanksDivergedError, make_comm
@@ -85,6 +87,7 @@ def main(args: Any) -> int:
     except DivergedError as e:  # every rank raises it alike (same loss, same norm)
         if dist.get_rank() == 0:
             print(f"shardwise train: error: {one_line(e)}", file=sys.stderr, flush=True)
+        wait_for_checkpoint()  # an earlier step's save still being written: published (every rank is here)
         return EXIT_DIVERGED
     except (RanksDivergedError, RankOutOfMemoryError) as e:  # this rank alone: every rank says its own line
         print(f"shardwise train: error: {one_line(e)}", file=sys.stderr, flush=True)
@@ -301,7 +304,7 @@ def _one_step(job: Job, step: int, stop: loop.StopRequest, bar) -> tuple[int, bo
     if saving:
         job.guard.check_probe(step, loop.probe_loss(engine, job.data), "the checkpoint")
         loop.save(engine, job.ckpt_dir, step, {**job.state, "step": step, "nonfinite_steps": job.guard.count},
-                  args.keep)
+                  args.keep, wait=stopped or step == args.steps)  # the last save and a stop's: published now
     return step, stopped
 
 
@@ -312,7 +315,9 @@ def _check_state(job: Job, step: int, before: str) -> None:
 
 
 def _latest(job: Job) -> str | None:
-    """The checkpoint ``latest`` names (for the divergence message), or None."""
+    """The checkpoint ``latest`` names (for the divergence message), or None; collective: a save still
+    being written is published first (the run stops next, and its message names that checkpoint)."""
+    wait_for_checkpoint()
     f = job.ckpt_dir / "latest"
     return str(job.ckpt_dir / f.read_text().strip()) if f.is_file() else None
 
@@ -328,7 +333,7 @@ def _eval(job: Job, step: int, bar=None) -> None:
             bar.write(msg)
         else:
             print(msg, flush=True)
-    job.guard.check_eval(step, loss, _latest(job))  # every rank alike: the loss is all-reduced
+    job.guard.check_eval(step, loss, None if math.isfinite(loss) else _latest(job))  # every rank alike: all-reduced
 
 
 def _finish(job: Job, step: int) -> int:
