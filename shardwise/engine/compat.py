@@ -245,6 +245,8 @@ class EngineAccessors(DeepSpeedEngineExtras):
         """
         self.sharding.remove()
         self.monitor.close()
+        if getattr(self, "nvme", None) is not None:  # NVMe offload: threads stopped, swap files removed
+            self.nvme.close()
         tracking = used_params_of(self)
         if tracking is not None:
             tracking.remove()

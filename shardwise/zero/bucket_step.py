@@ -56,13 +56,18 @@ def _step_hooks(optimizer: optim.Optimizer) -> list[Callable[..., Any]]:
     return [h for table in tables for h in table.values()]
 
 
+def steps_exactly_per_group(optimizer: optim.Optimizer) -> bool:
+    """May ``optimizer`` step one group's master at a time with the result of one whole step? (A torch
+    elementwise class, and step hooks that may run once per group; see the module doc.)"""
+    return (type(optimizer) in ELEMENTWISE_OPTIMIZERS
+            and all(getattr(h, _REPEAT_SAFE, False) for h in _step_hooks(optimizer)))
+
+
 def steps_per_bucket(optimizer: optim.Optimizer, sharding: Sharding) -> bool:
     """Whether :func:`step_and_publish` may step ``optimizer`` bucket by bucket (see the module doc)."""
     if sharding.stage not in (1, 2) or len(sharding.groups) < 2:
         return False
-    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
-        return False
-    if not all(getattr(h, _REPEAT_SAFE, False) for h in _step_hooks(optimizer)):
+    if not steps_exactly_per_group(optimizer):
         return False
     params = [id(p) for pg in optimizer.param_groups for p in pg["params"]]
     masters = {id(g.master) for g in sharding.groups}
