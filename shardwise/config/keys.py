@@ -197,7 +197,8 @@ KEYS: tuple[Key, ...] = (
     Key(Z + "cpu_offload_use_pin_memory", H, "deprecated: pin_memory of the offload sections"),
     Key(Z + "stage3_gather_fp16_weights_on_model_save", H, "deprecated name of the 16bit key"),
     Key(Z + "offload_optimizer", H, "section"),
-    Key(OO + "device", H, "none or cpu (nvme refused)"),
+    Key(OO + "device", H, "none, cpu, or nvme (ZeRO-Infinity, stages 1-3: master and optimizer state in swap "
+        "files under nvme_path; [offload.md](offload.md))"),
     Key(OO + "pin_memory", H, "pinned host buffers"),
     Key(OP + "device", H, "none or cpu (nvme refused)"),
     Key(OP + "pin_memory", H, "pinned host buffers"),
@@ -229,9 +230,13 @@ KEYS: tuple[Key, ...] = (
     Key(Z + "log_trace_cache_warnings", I, _LOG),
     Key(Z + "enable_sanity_checks", I, "debug checks"),
     Key(Z + "leaf_module", I, "stage-3 fetch granularity; " + _PERF, subtree=True),
-    *(Key(OO + k, I, "NVMe or partial offload tuning; " + _PERF) for k in (
-        "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload",
-        "cpuadam_cores_perc")),
+    Key(OO + "nvme_path", H, "device nvme: the folder of the swap files (checked for room, locked per run, "
+        "emptied at exit)"),
+    Key(OO + "buffer_count", H, "device nvme: host buffers of one group's swap file each (the host bytes held)"),
+    Key(OO + "pipeline_read", H, "device nvme: read the next groups while one steps"),
+    Key(OO + "pipeline_write", H, "device nvme: write a group while the next steps"),
+    *(Key(OO + k, I, "partial offload tuning; " + _PERF) for k in (
+        "fast_init", "ratio", "super_offload", "cpuadam_cores_perc")),
     *(Key(OP + k, I, "NVMe offload tuning; " + _PERF) for k in (
         "nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
     Key("zero_allow_untested_optimizer", I, "a DeepSpeed safety switch; any torch optimizer works "
@@ -294,7 +299,8 @@ KEYS: tuple[Key, ...] = (
     Key("checkpoint.parallel_write", I, "checkpoint write pipelining; " + _PERF, subtree=True),
     Key("checkpoint.checkpoint_serialization", I, "DeepSpeed's torch.save format; shardwise writes safetensors"),
     Key("checkpoint.writer", I, "checkpoint writer engine; " + _PERF, subtree=True),
-    Key("aio", I, "NVMe I/O tuning (NVMe offload is refused)", subtree=True),
+    Key("aio", H, "NVMe offload's I/O engine: block_size, queue_depth, intra_op_parallelism (= thread_count), "
+        "single_submit, overlap_events; use_gds true refused; [offload.md](offload.md)", subtree=True),
     Key("activation_checkpointing", I, "configures deepspeed.checkpointing, called by the model; "
         "recomputation gives the same numbers", subtree=True),
     # -- logging, monitoring, profiling, launch -------------------------------------------------------
