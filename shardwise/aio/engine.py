@@ -131,13 +131,13 @@ class IOEngine:
                 got = (os.pwritev if write else os.preadv)(f.fd, iov, offset + done)
             except OSError as e:
                 what = "write" if write else "read"
-                raise AioError(e.errno, f"{f.path}: {what} of {len(chunk)} bytes at offset {offset + done} "
-                                        f"failed: {e.strerror}") from None
+                raise AioError(f"{f.path}: {what} of {len(chunk)} bytes at offset {offset + done} "
+                               f"failed: {e.strerror}") from None
             if got <= 0 and not write and done >= need:
                 break
             if got <= 0:
-                raise AioError(0, f"{f.path}: the file ends at byte {offset + done}, {offset + need} expected: "
-                                  "truncated, or not the file that was written")
+                raise AioError(f"{f.path}: the file ends at byte {offset + done}, {offset + need} expected: "
+                               "truncated, or not the file that was written")
             done += got
         if write:
             drop_cached(f, offset, n)

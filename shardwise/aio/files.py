@@ -59,7 +59,7 @@ def open_file(path: str | os.PathLike, write: bool = True, direct: bool = True) 
             return AioFile(path, os.open(path, flags | os.O_DIRECT, 0o600), True)
         except OSError as e:
             if e.errno != errno.EINVAL:
-                raise AioError(e.errno, f"{path}: cannot open: {e.strerror}") from None
+                raise AioError(f"{path}: cannot open: {e.strerror}") from None
             folder = str(path.parent)
             if folder not in _WARNED:
                 _WARNED.add(folder)
@@ -68,7 +68,7 @@ def open_file(path: str | os.PathLike, write: bool = True, direct: bool = True) 
     try:
         return AioFile(path, os.open(path, flags, 0o600), False)
     except OSError as e:
-        raise AioError(e.errno, f"{path}: cannot open: {e.strerror}") from None
+        raise AioError(f"{path}: cannot open: {e.strerror}") from None
 
 
 def takes_direct_io(folder: str | os.PathLike) -> bool:

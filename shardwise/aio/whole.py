@@ -43,7 +43,7 @@ def read_tensor(io: IOEngine, path: str | os.PathLike, out: torch.Tensor) -> tor
     f = open_file(path, write=False)
     try:
         if f.size() != n:
-            raise AioError(0, f"{path}: {f.size()} bytes on disk, {n} expected: truncated or another file")
+            raise AioError(f"{path}: {f.size()} bytes on disk, {n} expected: truncated or another file")
         dst = out.reshape(-1).view(torch.uint8)
         if f.direct and not _aligned(out):
             bounce = AlignedBuffer(n)

@@ -97,9 +97,9 @@ def check(layout: SwapLayout, buf: torch.Tensor) -> None:
     magic, generation, size, has_state, total = _HEADER.unpack(bytes(buf[:_HEADER.size].numpy()))
     where = f"{layout.path}: swap file"
     if magic != MAGIC:
-        raise SwapFileError(0, f"{where} has no shardwise header (overwritten or not a swap file)")
+        raise SwapFileError(f"{where} has no shardwise header (overwritten or not a swap file)")
     if generation != layout.generation or size != n or bool(has_state) != layout.has_state:
-        raise SwapFileError(0, f"{where} is generation {generation} of {size} bytes, this run wrote generation "
+        raise SwapFileError(f"{where} is generation {generation} of {size} bytes, this run wrote generation "
                                f"{layout.generation} of {n} bytes (a stale copy, or changed underneath)")
     if checksum(buf[ALIGN:n]) != total:
-        raise SwapFileError(0, f"{where} fails its checksum: its bytes changed after they were written")
+        raise SwapFileError(f"{where} fails its checksum: its bytes changed after they were written")

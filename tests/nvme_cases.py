@@ -1,0 +1,129 @@
+"""Rank-side runs for NVMe offload (tests/test_nvme.py): the same training with CPU offload and with
+NVMe offload, checkpoints through swap files, and the faults a swap file can meet."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tiny_models import batches, build
+from zero_cases import run_micro_batches
+
+import shardwise
+from shardwise.zero import GatheredParameters
+
+PRECISIONS = {  # name -> config sections: bf16/fp16 compute, and bf16 masters with bf16 optimizer states
+    "bf16": {"bf16": {"enabled": True}},
+    "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}},
+    "bf16_states": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                             "bf16_optimizer_states": True}},
+}
+
+
+def config(stage: int, precision: str, device: str, nvme_path: str | None = None, **nvme) -> dict:
+    world = dist.get_world_size()
+    oo = {"device": device, **({"nvme_path": nvme_path} if nvme_path else {}), **nvme}
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2 * world,
+            "steps_per_print": 0, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000,
+                                  "offload_optimizer": oo},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            **PRECISIONS[precision]}
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    with GatheredParameters(list(model.parameters())):
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _train(cfg: dict, steps: int = 3, engine=None, data=None, start: int = 0):
+    if engine is None:
+        engine, *_ = shardwise.initialize(model=build("llama"), config=cfg)
+    data = batches(start + steps, 1, 2 * dist.get_world_size(), 16) if data is None else data
+    losses = run_micro_batches(engine, data[start:start + steps], dist.get_rank(), 2)
+    return engine, losses
+
+
+def cpu_vs_nvme(stage: int, precisions: list[str]) -> dict:
+    """Per precision: losses and weights with CPU offload and with NVMe offload (pipelined, 2 buffers)."""
+    out = {}
+    for precision in precisions:
+        cpu, cpu_losses = _train(config(stage, precision, "cpu"))
+        root = tempfile.mkdtemp()
+        nvme, nvme_losses = _train(config(stage, precision, "nvme", root, buffer_count=2, pipeline_read=True,
+                                          pipeline_write=True))
+        files = sorted(p.name for p in (Path(root) / "shardwise-swap" / f"rank{dist.get_rank()}").iterdir())
+        swap_bytes = sum(layout.nbytes for layout in nvme.nvme.layouts)
+        report = dict(nvme.memory_report())
+        out[precision] = {"losses": (cpu_losses, nvme_losses), "report": report, "files": files,
+                          "swap_bytes": swap_bytes, "buffers": [b.nbytes for b in nvme.nvme.buffers],
+                          "cpu_report": dict(cpu.memory_report()),
+                          "same_weights": all(torch.equal(a, b) for a, b in
+                                              zip(_weights(cpu.module).values(), _weights(nvme.module).values(),
+                                                  strict=True))}
+        nvme.destroy()
+        cpu.destroy()
+        out[precision]["left_after_destroy"] = sorted(os.listdir(root))
+    return out
+
+
+def checkpoint_resume(stage: int, precision: str, save_dir: str) -> dict:
+    """Save at step 2 with NVMe-held state, run to step 4; load into a fresh engine on another nvme_path
+    and into a CPU-offload engine at another stage (another layout), run steps 3-4 in each."""
+    data = batches(4, 1, 2 * dist.get_world_size(), 16)
+    paths = [tempfile.mkdtemp() for _ in range(2)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(paths := [paths], src=0)
+        paths = paths[0]
+    first, _ = _train(config(stage, precision, "nvme", paths[0], pipeline_read=True), 2, data=data)
+    first.save_checkpoint(save_dir, tag="s2")
+    _, straight = _train({}, 2, engine=first, data=data, start=2)
+    first.destroy()
+    again = shardwise.initialize(model=build("llama"), config=config(stage, precision, "nvme", paths[1]))[0]
+    again.load_checkpoint(save_dir, tag="s2")
+    _, resumed = _train({}, 2, engine=again, data=data, start=2)
+    other_stage = 3 if stage != 3 else 1
+    cpu = shardwise.initialize(model=build("llama"), config=config(other_stage, precision, "cpu"))[0]
+    cpu.load_checkpoint(save_dir, tag="s2")
+    _, resharded = _train({}, 2, engine=cpu, data=data, start=2)
+    again.destroy()
+    cpu.destroy()
+    return {"straight": straight, "resumed": resumed, "resharded": resharded}
+
+
+def faults(root: str) -> dict:
+    """One rank: a swap file truncated, one changed, and a second run on the same nvme_path."""
+    out: dict[str, str] = {}
+    cfg = config(2, "bf16", "nvme", root)
+    engine, _ = _train(cfg, 1)
+    try:
+        shardwise.initialize(model=build("llama"), config=cfg)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["second_run"] = f"{type(e).__name__}: {e}"
+    layouts = engine.nvme.layouts
+    with open(layouts[0].path, "r+b") as f:
+        f.truncate(layouts[0].used() - 4096)
+    out["truncated"] = _step_error(engine)
+    engine.destroy()
+    engine, _ = _train(cfg, 1)
+    path = engine.nvme.layouts[-1].path
+    with open(path, "r+b") as f:
+        f.seek(4096 + 8)
+        byte = f.read(1)
+        f.seek(4096 + 8)
+        f.write(bytes([byte[0] ^ 1]))
+    out["changed"] = _step_error(engine)
+    engine.destroy()
+    out["left"] = str(sorted(os.listdir(root)))
+    return out
+
+
+def _step_error(engine) -> str:
+    try:
+        _train({}, 1, engine=engine)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -1,0 +1,42 @@
+"""NVMe offload (ZeRO-Infinity's optimizer tier): bit-equal to CPU offload at stages 1-3 with bf16/fp16
+compute and bf16 states, really on disk, host memory bounded, checkpoints, faults (tests/nvme_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize(("stage", "precisions"), [(1, ["bf16", "bf16_states"]), (2, ["fp16"]),
+                                                   (3, ["bf16", "fp16", "bf16_states"])])
+def test_nvme_offload_is_cpu_offload_to_the_bit(pool2, stage, precisions):
+    res = pool2.run("nvme_cases:cpu_vs_nvme", stage, precisions)
+    for rank in res:
+        for precision, r in rank.items():
+            cpu, nvme = r["losses"]
+            assert cpu == nvme, (stage, precision, cpu, nvme)  # exact: the same arithmetic
+            assert r["same_weights"], (stage, precision)
+            rep, cpu_rep = r["report"], r["cpu_report"]
+            # really on disk: the host holds no master or optimizer state, only the 2 buffers
+            assert rep["master_params"] == rep["optimizer_states"] == 0, rep
+            assert cpu_rep["master_params"] > 0 and cpu_rep["optimizer_states"] > 0
+            assert rep["nvme_offloaded"] == cpu_rep["master_params"] + cpu_rep["optimizer_states"]
+            assert rep["nvme_buffers"] == sum(r["buffers"]) and len(r["buffers"]) == 2
+            assert max(r["buffers"]) <= r["swap_bytes"]  # a buffer is one group's file, not the whole state
+            assert r["files"] and all(f.endswith(".swap") for f in r["files"])
+            assert r["left_after_destroy"] == []  # the swap files and the lock are gone
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_with_nvme_state_resumes_exactly(pool2, tmp_path, stage):
+    res = pool2.run("nvme_cases:checkpoint_resume", stage, "bf16", str(tmp_path / "ckpt"))
+    for r in res:
+        assert r["resumed"] == r["straight"], r  # another nvme_path, the step's state (not a stale file)
+        assert r["resharded"] == r["straight"], r  # into CPU offload at another stage
+
+
+def test_swap_file_faults_and_the_lock(pool1, tmp_path):
+    out = pool1.run("nvme_cases:faults", str(tmp_path))[0]
+    assert "nvme_path" in out["second_run"] and "in use by another run" in out["second_run"], out
+    assert "group00000.swap" in out["truncated"] and "ends at byte" in out["truncated"], out
+    assert ".swap: swap file fails its checksum" in out["changed"], out
+    assert out["left"] == "[]", out
