@@ -6,8 +6,8 @@ per-element state (``exp_avg``, ``exp_avg_sq``, ... in the order :func:`state_ke
 whole file moves in one request, so a read or a write is one sequential transfer.
 
 The header carries a generation stamp (incremented by every write of this run, and kept in memory)
-and a checksum of the slots (the sum of their bytes as int32 words: one pass at memory speed, which
-any changed word changes). A read that finds the file shorter than written, another stamp, or another
+and a checksum of the slots (the sum of their bytes as int64 words: one pass at memory speed, which
+any single changed word changes). A read that finds the file shorter than written, another stamp, or another
 sum is an :class:`SwapFileError` naming the file: never garbage handed to the optimizer.
 """
 
@@ -77,8 +77,10 @@ class SwapLayout:
 
 
 def checksum(data: torch.Tensor) -> int:
-    """The sum of ``data``'s bytes read as int32 words (int64 accumulator: exact up to 16 GiB)."""
-    return int(data.view(torch.int32).sum(dtype=torch.int64))
+    """The sum of ``data``'s bytes read as int64 words, modulo 2**64 (an integer sum wraps the same in any
+    order, so it is exact and deterministic; ~20 GB/s on one core, where an int32 sum widened to int64
+    ran at 1.3 GB/s and took most of a step)."""
+    return int(data.view(torch.int64).sum())
 
 
 def stamp(layout: SwapLayout, buf: torch.Tensor) -> int:

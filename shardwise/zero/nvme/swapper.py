@@ -91,7 +91,8 @@ class OptimizerSwapper:
         self.io = IOEngine(settings.aio)
         self.files = [open_file(layout.path) for layout in self.layouts]
         size = max((layout.nbytes for layout in self.layouts), default=4096)
-        self.buffers = [AlignedBuffer(size, settings.pin_memory) for _ in range(max(1, settings.buffer_count))]
+        count = max(1, min(settings.buffer_count, len(self.units)))  # more buffers than groups would sit idle
+        self.buffers = [AlignedBuffer(size, settings.pin_memory) for _ in range(count)]
         self.free = list(self.buffers)
         for u in range(len(self.units)):  # the masters (and any state) to disk, their host copies dropped
             buf = self.free[0]
