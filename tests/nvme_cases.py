@@ -127,3 +127,41 @@ def _step_error(engine) -> str:
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def offload_reload(stage: int, precision: str = "bf16", tp: int = 1) -> dict:
+    """Two steps, ``offload_states`` (host storages moved too: the CPU run's stand-in for a device), a
+    refused forward, ``reload_states``, two steps: against four steps never offloaded."""
+    from shardwise.engine.offload_states import offload_states
+
+    world = dist.get_world_size()
+    cfg = config(stage, precision, "none")
+    cfg["zero_optimization"].pop("offload_optimizer")
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
+        cfg["train_batch_size"] = 2 * world // tp
+    dp_rank, dp = dist.get_rank() // tp, world // tp
+    data = batches(4, 1, 2 * dp, 16)
+
+    def run(engine, start: int) -> list[float]:
+        return run_micro_batches(engine, data[start:start + 2], dp_rank, 2)
+
+    plain = shardwise.initialize(model=build("llama"), config=cfg)[0]
+    straight = run(plain, 0) + run(plain, 2)
+    engine = shardwise.initialize(model=build("llama"), config=cfg)[0]
+    first = run(engine, 0)
+    before = dict(engine.memory_report())
+    offload_states(engine, move_host=True)
+    during = dict(engine.memory_report())
+    try:
+        run(engine, 2)
+        refused = "no error"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        refused = f"{type(e).__name__}: {e}"
+    engine.reload_states()
+    after = dict(engine.memory_report())
+    resumed = first + run(engine, 2)
+    plain.destroy()
+    engine.destroy()
+    return {"straight": straight, "resumed": resumed, "before": before, "during": during, "after": after,
+            "refused": refused}

@@ -40,3 +40,19 @@ def test_swap_file_faults_and_the_lock(pool1, tmp_path):
     assert "group00000.swap" in out["truncated"] and "ends at byte" in out["truncated"], out
     assert ".swap: swap file fails its checksum" in out["changed"], out
     assert out["left"] == "[]", out
+
+
+@pytest.mark.parametrize(("stage", "precision", "tp"), [(0, "bf16", 1), (1, "fp16", 1), (2, "bf16_states", 1),
+                                                        (3, "bf16", 1), (1, "bf16", 2)])
+def test_offload_states_then_reload_is_bit_equal(pool2, stage, precision, tp):
+    """engine.offload_states() / reload_states() (DeepSpeed 0.16+): the next steps equal never offloading."""
+    for r in pool2.run("nvme_cases:offload_reload", stage, precision, tp):
+        assert r["resumed"] == r["straight"], r
+        assert "reload_states() before the next forward" in r["refused"], r["refused"]
+        before, during, after = r["before"], r["during"], r["after"]
+        dropped = before["comm_buffers"] - during["comm_buffers"]  # contiguous_grad_buffer: let go, not copied
+        assert during["offloaded_states"] > 0
+        assert during["total"] == before["total"] - during["offloaded_states"] - dropped, (before, during)
+        for key in ("optimizer_states", "params", "grads"):
+            assert during[key] < before[key] or before[key] == 0, (key, before, during)
+        assert "offloaded_states" not in after and after["total"] >= before["total"] - before["comm_buffers"]

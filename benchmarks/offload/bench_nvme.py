@@ -92,7 +92,7 @@ def child(args) -> None:
     for s in range(args.steps):
         if s == 1 and engine.nvme is not None:  # after the warm-up step
             io = engine.nvme.io
-            io0 = (io.bytes_read, io.bytes_written, io.seconds_read, io.seconds_written)
+            io0 = (io.bytes_read, io.bytes_written, io.seconds_read, io.seconds_written, io.busy["any"])
         t0 = time.perf_counter()
         loss = engine(input_ids=ids[s], labels=ids[s]).loss
         engine.backward(loss)
@@ -105,7 +105,8 @@ def child(args) -> None:
     if engine.nvme is not None:
         io, n = engine.nvme.io, args.steps - 1
         out.update(read_bytes=(io.bytes_read - io0[0]) / n, write_bytes=(io.bytes_written - io0[1]) / n,
-                   read_s=(io.seconds_read - io0[2]) / n, write_s=(io.seconds_written - io0[3]) / n)
+                   read_s=(io.seconds_read - io0[2]) / n, write_s=(io.seconds_written - io0[3]) / n,
+                   busy_s=(io.busy["any"] - io0[4]) / n)
     engine.destroy()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -124,6 +125,7 @@ def _table(disk: dict, cpu: dict, nvme: dict) -> list[str]:
     rd_bw = nvme["read_bytes"] / nvme["read_s"] if nvme["read_s"] else 0.0
     wr_bw = nvme["write_bytes"] / nvme["write_s"] if nvme["write_s"] else 0.0
     io_floor = nvme["read_bytes"] / disk["read"] + nvme["write_bytes"] / disk["write"]
+    busy = nvme["busy_s"]
     floor = max(cpu["step_s"], io_floor)
     verdict = "reachable" if floor <= 1.3 * cpu["step_s"] else "out of reach on this disk"
     return [
@@ -133,6 +135,8 @@ def _table(disk: dict, cpu: dict, nvme: dict) -> list[str]:
         f"| step's I/O: read / written per step | {nvme['read_bytes'] / gb:.3f} / {nvme['write_bytes'] / gb:.3f} GB |",
         f"| step's I/O bandwidth: read / write | {rd_bw / gb:.2f} / {wr_bw / gb:.2f} GB/s "
         f"({rd_bw / disk['read']:.0%} / {wr_bw / disk['write']:.0%} of the disk's) |",
+        f"| disk busy per step (a transfer in flight) / its time at the measured bandwidths | {busy:.3f} / "
+        f"{io_floor:.3f} s: the step's I/O at {io_floor / busy:.0%} of the disk's bandwidth |",
         f"| step, CPU offload / NVMe offload | {cpu['step_s']:.3f} / {nvme['step_s']:.3f} s "
         f"({nvme['step_s'] / cpu['step_s']:.2f}x) |",
         f"| NVMe step floor: max(CPU step, I/O at the disk's bandwidth {io_floor:.3f} s) | {floor:.3f} s "

@@ -84,7 +84,29 @@ class IOEngine:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="shardwise-aio")
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
-        self.seconds_read = self.seconds_written = 0.0  # summed over requests, wall time of each
+        # busy time: seconds during which at least one read (write, transfer of either kind) was in flight,
+        # so parts running in parallel are not counted twice; bytes / busy seconds is the bandwidth achieved
+        self.busy = {"read": 0.0, "write": 0.0, "any": 0.0}
+        self._active = {"read": 0, "write": 0, "any": 0}
+        self._since = {"read": 0.0, "write": 0.0, "any": 0.0}
+
+    @property
+    def seconds_read(self) -> float:
+        return self.busy["read"]
+
+    @property
+    def seconds_written(self) -> float:
+        return self.busy["write"]
+
+    def _track(self, kind: str, start: bool) -> None:
+        """Count a part in (``start``) or out of flight; called under ``_lock``."""
+        now = time.perf_counter()
+        for k in (kind, "any"):
+            if start and self._active[k] == 0:
+                self._since[k] = now
+            self._active[k] += 1 if start else -1
+            if not start and self._active[k] == 0:
+                self.busy[k] += now - self._since[k]
 
     def __enter__(self) -> IOEngine:
         return self
@@ -122,7 +144,21 @@ class IOEngine:
     def _move(self, f: AioFile, view: memoryview, offset: int, write: bool, need: int) -> None:
         """One worker's part: calls of ``call_bytes`` at most, each ``queue_depth`` blocks; a read may
         stop at the end of the file once ``need`` bytes are in."""
-        t0, block, call = time.perf_counter(), self.config.block_size, self.config.call_bytes
+        kind = "write" if write else "read"
+        with self._lock:
+            self._track(kind, True)
+        try:
+            self._transfer(f, view, offset, write, need)
+        finally:
+            with self._lock:
+                self._track(kind, False)
+                if write:
+                    self.bytes_written += len(view)
+                else:
+                    self.bytes_read += len(view)
+
+    def _transfer(self, f: AioFile, view: memoryview, offset: int, write: bool, need: int) -> None:
+        block, call = self.config.block_size, self.config.call_bytes
         done, n = 0, len(view)
         while done < n:
             chunk = view[done:min(n, done + call)]
@@ -141,9 +177,3 @@ class IOEngine:
             done += got
         if write:
             drop_cached(f, offset, n)
-        with self._lock:
-            seconds = time.perf_counter() - t0
-            if write:
-                self.bytes_written, self.seconds_written = self.bytes_written + n, self.seconds_written + seconds
-            else:
-                self.bytes_read, self.seconds_read = self.bytes_read + n, self.seconds_read + seconds

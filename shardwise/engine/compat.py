@@ -17,6 +17,7 @@ import torch.distributed as dist
 from shardwise.comm import compute_device
 from shardwise.engine.checks import UsageError, used_params_of  # noqa: F401 (UsageError re-exported)
 from shardwise.engine.ds_surface import DEEPSPEED_ENGINE_METHODS, DeepSpeedEngineExtras, refuse
+from shardwise.engine.offload_states import offload_states, reload_states
 from shardwise.fsdp.state import full_state_dict
 
 
@@ -236,6 +237,14 @@ class EngineAccessors(DeepSpeedEngineExtras):
         """Stage 3: release every gathered parameter (DeepSpeed frees its partition cache)."""
         if self.fetcher is not None:
             self.fetcher.release_all()
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """DeepSpeed 0.16+: states off the accelerator until :meth:`reload_states` (``engine/offload_states.py``)."""
+        offload_states(self, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Put back what :meth:`offload_states` moved; the next step is as if it never had."""
+        reload_states(self, non_blocking)
 
     def destroy(self) -> None:
         """Finish pending collectives and remove every hook the engine put on the model.
