@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import optim
 
-from shardwise.aio import AioConfig, AlignedBuffer, IOEngine, IOHandle, open_file
+from shardwise.aio import AioConfig, AlignedBuffer, IOEngine, open_file
 from shardwise.errors import UserError
 from shardwise.zero.bucket_step import steps_exactly_per_group
 from shardwise.zero.low_precision import COMPENSATION, is_low_precision, kept_state_dtype, step_group
@@ -89,6 +90,8 @@ class OptimizerSwapper:
         self.disk_bytes = sum(layout.nbytes for layout in self.layouts)
         check_room(settings.key, Path(settings.nvme_path), self.disk_bytes * settings.local_ranks)
         self.io = IOEngine(settings.aio)
+        # a read and its check, a stamp and its write, off the main thread (torch's sum releases the GIL)
+        self.workers = ThreadPoolExecutor(2, thread_name_prefix="shardwise-nvme")
         self.files = [open_file(layout.path) for layout in self.layouts]
         size = max((layout.nbytes for layout in self.layouts), default=4096)
         count = max(1, min(settings.buffer_count, len(self.units)))  # more buffers than groups would sit idle
@@ -96,7 +99,8 @@ class OptimizerSwapper:
         self.free = list(self.buffers)
         for u in range(len(self.units)):  # the masters (and any state) to disk, their host copies dropped
             buf = self.free[0]
-            self.io.write(self.files[u], buf.tensor[:self._fill(u, buf)]).wait()
+            self._fill(u, buf)
+            self._write(u, buf)
 
     # -- one group in and out ---------------------------------------------------------
     def _tensors(self, u: int) -> dict[str, torch.Tensor]:
@@ -105,9 +109,8 @@ class OptimizerSwapper:
         return {"master": g.master, **{k: v for k, v in state.items() if torch.is_tensor(v)}}
 
     @torch.no_grad()
-    def _fill(self, u: int, buf: AlignedBuffer) -> int:
-        """Copy group ``u``'s tensors into ``buf`` (where they are not there already), stamp it, leave
-        stand-ins behind; returns the bytes to write."""
+    def _fill(self, u: int, buf: AlignedBuffer) -> None:
+        """Copy group ``u``'s tensors into ``buf`` (where they are not there already), leave stand-ins."""
         layout, g = self.layouts[u], self.units[u][1]
         live = self._tensors(u)
         keys = {s.key for s in layout.slots}
@@ -122,7 +125,16 @@ class OptimizerSwapper:
                     view.copy_(t)
         layout.has_state = all(s.key in live for s in layout.slots)
         self._leave(u)
-        return stamp(layout, buf.tensor)
+
+    def _write(self, u: int, buf: AlignedBuffer) -> None:
+        """Stamp ``buf`` (generation, checksum) and write it as group ``u``'s file (a worker runs it)."""
+        self.io.write(self.files[u], buf.tensor[:stamp(self.layouts[u], buf.tensor)]).wait()
+
+    def _read(self, u: int, buf: AlignedBuffer) -> None:
+        """Read group ``u``'s file into ``buf`` and check it (a worker runs it)."""
+        layout = self.layouts[u]
+        self.io.read(self.files[u], buf.tensor[:layout.used()]).wait()
+        check(layout, buf.tensor)
 
     def _leave(self, u: int) -> None:
         """Stand-ins in place of group ``u``'s master and state (the buffer may be reused from now on)."""
@@ -135,9 +147,8 @@ class OptimizerSwapper:
 
     @torch.no_grad()
     def _enter(self, u: int, buf: AlignedBuffer) -> None:
-        """Point group ``u``'s master and state at ``buf``, read and checked."""
+        """Point group ``u``'s master and state at ``buf`` (read and checked)."""
         layout, g = self.layouts[u], self.units[u][1]
-        check(layout, buf.tensor)
         g.master.set_(buf.view(g.master.dtype, layout.slots[0].offset, g.own_numel))
         if layout.has_state:
             state = self.optimizer.state[g.master]
@@ -148,8 +159,10 @@ class OptimizerSwapper:
     def _acquire(self, writes: deque) -> AlignedBuffer:
         while not self.free:
             buf, handle = writes.popleft()
-            handle.wait()
-            self.free.append(buf)
+            try:
+                handle.result()
+            finally:
+                self.free.append(buf)
         return self.free.pop()
 
     def _step_one(self, u: int, group_of: dict[int, dict]) -> None:
@@ -171,38 +184,45 @@ class OptimizerSwapper:
         opt, s = self.optimizer, self.settings
         group_of = {id(p): pg for pg in opt.param_groups for p in pg["params"]}
         ahead = len(self.buffers) - 1 if s.pipeline_read else 0
-        reads: deque[tuple[AlignedBuffer, IOHandle]] = deque()
-        writes: deque[tuple[AlignedBuffer, IOHandle]] = deque()
+        reads: deque[tuple[AlignedBuffer, Future]] = deque()
+        writes: deque[tuple[AlignedBuffer, Future]] = deque()
         issued = 0
         try:
             for u in range(len(self.units)):
                 while issued < len(self.units) and (issued <= u + ahead):
                     buf = self._acquire(writes)
-                    reads.append((buf, self.io.read(self.files[issued], buf.tensor[:self.layouts[issued].used()])))
+                    reads.append((buf, self.workers.submit(self._read, issued, buf)))
                     issued += 1
                 buf, handle = reads.popleft()
-                handle.wait()
+                self._drain(deque([(buf, handle)]), keep=buf)
                 self._enter(u, buf)
                 self._step_one(u, group_of)
                 g = self.units[u][1]
                 g.publish_master(async_op=True)
                 g.master_writable()  # the device copy out of the buffer has read it (host_copy.py, rule 4)
-                writes.append((buf, self.io.write(self.files[u], buf.tensor[:self._fill(u, buf)])))
+                self._fill(u, buf)
+                writes.append((buf, self.workers.submit(self._write, u, buf)))
                 if not s.pipeline_write:
                     self._drain(writes)
         finally:
             self._drain(writes, reads)
         sharding.wait_for_params()
 
-    def _drain(self, writes: deque, reads: deque | None = None) -> None:
-        """Wait for every transfer in ``writes`` (and ``reads``), giving their buffers back."""
+    def _drain(self, writes: deque, reads: deque | None = None, keep: AlignedBuffer | None = None) -> None:
+        """Wait for every transfer in ``writes`` (and ``reads``), giving their buffers back (``keep``: not
+        that one, unless its transfer failed); then raise the first error, if any."""
+        error: BaseException | None = None
         for queue in (writes, reads or deque()):
             while queue:
                 buf, handle = queue.popleft()
                 try:
-                    handle.wait()
-                finally:
+                    handle.result()
+                except BaseException as e:  # noqa: BLE001 - every transfer waited for, the first error raised
+                    error = error or e
+                if buf is not keep or error is not None:
                     self.free.append(buf)
+        if error is not None:
+            raise error
 
     # -- everything resident, for a checkpoint -------------------------------------------
     @contextmanager
@@ -213,13 +233,14 @@ class OptimizerSwapper:
         try:
             for u, layout in enumerate(self.layouts):
                 bufs.append(AlignedBuffer(layout.nbytes))
-                self.io.read(self.files[u], bufs[-1].tensor[:layout.used()]).wait()
+                self._read(u, bufs[-1])
                 self._enter(u, bufs[-1])
             yield
         finally:
             for u, buf in enumerate(bufs):
                 if write_back:
-                    self.io.write(self.files[u], buf.tensor[:self._fill(u, buf)]).wait()
+                    self._fill(u, buf)
+                    self._write(u, buf)
                 else:
                     self._leave(u)
 
@@ -230,6 +251,7 @@ class OptimizerSwapper:
 
     def close(self) -> None:
         """Stop the I/O threads, close and remove the swap files, release the lock."""
+        self.workers.shutdown(wait=True)
         self.io.close()
         for f in self.files:
             f.close()
