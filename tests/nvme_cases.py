@@ -47,14 +47,18 @@ def _train(cfg: dict, steps: int = 3, engine=None, data=None, start: int = 0):
     return engine, losses
 
 
-def cpu_vs_nvme(stage: int, precisions: list[str]) -> dict:
-    """Per precision: losses and weights with CPU offload and with NVMe offload (pipelined, 2 buffers)."""
+def cpu_vs_nvme(stage: int, precisions: list[str], param_cpu: bool = False) -> dict:
+    """Per precision: losses and weights with CPU offload and with NVMe offload (pipelined, 2 buffers);
+    ``param_cpu``: with ``offload_param`` on the CPU in both."""
     out = {}
     for precision in precisions:
-        cpu, cpu_losses = _train(config(stage, precision, "cpu"))
-        root = tempfile.mkdtemp()
-        nvme, nvme_losses = _train(config(stage, precision, "nvme", root, buffer_count=2, pipeline_read=True,
-                                          pipeline_write=True))
+        cfgs = [config(stage, precision, "cpu"), config(stage, precision, "nvme", root := tempfile.mkdtemp(),
+                                                        buffer_count=2, pipeline_read=True, pipeline_write=True)]
+        for cfg in cfgs:
+            if param_cpu:
+                cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        cpu, cpu_losses = _train(cfgs[0])
+        nvme, nvme_losses = _train(cfgs[1])
         files = sorted(p.name for p in (Path(root) / "shardwise-swap" / f"rank{dist.get_rank()}").iterdir())
         swap_bytes = sum(layout.nbytes for layout in nvme.nvme.layouts)
         report = dict(nvme.memory_report())
@@ -82,6 +86,16 @@ def checkpoint_resume(stage: int, precision: str, save_dir: str) -> dict:
     first.save_checkpoint(save_dir, tag="s2")
     _, straight = _train({}, 2, engine=first, data=data, start=2)
     first.destroy()
+    cpu_first, _ = _train(config(stage, precision, "cpu"), 2, data=data)
+    cpu_first.save_checkpoint(save_dir, tag="cpu2")
+    cpu_first.destroy()
+    same_consolidated = None
+    if dist.get_rank() == 0:  # consolidate reads both: the NVMe-held state saved is CPU offload's, bit for bit
+        from shardwise.checkpoint.hf import iter_consolidated
+
+        tensors = [dict(iter_consolidated(save_dir, tag)[2]) for tag in ("s2", "cpu2")]
+        same_consolidated = tensors[0].keys() == tensors[1].keys() and all(
+            torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
     again = shardwise.initialize(model=build("llama"), config=config(stage, precision, "nvme", paths[1]))[0]
     again.load_checkpoint(save_dir, tag="s2")
     _, resumed = _train({}, 2, engine=again, data=data, start=2)
@@ -91,7 +105,7 @@ def checkpoint_resume(stage: int, precision: str, save_dir: str) -> dict:
     _, resharded = _train({}, 2, engine=cpu, data=data, start=2)
     again.destroy()
     cpu.destroy()
-    return {"straight": straight, "resumed": resumed, "resharded": resharded}
+    return {"straight": straight, "resumed": resumed, "resharded": resharded, "consolidated": same_consolidated}
 
 
 def faults(root: str) -> dict:

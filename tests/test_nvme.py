@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.mark.parametrize(("stage", "precisions"), [(1, ["bf16", "bf16_states"]), (2, ["fp16"]),
-                                                   (3, ["bf16", "fp16", "bf16_states"])])
-def test_nvme_offload_is_cpu_offload_to_the_bit(pool2, stage, precisions):
-    res = pool2.run("nvme_cases:cpu_vs_nvme", stage, precisions)
+@pytest.mark.parametrize(("stage", "precisions", "param_cpu"), [
+    (1, ["bf16", "bf16_states"], False), (2, ["fp16"], False), (3, ["bf16", "fp16", "bf16_states"], False),
+    (3, ["bf16"], True)])
+def test_nvme_offload_is_cpu_offload_to_the_bit(pool2, stage, precisions, param_cpu):
+    """Also beside ``offload_param`` on the CPU (stage 3)."""
+    res = pool2.run("nvme_cases:cpu_vs_nvme", stage, precisions, param_cpu)
     for rank in res:
         for precision, r in rank.items():
             cpu, nvme = r["losses"]
@@ -32,6 +34,7 @@ def test_checkpoint_with_nvme_state_resumes_exactly(pool2, tmp_path, stage):
     for r in res:
         assert r["resumed"] == r["straight"], r  # another nvme_path, the step's state (not a stale file)
         assert r["resharded"] == r["straight"], r  # into CPU offload at another stage
+    assert res[0]["consolidated"] is True  # consolidate: the saved state is CPU offload's
 
 
 def test_swap_file_faults_and_the_lock(pool1, tmp_path):
