@@ -7,9 +7,11 @@ raises; the state tensors are stand-ins of the same kind. ``step_and_publish`` t
 group, the same arithmetic as CPU offload (each group's master stepped with its param group's options
 narrowed to it, as ``bucket_step.py`` and ``low_precision.py`` do, exact for torch's elementwise
 optimizers), in a pipeline: with ``pipeline_read`` the reads of the next groups are in flight while
-this one steps, with ``pipeline_write`` the write of the last is; without them each transfer is
-waited for (DeepSpeed's meaning of the two keys). Host bytes held: ``buffer_count`` x the largest
-group's file (its master and state slots, each rounded up to 4 KiB, plus a 4 KiB header).
+this one steps (and the first ``buffer_count - 1`` groups of the next step are read at the end of a
+step, so their reads overlap the next forward and backward), with ``pipeline_write`` the write of the
+last is; without them each transfer is waited for (DeepSpeed's meaning of the two keys). Host bytes
+held: ``buffer_count`` x the largest group's file (its master and state slots, each rounded up to 4 KiB,
+plus a 4 KiB header).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class OptimizerSwapper:
         count = max(1, min(settings.buffer_count, len(self.units)))  # more buffers than groups would sit idle
         self.buffers = [AlignedBuffer(size, settings.pin_memory) for _ in range(count)]
         self.free = list(self.buffers)
+        self.prefetched: deque[tuple[AlignedBuffer, Future]] = deque()  # the next step's first reads
         for u in range(len(self.units)):  # the masters (and any state) to disk, their host copies dropped
             buf = self.free[0]
             self._fill(u, buf)
@@ -184,9 +187,9 @@ class OptimizerSwapper:
         opt, s = self.optimizer, self.settings
         group_of = {id(p): pg for pg in opt.param_groups for p in pg["params"]}
         ahead = len(self.buffers) - 1 if s.pipeline_read else 0
-        reads: deque[tuple[AlignedBuffer, Future]] = deque()
+        reads, self.prefetched = self.prefetched, deque()  # read during the forward and backward
         writes: deque[tuple[AlignedBuffer, Future]] = deque()
-        issued = 0
+        issued = len(reads)
         try:
             for u in range(len(self.units)):
                 while issued < len(self.units) and (issued <= u + ahead):
@@ -207,6 +210,15 @@ class OptimizerSwapper:
         finally:
             self._drain(writes, reads)
         sharding.wait_for_params()
+        if s.pipeline_read:  # the next step's first groups, read while the next forward and backward run
+            for u in range(min(ahead, len(self.units))):
+                buf = self.free.pop()
+                self.prefetched.append((buf, self.workers.submit(self._read, u, buf)))
+
+    def drop_prefetched(self) -> None:
+        """Forget the reads issued for the next step (before anything else reads or writes the files)."""
+        reads, self.prefetched = self.prefetched, deque()
+        self._drain(deque(), reads)
 
     def _drain(self, writes: deque, reads: deque | None = None, keep: AlignedBuffer | None = None) -> None:
         """Wait for every transfer in ``writes`` (and ``reads``), giving their buffers back (``keep``: not
@@ -229,6 +241,7 @@ class OptimizerSwapper:
     def resident(self, write_back: bool):
         """Every group's master and state in host memory (buffers of their own) for the body: a save
         reads them, a load (``write_back``) writes them and they go back to disk after."""
+        self.drop_prefetched()  # a load writes the files: a read issued before would be stale
         bufs: list[AlignedBuffer] = []
         try:
             for u, layout in enumerate(self.layouts):
@@ -251,6 +264,10 @@ class OptimizerSwapper:
 
     def close(self) -> None:
         """Stop the I/O threads, close and remove the swap files, release the lock."""
+        try:
+            self.drop_prefetched()
+        except Exception:  # noqa: BLE001, S110 - closing: a failed read-ahead of a step that never comes
+            pass
         self.workers.shutdown(wait=True)
         self.io.close()
         for f in self.files:
