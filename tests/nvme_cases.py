@@ -179,3 +179,29 @@ def offload_reload(stage: int, precision: str = "bf16", tp: int = 1) -> dict:
     engine.destroy()
     return {"straight": straight, "resumed": resumed, "before": before, "during": during, "after": after,
             "refused": refused}
+
+
+def refusals(root: str) -> dict:
+    """One rank: what initialize says to bad NVMe settings, before any training."""
+    out = {}
+    bad = {
+        "missing": config(2, "bf16", "nvme", os.path.join(root, "nope")),
+        "no_path": config(2, "bf16", "nvme"),
+        "gds": {**config(2, "bf16", "nvme", root), "aio": {"use_gds": True}},
+        "aio_typo": {**config(2, "bf16", "nvme", root), "aio": {"queue_dept": 8}},
+    }
+    for name, cfg in bad.items():
+        try:
+            shardwise.initialize(model=build("llama"), config=cfg)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[name] = f"{type(e).__name__}: {e}"
+    model = build("llama")
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-3)
+    try:
+        shardwise.initialize(model=model, optimizer=opt, config=config(2, "bf16", "nvme", root))
+        out["adafactor"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["adafactor"] = f"{type(e).__name__}: {e}"
+    out["left"] = sorted(os.listdir(root))
+    return out
