@@ -205,3 +205,38 @@ def refusals(root: str) -> dict:
         out["adafactor"] = f"{type(e).__name__}: {e}"
     out["left"] = sorted(os.listdir(root))
     return out
+
+
+def params_on_nvme(save_dir: str) -> dict:
+    """Stage 3 with every parameter shard in a swap file (persistence threshold 0): the losses of CPU
+    parameter offload, beside CPU and NVMe optimizer offload; a checkpoint resumed into another nvme_path."""
+    def cfg(param: str, opt: str, root: str | None = None, max_in_cpu: int = 0) -> dict:
+        c = config(3, "bf16", opt, root, pipeline_read=True) if opt == "nvme" else config(3, "bf16", opt)
+        c["zero_optimization"].update(stage3_param_persistence_threshold=0, offload_param={"device": param})
+        if param == "nvme":
+            c["zero_optimization"]["offload_param"].update(nvme_path=root, buffer_count=2, buffer_size=3000,
+                                                           max_in_cpu=max_in_cpu)
+        return c
+
+    data = batches(4, 1, 2 * dist.get_world_size(), 16)
+    roots = [tempfile.mkdtemp() for _ in range(3)]
+    out: dict = {}
+    for name, param, opt in (("cpu", "cpu", "cpu"), ("nvme_cpu", "nvme", "cpu"), ("nvme_nvme", "nvme", "nvme")):
+        # max_in_cpu: the first 40,000 elements of shards stay in host memory beside CPU optimizer offload
+        engine, losses = _train(cfg(param, opt, roots[0], 40_000 if opt == "cpu" else 0), 4, data=data)
+        out[name] = losses
+        if name == "nvme_nvme":
+            out["report"] = dict(engine.memory_report())
+            units = [g for gs in engine.unit_groups for g in gs]
+            out["store_bytes"] = sum(g.store.nbytes for g in units)  # no shard in memory (max_in_cpu 0)
+            out["param_files"] = sum(s.file is not None for s in engine.nvme_params.stores)
+        engine.destroy()
+    out["left"] = os.listdir(roots[0])
+    first, _ = _train(cfg("nvme", "cpu", roots[1]), 2, data=data)
+    first.save_checkpoint(save_dir, tag="p2")
+    first.destroy()
+    again = shardwise.initialize(model=build("llama"), config=cfg("nvme", "cpu", roots[2]))[0]
+    again.load_checkpoint(save_dir, tag="p2")
+    _, out["resumed"] = _train({}, 2, engine=again, data=data, start=2)
+    again.destroy()
+    return out

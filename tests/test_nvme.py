@@ -59,3 +59,16 @@ def test_offload_states_then_reload_is_bit_equal(pool2, stage, precision, tp):
         for key in ("optimizer_states", "params", "grads"):
             assert during[key] < before[key] or before[key] == 0, (key, before, during)
         assert "offloaded_states" not in after and after["total"] >= before["total"] - before["comm_buffers"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_parameters_on_nvme_are_cpu_parameter_offload_to_the_bit(pool1, pool2, tmp_path, ranks):
+    """offload_param.device nvme (stage 3): one rank reads ahead on the reader thread, two read at the gather."""
+    res = (pool1 if ranks == 1 else pool2).run("nvme_cases:params_on_nvme", str(tmp_path / "ckpt"))
+    for r in res:
+        assert r["nvme_cpu"] == r["cpu"] and r["nvme_nvme"] == r["cpu"], r
+        assert r["resumed"] == r["cpu"][2:], r  # saved with NVMe parameters, loaded on another nvme_path
+        rep = r["report"]
+        assert r["store_bytes"] == 0 and r["param_files"] > 0, r
+        assert rep["master_params"] == 0 and rep["nvme_offloaded"] > 0, rep
+        assert r["left"] == [], r

@@ -200,7 +200,8 @@ KEYS: tuple[Key, ...] = (
     Key(OO + "device", H, "none, cpu, or nvme (ZeRO-Infinity, stages 1-3: master and optimizer state in swap "
         "files under nvme_path; [offload.md](offload.md))"),
     Key(OO + "pin_memory", H, "pinned host buffers"),
-    Key(OP + "device", H, "none or cpu (nvme refused)"),
+    Key(OP + "device", H, "none, cpu, or nvme (stage 3: the parameter shards in swap files under nvme_path; "
+        "[offload.md](offload.md))"),
     Key(OP + "pin_memory", H, "pinned host buffers"),
     Key(Z + "offload_param", H, "section"),
     Key(Z + "zero_quantized_weights", H, "ZeRO++ qwZ: stage-3 parameter all-gather in block-wise int8 "
@@ -237,8 +238,11 @@ KEYS: tuple[Key, ...] = (
     Key(OO + "pipeline_write", H, "device nvme: write a group while the next steps"),
     *(Key(OO + k, I, "partial offload tuning; " + _PERF) for k in (
         "fast_init", "ratio", "super_offload", "cpuadam_cores_perc")),
-    *(Key(OP + k, I, "NVMe offload tuning; " + _PERF) for k in (
-        "nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
+    Key(OP + "nvme_path", H, "device nvme: the folder of the parameters' swap files (checked, locked, emptied)"),
+    Key(OP + "buffer_count", H, "device nvme: aligned host buffers every parameter read and write passes through"),
+    Key(OP + "buffer_size", H, "device nvme: elements of one buffer (a larger shard moves in pieces)"),
+    Key(OP + "max_in_cpu", H, "device nvme: elements of shards kept in host memory (the first groups), the rest "
+        "on disk"),
     Key("zero_allow_untested_optimizer", I, "a DeepSpeed safety switch; any torch optimizer works "
         "(non-elementwise ones on whole tensors, [optimizers.md](optimizers.md))"),
     Key("zero_force_ds_cpu_optimizer", I, "DeepSpeed's CPU Adam kernel choice"),

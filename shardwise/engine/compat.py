@@ -254,8 +254,9 @@ class EngineAccessors(DeepSpeedEngineExtras):
         """
         self.sharding.remove()
         self.monitor.close()
-        if getattr(self, "nvme", None) is not None:  # NVMe offload: threads stopped, swap files removed
-            self.nvme.close()
+        for swap in (getattr(self, "nvme", None), getattr(self, "nvme_params", None)):
+            if swap is not None:  # NVMe offload: threads stopped, swap files removed
+                swap.close()
         tracking = used_params_of(self)
         if tracking is not None:
             tracking.remove()

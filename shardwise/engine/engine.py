@@ -27,7 +27,7 @@ from shardwise.engine.checks import check_all_used, check_save_args, direct_step
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.memory import memory_report
 from shardwise.engine.nonfinite import skip_nonfinite_step
-from shardwise.engine.nvme import attach_nvme, nvme_resident
+from shardwise.engine.nvme import attach_nvme, attach_param_swap, nvme_resident
 from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
 from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
@@ -52,7 +52,7 @@ def options_from_config(config) -> ShardOptions:
     zero = config.zero_optimization
     # nvme: the master and state on the host first, then in swap files (engine/nvme.py)
     off_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device in ("cpu", "nvme")
-    off_param = zero.offload_param.device == "cpu"
+    off_param = zero.offload_param.device in ("cpu", "nvme")  # nvme: the stores of engine/nvme.py
     return ShardOptions(
         stage=config.zero_stage,
         bucket_numel=int(min(zero.reduce_bucket_size, zero.allgather_bucket_size)),
@@ -136,7 +136,7 @@ class Engine(EngineAccessors, nn.Module):
         self.last_grad_norm: float | None = None
         self.compute_dtype: torch.dtype = config.compute_dtype
         # settled from the config before anything is sharded; what needs the shards is made after
-        options = options_from_config(config)
+        options = attach_param_swap(self, options_from_config(config), model)  # offload_param nvme (engine/nvme.py)
         self.offload_optimizer, self.offload_param = options.offload_optimizer, options.offload_param
         make_optimizer = optimizer_recipe(config, optimizer, self.comm.rank)
         make_scheduler = scheduler_recipe(config, lr_scheduler)

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from shardwise.aio import AioConfig
+from shardwise.aio import AioConfig, IOEngine
 from shardwise.errors import UserError
-from shardwise.zero.nvme import NvmeSettings, OptimizerSwapper, is_stand_in
+from shardwise.zero.nvme import NvmeSettings, OptimizerSwapper, ParamSwap, SwapFolder, check_room, is_stand_in
 
 if TYPE_CHECKING:
     from shardwise.engine.engine import Engine
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardwise")
 
 OO = "zero_optimization.offload_optimizer"
+OP = "zero_optimization.offload_param"
 _AIO_KEYS = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
              "overlap_events", "use_gds"}
 
@@ -72,6 +73,29 @@ def attach_nvme(engine: Engine) -> OptimizerSwapper | None:
     return OptimizerSwapper(engine.sharding.groups, engine.optimizer, settings, rank)
 
 
+def attach_param_swap(engine: Engine, options: Any, model: Any) -> Any:
+    """``options``; with ``offload_param.device: nvme`` (stage 3) the parameters' swap folder made (checked
+    for this rank's 16-bit shards, every rank of the node counted), ``engine.nvme_params``, and its stores'
+    factory set on the builder's ``options``."""
+    engine.nvme_params = swap = param_swap(engine.config, model)
+    options.param_store = swap.store if swap is not None else None
+    return options
+
+
+def param_swap(config, model: Any) -> ParamSwap | None:
+    """The :class:`ParamSwap` of ``offload_param.device: nvme`` (None for another device)."""
+    op = config.zero_optimization.offload_param
+    if op.device != "nvme":
+        return None
+    if not op.nvme_path:
+        raise UserError(f"{OP}.nvme_path: required with {OP}.device 'nvme' (a folder on the NVMe disk)")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    need = sum(p.numel() * 2 for p in model.parameters()) // world * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    check_room(f"{OP}.nvme_path", Path(op.nvme_path), need)
+    folder = SwapFolder(f"{OP}.nvme_path", op.nvme_path, rank, kind="param-")
+    return ParamSwap(folder, IOEngine(aio_config(dict(config.aio))), op.buffer_count, op.buffer_size, op.max_in_cpu)
+
+
 def nvme_resident(engine: Engine, write_back: bool):
     """A context with every NVMe-held state in host memory (checkpoints); nothing without NVMe offload."""
     swapper = getattr(engine, "nvme", None)
@@ -80,10 +104,14 @@ def nvme_resident(engine: Engine, write_back: bool):
 
 def nvme_memory(engine: Engine, rep: dict[str, int]) -> None:
     """``memory_report()``: what is on disk is not held (stand-ins counted out); the buffers are."""
+    params = getattr(engine, "nvme_params", None)
+    if params is not None:  # the parameters' bounce buffers and max_in_cpu shards (counted in params already)
+        rep["nvme_buffers"] = params.buffers * params.buffer_bytes
+        rep["nvme_offloaded"] = params.disk_bytes()
     swapper = getattr(engine, "nvme", None)
     if swapper is None:
         return
-    on_disk = 0
+    on_disk = rep.get("nvme_offloaded", 0)
     for _, g in swapper.units:
         if is_stand_in(g.master):
             rep["master_params"] -= g.master.numel() * g.master.element_size()
@@ -92,6 +120,6 @@ def nvme_memory(engine: Engine, rep: dict[str, int]) -> None:
             if is_stand_in(v):
                 rep["optimizer_states"] -= v.numel() * v.element_size()
                 on_disk += v.numel() * v.element_size()
-    rep["nvme_buffers"] = swapper.host_bytes()
+    rep["nvme_buffers"] = rep.get("nvme_buffers", 0) + swapper.host_bytes()
     rep["nvme_offloaded"] = on_disk
 

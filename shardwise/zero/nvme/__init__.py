@@ -1,10 +1,13 @@
-"""ZeRO-Infinity's NVMe tier: optimizer states in swap files, stepped group by group (docs/offload.md).
+"""ZeRO-Infinity's NVMe tier: optimizer states in swap files, stepped group by group, and stage-3
+parameter shards in swap files, read at every gather (docs/offload.md).
 
 Built on ``shardwise.aio`` (the I/O engine); the engine reads the config and hands
 :class:`NvmeSettings` down (``zero/`` never reads the config)."""
 
 from shardwise.zero.nvme.folder import SwapFolder, check_room
+from shardwise.zero.nvme.param_store import NvmeParamStore, ParamSwap
 from shardwise.zero.nvme.swap_file import SwapFileError
 from shardwise.zero.nvme.swapper import NvmeSettings, OptimizerSwapper, is_stand_in
 
-__all__ = ["NvmeSettings", "OptimizerSwapper", "SwapFileError", "SwapFolder", "check_room", "is_stand_in"]
+__all__ = ["NvmeParamStore", "NvmeSettings", "OptimizerSwapper", "ParamSwap", "SwapFileError", "SwapFolder",
+           "check_room", "is_stand_in"]

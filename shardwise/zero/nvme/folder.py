@@ -51,13 +51,14 @@ def _remove(folder: Path, lock_fd: list[int]) -> None:
 class SwapFolder:
     """This rank's swap folder under ``nvme_path``, locked; ``key`` names the config key in messages."""
 
-    def __init__(self, key: str, nvme_path: str | os.PathLike, rank: int):
+    def __init__(self, key: str, nvme_path: str | os.PathLike, rank: int, kind: str = ""):
+        """``kind``: a prefix of the rank's folder and lock (``param-``: parameters' files beside the optimizer's)."""
         root = Path(nvme_path)
         check_room(key, root, 0)
         base = root / "shardwise-swap"
         base.mkdir(exist_ok=True)
-        self.path = base / f"rank{rank}"
-        lock = base / f"rank{rank}.lock"
+        self.path = base / f"{kind}rank{rank}"
+        lock = base / f"{kind}rank{rank}.lock"
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
