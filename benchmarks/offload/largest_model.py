@@ -7,7 +7,10 @@ compensation), a binary search over the parameter count for the largest model wh
 device bytes (``shardwise.estimate``'s stage-3 figure, one device) at most the device memory less the
 estimator's margin, and host bytes at most ``--host-fraction`` of the host memory. Host bytes are the
 estimator's (``--offload nvme``: ``estimate/nvme.py``'s buffers plus the gradient shard) and, for CPU
-offload, the gradient shard in the master's dtype too (shardwise keeps it on the host there as well).
+offload, the gradient shard in the master's dtype too (shardwise keeps it on the host there as well). NVMe
+parameter offload (``max_in_cpu`` 0): the device bytes of CPU parameter offload, the host bytes of NVMe
+optimizer offload plus the parameters' bounce buffers (DeepSpeed's defaults: 5 x 1e8 elements), and the
+16-bit parameters on disk too.
 Activations are not counted: they need what the margin leaves. The NVMe step's I/O is ``2 x k x Ψ /
 disk bandwidth`` (read and write every state once). Prints a markdown table.
 """
@@ -25,11 +28,17 @@ MODES = [  # name, offload, master, parameters offloaded too
     ("CPU optimizer offload, bf16 states", "optimizer", "states"),
     ("CPU optimizer + parameter offload, bf16 states", "params", "states"),
     ("NVMe optimizer offload, fp32 master", "nvme", "fp32"), ("NVMe optimizer offload, bf16 states", "nvme", "states"),
+    ("NVMe optimizer + NVMe parameter offload, bf16 states", "nvme+params", "states"),
 ]
+PARAM_BOUNCE = 5 * 100_000_000 * 2  # offload_param's default buffer_count x buffer_size x 2 bytes
 
 
 def need(params: int, offload: str, master: str, buffers: int, group: int) -> tuple[int, int, int]:
     """(device bytes, host bytes, bytes on disk) of the model states at stage 3 on one device."""
+    if offload == "nvme+params":  # the device figure of parameter offload; parameters and states on disk
+        dev = estimate(params, 1, dtype="bf16", offload="params", master=master).stages[3].resident_bytes
+        est = apply_nvme(estimate(params, 1, dtype="bf16", offload="optimizer", master=master), buffers, group)
+        return dev, est.stages[3].host_bytes + PARAM_BOUNCE, est.stages[3].nvme_bytes + 2 * params
     est = estimate(params, 1, dtype="bf16", offload="optimizer" if offload == "nvme" else offload, master=master)
     if offload == "nvme":
         apply_nvme(est, buffers, group)
