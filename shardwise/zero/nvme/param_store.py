@@ -12,6 +12,7 @@ values exactly. A trainable group's checkpoint is its master; this store is neve
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Any
 
 import torch
@@ -30,10 +31,19 @@ class ParamSwap:
         self.in_cpu = 0  # shard elements kept resident so far
         self.bounce: queue.Queue[AlignedBuffer] = queue.Queue()
         self.buffer_bytes = align_up(2 * buffer_size)  # 16-bit elements (4 bytes for an fp32 model: pieces)
-        for _ in range(max(1, buffer_count)):
-            self.bounce.put(AlignedBuffer(self.buffer_bytes))
         self.buffers = max(1, buffer_count)
+        self.made: list[AlignedBuffer] = []  # made when first needed, no larger than the largest shard
+        self.largest = 0  # bytes of the largest shard kept so far
+        self.lock = threading.Lock()
         self.stores: list[NvmeParamStore] = []
+
+    def take(self) -> AlignedBuffer:
+        """A bounce buffer: a free one, a new one while fewer than ``buffer_count`` exist, else the next freed."""
+        with self.lock:
+            if self.bounce.empty() and len(self.made) < self.buffers:
+                self.made.append(AlignedBuffer(min(self.buffer_bytes, align_up(self.largest))))
+                return self.made[-1]
+        return self.bounce.get()
 
     def store(self) -> NvmeParamStore:
         self.stores.append(NvmeParamStore(self, self.folder.file(f"param{len(self.stores):05d}.swap")))
@@ -41,7 +51,10 @@ class ParamSwap:
 
     def host_bytes(self) -> int:
         """Bounce buffers and the shards kept in host memory (``max_in_cpu``)."""
-        return self.buffers * self.buffer_bytes + sum(s.nbytes for s in self.stores)
+        return self.bounce_bytes() + sum(s.nbytes for s in self.stores)
+
+    def bounce_bytes(self) -> int:
+        return sum(b.nbytes for b in self.made)
 
     def disk_bytes(self) -> int:
         return sum(s.numel * s.dtype.itemsize for s in self.stores if s.file is not None)
@@ -68,6 +81,7 @@ class NvmeParamStore(ShardStore):
 
     def keep(self, group: Any, owned: torch.Tensor | None) -> None:
         self.numel, self.dtype = group.own_numel, group.dtype
+        self.swap.largest = max(self.swap.largest, self.numel * owned.element_size())
         if self.swap.in_cpu + self.numel <= self.swap.max_in_cpu:
             self.swap.in_cpu += self.numel
             self.shard = torch.empty(self.numel, dtype=self.dtype)
@@ -100,14 +114,15 @@ class NvmeParamStore(ShardStore):
         """(bounce buffer, its bytes view, piece of ``t`` as bytes, file offset) per piece, each buffer
         given back after its piece."""
         flat = t.detach().reshape(-1).view(torch.uint8)
-        step = self.swap.buffer_bytes
-        for off in range(0, flat.numel(), step):
-            buf = self.swap.bounce.get()
+        off = 0
+        while off < flat.numel():
+            buf = self.swap.take()
             try:
-                piece = flat[off:off + step]
+                piece = flat[off:off + buf.nbytes]
                 yield buf, buf.tensor[:align_up(piece.numel())], piece, off
             finally:
                 self.swap.bounce.put(buf)
+            off += piece.numel()
 
     @torch.no_grad()
     def _write(self, src: torch.Tensor) -> None:
