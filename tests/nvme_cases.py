@@ -240,3 +240,57 @@ def params_on_nvme(save_dir: str) -> dict:
     _, out["resumed"] = _train({}, 2, engine=again, data=data, start=2)
     again.destroy()
     return out
+
+
+def sp_offload_reload(stage: int) -> dict:
+    """Ulysses SP over 2 ranks: offload_states() and reload_states() before the second step, against
+    the same training never offloaded."""
+    import sp_cases
+
+    from shardwise.engine.offload_states import offload_states
+
+    def run(offload_at: int) -> list[float]:
+        cfg = sp_cases.sp_config(stage, 2, dist.get_world_size())
+        engine = shardwise.initialize(model=sp_cases.llama(), config=cfg)[0]
+        sp, losses = engine.sequence_parallel, []
+        for i, replicas in enumerate(sp_cases.step_batches(engine.dp_world)):
+            if i == offload_at:
+                offload_states(engine, move_host=True)
+                engine.reload_states()
+            shard = sp_cases.split_batch(replicas[engine.dp_rank], sp)
+            labels = shard.pop("shift_labels")
+            loss = sp_cases.sequence_parallel_loss(engine(**shard).logits, labels, sp)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        engine.destroy()
+        return losses
+
+    return {"straight": run(-1), "offloaded": run(1)}
+
+
+def ep_offload_reload(stage: int) -> dict:
+    """Expert parallelism over 2 ranks (a Mixtral): offload_states() and reload_states() before the second
+    step, against the same training never offloaded."""
+    import moe_cases
+
+    from shardwise.engine.offload_states import offload_states
+
+    def run(offload_at: int) -> list[float]:
+        model = moe_cases.build("mixtral")
+        moe_cases.apply_expert_parallel(model, 2, preset="mixtral")
+        engine = shardwise.initialize(model=model, config=moe_cases.ds_config(stage, 0.5, 2, 2, None))[0]
+        data, losses = moe_cases.batches(3, 2, 2), []
+        for s in range(3):
+            if s == offload_at:
+                offload_states(engine, move_host=True)
+                engine.reload_states()
+            ids = data[s, engine.dp_rank]
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        engine.destroy()
+        return losses
+
+    return {"straight": run(-1), "offloaded": run(1)}

@@ -72,3 +72,15 @@ def test_parameters_on_nvme_are_cpu_parameter_offload_to_the_bit(pool1, pool2, t
         assert r["store_bytes"] == 0 and r["param_files"] > 0, r
         assert rep["master_params"] == 0 and rep["nvme_offloaded"] > 0, rep
         assert r["left"] == [], r
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_states_with_sequence_parallelism(pool2, stage):
+    for r in pool2.run("nvme_cases:sp_offload_reload", stage):
+        assert r["offloaded"] == r["straight"] and len(r["straight"]) > 1, r
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_states_with_expert_parallelism(pool2, stage):
+    for r in pool2.run("nvme_cases:ep_offload_reload", stage):
+        assert r["offloaded"] == r["straight"] and len(r["straight"]) == 3, r
