@@ -294,3 +294,22 @@ def ep_offload_reload(stage: int) -> dict:
         return losses
 
     return {"straight": run(-1), "offloaded": run(1)}
+
+
+def edit_then_train(stage: int) -> dict:
+    """An edit of the parameters between steps (GatheredParameters with a modifier rank): with NVMe offload
+    the master in the swap file takes it, as the CPU-offload master does."""
+    from shardwise.zero import GatheredParameters
+
+    out = {}
+    for device in ("cpu", "nvme"):
+        engine, first = _train(config(stage, "bf16", device, tempfile.mkdtemp() if device == "nvme" else None), 1)
+        with GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+            if dist.get_rank() == 0:
+                with torch.no_grad():
+                    engine.module.model.embed_tokens.weight.mul_(0.5)
+        _, after = _train({}, 2, engine=engine, start=1)
+        out[device] = first + after
+        engine.destroy()
+    out["unedited"] = _train(config(stage, "bf16", "cpu"), 3)[1]
+    return out

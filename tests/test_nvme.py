@@ -84,3 +84,10 @@ def test_offload_states_with_sequence_parallelism(pool2, stage):
 def test_offload_states_with_expert_parallelism(pool2, stage):
     for r in pool2.run("nvme_cases:ep_offload_reload", stage):
         assert r["offloaded"] == r["straight"] and len(r["straight"]) == 3, r
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_edit_of_the_parameters_reaches_the_swapped_master(pool2, stage):
+    for r in pool2.run("nvme_cases:edit_then_train", stage):
+        assert r["nvme"] == r["cpu"] and len(r["cpu"]) == 3, r
+        assert r["cpu"][1] != r["unedited"][1], r  # the edit took effect

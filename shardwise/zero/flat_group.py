@@ -228,7 +228,8 @@ class ShardedGroup(StageThreeGather, GradReduction):
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         self.store.update(owned)
         if self.master is not None and not self.master_is_view:
-            self.master.copy_(owned)
+            swap = getattr(self, "master_swap", None)  # NVMe offload: the master is in its swap file
+            swap.overwrite_master(self, owned) if swap is not None else self.master.copy_(owned)
 
     def owned_grad(self) -> torch.Tensor:
         """This rank's reduced (unscaled) gradient for ``master``, in ``grad_dtype``."""

@@ -100,10 +100,11 @@ class OptimizerSwapper:
         self.buffers = [AlignedBuffer(size, settings.pin_memory) for _ in range(count)]
         self.free = list(self.buffers)
         self.prefetched: deque[tuple[AlignedBuffer, Future]] = deque()  # the next step's first reads
-        for u in range(len(self.units)):  # the masters (and any state) to disk, their host copies dropped
+        for u, (_, g) in enumerate(self.units):  # the masters (and any state) to disk, their host copies dropped
             buf = self.free[0]
             self._fill(u, buf)
             self._write(u, buf)
+            g.master_swap = self  # an edit of the parameters (adopt_full) writes through overwrite_master
 
     # -- one group in and out ---------------------------------------------------------
     def _tensors(self, u: int) -> dict[str, torch.Tensor]:
@@ -256,6 +257,18 @@ class OptimizerSwapper:
                     self._write(u, buf)
                 else:
                     self._leave(u)
+
+    @torch.no_grad()
+    def overwrite_master(self, g: ShardedGroup, src: torch.Tensor) -> None:
+        """``g``'s master becomes ``src`` (an edit of the parameters), in its swap file; the state stays."""
+        self.drop_prefetched()
+        u = next(i for i, (_, h) in enumerate(self.units) if h is g)
+        buf = AlignedBuffer(self.layouts[u].nbytes)
+        self._read(u, buf)
+        self._enter(u, buf)
+        g.master.copy_(src)
+        self._fill(u, buf)
+        self._write(u, buf)
 
     # -- reports and the end -------------------------------------------------------------
     def host_bytes(self) -> int:
