@@ -71,7 +71,7 @@ def memory_report(engine: Engine) -> dict[str, int]:
     nvme_memory(engine, rep)  # NVMe offload: stand-ins counted out, its buffers in (engine/nvme.py)
     on_disk = rep.pop("nvme_offloaded", 0)
     rep["total"] = sum(rep.values())
-    if engine.nvme is not None or engine.nvme_params is not None:
+    if getattr(engine, "nvme", None) is not None or getattr(engine, "nvme_params", None) is not None:
         rep["nvme_offloaded"] = on_disk  # on disk, not in total
     if offloaded is not None:
         rep["offloaded_states"] = offloaded  # on the host until reload_states(), not in total
