@@ -313,3 +313,20 @@ def edit_then_train(stage: int) -> dict:
         engine.destroy()
     out["unedited"] = _train(config(stage, "bf16", "cpu"), 3)[1]
     return out
+
+
+def client_deepspeed_adam() -> dict:
+    """A DeepSpeed script's client DeepSpeedCPUAdam (the facade's), CPU offload against NVMe offload."""
+    from shardwise.deepspeed.ops import DeepSpeedCPUAdam
+
+    out = {}
+    for device in ("cpu", "nvme"):
+        model = build("llama")
+        opt = DeepSpeedCPUAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+        cfg = config(2, "bf16", device, tempfile.mkdtemp() if device == "nvme" else None)
+        del cfg["optimizer"]
+        engine = shardwise.initialize(model=model, optimizer=opt, config=cfg)[0]
+        out[device] = _train({}, 3, engine=engine)[1]
+        out[f"{device}_swapped"] = engine.nvme is not None
+        engine.destroy()
+    return out

@@ -91,3 +91,8 @@ def test_an_edit_of_the_parameters_reaches_the_swapped_master(pool2, stage):
     for r in pool2.run("nvme_cases:edit_then_train", stage):
         assert r["nvme"] == r["cpu"] and len(r["cpu"]) == 3, r
         assert r["cpu"][1] != r["unedited"][1], r  # the edit took effect
+
+
+def test_a_client_deepspeed_cpu_adam_steps_through_nvme(pool2):
+    for r in pool2.run("nvme_cases:client_deepspeed_adam"):
+        assert r["nvme"] == r["cpu"] and r["nvme_swapped"] and not r["cpu_swapped"], r

@@ -80,9 +80,10 @@ class OptimizerSwapper:
     """The swap files of ``groups`` (this rank's trainable groups) and the pipeline that steps them."""
 
     def __init__(self, groups: list[ShardedGroup], optimizer: optim.Optimizer, settings: NvmeSettings, rank: int):
-        if not steps_exactly_per_group(optimizer):
+        if not steps_exactly_per_group(optimizer, subclasses=True):
             raise UserError(f"{settings.key.rsplit('.', 1)[0]}.device: NVMe offload steps one group at a time, "
-                            "exact for torch's elementwise optimizers (Adam, AdamW, SGD, ...) without step hooks; "
+                            "exact for torch's elementwise optimizers (Adam, AdamW, SGD, ...) and DeepSpeed's "
+                            "(DeepSpeedCPUAdam, FusedAdam, ...) without step hooks; "
                             f"got {type(optimizer).__name__}")
         self.optimizer, self.settings = optimizer, settings
         self.units = [(i, g) for i, g in enumerate(groups) if g.master is not None]
