@@ -64,11 +64,14 @@ def is_stand_in(t: Any) -> bool:
 
 def state_keys(optimizer: optim.Optimizer, g: ShardedGroup) -> list[tuple[str, torch.dtype]]:
     """The per-element state ``optimizer`` keeps for ``g``'s master, and its dtypes, found by stepping a
-    2-element probe with a fresh optimizer of the same class and defaults."""
+    2-element probe with a fresh optimizer of the same class and the options of ``g``'s param group
+    (``amsgrad`` in one group only adds a state there)."""
     probe = torch.zeros(2, dtype=torch.float32)
     probe.grad = torch.zeros(2)
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    twin = type(optimizer)([probe], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    options = next((pg for pg in optimizer.param_groups if any(p is g.master for p in pg["params"])),
+                   optimizer.defaults)
+    twin = type(optimizer)([probe], **{k: v for k, v in options.items() if k in accepted and k != "params"})
     twin.step()
     keys = sorted(k for k, v in twin.state[probe].items() if torch.is_tensor(v) and v.numel() == 2)
     if kept_state_dtype(g, COMPENSATION) is not None:
