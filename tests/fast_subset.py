@@ -10,6 +10,7 @@ The whole suite (`make test`) stays what CI runs; this subset only catches the o
 from __future__ import annotations
 
 FAST: dict[str, list[str]] = {
+    "aio": ["test_aio.py::test_round_trip_direct_and_fallback"],
     "checkpoint": ["test_checkpoint.py::test_resume_same_layout_is_bitwise_identical"],
     "comm": ["test_policy.py::test_make_comm_solo_forms"],
     "cli": ["test_cli_newcomer.py::test_help_lists_every_subcommand"],

@@ -335,14 +335,15 @@ def test_mics_shard_size_is_hybrid_sharding():
     assert cfg.zero_optimization.mics_shard_size == 2
 
 
-def test_stage3_keys_below_stage3_are_fine_and_nvme_is_unsupported():
+def test_stage3_keys_below_stage3_are_fine_and_nvme_offload_loads():
     cfg = load_config({"zero_optimization": {"stage": 1, "stage3_max_live_parameters": 1e9,
                                              "stage3_param_persistence_threshold": 1e4}})
     assert cfg.zero_stage == 1 and cfg.zero_optimization.stage3_param_persistence_threshold == 10_000
-    msg = error_of({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
-                                                                            "nvme_path": "/nvme"}}})
-    assert "NVMe offload" in msg and "is not implemented by shardwise" in msg
-    assert "zero_optimization.offload_optimizer.device" in msg
+    cfg = load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}})
+    assert cfg.zero_optimization.offload_optimizer.device == "nvme"  # ZeRO-Infinity's optimizer tier: nvme/
+    cfg = load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/n"}}},
+                      supported=SupportedFeatures(stage3=True, offload_param=True))
+    assert cfg.zero_optimization.offload_param.device == "nvme"  # the stage-3 shards in swap files
 
 
 def test_offload_optimizer_needs_stage_1():

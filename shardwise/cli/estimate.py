@@ -12,6 +12,7 @@ from shardwise.cli.planner import add_planner_args, run_planner
 from shardwise.errors import OneLineParser, UserError
 from shardwise.estimate.long_context import add_long_context_args, run_long_context
 from shardwise.estimate.memory import estimate, model_facts, parse_bytes, parse_count
+from shardwise.estimate.nvme import add_offload_args, nvme_from_args
 from shardwise.estimate.report import check_model_config, format_report
 from shardwise.train.presets import MODEL_PRESETS
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=_arg(parse_count, "count", 10**8), required=True, help="total devices")
     p.add_argument("--tp", type=_arg(parse_count, "count", 10**6), default=1, help="tensor-parallel degree")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
-    p.add_argument("--offload", choices=["none", "optimizer", "params"], default="none")
+    add_offload_args(p, _arg(parse_count, "count", 10**13), _arg(parse_bytes, "size", 10**15))
     p.add_argument("--master", choices=["fp32", "master", "states"], default="fp32",
                    help="fp32 masters (default); 'master': DeepSpeed's {bf16,fp16}_master_weights_and_grads; "
                         "'states': also bf16_optimizer_states (docs/precision.md)")
@@ -98,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget is not None:
         return run_long_context(p, args, facts)
     est = estimate(facts.params if facts else args.params, args.devices, tp=args.tp, dtype=args.dtype,
-                   offload=args.offload, micro_batch=args.micro_batch, seq=args.seq, facts=facts,
+                   offload="optimizer" if args.offload == "nvme" else args.offload, micro_batch=args.micro_batch,
+                   seq=args.seq, facts=facts,
                    activation_checkpointing=args.activation_checkpointing,
                    device_memory=args.device_memory, master=args.master, kahan=args.master_update == "kahan")
+    nvme_from_args(est, args)  # --offload nvme: the optimizer's host bytes on disk, the buffers on the host
     print(json.dumps(est.to_dict()) if args.json else format_report(est))
     return 0

@@ -197,9 +197,11 @@ KEYS: tuple[Key, ...] = (
     Key(Z + "cpu_offload_use_pin_memory", H, "deprecated: pin_memory of the offload sections"),
     Key(Z + "stage3_gather_fp16_weights_on_model_save", H, "deprecated name of the 16bit key"),
     Key(Z + "offload_optimizer", H, "section"),
-    Key(OO + "device", H, "none or cpu (nvme refused)"),
+    Key(OO + "device", H, "none, cpu, or nvme (ZeRO-Infinity, stages 1-3: master and optimizer state in swap "
+        "files under nvme_path; [offload.md](offload.md))"),
     Key(OO + "pin_memory", H, "pinned host buffers"),
-    Key(OP + "device", H, "none or cpu (nvme refused)"),
+    Key(OP + "device", H, "none, cpu, or nvme (stage 3: the parameter shards in swap files under nvme_path; "
+        "[offload.md](offload.md))"),
     Key(OP + "pin_memory", H, "pinned host buffers"),
     Key(Z + "offload_param", H, "section"),
     Key(Z + "zero_quantized_weights", H, "ZeRO++ qwZ: stage-3 parameter all-gather in block-wise int8 "
@@ -229,11 +231,18 @@ KEYS: tuple[Key, ...] = (
     Key(Z + "log_trace_cache_warnings", I, _LOG),
     Key(Z + "enable_sanity_checks", I, "debug checks"),
     Key(Z + "leaf_module", I, "stage-3 fetch granularity; " + _PERF, subtree=True),
-    *(Key(OO + k, I, "NVMe or partial offload tuning; " + _PERF) for k in (
-        "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload",
-        "cpuadam_cores_perc")),
-    *(Key(OP + k, I, "NVMe offload tuning; " + _PERF) for k in (
-        "nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
+    Key(OO + "nvme_path", H, "device nvme: the folder of the swap files (checked for room, locked per run, "
+        "emptied at exit)"),
+    Key(OO + "buffer_count", H, "device nvme: host buffers of one group's swap file each (the host bytes held)"),
+    Key(OO + "pipeline_read", H, "device nvme: read the next groups while one steps"),
+    Key(OO + "pipeline_write", H, "device nvme: write a group while the next steps"),
+    *(Key(OO + k, I, "partial offload tuning; " + _PERF) for k in (
+        "fast_init", "ratio", "super_offload", "cpuadam_cores_perc")),
+    Key(OP + "nvme_path", H, "device nvme: the folder of the parameters' swap files (checked, locked, emptied)"),
+    Key(OP + "buffer_count", H, "device nvme: aligned host buffers every parameter read and write passes through"),
+    Key(OP + "buffer_size", H, "device nvme: elements of one buffer (a larger shard moves in pieces)"),
+    Key(OP + "max_in_cpu", H, "device nvme: elements of shards kept in host memory (the first groups), the rest "
+        "on disk"),
     Key("zero_allow_untested_optimizer", I, "a DeepSpeed safety switch; any torch optimizer works "
         "(non-elementwise ones on whole tensors, [optimizers.md](optimizers.md))"),
     Key("zero_force_ds_cpu_optimizer", I, "DeepSpeed's CPU Adam kernel choice"),
@@ -300,7 +309,8 @@ KEYS: tuple[Key, ...] = (
         "published once durable ([checkpoints.md](checkpoints.md))"),
     *(Key("checkpoint.writer." + k, I, "DeepSpeed's writer engine tuning; " + _PERF)
       for k in ("type", "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel", "io_multiplier")),
-    Key("aio", I, "NVMe I/O tuning (NVMe offload is refused)", subtree=True),
+    Key("aio", H, "NVMe offload's I/O engine: block_size, queue_depth, intra_op_parallelism (= thread_count), "
+        "single_submit, overlap_events; use_gds true refused; [offload.md](offload.md)", subtree=True),
     Key("activation_checkpointing", I, "configures deepspeed.checkpointing, called by the model; "
         "recomputation gives the same numbers", subtree=True),
     # -- logging, monitoring, profiling, launch -------------------------------------------------------

@@ -232,8 +232,6 @@ def _check_supported(cfg: ShardwiseConfig, supported: SupportedFeatures) -> None
          cfg.tp_size),
         ("offload_param", z.offload_param.device != "none", "Parameter offload", zo + "offload_param.device",
          z.offload_param.device),
-        (None, z.offload_param.device == "nvme", "NVMe offload", zo + "offload_param.device", "nvme"),
-        (None, z.offload_optimizer.device == "nvme", "NVMe offload", zo + "offload_optimizer.device", "nvme"),
         ("hybrid", z.mics_shard_size > 0, "Hybrid sharding (MiCS)", zo + "mics_shard_size", z.mics_shard_size),
     ]
     problems = [f"{path}: DeepSpeed feature {what} ({path} = {value!r}) is not implemented by shardwise; "

@@ -50,6 +50,16 @@ class OffloadDeviceEnum(enum.StrEnum):
     nvme = "nvme"
 
 
+class OffloadStateTypeEnum(enum.StrEnum):
+    """deepspeed.runtime.zero.offload_config: what ``engine.offload_states(include=...)`` moves."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
 def required_torch_version(min_version: float | None = None, max_version: float | None = None) -> bool:
     """deepspeed.utils.torch: whether torch's major.minor lies within the bounds."""
     have = version.parse(".".join(torch.__version__.split("+")[0].split(".")[:2]))

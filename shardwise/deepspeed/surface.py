@@ -55,7 +55,8 @@ SURFACE: dict[str, dict[str, Any]] = {
     "deepspeed.runtime.zero.partition_parameters": {
         **_take(zero, _ZERO), **_take(names, ["zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange"]),
         "ZeroParamStatus": ZeroParamStatus},
-    "deepspeed.runtime.zero.offload_config": {"OffloadDeviceEnum": names.OffloadDeviceEnum},
+    "deepspeed.runtime.zero.offload_config": {"OffloadDeviceEnum": names.OffloadDeviceEnum,
+                                              "OffloadStateTypeEnum": names.OffloadStateTypeEnum},
     "deepspeed.runtime.lr_schedules": {
         **_take(schedules, ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]), **_take(names, _SCHEDULE_NAMES)},
     "deepspeed.runtime.config": {

@@ -18,6 +18,7 @@ from shardwise.checkpoint import wait_for_checkpoint
 from shardwise.comm import compute_device
 from shardwise.engine.checks import UsageError, used_params_of  # noqa: F401 (UsageError re-exported)
 from shardwise.engine.ds_surface import DEEPSPEED_ENGINE_METHODS, DeepSpeedEngineExtras, refuse
+from shardwise.engine.offload_states import offload_states, reload_states
 from shardwise.fsdp.state import full_state_dict
 
 
@@ -238,6 +239,14 @@ class EngineAccessors(DeepSpeedEngineExtras):
         if self.fetcher is not None:
             self.fetcher.release_all()
 
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """DeepSpeed 0.16+: states off the accelerator until :meth:`reload_states` (``engine/offload_states.py``)."""
+        offload_states(self, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Put back what :meth:`offload_states` moved; the next step is as if it never had."""
+        reload_states(self, non_blocking)
+
     def destroy(self) -> None:
         """Finish pending collectives and remove every hook the engine put on the model.
 
@@ -247,6 +256,9 @@ class EngineAccessors(DeepSpeedEngineExtras):
         wait_for_checkpoint()  # as DeepSpeed's destroy commits a decoupled save
         self.sharding.remove()
         self.monitor.close()
+        for swap in (getattr(self, "nvme", None), getattr(self, "nvme_params", None)):
+            if swap is not None:  # NVMe offload: threads stopped, swap files removed
+                swap.close()
         tracking = used_params_of(self)
         if tracking is not None:
             tracking.remove()

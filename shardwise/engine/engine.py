@@ -27,6 +27,7 @@ from shardwise.engine.checks import check_all_used, check_save_args, direct_step
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.memory import memory_report
 from shardwise.engine.nonfinite import skip_nonfinite_step
+from shardwise.engine.nvme import attach_nvme, attach_param_swap, nvme_resident
 from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
 from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
@@ -49,8 +50,9 @@ log = logging.getLogger("shardwise")
 def options_from_config(config) -> ShardOptions:
     """The DeepSpeed config's ``zero_optimization`` section as the builder's options."""
     zero = config.zero_optimization
-    off_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
-    off_param = zero.offload_param.device == "cpu"
+    # nvme: the master and state on the host first, then in swap files (engine/nvme.py)
+    off_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device in ("cpu", "nvme")
+    off_param = zero.offload_param.device in ("cpu", "nvme")  # nvme: the stores of engine/nvme.py
     return ShardOptions(
         stage=config.zero_stage,
         bucket_numel=int(min(zero.reduce_bucket_size, zero.allgather_bucket_size)),
@@ -134,7 +136,7 @@ class Engine(EngineAccessors, nn.Module):
         self.last_grad_norm: float | None = None
         self.compute_dtype: torch.dtype = config.compute_dtype
         # settled from the config before anything is sharded; what needs the shards is made after
-        options = options_from_config(config)
+        options = attach_param_swap(self, options_from_config(config), model)  # offload_param nvme (engine/nvme.py)
         self.offload_optimizer, self.offload_param = options.offload_optimizer, options.offload_param
         make_optimizer = optimizer_recipe(config, optimizer, self.comm.rank)
         make_scheduler = scheduler_recipe(config, lr_scheduler)
@@ -158,6 +160,7 @@ class Engine(EngineAccessors, nn.Module):
         if self.optimizer is not None:
             self.optimizer.register_step_pre_hook(step_guard)
             self.optimizer.overflow = False  # DeepSpeed's ZeRO optimizers' flag: the last step was skipped
+        self.nvme = attach_nvme(self)  # offload_optimizer.device nvme: master and state to swap files
         no_scheduler = self.optimizer is None or make_scheduler is None  # DeepSpeed: none without an optimizer
         self.lr_scheduler = None if no_scheduler else make_scheduler(self.optimizer)
 
@@ -290,7 +293,10 @@ class Engine(EngineAccessors, nn.Module):
                     torch._foreach_mul_(grads, coef)
             self._engine_stepping = True
             try:  # stages 1-2: each bucket's all-gather overlaps the next one's step; done before step() returns
-                step_and_publish(self.optimizer, self.sharding)
+                if self.nvme is not None:  # group by group through the swap files
+                    self.nvme.step_and_publish(self.sharding)
+                else:
+                    step_and_publish(self.optimizer, self.sharding)
             finally:
                 self._engine_stepping = False
             if self.lr_scheduler is not None:
@@ -361,8 +367,9 @@ class Engine(EngineAccessors, nn.Module):
         copied, written in the background (docs/checkpoints.md).
         """
         tag = check_save_args(self, save_dir, tag)
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters, asynchronous=asynchronous)
+        with nvme_resident(self, write_back=False):
+            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                   exclude_frozen_parameters=exclude_frozen_parameters, asynchronous=asynchronous)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -370,9 +377,10 @@ class Engine(EngineAccessors, nn.Module):
         """Load a checkpoint saved at any world size / stage; returns ``(path, client_state)``."""
         for g in self.groups + [g for gs in self.unit_groups for g in gs]:
             g.drop_secondary()  # hpZ: the loaded parameters replace what the secondary shards hold
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only, load_module_strict=load_module_strict)
+        with nvme_resident(self, write_back=True):
+            return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                   load_module_only=load_module_only, load_module_strict=load_module_strict)
 
     def save_16bit_model(self, save_dir, save_filename=None, max_shard_size="5GB") -> bool:  # noqa: ARG002
         """HF-format weights (config.json + model*.safetensors) in the compute dtype (collective).

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardwise.engine.nvme import nvme_memory
+from shardwise.engine.offload_states import offload_memory
 from shardwise.units import ByteCounts
 from shardwise.zero.whole_tensor import whole_tensor_of
 
@@ -64,7 +66,15 @@ def memory_report(engine: EngineParts) -> dict[str, int]:
     whole = whole_tensor_of(engine.optimizer)  # non-elementwise optimizers: zero/whole_tensor.py
     extra = whole.memory() if whole is not None else {"whole_tensor_params": 0, "whole_tensor_step_buffers": 0}
     rep["whole_tensor_params"] = extra["whole_tensor_params"]
+    offload_memory(engine, rep)  # engine.offload_states(): what moved to the host (engine/offload_states.py)
+    offloaded = rep.pop("offloaded_states", None)
+    nvme_memory(engine, rep)  # NVMe offload: stand-ins counted out, its buffers in (engine/nvme.py)
+    on_disk = rep.pop("nvme_offloaded", 0)
     rep["total"] = sum(rep.values())
+    if getattr(engine, "nvme", None) is not None or getattr(engine, "nvme_params", None) is not None:
+        rep["nvme_offloaded"] = on_disk  # on disk, not in total
+    if offloaded is not None:
+        rep["offloaded_states"] = offloaded  # on the host until reload_states(), not in total
     rep["whole_tensor_step_buffers"] = extra["whole_tensor_step_buffers"]  # transient, during step()
     rep["peak_gathered_params"] = engine.fetcher.peak_gathered_bytes if engine.fetcher else 0
     return ByteCounts(rep)

@@ -174,6 +174,7 @@ class StageEstimate:
     pcie_bytes: int
     resident_bytes: int = 0  # shardwise's own device figure (estimate/states.py), the paper's but at stage 3
     resident_formula: str = ""
+    nvme_bytes: int = 0  # --offload nvme: the host bytes of optimizer offload, in swap files (estimate/nvme.py)
 
 
 @dataclass

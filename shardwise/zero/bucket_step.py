@@ -28,6 +28,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch import optim
 
 from shardwise.errors import UserError
+from shardwise.zero.elementwise import is_elementwise
 from shardwise.zero.low_precision import is_low_precision, step_low_precision
 
 if TYPE_CHECKING:
@@ -56,13 +57,24 @@ def _step_hooks(optimizer: optim.Optimizer) -> list[Callable[..., Any]]:
     return [h for table in tables for h in table.values()]
 
 
+def steps_exactly_per_group(optimizer: optim.Optimizer, subclasses: bool = False) -> bool:
+    """May ``optimizer`` step one group's master at a time with the result of one whole step? (A torch
+    elementwise class, and step hooks that may run once per group; see the module doc.) ``subclasses``:
+    also a subclass of one that keeps its ``step``, and DeepSpeed's own per-element classes
+    (``zero/elementwise.py``: their update and state are per tensor, and their ``step`` writes nothing
+    into the group): NVMe offload, which has no whole step to fall back on."""
+    cls = type(optimizer)
+    known = cls in ELEMENTWISE_OPTIMIZERS or (subclasses and is_elementwise(cls) and (
+        issubclass(cls, ELEMENTWISE_OPTIMIZERS) or cls.__module__.split(".")[0] == "deepspeed"
+        or cls.__module__.startswith("shardwise.deepspeed.")))
+    return known and all(getattr(h, _REPEAT_SAFE, False) for h in _step_hooks(optimizer))
+
+
 def steps_per_bucket(optimizer: optim.Optimizer, sharding: Sharding) -> bool:
     """Whether :func:`step_and_publish` may step ``optimizer`` bucket by bucket (see the module doc)."""
     if sharding.stage not in (1, 2) or len(sharding.groups) < 2:
         return False
-    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
-        return False
-    if not all(getattr(h, _REPEAT_SAFE, False) for h in _step_hooks(optimizer)):
+    if not steps_exactly_per_group(optimizer):
         return False
     params = [id(p) for pg in optimizer.param_groups for p in pg["params"]]
     masters = {id(g.master) for g in sharding.groups}

@@ -26,6 +26,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from shardwise.comm import Comm, compute_device
+from shardwise.errors import UserError
 from shardwise.optim.grad_norm import global_grad_norm
 from shardwise.zero.eager_hooks import eager_hook
 from shardwise.zero.flat_group import ShardedGroup, owner_of
@@ -56,6 +57,7 @@ class ShardOptions:
     grad_accum_dtype: torch.dtype | None = None  # None: the parameters' dtype (zero/grad_accum.py)
     precision: PrecisionPolicy = PrecisionPolicy()  # the master's dtype (zero/low_precision.py)
     units: Any = None  # stage 3: None (find them), module classes, or modules
+    param_store: Any = None  # stage 3: a factory of the parameter shards' stores (NVMe: nvme/), else by offload
 
 
 def _waiter(groups: list[ShardedGroup]):
@@ -298,9 +300,12 @@ def build_sharding(model: nn.Module, param_groups: list[dict], options: ShardOpt
         units = choose_units(model, options.units)
         owned = assign_params(model, units)
         unit_params = [owned[i] for i in range(len(units))]
+    if options.param_store is not None and shard_reader is not None:
+        raise UserError("zero_optimization.offload_param.device: nvme does not read a zero.Init model from its "
+                        "checkpoint folder yet; load the model first, or offload parameters to the cpu")
     hooks = BuildHooks(materialize=materialize,
-                       store=store_factory("cpu" if options.offload_param else "device", shard_reader,
-                                           options.pin_memory),
+                       store=options.param_store or store_factory("cpu" if options.offload_param else "device",
+                                                                  shard_reader, options.pin_memory),
                        **({"tp_sharded": tp_sharded} if tp_sharded is not None else {}))
     by_pg, by_unit = build_groups(model, param_groups, comm, policy,
                                   Cutting(options.bucket_numel, unit_params, options.persistence_threshold),

@@ -58,7 +58,9 @@ class ShardedGroup(StageThreeGather, GradReduction):
             raise ValueError(f"one group holds one dtype; got {sorted({str(p.dtype) for p in params})}")
         self.params, self.names, self.comm, self.policy = params, names, comm, policy
         self.store = store if store is not None else ResidentStore()
-        if self.store.rereads and (trainable or not policy.shard_params):
+        if getattr(self.store, "writable", False) and not policy.shard_params:
+            self.store = ResidentStore()  # NVMe parameter offload: a group kept whole keeps no shard at all
+        if self.store.rereads and (trainable or not policy.shard_params) and not getattr(self.store, "writable", False):
             raise ValueError(f"{names[0]!r}: a file-backed store needs a frozen stage-3 group")
         # Hybrid sharding: ranks holding the same shard in other shard groups; their gradient
         # shards are summed once per step (see attach_master_grad).
@@ -123,8 +125,10 @@ class ShardedGroup(StageThreeGather, GradReduction):
         # Stage 3: the persistent copy of the parameters is only this shard, in the store; the
         # flat buffer is refilled from it by gather().
         self.store.keep(self, None if from_files else owned)
+        # what the master starts from: the store's shard, or (a store keeping none in memory: NVMe) a copy
+        start = self.store.shard if self.store.shard is not None or from_files else owned.clone()
         self.release()
-        return self.store.shard
+        return start
 
     def _init_master(self, owned: torch.Tensor | None, master_dtype: torch.dtype, offload: OffloadPolicy) -> None:
         """What the optimizer steps on: a view of the shard when dtype and device allow (no copy)."""
@@ -224,7 +228,8 @@ class ShardedGroup(StageThreeGather, GradReduction):
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
         self.store.update(owned)
         if self.master is not None and not self.master_is_view:
-            self.master.copy_(owned)
+            swap = getattr(self, "master_swap", None)  # NVMe offload: the master is in its swap file
+            swap.overwrite_master(self, owned) if swap is not None else self.master.copy_(owned)
 
     def owned_grad(self) -> torch.Tensor:
         """This rank's reduced (unscaled) gradient for ``master``, in ``grad_dtype``."""

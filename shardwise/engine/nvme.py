@@ -1,0 +1,125 @@
+"""The engine's NVMe offload (ZeRO-Infinity): the config read into ``nvme/``'s settings, and the
+swapper wired to the engine's step, checkpoints and memory report. Thin on purpose: the mechanism is
+``shardwise/nvme/``, the I/O engine ``shardwise/aio/``; docs/offload.md."""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from shardwise.aio import AioConfig, IOEngine
+from shardwise.errors import UserError
+from shardwise.nvme import NvmeSettings, OptimizerSwapper, ParamSwap, SwapFolder, check_room, is_stand_in
+
+if TYPE_CHECKING:
+    from shardwise.engine.parts import EngineParts
+
+log = logging.getLogger("shardwise")
+
+OO = "zero_optimization.offload_optimizer"
+OP = "zero_optimization.offload_param"
+_AIO_KEYS = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
+             "overlap_events", "use_gds"}
+
+
+def aio_config(section: dict[str, Any]) -> AioConfig:
+    """DeepSpeed's ``aio`` section: ``intra_op_parallelism`` and its older name ``thread_count`` both set
+    the threads per request (the new name wins where both are given); ``use_gds`` (GPUDirect Storage) is
+    refused, there is none here."""
+    unknown = sorted(set(section) - _AIO_KEYS)
+    if unknown:
+        raise UserError(f"aio.{unknown[0]}: not an aio key; the keys are {', '.join(sorted(_AIO_KEYS))}")
+    if section.get("use_gds"):
+        raise UserError("aio.use_gds: GPUDirect Storage is not implemented by shardwise; set it false (reads and "
+                        "writes go through host buffers)")
+    threads = section.get("intra_op_parallelism", section.get("thread_count", 1))
+    if "thread_count" in section and "intra_op_parallelism" in section and \
+            section["thread_count"] != section["intra_op_parallelism"]:
+        log.warning("aio.thread_count=%s and aio.intra_op_parallelism=%s: the newer intra_op_parallelism is used",
+                    section["thread_count"], section["intra_op_parallelism"])
+    try:
+        return AioConfig(block_size=int(section.get("block_size", 1 << 20)),
+                         queue_depth=int(section.get("queue_depth", 8)), intra_op_parallelism=int(threads),
+                         single_submit=bool(section.get("single_submit", False)),
+                         overlap_events=bool(section.get("overlap_events", True)))
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
+def nvme_settings(config) -> NvmeSettings | None:
+    """``offload_optimizer.device: nvme`` as settings (None when it is not); ``nvme_path`` required."""
+    oo = config.zero_optimization.offload_optimizer
+    if oo is None or oo.device != "nvme":
+        return None
+    if not oo.nvme_path:
+        raise UserError(f"{OO}.nvme_path: required with {OO}.device 'nvme' (a folder on the NVMe disk)")
+    return NvmeSettings(nvme_path=Path(oo.nvme_path), key=f"{OO}.nvme_path", buffer_count=max(1, oo.buffer_count),
+                        pipeline_read=bool(oo.pipeline_read), pipeline_write=bool(oo.pipeline_write),
+                        pin_memory=bool(oo.pin_memory), local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                        aio=aio_config(dict(config.aio)))
+
+
+def attach_nvme(engine: EngineParts) -> OptimizerSwapper | None:
+    """The engine's optimizer states onto NVMe, if the config asks (before training: the path checked)."""
+    settings = nvme_settings(engine.config)
+    if settings is None or engine.optimizer is None:
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return OptimizerSwapper(engine.sharding.groups, engine.optimizer, settings, rank)
+
+
+def attach_param_swap(engine: EngineParts, options: Any, model: Any) -> Any:
+    """``options``; with ``offload_param.device: nvme`` (stage 3) the parameters' swap folder made (checked
+    for this rank's 16-bit shards, every rank of the node counted), ``engine.nvme_params``, and its stores'
+    factory set on the builder's ``options``."""
+    engine.nvme_params = swap = param_swap(engine.config, model)
+    options.param_store = swap.store if swap is not None else None
+    return options
+
+
+def param_swap(config, model: Any) -> ParamSwap | None:
+    """The :class:`ParamSwap` of ``offload_param.device: nvme`` (None for another device)."""
+    op = config.zero_optimization.offload_param
+    if op.device != "nvme":
+        return None
+    if not op.nvme_path:
+        raise UserError(f"{OP}.nvme_path: required with {OP}.device 'nvme' (a folder on the NVMe disk)")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    need = sum(p.numel() * 2 for p in model.parameters()) // world * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    check_room(f"{OP}.nvme_path", Path(op.nvme_path), need)
+    folder = SwapFolder(f"{OP}.nvme_path", op.nvme_path, rank, kind="param-")
+    return ParamSwap(folder, IOEngine(aio_config(dict(config.aio))), op.buffer_count, op.buffer_size, op.max_in_cpu)
+
+
+def nvme_resident(engine: EngineParts, write_back: bool):
+    """A context with every NVMe-held state in host memory (checkpoints); nothing without NVMe offload."""
+    swapper = getattr(engine, "nvme", None)
+    return swapper.resident(write_back) if swapper is not None else nullcontext()
+
+
+def nvme_memory(engine: EngineParts, rep: dict[str, int]) -> None:
+    """``memory_report()``: what is on disk is not held (stand-ins counted out); the buffers are."""
+    params = getattr(engine, "nvme_params", None)
+    if params is not None:  # the parameters' bounce buffers and max_in_cpu shards (counted in params already)
+        rep["nvme_buffers"] = params.bounce_bytes()
+        rep["nvme_offloaded"] = params.disk_bytes()
+    swapper = getattr(engine, "nvme", None)
+    if swapper is None:
+        return
+    on_disk = rep.get("nvme_offloaded", 0)
+    for _, g in swapper.units:
+        if is_stand_in(g.master):
+            rep["master_params"] -= g.master.numel() * g.master.element_size()
+            on_disk += g.master.numel() * g.master.element_size()
+        for v in engine.optimizer.state.get(g.master, {}).values():
+            if is_stand_in(v):
+                rep["optimizer_states"] -= v.numel() * v.element_size()
+                on_disk += v.numel() * v.element_size()
+    rep["nvme_buffers"] = rep.get("nvme_buffers", 0) + swapper.host_bytes()
+    rep["nvme_offloaded"] = on_disk
+

@@ -1,0 +1,83 @@
+"""The swap folder of one rank: checked before training, locked for this run, removed at the end.
+
+``<nvme_path>/shardwise-swap/rank<R>/`` holds the rank's swap files; ``rank<R>.lock`` beside it is
+held with ``flock`` for the life of the run, so a second run on the same ``nvme_path`` is refused
+(its rank 0 finds rank 0's lock taken) instead of both overwriting each other's files. The lock dies
+with the process, so a run killed by ``SIGKILL`` leaves its files but not its lock: the next run takes
+the lock and removes them first. The files go at :meth:`SwapFolder.close`, which the engine's
+teardown, ``atexit`` (a normal exit, an exception, Ctrl-C) and garbage collection all call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import os
+import shutil
+import weakref
+from pathlib import Path
+
+from shardwise.errors import UserError
+from shardwise.units import human_bytes
+
+
+def check_room(key: str, path: Path, need: int) -> None:
+    """``path`` exists, is a writable folder, and its filesystem has ``need`` bytes free, or one line
+    naming ``key``, the path and the bytes."""
+    if not path.exists():
+        raise UserError(f"{key}: {path} does not exist; create it (a folder on the NVMe disk) or fix the path")
+    if not path.is_dir():
+        raise UserError(f"{key}: {path} is not a folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{key}: {path} is not writable by this user")
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise UserError(f"{key}: {path} has {human_bytes(free)} ({free} bytes) free, the swap files need "
+                        f"{human_bytes(need)} ({need} bytes); free space or choose another disk")
+
+
+def _remove(folder: Path, lock_fd: list[int]) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    if lock_fd:
+        fd = lock_fd.pop()
+        (folder.parent / f"{folder.name}.lock").unlink(missing_ok=True)
+        os.close(fd)
+    try:
+        folder.parent.rmdir()  # the last rank out removes shardwise-swap/ too
+    except OSError:
+        pass
+
+
+class SwapFolder:
+    """This rank's swap folder under ``nvme_path``, locked; ``key`` names the config key in messages."""
+
+    def __init__(self, key: str, nvme_path: str | os.PathLike, rank: int, kind: str = ""):
+        """``kind``: a prefix of the rank's folder and lock (``param-``: parameters' files beside the optimizer's)."""
+        root = Path(nvme_path)
+        check_room(key, root, 0)
+        base = root / "shardwise-swap"
+        base.mkdir(exist_ok=True)
+        self.path = base / f"{kind}rank{rank}"
+        lock = base / f"{kind}rank{rank}.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"{key}: {root} is in use by another run (the lock {lock} is held); give each "
+                            "run its own nvme_path") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        if self.path.exists():  # a killed run's files (its lock died with it)
+            shutil.rmtree(self.path)
+        self.path.mkdir()
+        self._lock_fd = [fd]
+        self._finalizer = weakref.finalize(self, _remove, self.path, self._lock_fd)
+        atexit.register(self._finalizer)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def close(self) -> None:
+        """Remove the swap files and release the lock (idempotent)."""
+        self._finalizer()

@@ -1,0 +1,137 @@
+"""Parameters on NVMe (ZeRO-Infinity's ``offload_param.device: nvme``): a stage-3 store whose shard lives
+in a swap file, read back at every gather (ahead of use: the fetcher's prefetch runs the read on the reader
+thread when one rank gathers) and rewritten when the parameters change (a step, an edit, a load).
+
+``max_in_cpu`` elements of shards stay in host memory (the first groups built, as a resident copy), the
+rest go to files; every transfer passes through ``buffer_count`` aligned bounce buffers of ``buffer_size``
+elements (a shard larger than one moves in pieces), so the host holds at most ``max_in_cpu`` elements and
+the bounce buffers. The file holds the 16-bit shard bit for bit, so a gather gives CPU parameter offload's
+values exactly. A trainable group's checkpoint is its master; this store is never read for it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from shardwise.aio import AlignedBuffer, IOEngine, align_up, open_file
+from shardwise.nvme.folder import SwapFolder
+from shardwise.zero.pending import ReadWork, read_pool
+from shardwise.zero.store import ShardStore
+
+
+class ParamSwap:
+    """What the stores of one model share: the folder, the I/O engine, the bounce buffers, the budget."""
+
+    def __init__(self, folder: SwapFolder, io: IOEngine, buffer_count: int, buffer_size: int, max_in_cpu: int):
+        self.folder, self.io, self.max_in_cpu = folder, io, max_in_cpu
+        self.in_cpu = 0  # shard elements kept resident so far
+        self.bounce: queue.Queue[AlignedBuffer] = queue.Queue()
+        self.buffer_bytes = align_up(2 * buffer_size)  # 16-bit elements (4 bytes for an fp32 model: pieces)
+        self.buffers = max(1, buffer_count)
+        self.made: list[AlignedBuffer] = []  # made when first needed, no larger than the largest shard
+        self.largest = 0  # bytes of the largest shard kept so far
+        self.lock = threading.Lock()
+        self.stores: list[NvmeParamStore] = []
+
+    def take(self) -> AlignedBuffer:
+        """A bounce buffer: a free one, a new one while fewer than ``buffer_count`` exist, else the next freed."""
+        with self.lock:
+            if self.bounce.empty() and len(self.made) < self.buffers:
+                self.made.append(AlignedBuffer(min(self.buffer_bytes, align_up(self.largest))))
+                return self.made[-1]
+        return self.bounce.get()
+
+    def store(self) -> NvmeParamStore:
+        self.stores.append(NvmeParamStore(self, self.folder.file(f"param{len(self.stores):05d}.swap")))
+        return self.stores[-1]
+
+    def host_bytes(self) -> int:
+        """Bounce buffers and the shards kept in host memory (``max_in_cpu``)."""
+        return self.bounce_bytes() + sum(s.nbytes for s in self.stores)
+
+    def bounce_bytes(self) -> int:
+        return sum(b.nbytes for b in self.made)
+
+    def disk_bytes(self) -> int:
+        return sum(s.numel * s.dtype.itemsize for s in self.stores if s.file is not None)
+
+    def close(self) -> None:
+        """Wait for the transfers, close and remove the files, release the lock (idempotent)."""
+        self.io.close()
+        for s in self.stores:
+            if s.file is not None:
+                s.file.close()
+        self.folder.close()
+
+
+class NvmeParamStore(ShardStore):
+    """A stage-3 shard in a swap file (or, within ``max_in_cpu``, in host memory)."""
+
+    rereads = True  # no resident shard to compare with or to quantize from
+    writable = True  # a trainable group may use it: update() rewrites the file
+
+    def __init__(self, swap: ParamSwap, path: Any):
+        super().__init__(None)
+        self.swap, self.path, self.file = swap, path, None
+        self.numel, self.dtype = 0, torch.bfloat16
+
+    def keep(self, group: Any, owned: torch.Tensor | None) -> None:
+        self.numel, self.dtype = group.own_numel, group.dtype
+        self.swap.largest = max(self.swap.largest, self.numel * owned.element_size())
+        if self.swap.in_cpu + self.numel <= self.swap.max_in_cpu:
+            self.swap.in_cpu += self.numel
+            self.shard = torch.empty(self.numel, dtype=self.dtype)
+            self.shard.copy_(owned)
+            return
+        self.file = open_file(self.path)
+        self._write(owned)
+
+    def fill(self, group: Any, owned: torch.Tensor, async_read: bool) -> ReadWork | None:  # noqa: ARG002
+        if self.shard is not None:
+            with torch.no_grad():
+                owned.copy_(self.shard, non_blocking=True)
+            return None
+        if async_read:
+            return ReadWork(read_pool().submit(self._read, owned))
+        self._read(owned)
+        return None
+
+    def update(self, src: torch.Tensor, non_blocking: bool = False) -> None:  # noqa: ARG002
+        if self.shard is not None:
+            self.shard.copy_(src)
+        else:  # the master (fp32) rounded to the parameters' dtype, as a resident shard's copy_ rounds it
+            self._write(src if src.dtype == self.dtype else src.to(self.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.shard is None else self.shard.numel() * self.shard.element_size()
+
+    def _pieces(self, t: torch.Tensor):
+        """(bounce buffer, its bytes view, piece of ``t`` as bytes, file offset) per piece, each buffer
+        given back after its piece."""
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        off = 0
+        while off < flat.numel():
+            buf = self.swap.take()
+            try:
+                piece = flat[off:off + buf.nbytes]
+                yield buf, buf.tensor[:align_up(piece.numel())], piece, off
+            finally:
+                self.swap.bounce.put(buf)
+            off += piece.numel()
+
+    @torch.no_grad()
+    def _write(self, src: torch.Tensor) -> None:
+        for _buf, view, piece, off in self._pieces(src):
+            view[:piece.numel()].copy_(piece)  # (a device tensor is copied to the host here)
+            self.swap.io.write(self.file, view, off).wait()
+
+    @torch.no_grad()
+    def _read(self, dst: torch.Tensor) -> None:
+        for _buf, view, piece, off in self._pieces(dst):
+            self.swap.io.read(self.file, view, off, need=piece.numel()).wait()
+            piece.copy_(view[:piece.numel()])

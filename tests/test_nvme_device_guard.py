@@ -1,0 +1,31 @@
+"""NVMe offload under the CPU-run device guard (tests/device_guard.py): the swap path with the parameters
+on a second device, every tensor on its device and no host read of a copy in flight."""
+
+from __future__ import annotations
+
+import pytest
+from device_guard import fake_world
+from test_device_guard import config, train_steps
+
+from shardwise.nvme import OptimizerSwapper
+
+
+@pytest.fixture
+def world2():
+    with fake_world(2):
+        yield
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_offload_steps_on_a_device(world2, tmp_path, monkeypatch, stage):
+    """The swap path's tensors (stand-ins, buffer views, the step, the publish to the device) under the
+    guard; the file transfers are skipped (a fake tensor has no bytes: the guard's checkpoint tests skip
+    them the same way), tests/test_nvme.py runs them for real."""
+    monkeypatch.setattr(OptimizerSwapper, "_read", lambda self, u, buf: None)
+    monkeypatch.setattr(OptimizerSwapper, "_write", lambda self, u, buf: None)
+    cfg = config(stage, "bf16", offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path),
+                                                    "pipeline_read": True, "pipeline_write": True})
+    engine, guard = train_steps(cfg)
+    assert engine.nvme is not None and all(g.master.device.type == "cpu" for g in engine.groups)
+    assert not guard.in_flight
+    engine.destroy()

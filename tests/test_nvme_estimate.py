@@ -1,0 +1,30 @@
+"""``shardwise estimate --offload nvme``: the optimizer's host bytes go to disk, the host keeps the buffers."""
+
+from __future__ import annotations
+
+import json
+
+from shardwise.cli.estimate import main
+
+
+def _json(capsys, *argv: str) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_nvme_moves_the_optimizer_host_bytes_to_disk(capsys) -> None:
+    cpu = _json(capsys, "--params", "14B", "--devices", "1", "--offload", "optimizer")
+    nvme = _json(capsys, "--params", "14B", "--devices", "1", "--offload", "nvme", "--nvme-buffers", "2",
+                 "--nvme-group", "100M", "--nvme-bandwidth", "6GB")
+    for st in ("1", "2", "3"):
+        c, n = cpu["stages"][st], nvme["stages"][st]
+        assert n["per_device_bytes"] == c["per_device_bytes"]  # the device holds the same
+        assert n["nvme_bytes"] == c["host_bytes"] == 12 * 14 * 10**9  # fp32 master + Adam moments, on disk
+        assert n["host_bytes"] == 2 * 12 * 100 * 10**6 + 4 * 14 * 10**9  # buffer_count x k x G + fp32 grads
+    assert "I/O per step 2·168.00 GB at 6 GB/s: 56.0 s" in nvme["notes"][-1]
+
+
+def test_nvme_with_bf16_states_and_ranks(capsys) -> None:
+    n = _json(capsys, "--params", "8B", "--devices", "8", "--offload", "nvme", "--master", "states")["stages"]["2"]
+    assert n["nvme_bytes"] == 8 * 10**9  # 8 B/param (2 master copy + 2 + 2 moments + 2 Kahan) / 8 ranks
+    assert n["host_bytes"] == 4 * 8 * (500_000_000 // 8) + 2 * 10**9  # + the bf16 gradient shard

@@ -1,0 +1,95 @@
+"""The swap folder: nvme_path checked before training (missing, not writable, no room), one run per
+path (the lock), files removed at close, at exit, on Ctrl-C, and a killed run's files on the next start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from shardwise.errors import UserError
+from shardwise.nvme import SwapFolder, check_room
+
+KEY = "zero_optimization.offload_optimizer.nvme_path"
+
+
+def test_missing_path_and_a_file_are_refused_naming_key_and_path(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=f"^{KEY}: {tmp_path}/nope does not exist"):
+        check_room(KEY, tmp_path / "nope", 1)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(UserError, match=f"{tmp_path}/f is not a folder"):
+        check_room(KEY, tmp_path / "f", 1)
+
+
+def test_not_writable_is_refused(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(os, "access", lambda *_a, **_k: False)  # root may write anywhere: the check, faked
+    with pytest.raises(UserError, match=f"{KEY}: {tmp_path} is not writable"):
+        check_room(KEY, tmp_path, 1)
+
+
+def test_no_room_names_the_bytes(tmp_path: Path, monkeypatch) -> None:
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda _p: usage(10 << 30, 10 << 30, 1000))
+    with pytest.raises(UserError, match=r"has 1000 B \(1000 bytes\) free, the swap files need 1\.00 MiB "
+                                        r"\(1048576 bytes\)"):
+        check_room(KEY, tmp_path, 1 << 20)
+
+
+def test_the_lock_refuses_a_second_run_and_close_removes_everything(tmp_path: Path) -> None:
+    first = SwapFolder(KEY, tmp_path, rank=0)
+    first.file("a.swap").write_bytes(b"x")
+    with pytest.raises(UserError, match=f"{KEY}: {tmp_path} is in use by another run"):
+        SwapFolder(KEY, tmp_path, rank=0)
+    other_rank = SwapFolder(KEY, tmp_path, rank=1)  # the ranks of one run share the path
+    first.close()
+    first.close()  # idempotent
+    assert sorted(os.listdir(tmp_path / "shardwise-swap")) == ["rank1", "rank1.lock"]
+    other_rank.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_killed_runs_files_go_at_the_next_start(tmp_path: Path) -> None:
+    stale = tmp_path / "shardwise-swap" / "rank0"
+    stale.mkdir(parents=True)
+    (stale / "group00000.swap").write_bytes(b"old")
+    folder = SwapFolder(KEY, tmp_path, rank=0)
+    assert list(folder.path.iterdir()) == []
+    folder.close()
+
+
+_CHILD = """
+import sys, time
+from shardwise.nvme import SwapFolder
+f = SwapFolder("k", sys.argv[1], rank=0)
+f.file("g.swap").write_bytes(b"x" * 4096)
+print("ready", flush=True)
+if sys.argv[2] == "raise":
+    raise RuntimeError("a failure")
+time.sleep(60)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("how", ["ctrl-c", "raise"])
+def test_files_removed_on_ctrl_c_and_after_a_failure(tmp_path: Path, how: str) -> None:
+    """The process is the subject: a Ctrl-C (SIGINT) while it waits, or an exception, leaves no file."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path), how], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        if how == "ctrl-c":
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and ("KeyboardInterrupt" in err or "a failure" in err)
+    assert os.listdir(tmp_path) == []
