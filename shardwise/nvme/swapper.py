@@ -29,10 +29,10 @@ from torch import optim
 
 from shardwise.aio import AioConfig, AlignedBuffer, IOEngine, open_file
 from shardwise.errors import UserError
-from shardwise.zero.bucket_step import steps_exactly_per_group
-from shardwise.zero.low_precision import COMPENSATION, is_low_precision, kept_state_dtype, step_group
 from shardwise.nvme.folder import SwapFolder, check_room
 from shardwise.nvme.swap_file import SwapLayout, check, stamp
+from shardwise.zero.bucket_step import steps_exactly_per_group
+from shardwise.zero.low_precision import COMPENSATION, is_low_precision, kept_state_dtype, step_group
 
 if TYPE_CHECKING:
     from shardwise.zero.flat_group import ShardedGroup
