@@ -27,7 +27,9 @@ FAST: dict[str, list[str]] = {
                "test_run_layout.py::test_one_counter_for_every_group"],
     "moe": ["test_moe.py::test_dispatch_then_combine_restores_input_and_gradient[4-7-2]"],
     "monitor": ["test_monitor.py::test_sections_are_checked"],
+    "nvme": ["test_nvme_folder.py::test_the_lock_refuses_a_second_run_and_close_removes_everything"],
     "optim": ["test_precision.py::test_state_dict_round_trip", "test_optim.py::test_warmup_decay_lr"],
+    "sharded_init": ["test_safetensors_io.py::test_zero_init_source_refuses_other_shape"],
     "sequence_parallel": [
         "test_sequence_parallel.py::test_forward_backward_equal_whole_sequence[sdpa-2-15-None-False]"],
     "tensor_parallel": ["test_tensor_parallel.py::test_vocab_parallel_cross_entropy_matches_torch"],
