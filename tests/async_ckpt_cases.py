@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -185,31 +186,38 @@ def write_error(root: str, phase: str = "fsync") -> dict:
             "leftovers": sorted(p.name for p in root_p.glob(".*"))}
 
 
+STUCK_TIMEOUT_S = 4.0
+
+
 def stuck_writer(root: str) -> dict:
-    """Rank 0's writer never finishes: the wait gives up after the (shortened) collective timeout
-    and every rank raises; nothing hangs."""
+    """Rank 0's writer never finishes: the wait gives up within the (shortened) collective timeout,
+    so the peer, already waiting in the collective, is still there, and every rank raises the
+    writer's error; nothing hangs. ``waited``: seconds in ``wait_for_checkpoint``."""
     import datetime
 
     root_p = Path(root)
     engine = _engine(2, extra={"shardwise": {"async_checkpoint": True}})
     _train(engine, 0, 1)
     orig_timeout = async_save.collective_timeout
-    async_save.collective_timeout = lambda: datetime.timedelta(seconds=2)
+    async_save.collective_timeout = lambda: datetime.timedelta(seconds=STUCK_TIMEOUT_S)
     held = Held("fsync") if dist.get_rank() == 0 else None
     try:
         if held is not None:
             held.__enter__()
         engine.save_checkpoint(root_p, tag="slow")
+        t0 = time.monotonic()
         try:
             wait_for_checkpoint()
             err = None
         except CheckpointError as e:
             err = str(e)
+        waited = time.monotonic() - t0
     finally:
         async_save.collective_timeout = orig_timeout
         if held is not None:
             held.__exit__()
-    return {"error": err, "latest": (root_p / "latest").exists(), "pending": async_save.pending_tag()}
+    return {"error": err, "latest": (root_p / "latest").exists(), "pending": async_save.pending_tag(),
+            "waited": waited}
 
 
 def killed_at_phase(argv: list[str]) -> int:
