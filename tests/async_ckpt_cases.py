@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from ckpt_cases import _train, config
 
@@ -263,3 +264,33 @@ def exit_pending(argv: list[str]) -> int:
         held.release()
     print("script returned", flush=True)
     return 0
+
+
+def polls_at_boundaries(root: str) -> dict:
+    """A pending save is polled (a collective, and on a GPU a host sync) at accumulation boundaries
+    only, as DeepSpeed commits a decoupled save there: not at every micro-batch's ``step()``. Two
+    micro-batches of one step (DeepSpeed's manual accumulation) with the writer held: one poll."""
+    engine = _engine(2, extra={"shardwise": {"async_checkpoint": True}})
+    _train(engine, 0, 1)
+    ids = torch.randint(0, 64, (1, 8))
+    calls, orig = [], async_save.complete
+
+    def counting(block: bool) -> bool:
+        calls.append(block)
+        return orig(block)
+
+    with Held() as held:
+        engine.save_checkpoint(Path(root), tag="p")
+        async_save.complete = counting
+        try:
+            polls = []
+            for boundary in (False, True):
+                engine.set_gradient_accumulation_boundary(boundary)
+                engine.backward(engine(input_ids=ids, labels=ids).loss)
+                engine.step()
+                polls.append(len(calls))
+        finally:
+            async_save.complete = orig
+            held.release()
+        wait_for_checkpoint()
+    return {"polls": polls, "latest": (Path(root) / "latest").read_text()}

@@ -100,3 +100,10 @@ def test_retention_keeps_the_newest_complete_checkpoint_while_a_save_is_pending(
     gone = prune_checkpoints(tmp_path, 1)
     assert [p.name for p in gone] == ["global_step1"]
     assert (tmp_path / "global_step2").is_dir() and (tmp_path / ".global_step3.partial").is_dir()
+
+
+def test_a_pending_save_is_polled_at_accumulation_boundaries_only(pool2, tmp_path):
+    res = pool2.run("async_ckpt_cases:polls_at_boundaries", str(tmp_path))
+    for r in res:
+        assert r["polls"] == [0, 1], r  # the micro-batch's step() ran no collective; the boundary's did
+        assert r["latest"] == "p"

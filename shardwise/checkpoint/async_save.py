@@ -4,9 +4,9 @@
 staged (``checkpoint/staging.py``); a writer thread writes this rank's shard file and manifest,
 fsynced, into the partial folder. The thread runs no collective: agreeing that every rank's files
 are durable, and publishing, happen on the main thread at points every rank reaches in step
-(:func:`complete`): the end of every ``engine.step()`` while a save is pending (a poll that never
-waits for a writer), the next save, a load, :func:`wait_for_checkpoint`, and the process's exit.
-So the training groups never see a collective from another thread, and no group is made for it.
+(:func:`complete`): the end of every ``engine.step()`` at an accumulation boundary while a save is
+pending (a poll that never waits for a writer), the next save, a load, :func:`wait_for_checkpoint`,
+and the process's exit. So the training groups never see a collective from another thread, and no group is made for it.
 
 At most one save is in flight per process: the next save waits for it. A writer's error (a full
 disk, an unreadable folder, a writer that has not finished within half the collective timeout) is
@@ -185,7 +185,7 @@ def complete(block: bool) -> bool:
 
 
 def poll_checkpoint() -> None:
-    """Collective, at a point every rank reaches in step (the end of ``engine.step()``): publish the
+    """Collective, at a point every rank reaches in step (the end of a boundary's ``engine.step()``): publish the
     pending asynchronous save if every rank has written it, or raise its failure; never waits for
     a writer. Nothing pending: no collective, nothing to do."""
     if _PENDING[0] is not None:
