@@ -294,3 +294,38 @@ def polls_at_boundaries(root: str) -> dict:
             held.release()
         wait_for_checkpoint()
     return {"polls": polls, "latest": (Path(root) / "latest").read_text()}
+
+
+def failed_write_frees_copy(root: str) -> dict:
+    """Rank 1's writer fails (ENOSPC) mid-file: once the error was raised on every rank, the staged
+    copy is gone on every rank, not kept until the next save by the error's traceback (whose frames
+    hold the pieces): the next save would otherwise stage a second copy beside it."""
+    import gc
+    import weakref
+
+    from shardwise.checkpoint import save as save_mod
+
+    engine = _engine(2, extra={"shardwise": {"async_checkpoint": True}})
+    _train(engine, 0, 1)
+    refs, orig_stage, orig_phase = [], save_mod.stage, shard_writer.at_phase
+
+    def recording(pieces, keep=False):
+        staged = orig_stage(pieces, keep)
+        refs.extend(weakref.ref(t) for _, t in staged.pieces)
+        return staged
+
+    def full(p: str) -> None:
+        if p == "writing" and dist.get_rank() == 1:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    save_mod.stage, shard_writer.at_phase = recording, full
+    err = None
+    try:
+        engine.save_checkpoint(Path(root), tag="bad")
+        wait_for_checkpoint()
+    except CheckpointError as e:
+        err = str(e)
+    finally:
+        save_mod.stage, shard_writer.at_phase = orig_stage, orig_phase
+    gc.collect()
+    return {"error": err, "staged": len(refs), "alive": sum(r() is not None for r in refs)}

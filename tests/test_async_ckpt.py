@@ -107,3 +107,10 @@ def test_a_pending_save_is_polled_at_accumulation_boundaries_only(pool2, tmp_pat
     for r in res:
         assert r["polls"] == [0, 1], r  # the micro-batch's step() ran no collective; the boundary's did
         assert r["latest"] == "p"
+
+
+def test_a_failed_write_frees_its_staged_copy(pool2, tmp_path):
+    res = pool2.run("async_ckpt_cases:failed_write_frees_copy", str(tmp_path))
+    for r in res:
+        assert r["error"] is not None and "No space left on device" in r["error"], r
+        assert r["staged"] > 0 and r["alive"] == 0, r  # no view of the staged buffer outlives the save

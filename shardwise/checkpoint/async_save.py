@@ -24,6 +24,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,9 @@ class PendingSave:
             self.staged.ready()  # device-to-host copies landed: only then read the buffer
             self.job.write(self.job.tmp, self.job.rank, self.job.manifest, self.staged.pieces)
         except BaseException as e:  # noqa: BLE001 - handed to every rank by complete()
+            # the traceback's finished frames hold the pieces (views of the staged buffer): without
+            # this, the error (kept by _LAST until the next save) kept the copy alive beside the next one
+            traceback.clear_frames(e.__traceback__)
             self.error = e
         finally:
             self.staged.release()  # the snapshot's memory goes back as soon as it is on disk
