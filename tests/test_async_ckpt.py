@@ -17,6 +17,8 @@ CASES = {
     "stage3_cpu_offload": (3, {"offload": True}),
     "stage1_bf16": (1, {"precision": "bf16"}),
     "tp2": (0, {"tp": 2}),
+    # a non-elementwise optimizer: its state is saved as whole tensors (checkpoint/whole_tensor_state.py)
+    "stage2_lamb_whole_tensor": (2, {"extra": {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}}),
 }
 
 
