@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from ckpt_cases import _train, config
 
@@ -185,31 +187,38 @@ def write_error(root: str, phase: str = "fsync") -> dict:
             "leftovers": sorted(p.name for p in root_p.glob(".*"))}
 
 
+STUCK_TIMEOUT_S = 4.0
+
+
 def stuck_writer(root: str) -> dict:
-    """Rank 0's writer never finishes: the wait gives up after the (shortened) collective timeout
-    and every rank raises; nothing hangs."""
+    """Rank 0's writer never finishes: the wait gives up within the (shortened) collective timeout,
+    so the peer, already waiting in the collective, is still there, and every rank raises the
+    writer's error; nothing hangs. ``waited``: seconds in ``wait_for_checkpoint``."""
     import datetime
 
     root_p = Path(root)
     engine = _engine(2, extra={"shardwise": {"async_checkpoint": True}})
     _train(engine, 0, 1)
     orig_timeout = async_save.collective_timeout
-    async_save.collective_timeout = lambda: datetime.timedelta(seconds=2)
+    async_save.collective_timeout = lambda: datetime.timedelta(seconds=STUCK_TIMEOUT_S)
     held = Held("fsync") if dist.get_rank() == 0 else None
     try:
         if held is not None:
             held.__enter__()
         engine.save_checkpoint(root_p, tag="slow")
+        t0 = time.monotonic()
         try:
             wait_for_checkpoint()
             err = None
         except CheckpointError as e:
             err = str(e)
+        waited = time.monotonic() - t0
     finally:
         async_save.collective_timeout = orig_timeout
         if held is not None:
             held.__exit__()
-    return {"error": err, "latest": (root_p / "latest").exists(), "pending": async_save.pending_tag()}
+    return {"error": err, "latest": (root_p / "latest").exists(), "pending": async_save.pending_tag(),
+            "waited": waited}
 
 
 def killed_at_phase(argv: list[str]) -> int:
@@ -255,3 +264,68 @@ def exit_pending(argv: list[str]) -> int:
         held.release()
     print("script returned", flush=True)
     return 0
+
+
+def polls_at_boundaries(root: str) -> dict:
+    """A pending save is polled (a collective, and on a GPU a host sync) at accumulation boundaries
+    only, as DeepSpeed commits a decoupled save there: not at every micro-batch's ``step()``. Two
+    micro-batches of one step (DeepSpeed's manual accumulation) with the writer held: one poll."""
+    engine = _engine(2, extra={"shardwise": {"async_checkpoint": True}})
+    _train(engine, 0, 1)
+    ids = torch.randint(0, 64, (1, 8))
+    calls, orig = [], async_save.complete
+
+    def counting(block: bool) -> bool:
+        calls.append(block)
+        return orig(block)
+
+    with Held() as held:
+        engine.save_checkpoint(Path(root), tag="p")
+        async_save.complete = counting
+        try:
+            polls = []
+            for boundary in (False, True):
+                engine.set_gradient_accumulation_boundary(boundary)
+                engine.backward(engine(input_ids=ids, labels=ids).loss)
+                engine.step()
+                polls.append(len(calls))
+        finally:
+            async_save.complete = orig
+            held.release()
+        wait_for_checkpoint()
+    return {"polls": polls, "latest": (Path(root) / "latest").read_text()}
+
+
+def failed_write_frees_copy(root: str) -> dict:
+    """Rank 1's writer fails (ENOSPC) mid-file: once the error was raised on every rank, the staged
+    copy is gone on every rank, not kept until the next save by the error's traceback (whose frames
+    hold the pieces): the next save would otherwise stage a second copy beside it."""
+    import gc
+    import weakref
+
+    from shardwise.checkpoint import save as save_mod
+
+    engine = _engine(2, extra={"shardwise": {"async_checkpoint": True}})
+    _train(engine, 0, 1)
+    refs, orig_stage, orig_phase = [], save_mod.stage, shard_writer.at_phase
+
+    def recording(pieces, keep=False):
+        staged = orig_stage(pieces, keep)
+        refs.extend(weakref.ref(t) for _, t in staged.pieces)
+        return staged
+
+    def full(p: str) -> None:
+        if p == "writing" and dist.get_rank() == 1:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    save_mod.stage, shard_writer.at_phase = recording, full
+    err = None
+    try:
+        engine.save_checkpoint(Path(root), tag="bad")
+        wait_for_checkpoint()
+    except CheckpointError as e:
+        err = str(e)
+    finally:
+        save_mod.stage, shard_writer.at_phase = orig_stage, orig_phase
+    gc.collect()
+    return {"error": err, "staged": len(refs), "alive": sum(r() is not None for r in refs)}

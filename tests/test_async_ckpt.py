@@ -17,6 +17,8 @@ CASES = {
     "stage3_cpu_offload": (3, {"offload": True}),
     "stage1_bf16": (1, {"precision": "bf16"}),
     "tp2": (0, {"tp": 2}),
+    # a non-elementwise optimizer: its state is saved as whole tensors (checkpoint/whole_tensor_state.py)
+    "stage2_lamb_whole_tensor": (2, {"extra": {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}}),
 }
 
 
@@ -83,6 +85,9 @@ def test_a_stuck_writer_fails_every_rank_in_bounded_time(pool2, tmp_path):
     for r in res:
         assert r["error"] is not None and "failed on rank 0" in r["error"] and "did not finish" in r["error"], r
         assert not r["latest"] and r["pending"] is None
+        # the stuck rank joined its peer's collective before that one's timeout (4 s here) could
+        # fire: not after waiting the whole timeout, twice (8 s, the merged code)
+        assert r["waited"] < 3.5, r
 
 
 def test_retention_keeps_the_newest_complete_checkpoint_while_a_save_is_pending(tmp_path):
@@ -97,3 +102,17 @@ def test_retention_keeps_the_newest_complete_checkpoint_while_a_save_is_pending(
     gone = prune_checkpoints(tmp_path, 1)
     assert [p.name for p in gone] == ["global_step1"]
     assert (tmp_path / "global_step2").is_dir() and (tmp_path / ".global_step3.partial").is_dir()
+
+
+def test_a_pending_save_is_polled_at_accumulation_boundaries_only(pool2, tmp_path):
+    res = pool2.run("async_ckpt_cases:polls_at_boundaries", str(tmp_path))
+    for r in res:
+        assert r["polls"] == [0, 1], r  # the micro-batch's step() ran no collective; the boundary's did
+        assert r["latest"] == "p"
+
+
+def test_a_failed_write_frees_its_staged_copy(pool2, tmp_path):
+    res = pool2.run("async_ckpt_cases:failed_write_frees_copy", str(tmp_path))
+    for r in res:
+        assert r["error"] is not None and "No space left on device" in r["error"], r
+        assert r["staged"] > 0 and r["alive"] == 0, r  # no view of the staged buffer outlives the save

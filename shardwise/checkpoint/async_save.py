@@ -4,12 +4,12 @@
 staged (``checkpoint/staging.py``); a writer thread writes this rank's shard file and manifest,
 fsynced, into the partial folder. The thread runs no collective: agreeing that every rank's files
 are durable, and publishing, happen on the main thread at points every rank reaches in step
-(:func:`complete`): the end of every ``engine.step()`` while a save is pending (a poll that never
-waits for a writer), the next save, a load, :func:`wait_for_checkpoint`, and the process's exit.
-So the training groups never see a collective from another thread, and no group is made for it.
+(:func:`complete`): the end of every ``engine.step()`` at an accumulation boundary while a save is
+pending (a poll that never waits for a writer), the next save, a load, :func:`wait_for_checkpoint`,
+and the process's exit. So the training groups never see a collective from another thread, and no group is made for it.
 
 At most one save is in flight per process: the next save waits for it. A writer's error (a full
-disk, an unreadable folder, a writer that has not finished within the collective timeout) is
+disk, an unreadable folder, a writer that has not finished within half the collective timeout) is
 raised as the same ``CheckpointError`` on every rank at the first such point after it: the
 failing rank's message, broadcast. At exit a pending save is completed; if it fails, the error is
 printed and the process exits 1. A process ending on an unhandled exception publishes nothing
@@ -23,6 +23,8 @@ import os
 import queue
 import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,9 @@ class PendingSave:
             self.staged.ready()  # device-to-host copies landed: only then read the buffer
             self.job.write(self.job.tmp, self.job.rank, self.job.manifest, self.staged.pieces)
         except BaseException as e:  # noqa: BLE001 - handed to every rank by complete()
+            # the traceback's finished frames hold the pieces (views of the staged buffer): without
+            # this, the error (kept by _LAST until the next save) kept the copy alive beside the next one
+            traceback.clear_frames(e.__traceback__)
             self.error = e
         finally:
             self.staged.release()  # the snapshot's memory goes back as soon as it is on disk
@@ -142,18 +147,28 @@ def _counts(state: int) -> tuple[int, int]:
     return int(t[0].item()), int(t[1].item())
 
 
+def writer_wait_limit() -> float:
+    """How long a rank waits for its own writer before it joins its peers' collective: half the
+    collective timeout. Its peers may already wait in that collective (their writers done), and
+    they give up after the collective timeout: a rank that waited the whole timeout (or, as
+    before, that twice) would meet peers that had already failed with a collective timeout
+    instead of the writer's error."""
+    return collective_timeout().total_seconds() / 2
+
+
 def complete(block: bool) -> bool:
     """Collective (every rank, in step): publish the pending save once every rank's writer is done,
-    or raise its failure on every rank. ``block``: wait for this rank's writer (at most the
-    collective timeout) instead of returning while one is still writing. Returns True when no save
-    is pending any more."""
+    or raise its failure on every rank. ``block``: wait for this rank's writer (at most
+    :func:`writer_wait_limit`, all waits together) instead of returning while one is still writing.
+    Returns True when no save is pending any more."""
     p = _PENDING[0]
     if p is None:
         return True
-    limit = collective_timeout().total_seconds()
+    limit = writer_wait_limit()
+    deadline = time.monotonic() + limit  # one budget for both waits below: peers wait in a collective
     if block and not p.done.wait(limit) and p.error is None:
         p.error = TimeoutError(f"the checkpoint writer of {p.job.tag} did not finish within {limit:.0f} s "
-                               "(the collective timeout)")
+                               "(half the collective timeout)")
     state = 2 if p.error is not None else p.state()
     failed, finished = _counts(state)
     world = world_comm().size
@@ -161,7 +176,7 @@ def complete(block: bool) -> bool:
         return False
     _PENDING[0] = None
     if failed:
-        p.done.wait(limit)  # nothing of ours still writes into the folder the next save removes
+        p.done.wait(max(0.0, deadline - time.monotonic()))  # ours no longer writes into the next save's folder
         agree(world_comm(), p.error, f"save_checkpoint of {p.job.tag} (writing in the background)")
     err = None
     try:
@@ -174,7 +189,7 @@ def complete(block: bool) -> bool:
 
 
 def poll_checkpoint() -> None:
-    """Collective, at a point every rank reaches in step (the end of ``engine.step()``): publish the
+    """Collective, at a point every rank reaches in step (the end of a boundary's ``engine.step()``): publish the
     pending asynchronous save if every rank has written it, or raise its failure; never waits for
     a writer. Nothing pending: no collective, nothing to do."""
     if _PENDING[0] is not None:

@@ -11,7 +11,10 @@ On a GPU the buffer is pinned and the copies are queued ``non_blocking`` on the 
 so the call returns before they finish and the training kernels queued after it on that stream
 cannot overwrite a piece before its copy has read it; the writer waits on the recorded event
 before it reads a byte (:meth:`Staged.ready`). Pieces already on the host (CPU offload, CPU
-ranks) are copied at once.
+ranks) are copied at once. A pinned buffer is not given back to the OS when dropped: torch's
+pinned-memory cache keeps it (rounded up to a power of two, by default) and hands it to the next
+save, so on a GPU the copy is held all run whatever ``keep_checkpoint_buffer`` says
+(``torch/include/ATen/core/CachingHostAllocator.h``, ``pinned_max_cached_size`` unlimited).
 """
 
 from __future__ import annotations

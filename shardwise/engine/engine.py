@@ -259,9 +259,11 @@ class Engine(EngineAccessors, nn.Module):
     # -- step -----------------------------------------------------------------------
     def step(self) -> None:
         """Call after every micro-batch; steps and zeroes grads at the accumulation boundary."""
+        boundary = self.is_gradient_accumulation_boundary()
         with self.monitor.step():  # the step timer, then the boundary's events, profile and progress line
             self._step()
-        poll_checkpoint()  # a pending asynchronous save is published once every rank wrote it (DeepSpeed's commit)
+        if boundary:  # as DeepSpeed commits a decoupled save: not a collective (GPU: a sync) every micro-batch
+            poll_checkpoint()  # a pending asynchronous save is published once every rank wrote it
 
     def _step(self) -> None:
         if self._in_no_sync:
