@@ -1,0 +1,118 @@
+"""Cases for tests/test_pipeline.py: a DeepSpeed-style PipelineModule script on the pool's ranks, and the
+same layers trained in one process with plain PyTorch (the reference).
+
+The model: ``LAYERS`` blocks (Linear + tanh) and a head; with ``tied`` the first layer is a square
+projection whose weight the last layer reuses (``TiedLayerSpec``, ``forward_fn`` = x @ W). Every layer
+is seeded by its index (``seed_layers=True``), so its initial weights do not depend on the stages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH, OUT, LAYERS, BASE_SEED = 8, 8, 6, 1234
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Head(nn.Linear):
+    pass
+
+
+def tied_head(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.weight
+
+
+def specs(tied: bool = False) -> list:
+    from shardwise.pipeline import LayerSpec, TiedLayerSpec
+
+    first = [TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False)] if tied else []
+    last = ([TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=tied_head)] if tied
+            else [LayerSpec(Head, WIDTH, OUT)])
+    return first + [LayerSpec(Block) for _ in range(LAYERS)] + last
+
+
+def data(step: int, dp_rank: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 100 * dp_rank + micro)
+    return torch.randn(rows, WIDTH, generator=g), torch.randn(rows, OUT, generator=g)
+
+
+def batches(step: int, dp_rank: int, config: dict):
+    for i in range(config["gradient_accumulation_steps"]):
+        yield data(step, dp_rank, i, config["train_micro_batch_size_per_gpu"])
+
+
+def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool = False,
+          partition: str = "parameters", interval: int = 0) -> dict:
+    """Each rank: the losses train_batch returned and its stage's final weights by layer index."""
+    import shardwise
+    from shardwise.pipeline import PipelineModule
+
+    config = {**CONFIG, **(config or {})}
+    model = PipelineModule(specs(tied), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
+                           seed_fn=torch.manual_seed, base_seed=BASE_SEED, partition_method=partition,
+                           activation_checkpoint_interval=interval)
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    dp_rank = engine.grid.get_data_parallel_id()
+    losses = [engine.train_batch(batches(s, dp_rank, config)).item() for s in range(steps)]
+    engine.wait_for_params()
+    weights = {f"{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    stats = engine.comm_stats()
+    return {"losses": losses, "weights": weights, "parts": model.parts, "stage": engine.stage_id,
+            "first": engine.is_first_stage(), "last": engine.is_last_stage(),
+            "send": stats.get("send", 0), "recv": stats.get("recv", 0)}
+
+
+def reference(dp: int, config: dict | None = None, steps: int = 3, tied: bool = False) -> dict:
+    """Plain PyTorch in one process: the same layers, micro-batches, accumulation and AdamW."""
+    config = {**CONFIG, **(config or {})}
+    built: dict = {}
+    layers = []
+    for idx, spec in enumerate(specs(tied)):
+        torch.manual_seed(BASE_SEED + idx)
+        key = getattr(spec, "key", None)
+        if key is not None and key in built:
+            layers.append((built[key], spec.forward_fn))
+            continue
+        module = spec.build()
+        built[key] = module
+        layers.append((module, getattr(spec, "forward_fn", None)))
+    params = list(dict.fromkeys(p for m, _ in layers for p in m.parameters()))
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, fused=True)  # the engine builds the fused kernel
+    gas = config["gradient_accumulation_steps"]
+    out = []
+    for step in range(steps):
+        summed, mean = None, torch.zeros(())
+        for r in range(dp):
+            for p in params:
+                p.grad = None
+            total = torch.zeros(())
+            for x, y in batches(step, r, config):
+                for m, fn in layers:
+                    x = m(x) if fn is None else fn(m, x)
+                loss = F.mse_loss(x, y)
+                (loss * (1.0 / gas)).backward()
+                total += loss.detach()
+            grads = [p.grad.clone() for p in params]
+            summed = grads if summed is None else [a + b for a, b in zip(summed, grads, strict=True)]
+            mean += total / gas  # float32, as the engine's all-reduce adds them
+        for p, g in zip(params, summed, strict=True):
+            p.grad = g.mul_(1.0 / dp)
+        opt.step()
+        out.append(float(mean / dp))
+    named = {}
+    for idx, (spec, (m, _)) in enumerate(zip(specs(tied), layers, strict=True)):
+        prefix = f"tied_modules.{spec.key}" if getattr(spec, "key", None) else str(idx)
+        named.update({f"{prefix}.{n}": p.detach().clone() for n, p in m.named_parameters()})
+    return {"losses": out, "params": named}

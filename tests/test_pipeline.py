@@ -1,0 +1,60 @@
+"""Pipeline parallelism (shardwise/pipeline/): DeepSpeed's PipelineModule scripts on the rank pools,
+against the same layers trained in one process with plain PyTorch (tests/pipeline_cases.py)."""
+
+from __future__ import annotations
+
+import pipeline_cases as pc
+import pytest
+import torch
+
+
+def _check(results: list[dict], ref: dict, exact: bool = True) -> None:
+    """Every rank reports the reference's losses; every layer's final weights are the reference's
+    (bit for bit with ``exact``, else within 1e-5 relative), and together the ranks hold every layer."""
+    close = {} if exact else {"rtol": 1e-5, "atol": 1e-7}
+    for r in results:
+        if exact:
+            assert r["losses"] == ref["losses"], (r["losses"], ref["losses"])
+        else:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        for name, value in r["weights"].items():
+            if exact:
+                assert torch.equal(value, ref["params"][name]), name
+            else:
+                torch.testing.assert_close(value, ref["params"][name], **close)
+    assert set().union(*(r["weights"] for r in results)) == set(ref["params"])
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_pp_on_two_ranks_gives_plain_pytorch_losses(pool2, stages: int) -> None:
+    results = pool2.run("pipeline_cases:train", stages)
+    _check(results, pc.reference(dp=2 // stages))
+    assert [r["stage"] for r in results] == [0, 0] if stages == 1 else [0, 1]
+
+
+@pytest.mark.parametrize("stages", [4, 2])
+def test_pp_and_pp_x_dp_on_four_ranks(pool4, stages: int) -> None:
+    """PP 4 (one rank a stage), PP 2 x DP 2: the ranks of a stage are consecutive (DeepSpeed's numbering)."""
+    results = pool4.run("pipeline_cases:train", stages)
+    _check(results, pc.reference(dp=4 // stages))
+    assert [r["stage"] for r in results] == ([0, 1, 2, 3] if stages == 4 else [0, 0, 1, 1])
+    assert results[0]["parts"] == ([0, 2, 4, 6, 7] if stages == 4 else [0, 4, 7])
+
+
+@pytest.mark.parametrize("partition", ["uniform", "type:block"])
+def test_partition_methods(pool2, partition: str) -> None:
+    results = pool2.run("pipeline_cases:train", 2, partition=partition, steps=2)
+    _check(results, pc.reference(dp=1, steps=2))
+    assert results[0]["parts"] == ([0, 4, 7] if partition == "uniform" else [0, 3, 7])  # DeepSpeed's (fixture)
+
+
+def test_activation_checkpointing_and_zero1_and_gpipe(pool2) -> None:
+    config = {"zero_optimization": {"stage": 1}, "pipeline": {"schedule": "gpipe"}}
+    results = pool2.run("pipeline_cases:train", 2, config=config, interval=2, steps=2)
+    _check(results, pc.reference(dp=1, steps=2))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_tied_layers_across_stages(pool2, stages: int) -> None:
+    results = pool2.run("pipeline_cases:train", stages, tied=True)
+    _check(results, pc.reference(dp=2 // stages, tied=True), exact=stages == 1)
