@@ -34,9 +34,11 @@ def tied_head(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x @ module.weight
 
 
-def specs(tied: bool = False) -> list:
-    from shardwise.pipeline import LayerSpec, TiedLayerSpec
-
+def specs(tied: bool = False, api=None) -> list:
+    """The layers; ``api``: the module providing LayerSpec / TiedLayerSpec (DeepSpeed's for the fixture)."""
+    if api is None:
+        from shardwise import pipeline as api
+    LayerSpec, TiedLayerSpec = api.LayerSpec, api.TiedLayerSpec  # noqa: N806
     first = [TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False)] if tied else []
     last = ([TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=tied_head)] if tied
             else [LayerSpec(Head, WIDTH, OUT)])
@@ -54,16 +56,28 @@ def batches(step: int, dp_rank: int, config: dict):
 
 
 def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool = False,
-          partition: str = "parameters", interval: int = 0) -> dict:
-    """Each rank: the losses train_batch returned and its stage's final weights by layer index."""
+          partition: str = "parameters", interval: int = 0, facade: bool = False) -> dict:
+    """Each rank: the losses train_batch returned and its stage's final weights by layer index.
+    ``facade``: written as a DeepSpeed script (``import deepspeed``, ``deepspeed.pipe``)."""
     import shardwise
-    from shardwise.pipeline import PipelineModule
 
+    if facade:
+        shardwise.install_as_deepspeed()
+        import deepspeed
+        import deepspeed.pipe as api
+
+        deepspeed.init_distributed()
+        initialize = deepspeed.initialize
+    else:
+        from shardwise import pipeline as api
+
+        initialize = shardwise.initialize
     config = {**CONFIG, **(config or {})}
-    model = PipelineModule(specs(tied), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
-                           seed_fn=torch.manual_seed, base_seed=BASE_SEED, partition_method=partition,
-                           activation_checkpoint_interval=interval)
-    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    model = api.PipelineModule(specs(tied, api), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
+                               seed_fn=torch.manual_seed, base_seed=BASE_SEED, partition_method=partition,
+                               activation_checkpoint_interval=interval)
+    engine, _, _, _ = initialize(model=model, config=config,
+                                 model_parameters=[p for p in model.parameters() if p.requires_grad])
     dp_rank = engine.grid.get_data_parallel_id()
     losses = [engine.train_batch(batches(s, dp_rank, config)).item() for s in range(steps)]
     engine.wait_for_params()
@@ -116,3 +130,28 @@ def reference(dp: int, config: dict | None = None, steps: int = 3, tied: bool = 
         prefix = f"tied_modules.{spec.key}" if getattr(spec, "key", None) else str(idx)
         named.update({f"{prefix}.{n}": p.detach().clone() for n, p in m.named_parameters()})
     return {"losses": out, "params": named}
+
+
+# The layouts compared with DeepSpeed 0.19.8 (tests/data/pipeline/make_fixture.py, on 4 ranks):
+# name -> train() keyword arguments
+DS_CASES: dict[str, dict] = {
+    "pp1_dp4": {"stages": 1},
+    "pp2_dp2": {"stages": 2},
+    "pp4": {"stages": 4},
+    "pp2_uniform": {"stages": 2, "partition": "uniform"},
+    "pp4_type": {"stages": 4, "partition": "type:block"},
+    "pp2_checkpointing": {"stages": 2, "interval": 2},
+    "pp2_zero1": {"stages": 2, "config": {"zero_optimization": {"stage": 1}}},
+    "pp1_tied": {"stages": 1, "tied": True},
+    "pp2_tied": {"stages": 2, "tied": True},
+    "pp4_tied": {"stages": 4, "tied": True},
+}
+
+
+def ds_fixture_cases(names: list[str]) -> dict:
+    """Each named DeepSpeed case trained here through the facade; rank 0's losses and partition."""
+    out = {}
+    for name in names:
+        r = train(**DS_CASES[name], facade=True)
+        out[name] = {"losses": r["losses"], "parts": r["parts"]}
+    return out

@@ -3,6 +3,9 @@ against the same layers trained in one process with plain PyTorch (tests/pipelin
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pipeline_cases as pc
 import pytest
 import torch
@@ -58,3 +61,19 @@ def test_activation_checkpointing_and_zero1_and_gpipe(pool2) -> None:
 def test_tied_layers_across_stages(pool2, stages: int) -> None:
     results = pool2.run("pipeline_cases:train", stages, tied=True)
     _check(results, pc.reference(dp=2 // stages, tied=True), exact=stages == 1)
+
+
+DS_FIXTURE = json.loads((Path(__file__).parent / "data" / "pipeline" / "ds_losses.json").read_text())
+
+
+def test_deepspeed_scripts_give_deepspeeds_losses(pool4) -> None:
+    """The cases of pipeline_cases.DS_CASES, written as DeepSpeed scripts (``import deepspeed``), give the
+    losses and partitions DeepSpeed 0.19.8 gave on 4 gloo ranks (tests/data/pipeline/make_fixture.py)."""
+    assert DS_FIXTURE["deepspeed"] == "0.19.8" and set(DS_FIXTURE["cases"]) == set(pc.DS_CASES)
+    results = pool4.run("pipeline_cases:ds_fixture_cases", sorted(pc.DS_CASES))
+    for name, want in DS_FIXTURE["cases"].items():
+        for r in results:
+            got = r[name]
+            assert got["parts"] == want["parts"], name
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=0,
+                                       msg=lambda m, n=name: f"{n}: {m}")
