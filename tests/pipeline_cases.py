@@ -81,7 +81,8 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool = 
     dp_rank = engine.grid.get_data_parallel_id()
     losses = [engine.train_batch(batches(s, dp_rank, config)).item() for s in range(steps)]
     engine.wait_for_params()
-    weights = {f"{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    with shardwise.zero.GatheredParameters(list(model.parameters())):
+        weights = {f"{k}": v.detach().clone() for k, v in model.state_dict().items()}
     stats = engine.comm_stats()
     return {"losses": losses, "weights": weights, "parts": model.parts, "stage": engine.stage_id,
             "first": engine.is_first_stage(), "last": engine.is_last_stage(),
@@ -155,3 +156,41 @@ def ds_fixture_cases(names: list[str]) -> dict:
         r = train(**DS_CASES[name], facade=True)
         out[name] = {"losses": r["losses"], "parts": r["parts"]}
     return out
+
+
+class DictOut(nn.Module):
+    """A layer whose output cannot cross to the next stage."""
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"x": x}
+
+
+class Unpack(nn.Module):
+    def forward(self, x):
+        return x["x"] if isinstance(x, dict) else x
+
+
+def refusal(kind: str) -> str:
+    """Each rank's error line for one kind of bad input (``"none"`` when nothing was raised)."""
+    import shardwise
+    from shardwise.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
+
+    config = dict(CONFIG)
+    layers = specs()
+    if kind == "stages":
+        layers = layers[:1]
+    elif kind == "tied_shapes":
+        layers = [TiedLayerSpec("p", nn.Linear, WIDTH, WIDTH), *specs()[1:-1], TiedLayerSpec("p", nn.Linear, WIDTH, 4)]
+    elif kind == "output":
+        layers = [LayerSpec(Block), LayerSpec(DictOut), LayerSpec(Unpack), LayerSpec(Head, WIDTH, OUT)]
+    elif kind == "batch":
+        config["train_batch_size"] = 7
+    elif kind == "fp16":
+        config["fp16"] = {"enabled": True}
+    try:
+        model = PipelineModule(layers, num_stages=2, loss_fn=F.mse_loss, partition_method="uniform")
+        engine, *_ = shardwise.initialize(model=model, config=config)
+        engine.train_batch(batches(0, 0, config))
+    except Exception as e:  # noqa: BLE001 - the line is what is checked
+        return f"{type(e).__name__}: {e}"
+    return "none"

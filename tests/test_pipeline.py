@@ -77,3 +77,37 @@ def test_deepspeed_scripts_give_deepspeeds_losses(pool4) -> None:
             assert got["parts"] == want["parts"], name
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=0,
                                        msg=lambda m, n=name: f"{n}: {m}")
+
+
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # every parameter sharded
+
+
+@pytest.mark.parametrize("config", [{"zero_optimization": {"stage": 2}}, ZERO3], ids=["zero2", "zero3"])
+def test_pp_with_zero2_and_zero3(pool2, config: dict) -> None:
+    """Beyond DeepSpeed (which asserts): ZeRO-2/3 on each stage's data-parallel group, bit for bit."""
+    _check(pool2.run("pipeline_cases:train", 2, config=config), pc.reference(dp=1))
+
+
+def test_pp_x_dp_zero3_with_tied_layers(pool4) -> None:
+    """PP 2 x DP 2 at ZeRO-3, the tied weight sharded on both stages: gathered to be sent after each step."""
+    _check(pool4.run("pipeline_cases:train", 2, config=ZERO3, tied=True), pc.reference(dp=2, tied=True), exact=False)
+
+
+@pytest.mark.parametrize(("kind", "words"), [
+    ("stages", "2 stages but only 1 layers"),
+    ("batch", "train_batch_size"),
+    ("tied_shapes", "TiedLayerSpec 'p': the tied weights have shapes"),
+    ("fp16", "fp16.enabled"),
+])
+def test_bad_input_is_one_line_on_every_rank(pool2, kind: str, words: str) -> None:
+    for line in pool2.run("pipeline_cases:refusal", kind):
+        assert words in line and "\n" not in line, line
+
+
+def test_a_stage_output_that_is_no_tensor_ends_both_stages(tmp_path) -> None:
+    """Stage 0 refuses its dict output in one line; stage 1, waiting for it, ends at once naming stage 0."""
+    from rank_pool import run_fresh
+
+    first, second = run_fresh(2, "pipeline_cases:refusal", "output", timeout_s=60)
+    assert "pipeline stage 0's output must be a tensor or a tuple" in first and "dict" in first, first
+    assert "StageTransferError" in second and "from stage 0 (rank 0)" in second and "stopped" in second, second

@@ -38,7 +38,6 @@ def _refuse(cfg: ShardwiseConfig, schedule: str) -> None:
         "expert_parallel.enabled": cfg.expert_parallel.enabled,
         "zero_optimization.mics_shard_size": z.mics_shard_size > 0,
         "zero_optimization.zero_hpz_partition_size > 1": z.zero_hpz_partition_size > 1,
-        f"zero_optimization.stage {z.stage}": z.stage > 1,
     }
     for what, on in unserved.items():
         if on:

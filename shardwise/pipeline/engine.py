@@ -27,7 +27,7 @@ from shardwise.engine.compat import UsageError
 from shardwise.pipeline.module import PipelineModule
 from shardwise.pipeline.schedule import eval_steps, train_steps
 from shardwise.pipeline.tied import TiedWeights
-from shardwise.pipeline.wire import Link, as_tensors
+from shardwise.pipeline.wire import Link, StageTransferError, as_tensors
 
 
 class PipelineEngine(Engine):
@@ -145,8 +145,12 @@ class PipelineEngine(Engine):
         Engine.step(self)
 
     def _run(self, steps: list[tuple[str, int]], state: dict) -> None:
-        for kind, i in steps:
-            (self._forward if kind == "F" else self._backward)(i, state)
+        try:
+            for kind, i in steps:
+                (self._forward if kind == "F" else self._backward)(i, state)
+        except (UsageError, StageTransferError):
+            self.link.stop()  # the neighbours waiting on this stage end now, naming it
+            raise
         self.link.drain()
 
     @staticmethod

@@ -18,6 +18,7 @@ import torch
 from shardwise.engine.compat import UsageError
 from shardwise.pipeline.module import PipelineModule
 from shardwise.pipeline.wire import Link
+from shardwise.zero import GatheredParameters
 
 
 class TiedWeights:
@@ -107,13 +108,15 @@ class TiedWeights:
                 self.link.send(sums, stages[0])
 
     def publish(self) -> None:
-        """After the step: the owner's updated weights to every copy."""
+        """After the step: the owner's updated weights to every copy (at ZeRO-3 gathered over the
+        stage's data-parallel ranks for the exchange; each copy's ranks write the same values)."""
         for key, stages, weights in self.ties:
             if self.stage == stages[0]:
-                for s in stages[1:]:
-                    self.link.send(tuple(w.detach() for w in weights), s)
-            else:
-                values = self.link.recv(stages[0], f"tied {key!r} weights", weights[0].device)
-                with torch.no_grad():
-                    for w, v in zip(weights, values, strict=True):
-                        w.copy_(v)
+                with GatheredParameters(weights):
+                    for s in stages[1:]:
+                        self.link.send(tuple(w.detach().clone() for w in weights), s)
+                continue
+            values = self.link.recv(stages[0], f"tied {key!r} weights", weights[0].device)
+            with GatheredParameters(weights, modifier_rank=0), torch.no_grad():
+                for w, v in zip(weights, values, strict=True):
+                    w.copy_(v)

@@ -42,6 +42,9 @@ def as_tensors(value: Any, stage: int, what: str) -> tuple[torch.Tensor, ...]:
     return tuple(items)
 
 
+STOPPED = -1  # a header length that says: the sending stage stopped (its error is its own line)
+
+
 class Link:
     """This stage's sends to and receives from its neighbours, over the pipeline's :class:`PointToPoint`."""
 
@@ -62,6 +65,9 @@ class Link:
         try:
             n = torch.zeros(1, dtype=torch.int64)
             self.p2p.recv(n, peer)
+            if int(n) == STOPPED:
+                raise StageTransferError(f"stage {peer} stopped with an error of its own (see rank "
+                                         f"{self.ranks[peer]}'s line)")
             if not 0 < int(n) <= 1 + MAX_TENSORS * (2 + MAX_DIMS):
                 raise StageTransferError(f"a header of {int(n)} numbers")
             head = torch.zeros(int(n), dtype=torch.int64)
@@ -80,6 +86,16 @@ class Link:
                 f"pipeline stage {self.stage} (rank {self.ranks[self.stage]}) failed receiving {what} from stage "
                 f"{peer} (rank {self.ranks[peer]}): that stage died, stalled past the timeout or sent something "
                 f"else; restart the job. ({str(e).splitlines()[0][:300]})") from e
+
+    def stop(self) -> None:
+        """Tell both neighbours this stage stopped, so that a stage waiting on it ends now with a line
+        naming it instead of at the timeout (best effort: a neighbour that is gone is not told)."""
+        for peer in (self.stage - 1, self.stage + 1):
+            if 0 <= peer < len(self.ranks):
+                try:
+                    self.p2p.send(torch.tensor([STOPPED], dtype=torch.int64), peer)
+                except RanksDivergedError:
+                    pass  # that neighbour is gone; this stage's own error is raised by the caller
 
     def drain(self) -> None:
         """Wait for every send started (their tensors may be written again after this)."""
