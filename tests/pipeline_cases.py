@@ -80,11 +80,12 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool = 
                                  model_parameters=[p for p in model.parameters() if p.requires_grad])
     dp_rank = engine.grid.get_data_parallel_id()
     losses = [engine.train_batch(batches(s, dp_rank, config)).item() for s in range(steps)]
+    evaluated = engine.eval_batch(batches(steps, dp_rank, config)).item()
     engine.wait_for_params()
     with shardwise.zero.GatheredParameters(list(model.parameters())):
         weights = {f"{k}": v.detach().clone() for k, v in model.state_dict().items()}
     stats = engine.comm_stats()
-    return {"losses": losses, "weights": weights, "parts": model.parts, "stage": engine.stage_id,
+    return {"losses": losses, "eval": evaluated, "weights": weights, "parts": model.parts, "stage": engine.stage_id,
             "first": engine.is_first_stage(), "last": engine.is_last_stage(),
             "send": stats.get("send", 0), "recv": stats.get("recv", 0)}
 
@@ -126,11 +127,20 @@ def reference(dp: int, config: dict | None = None, steps: int = 3, tied: bool = 
             p.grad = g.mul_(1.0 / dp)
         opt.step()
         out.append(float(mean / dp))
+    evaluated = torch.zeros(())
+    with torch.no_grad():
+        for r in range(dp):
+            total = torch.zeros(())
+            for x, y in batches(steps, r, config):
+                for m, fn in layers:
+                    x = m(x) if fn is None else fn(m, x)
+                total += F.mse_loss(x, y)
+            evaluated += total / gas
     named = {}
     for idx, (spec, (m, _)) in enumerate(zip(specs(tied), layers, strict=True)):
         prefix = f"tied_modules.{spec.key}" if getattr(spec, "key", None) else str(idx)
         named.update({f"{prefix}.{n}": p.detach().clone() for n, p in m.named_parameters()})
-    return {"losses": out, "params": named}
+    return {"losses": out, "eval": float(evaluated / dp), "params": named}
 
 
 # The layouts compared with DeepSpeed 0.19.8 (tests/data/pipeline/make_fixture.py, on 4 ranks):
@@ -193,4 +203,18 @@ def refusal(kind: str) -> str:
         engine.train_batch(batches(0, 0, config))
     except Exception as e:  # noqa: BLE001 - the line is what is checked
         return f"{type(e).__name__}: {e}"
+    return "none"
+
+
+def checkpoint_refused() -> str:
+    """save_checkpoint at 2 stages: one line (not served yet)."""
+    import shardwise
+    from shardwise.pipeline import PipelineModule
+
+    model = PipelineModule(specs(), num_stages=2, loss_fn=F.mse_loss)
+    engine, *_ = shardwise.initialize(model=model, config=CONFIG)
+    try:
+        engine.save_checkpoint("ckpt")
+    except Exception as e:  # noqa: BLE001 - the line is what is checked
+        return str(e)
     return "none"

@@ -12,14 +12,16 @@ import torch
 
 
 def _check(results: list[dict], ref: dict, exact: bool = True) -> None:
-    """Every rank reports the reference's losses; every layer's final weights are the reference's
+    """Every rank reports the reference's losses (train_batch's, then eval_batch's on another batch);
+    every layer's final weights are the reference's
     (bit for bit with ``exact``, else within 1e-5 relative), and together the ranks hold every layer."""
     close = {} if exact else {"rtol": 1e-5, "atol": 1e-7}
     for r in results:
         if exact:
-            assert r["losses"] == ref["losses"], (r["losses"], ref["losses"])
+            assert r["losses"] == ref["losses"] and r["eval"] == ref["eval"], (r["losses"], r["eval"], ref)
         else:
-            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+            torch.testing.assert_close(torch.tensor(r["losses"] + [r["eval"]]),
+                                       torch.tensor(ref["losses"] + [ref["eval"]]), rtol=1e-5, atol=0)
         for name, value in r["weights"].items():
             if exact:
                 assert torch.equal(value, ref["params"][name]), name
@@ -111,3 +113,8 @@ def test_a_stage_output_that_is_no_tensor_ends_both_stages(tmp_path) -> None:
     first, second = run_fresh(2, "pipeline_cases:refusal", "output", timeout_s=60)
     assert "pipeline stage 0's output must be a tensor or a tuple" in first and "dict" in first, first
     assert "StageTransferError" in second and "from stage 0 (rank 0)" in second and "stopped" in second, second
+
+
+def test_checkpoints_at_two_stages_are_refused_in_one_line(pool2) -> None:
+    for line in pool2.run("pipeline_cases:checkpoint_refused"):
+        assert "save_checkpoint() with 2 pipeline stages is not served" in line and "\n" not in line, line

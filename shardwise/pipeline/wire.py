@@ -51,6 +51,8 @@ class Link:
     def __init__(self, p2p: PointToPoint, stage: int, ranks: list[int]):
         self.p2p, self.stage, self.ranks = p2p, stage, ranks
         self.pending: list[Work] = []
+        self.stopping: list[Work] = []
+        self.stopped_peer: int | None = None
 
     def send(self, tensors: tuple[torch.Tensor, ...], peer: int) -> None:
         header = [len(tensors)]
@@ -66,6 +68,7 @@ class Link:
             n = torch.zeros(1, dtype=torch.int64)
             self.p2p.recv(n, peer)
             if int(n) == STOPPED:
+                self.stopped_peer = peer  # told already: not told back
                 raise StageTransferError(f"stage {peer} stopped with an error of its own (see rank "
                                          f"{self.ranks[peer]}'s line)")
             if not 0 < int(n) <= 1 + MAX_TENSORS * (2 + MAX_DIMS):
@@ -91,9 +94,9 @@ class Link:
         """Tell both neighbours this stage stopped, so that a stage waiting on it ends now with a line
         naming it instead of at the timeout (best effort: a neighbour that is gone is not told)."""
         for peer in (self.stage - 1, self.stage + 1):
-            if 0 <= peer < len(self.ranks):
-                try:
-                    self.p2p.send(torch.tensor([STOPPED], dtype=torch.int64), peer)
+            if 0 <= peer < len(self.ranks) and peer != self.stopped_peer:
+                try:  # kept, not waited for: the work must outlive this call for the bytes to leave
+                    self.stopping.append(self.p2p.send(torch.tensor([STOPPED], dtype=torch.int64), peer))
                 except RanksDivergedError:
                     pass  # that neighbour is gone; this stage's own error is raised by the caller
 
