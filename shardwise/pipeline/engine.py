@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardwise.comm import make_point_to_point
+from shardwise.comm import compute_device, make_point_to_point
 from shardwise.engine import Engine
 from shardwise.engine.compat import UsageError
 from shardwise.pipeline.module import PipelineModule
@@ -35,7 +35,8 @@ class PipelineEngine(Engine):
 
     def __init__(self, module: PipelineModule, config: Any, schedule: str = "1f1b", **engine_kwargs: Any):
         grid = module.mpu()
-        link = Link(make_point_to_point(grid.get_pipe_parallel_group(), None), grid.get_stage_id(), grid.pp_group)
+        link = Link(make_point_to_point(grid.get_pipe_parallel_group(), None), grid.get_stage_id(), grid.pp_group,
+                    compute_device())
         tied = TiedWeights(module, link, grid.get_stage_id())
         tied.synchronize()  # before the engine flattens the parameters
         super().__init__(module, config, model_is_tp=True, **engine_kwargs)
@@ -54,7 +55,7 @@ class PipelineEngine(Engine):
 
     def _pipeline_norm(self, norm: float) -> float:
         """The gradient norm over every stage (each stage's squares summed over the pipeline)."""
-        sq = torch.tensor([norm * norm], dtype=torch.float64)
+        sq = torch.tensor([norm * norm], dtype=torch.float64, device=self.link.device)
         self.link.p2p.all_reduce(sq)
         return math.sqrt(float(sq))
 
@@ -113,15 +114,22 @@ class PipelineEngine(Engine):
             raise UsageError(f"pipeline stage {self.stage_id}: no data; pass train_batch(data_iter=...) or "
                              "initialize(training_data=...)")
         if self.is_last_stage():
-            state["labels"][i] = batch[1]
+            state["labels"][i] = self._to_device(batch[1])
         if self.is_first_stage():
-            x = batch[0]
-            return x.clone().detach() if torch.is_tensor(x) else tuple(t.clone().detach() for t in x)
+            return self._to_device(batch[0], copy=True)
         got = self.link.recv(self.prev_stage, f"the activations of micro-batch {i}", self.device)
         for t in got:
             t.requires_grad_(t.is_floating_point() and torch.is_grad_enabled())
         state["inputs"][i] = got
         return got[0] if len(got) == 1 else got
+
+    def _to_device(self, value: Any, copy: bool = False) -> Any:
+        """A batch's tensor (or tuple/list of tensors) on the compute device, detached (copied: ``copy``)."""
+        if torch.is_tensor(value):
+            return value.detach().to(self.device, copy=copy)
+        if isinstance(value, (tuple, list)):
+            return tuple(self._to_device(v, copy) for v in value)
+        return value
 
     def _forward(self, i: int, state: dict) -> None:
         x = self._stage_input(i, state)

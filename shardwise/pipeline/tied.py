@@ -42,7 +42,7 @@ class TiedWeights:
                 self.link.send(tuple(w.detach() for w in weights), stages[1])
                 for s in stages[2:]:
                     self.link.send(tuple(w.detach() for w in weights), s)
-                shapes = [self.link.recv(s, f"tied {key!r} shapes", torch.device("cpu")) for s in stages[1:]]
+                shapes = [self.link.recv(s, f"tied {key!r} shapes", self.link.device) for s in stages[1:]]
                 self.link.drain()
                 for s, got in zip(stages[1:], shapes, strict=True):
                     if int(got[0][0]) == 0:
@@ -50,7 +50,9 @@ class TiedWeights:
                 continue
             values = self.link.recv(stages[0], f"tied {key!r} weights", weights[0].device)
             ok = len(values) == len(weights) and all(v.shape == w.shape for v, w in zip(values, weights, strict=False))
-            self.link.send((torch.tensor([int(ok)]), *(torch.tensor(list(w.shape)) for w in weights)), stages[0])
+            dev = self.link.device
+            self.link.send((torch.tensor([int(ok)], device=dev), *(torch.tensor(list(w.shape), device=dev)
+                                                                  for w in weights)), stages[0])
             self.link.drain()
             if not ok:
                 raise UsageError(self._mismatch(key, stages[0], self.stage, values, [torch.tensor(list(w.shape))

@@ -97,12 +97,15 @@ class PipeModelDataParallelTopology(ProcessTopology):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
 
 
-_MADE: dict[tuple[int, ...], Any] = {}  # groups already made, by their ranks (reused by later modules)
+_MADE: dict[Any, Any] = {"world": None}  # groups made in this process group, by their ranks (reused)
 
 
 def _groups(lists: list[list[int]], rank: int) -> tuple[Any, list[int]]:
     """Make one group per list (collective: every rank, same order; made once per set of ranks for
     the process's life, as the layout's groups are); this rank's group and ranks."""
+    if _MADE["world"] is not dist.group.WORLD:  # a new default group: the old groups are gone with it
+        _MADE.clear()
+        _MADE["world"] = dist.group.WORLD
     mine, ranks = None, []
     for members in lists:
         key = tuple(members)

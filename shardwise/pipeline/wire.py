@@ -48,8 +48,9 @@ STOPPED = -1  # a header length that says: the sending stage stopped (its error 
 class Link:
     """This stage's sends to and receives from its neighbours, over the pipeline's :class:`PointToPoint`."""
 
-    def __init__(self, p2p: PointToPoint, stage: int, ranks: list[int]):
-        self.p2p, self.stage, self.ranks = p2p, stage, ranks
+    def __init__(self, p2p: PointToPoint, stage: int, ranks: list[int], device: torch.device):
+        """``device``: where headers live (the compute device: NCCL sends device tensors only)."""
+        self.p2p, self.stage, self.ranks, self.device = p2p, stage, ranks, device
         self.pending: list[Work] = []
         self.stopping: list[Work] = []
         self.stopped_peer: int | None = None
@@ -58,14 +59,14 @@ class Link:
         header = [len(tensors)]
         for t in tensors:
             header += [_CODE[t.dtype], t.dim(), *t.shape]
-        head = torch.tensor(header, dtype=torch.int64)
-        self.pending += [self.p2p.send(torch.tensor([len(header)], dtype=torch.int64), peer),
+        head = torch.tensor(header, dtype=torch.int64, device=self.device)
+        self.pending += [self.p2p.send(torch.tensor([len(header)], dtype=torch.int64, device=self.device), peer),
                          self.p2p.send(head, peer)]
         self.pending += [self.p2p.send(t.detach(), peer) for t in tensors]
 
     def recv(self, peer: int, what: str, device: torch.device) -> tuple[torch.Tensor, ...]:
         try:
-            n = torch.zeros(1, dtype=torch.int64)
+            n = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.p2p.recv(n, peer)
             if int(n) == STOPPED:
                 self.stopped_peer = peer  # told already: not told back
@@ -73,12 +74,13 @@ class Link:
                                          f"{self.ranks[peer]}'s line)")
             if not 0 < int(n) <= 1 + MAX_TENSORS * (2 + MAX_DIMS):
                 raise StageTransferError(f"a header of {int(n)} numbers")
-            head = torch.zeros(int(n), dtype=torch.int64)
+            head = torch.zeros(int(n), dtype=torch.int64, device=self.device)
             self.p2p.recv(head, peer)
+            head = head.tolist()  # one host read of the header
             out, pos = [], 1
             for _ in range(int(head[0])):
                 code, ndim = int(head[pos]), int(head[pos + 1])
-                shape = [int(d) for d in head[pos + 2:pos + 2 + ndim]]
+                shape = head[pos + 2:pos + 2 + ndim]
                 pos += 2 + ndim
                 t = torch.empty(shape, dtype=_DTYPES[code], device=device)
                 self.p2p.recv(t, peer)
@@ -96,7 +98,8 @@ class Link:
         for peer in (self.stage - 1, self.stage + 1):
             if 0 <= peer < len(self.ranks) and peer != self.stopped_peer:
                 try:  # kept, not waited for: the work must outlive this call for the bytes to leave
-                    self.stopping.append(self.p2p.send(torch.tensor([STOPPED], dtype=torch.int64), peer))
+                    self.stopping.append(self.p2p.send(torch.tensor([STOPPED], dtype=torch.int64,
+                                                                  device=self.device), peer))
                 except RanksDivergedError:
                     pass  # that neighbour is gone; this stage's own error is raised by the caller
 
