@@ -218,3 +218,26 @@ def checkpoint_refused() -> str:
     except Exception as e:  # noqa: BLE001 - the line is what is checked
         return str(e)
     return "none"
+
+
+def train_from_dataset(stages: int) -> tuple[list[float], list[float]]:
+    """initialize(training_data=...) then train_batch() with no iterator, against the same samples handed
+    in order as an iterator (DeepSpeed's loader: this replica's part, unshuffled, repeated)."""
+    import shardwise
+    from shardwise.pipeline import PipelineModule
+
+    rows = [data(0, 0, i, 1) for i in range(6)]  # 6 samples: 1.5 batches of 4, so the loader repeats
+    dataset = torch.utils.data.TensorDataset(torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows]))
+    out = []
+    for given in (True, False):
+        model = PipelineModule(specs(), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
+                               seed_fn=torch.manual_seed, base_seed=BASE_SEED)
+        config = {**CONFIG, "train_micro_batch_size_per_gpu": 1}
+        engine, *_ = shardwise.initialize(model=model, config=config, training_data=dataset if given else None)
+        if given:
+            out.append([float(engine.train_batch()) for _ in range(3)])
+        else:
+            order = [rows[i % 6] for i in range(12)]
+            it = iter(order)
+            out.append([float(engine.train_batch(it)) for _ in range(3)])
+    return out[0], out[1]

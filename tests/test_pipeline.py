@@ -118,3 +118,8 @@ def test_a_stage_output_that_is_no_tensor_ends_both_stages(tmp_path) -> None:
 def test_checkpoints_at_two_stages_are_refused_in_one_line(pool2) -> None:
     for line in pool2.run("pipeline_cases:checkpoint_refused"):
         assert "save_checkpoint() with 2 pipeline stages is not served" in line and "\n" not in line, line
+
+
+def test_training_data_given_to_initialize(pool2) -> None:
+    for from_loader, from_iterator in pool2.run("pipeline_cases:train_from_dataset", 2):
+        assert from_loader == from_iterator

@@ -24,6 +24,7 @@ from shardwise.layout import Mesh, RunLayout
 from shardwise.pipeline.engine import PipelineEngine
 from shardwise.pipeline.module import PipelineModule
 from shardwise.pipeline.schedule import SCHEDULES
+from shardwise.utils import RepeatingLoader
 
 
 def _refuse(cfg: ShardwiseConfig, schedule: str) -> None:
@@ -60,11 +61,11 @@ def build_pipeline_engine(model: PipelineModule, config: Any, *, optimizer: Any 
     layout = RunLayout(Mesh(dp=dp, tp=solo, replicate=solo, dp_full=dp, stats=stats), None, None, stats)
     engine = PipelineEngine(model, cfg, schedule=schedule, model_parameters=model_parameters, optimizer=optimizer,
                             lr_scheduler=lr_scheduler, layout=layout)
-    loader = None
-    if training_data is not None:
+    engine.training_dataloader = None
+    if training_data is not None:  # DeepSpeed's: in order (no shuffle), this replica's part, repeated forever
         sampler = DistributedSampler(training_data, num_replicas=grid.data_parallel_size,
-                                     rank=grid.get_data_parallel_id(), shuffle=True)
-        loader = DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
-                            collate_fn=collate_fn, drop_last=True)
-    engine.training_dataloader = loader
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+                                     rank=grid.get_data_parallel_id(), shuffle=False)
+        engine.set_dataloader(RepeatingLoader(DataLoader(
+            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn,
+            drop_last=cfg.dataloader_drop_last)))
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

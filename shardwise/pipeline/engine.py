@@ -46,6 +46,7 @@ class PipelineEngine(Engine):
         self.micro_batches, self.micro_batch_size = self.gas, config.train_micro_batch_size_per_gpu
         self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
         self.data_iterator: Iterator | None = None
+        self.training_dataloader = None
         self.batch_fn = None
         self.agg_train_loss: torch.Tensor | None = None
         self.tied.hook()
@@ -187,8 +188,6 @@ class PipelineEngine(Engine):
             raise UsageError("train_batch() requires gradients enabled. Use eval_batch() instead.")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
-        elif self.data_iterator is None and self.training_dataloader is not None:
-            self.set_dataloader(self.training_dataloader)
         self.module.train()
         state = self._state()
         self._run(train_steps(self.schedule, self.micro_batches, self.num_stages, self.stage_id), state)

@@ -6,9 +6,9 @@ runs (``parts``); this rank builds the run of its stage in order, drawing its ra
 DeepSpeed draws them (the ``parameters`` method first builds each spec once to count it), so with
 ``seed_layers=True`` a layer's initial weights do not depend on the number of stages. Its
 ``forward`` runs the local layers, in chunks of ``activation_checkpoint_interval`` layers under
-activation checkpointing when that is above 0 (``torch.utils.checkpoint``, non-reentrant: the same
-gradients, the forward recomputed in backward). The schedule and the transfers between stages are
-the engine's (``pipeline/engine.py``).
+activation checkpointing when that is above 0 (``activation_checkpoint_func`` when given, else
+``torch.utils.checkpoint``, non-reentrant: the same gradients, the forward recomputed in backward).
+The schedule and the transfers between stages are the engine's (``pipeline/engine.py``).
 """
 
 from __future__ import annotations
@@ -177,7 +177,9 @@ class PipelineModule(nn.Module):
             stop = min(start + interval, n)
             args = x if isinstance(x, tuple) else (x,)
             if self.training and self._checkpointable(start, stop):
-                x = checkpoint(functools.partial(self._run, start, stop, offset), *args, use_reentrant=False)
+                run = functools.partial(self._run, start, stop, offset)
+                x = (self.activation_checkpoint_func(run, *args) if self.activation_checkpoint_func is not None
+                     else checkpoint(run, *args, use_reentrant=False))
             else:
                 x = self._run(start, stop, offset, *args)
         return x
