@@ -34,11 +34,33 @@ def tied_head(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x @ module.weight
 
 
-def specs(tied: bool = False, api=None) -> list:
-    """The layers; ``api``: the module providing LayerSpec / TiedLayerSpec (DeepSpeed's for the fixture)."""
+class Split(nn.Module):
+    """Hands the next layers a tuple: the activations, an integer mask and a float tensor that needs no grad."""
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return x, (x > 0).long(), torch.full_like(x, 0.5)
+
+
+class TupleBlock(Block):
+    def forward(self, inputs: tuple) -> tuple:
+        x, mask, half = inputs
+        return torch.tanh(self.fc(x)) * (1 + mask * half), mask, half
+
+
+class Merge(nn.Module):
+    def forward(self, inputs: tuple) -> torch.Tensor:
+        return inputs[0]
+
+
+def specs(tied: bool | str = False, api=None) -> list:
+    """The layers; ``api``: the module providing LayerSpec / TiedLayerSpec (DeepSpeed's for the fixture).
+    ``tied="tuple"``: tuples cross the stage boundaries instead (tensors with and without gradients)."""
     if api is None:
         from shardwise import pipeline as api
     LayerSpec, TiedLayerSpec = api.LayerSpec, api.TiedLayerSpec  # noqa: N806
+    if tied == "tuple":
+        return [LayerSpec(Block), LayerSpec(Split), *[LayerSpec(TupleBlock) for _ in range(4)], LayerSpec(Merge),
+                LayerSpec(Head, WIDTH, OUT)]
     first = [TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False)] if tied else []
     last = ([TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=tied_head)] if tied
             else [LayerSpec(Head, WIDTH, OUT)])
@@ -55,7 +77,7 @@ def batches(step: int, dp_rank: int, config: dict):
         yield data(step, dp_rank, i, config["train_micro_batch_size_per_gpu"])
 
 
-def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool = False,
+def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | str = False,
           partition: str = "parameters", interval: int = 0, facade: bool = False) -> dict:
     """Each rank: the losses train_batch returned and its stage's final weights by layer index.
     ``facade``: written as a DeepSpeed script (``import deepspeed``, ``deepspeed.pipe``)."""
@@ -90,7 +112,7 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool = 
             "send": stats.get("send", 0), "recv": stats.get("recv", 0)}
 
 
-def reference(dp: int, config: dict | None = None, steps: int = 3, tied: bool = False) -> dict:
+def reference(dp: int, config: dict | None = None, steps: int = 3, tied: bool | str = False) -> dict:
     """Plain PyTorch in one process: the same layers, micro-batches, accumulation and AdamW."""
     config = {**CONFIG, **(config or {})}
     built: dict = {}

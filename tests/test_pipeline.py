@@ -81,6 +81,12 @@ def test_deepspeed_scripts_give_deepspeeds_losses(pool4) -> None:
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_tuples_cross_the_stages(pool4) -> None:
+    """(activations, an integer mask, a float that needs no gradient) between each of 4 stages: gradients
+    flow back for the first only, bit for bit."""
+    _check(pool4.run("pipeline_cases:train", 4, tied="tuple", partition="uniform"), pc.reference(dp=1, tied="tuple"))
+
+
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # every parameter sharded
 
 

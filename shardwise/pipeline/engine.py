@@ -155,11 +155,15 @@ class PipelineEngine(Engine):
         else:
             outs = state["outputs"].pop(i)
             grads = self.link.recv(self.next_stage, f"the gradients of micro-batch {i}", self.device)
-            pairs = [(o, g) for o, g in zip([o for o in outs if o.requires_grad], grads, strict=False)]
+            floats = [o for o in outs if o.is_floating_point()]  # one gradient came back for each
+            pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
+            if not pairs:
+                raise UsageError(f"pipeline stage {self.stage_id}: no output of micro-batch {i} requires grad, so "
+                                 "no gradient can flow back through this stage")
             Engine.backward(self, sum((o * g).sum() for o, g in pairs), scale_wrt_gas=False)
         if not self.is_first_stage():
             inputs = state["inputs"].pop(i)
-            sent = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.requires_grad)
+            sent = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point())
             self.link.send(sent, self.prev_stage)
         if last:
             self.tied.send_aside()
