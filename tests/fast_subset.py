@@ -27,6 +27,7 @@ FAST: dict[str, list[str]] = {
     "moe": ["test_moe.py::test_dispatch_then_combine_restores_input_and_gradient[4-7-2]"],
     "monitor": ["test_monitor.py::test_sections_are_checked"],
     "optim": ["test_precision.py::test_state_dict_round_trip", "test_optim.py::test_warmup_decay_lr"],
+    "pipeline": ["test_pipeline.py::test_schedules_and_partitions_in_process"],
     "sequence_parallel": [
         "test_sequence_parallel.py::test_forward_backward_equal_whole_sequence[sdpa-2-15-None-False]"],
     "tensor_parallel": ["test_tensor_parallel.py::test_vocab_parallel_cross_entropy_matches_torch"],

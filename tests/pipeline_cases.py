@@ -263,3 +263,61 @@ def train_from_dataset(stages: int) -> tuple[list[float], list[float]]:
             it = iter(order)
             out.append([float(engine.train_batch(it)) for _ in range(3)])
     return out[0], out[1]
+
+
+def tiny_lm(tied: bool) -> nn.Module:
+    """A 4-layer Llama built from a config (seeded: the same on every rank)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied)
+    cfg._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(cfg).train()
+
+
+def lm_data(step: int, dp_rank: int, gas: int, rows: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(10 * step + dp_rank)
+    return [{"input_ids": torch.randint(0, 64, (rows, 12), generator=g)} for _ in range(gas)]
+
+
+LM_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+
+
+def train_lm(stages: int, tied: bool, steps: int = 3) -> list[float]:
+    """An HF Llama split by ``pipeline.stages`` (DeepSpeed's facade: ``deepspeed.initialize``)."""
+    import shardwise
+
+    shardwise.install_as_deepspeed()
+    import deepspeed
+
+    model = tiny_lm(tied)
+    config = {**LM_CONFIG, "pipeline": {"stages": stages}}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    dp = engine.grid.get_data_parallel_id()
+    return [float(engine.train_batch(iter(lm_data(s, dp, 2)))) for s in range(steps)]
+
+
+def lm_reference(dp: int, tied: bool, steps: int = 3) -> list[float]:
+    """The same model trained in one process with HF's own loss (labels = inputs)."""
+    model = tiny_lm(tied)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    out = []
+    for s in range(steps):
+        grads, mean = None, torch.zeros(())
+        for r in range(dp):
+            model.zero_grad()
+            total = torch.zeros(())
+            for item in lm_data(s, r, 2):
+                loss = model(input_ids=item["input_ids"], labels=item["input_ids"]).loss
+                (loss * 0.5).backward()
+                total += loss.detach()
+            g = [p.grad.clone() for p in model.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g, strict=True)]
+            mean += total / 2
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g / dp
+        opt.step()
+        out.append(float(mean / dp))
+    return out

@@ -129,3 +129,32 @@ def test_checkpoints_at_two_stages_are_refused_in_one_line(pool2) -> None:
 def test_training_data_given_to_initialize(pool2) -> None:
     for from_loader, from_iterator in pool2.run("pipeline_cases:train_from_dataset", 2):
         assert from_loader == from_iterator
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tie_word_embeddings"])
+def test_hf_causal_lm_split_by_pipeline_stages(pool2, tied: bool) -> None:
+    """deepspeed.initialize(model=llama, config={"pipeline": {"stages": 2}}): embedding first, the decoder
+    layers cut uniformly, norm and head last (the embedding's weight again when tied); HF's own losses."""
+    ref = pc.lm_reference(dp=1, tied=tied)
+    for losses in pool2.run("pipeline_cases:train_lm", 2, tied):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+def test_schedules_and_partitions_in_process() -> None:
+    """1F1B: stage s of p runs p-s-1 forwards first, every backward in micro-batch order, at most p-s
+    micro-batches in flight; GPipe: all forwards first. Partitions: DeepSpeed's cuts (its ties included)."""
+    from shardwise.pipeline import bubble_fraction, partition_balanced, partition_uniform
+    from shardwise.pipeline.schedule import train_steps
+
+    p, m = 4, 8
+    for s in range(p):
+        steps = train_steps("1f1b", m, p, s)
+        assert steps[: p - s - 1] == [("F", i) for i in range(p - s - 1)]
+        assert [i for k, i in steps if k == "B"] == list(range(m)) == [i for k, i in steps if k == "F"]
+        flight = [sum(1 if k == "F" else -1 for k, _ in steps[: j + 1]) for j in range(len(steps))]
+        assert max(flight) == p - s and min(flight) >= 0
+    assert train_steps("gpipe", 3, 2, 0) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+    assert partition_uniform(7, 2) == [0, 4, 7] and partition_uniform(2, 4) == [0, 1, 2, 2, 2]
+    assert partition_balanced([1, 1, 1, 1, 1, 1, 0], 2) == [0, 3, 7]
+    assert partition_balanced([72] * 7, 4) == [0, 2, 4, 6, 7]
+    assert bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(4, 8, virtual=2) == 3 / 19
