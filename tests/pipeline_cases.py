@@ -112,8 +112,9 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | 
             "send": stats.get("send", 0), "recv": stats.get("recv", 0)}
 
 
-def reference(dp: int, config: dict | None = None, steps: int = 3, tied: bool | str = False) -> dict:
-    """Plain PyTorch in one process: the same layers, micro-batches, accumulation and AdamW."""
+def reference(dp: int | list[int], config: dict | None = None, steps: int = 3, tied: bool | str = False) -> dict:
+    """Plain PyTorch in one process: the same layers, micro-batches, accumulation and AdamW. ``dp``: the
+    data-parallel replicas, or a list of them by step (a run resumed at another layout)."""
     config = {**CONFIG, **(config or {})}
     built: dict = {}
     layers = []
@@ -130,8 +131,9 @@ def reference(dp: int, config: dict | None = None, steps: int = 3, tied: bool | 
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, fused=True)  # the engine builds the fused kernel
     gas = config["gradient_accumulation_steps"]
     out = []
+    per_step = dp if isinstance(dp, list) else [dp] * steps
     for step in range(steps):
-        summed, mean = None, torch.zeros(())
+        summed, mean, dp = None, torch.zeros(()), per_step[step]
         for r in range(dp):
             for p in params:
                 p.grad = None
@@ -229,11 +231,11 @@ def refusal(kind: str) -> str:
 
 
 def checkpoint_refused() -> str:
-    """save_checkpoint at 2 stages: one line (not served yet)."""
+    """save_checkpoint at 2 stages with a weight tied across them: one line (not served yet)."""
     import shardwise
     from shardwise.pipeline import PipelineModule
 
-    model = PipelineModule(specs(), num_stages=2, loss_fn=F.mse_loss)
+    model = PipelineModule(specs(tied=True), num_stages=2, loss_fn=F.mse_loss)
     engine, *_ = shardwise.initialize(model=model, config=CONFIG)
     try:
         engine.save_checkpoint("ckpt")
@@ -321,3 +323,27 @@ def lm_reference(dp: int, tied: bool, steps: int = 3) -> list[float]:
         opt.step()
         out.append(float(mean / dp))
     return out
+
+
+def resume(save_stages: int, load_stages: int, folder: str, tied: bool = False) -> tuple[list[float], list[float]]:
+    """Train 4 batches at ``save_stages`` (saving after 2), then load that checkpoint at ``load_stages`` and
+    train batches 3-4 again: (the uninterrupted losses, the resumed ones)."""
+    import shardwise
+    from shardwise.pipeline import PipelineModule
+
+    def engine_at(stages: int):
+        model = PipelineModule(specs(tied), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
+                               seed_fn=torch.manual_seed, base_seed=BASE_SEED)
+        return shardwise.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": 1}})[0]
+
+    first = engine_at(save_stages)
+    dp = first.grid.get_data_parallel_id()
+    losses = []
+    for s in range(4):
+        if s == 2:
+            first.save_checkpoint(folder, tag="half")
+        losses.append(float(first.train_batch(batches(s, dp, CONFIG))))
+    second = engine_at(load_stages)
+    second.load_checkpoint(folder, tag="half")
+    dp = second.grid.get_data_parallel_id()
+    return losses[2:], [float(second.train_batch(batches(s, dp, CONFIG))) for s in (2, 3)]

@@ -194,6 +194,9 @@ def _metadata(engine: CheckpointTarget, manifests: list[dict], world: int, clien
     saved = {logical_name(k, v) for sec in (tensors, module, frozen) for k, v in sec.items()}
     order = [n for n, _ in engine.module.named_parameters() if n in saved]
     order += [n for n in dict.fromkeys(logical_name(k, v) for k, v in module.items()) if n not in order]
+    # pipeline stages: rank 0 holds the first stage's parameters only; the others follow in rank order
+    order += [n for n in dict.fromkeys(logical_name(k, v) for sec in (tensors, frozen) for k, v in sec.items())
+              if n not in order]
     opt = engine.optimizer
     sched = engine.lr_scheduler
     return {
