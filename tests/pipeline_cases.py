@@ -347,3 +347,39 @@ def resume(save_stages: int, load_stages: int, folder: str, tied: bool = False) 
     second.load_checkpoint(folder, tag="half")
     dp = second.grid.get_data_parallel_id()
     return losses[2:], [float(second.train_batch(batches(s, dp, CONFIG))) for s in (2, 3)]
+
+
+class DieOnRank1(nn.Module):
+    """Ends its process (rank 1 only) at its second forward: a stage that dies mid-batch."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+
+        DieOnRank1.calls += 1
+        if int(os.environ["RANK"]) == 1 and DieOnRank1.calls == 2:
+            os._exit(3)
+        return x
+
+
+def dead_stage(folder: str) -> str:
+    """PP 2; stage 1's process dies at its second micro-batch. Stage 0 writes the line it raised to
+    ``folder/rank0.txt`` (rank 1 gives no answer) with the seconds it took."""
+    import time
+
+    import shardwise
+    from shardwise.pipeline import LayerSpec, PipelineModule
+
+    model = PipelineModule([LayerSpec(Block), LayerSpec(Block), LayerSpec(DieOnRank1), LayerSpec(Head, WIDTH, OUT)],
+                           num_stages=2, loss_fn=F.mse_loss, partition_method="uniform")
+    engine, *_ = shardwise.initialize(model=model, config=CONFIG)
+    start = time.monotonic()
+    try:
+        engine.train_batch(batches(0, 0, CONFIG))
+        line = "none"
+    except Exception as e:  # noqa: BLE001 - the line is what is checked
+        line = f"{type(e).__name__}: {e}"
+    with open(f"{folder}/rank0.txt", "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{line}")
+    return line

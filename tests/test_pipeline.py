@@ -177,3 +177,16 @@ def test_schedules_and_partitions_in_process() -> None:
     assert partition_balanced([1, 1, 1, 1, 1, 1, 0], 2) == [0, 3, 7]
     assert partition_balanced([72] * 7, 4) == [0, 2, 4, 6, 7]
     assert bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(4, 8, virtual=2) == 3 / 19
+
+
+def test_a_stage_that_dies_ends_its_neighbour_with_one_line(tmp_path) -> None:
+    """Stage 1's process exits mid-batch: stage 0, waiting for a gradient, ends long before the timeout
+    with one line naming the stage, its rank and the transfer."""
+    from rank_pool import RankError, run_fresh
+
+    with pytest.raises(RankError):
+        run_fresh(2, "pipeline_cases:dead_stage", str(tmp_path), timeout_s=60, timeout=8)  # rank 1 never answers
+    seconds, line = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert "StageTransferError: pipeline stage 0 (rank 0) failed receiving" in line, line
+    assert "from stage 1 (rank 1)" in line and "\n" not in line, line
+    assert float(seconds) < 30, seconds

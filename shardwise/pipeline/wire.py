@@ -23,6 +23,12 @@ _CODE = {d: i for i, d in enumerate(_DTYPES)}
 MAX_TENSORS, MAX_DIMS = 64, 8
 
 
+def _detail(e: BaseException) -> str:
+    """What the backend said, on one line (the first cause: gloo's own words, not the guard's advice)."""
+    cause = e.__cause__ if e.__cause__ is not None else e
+    return f"{type(cause).__name__}: {' '.join(str(cause).split())[:240]}"
+
+
 class StageTransferError(RuntimeError):
     """A transfer between pipeline stages failed: the peer died or stalled past the timeout."""
 
@@ -90,7 +96,7 @@ class Link:
             raise StageTransferError(
                 f"pipeline stage {self.stage} (rank {self.ranks[self.stage]}) failed receiving {what} from stage "
                 f"{peer} (rank {self.ranks[peer]}): that stage died, stalled past the timeout or sent something "
-                f"else; restart the job. ({str(e).splitlines()[0][:300]})") from e
+                f"else; restart the job. ({_detail(e)})") from e
 
     def stop(self) -> None:
         """Tell both neighbours this stage stopped, so that a stage waiting on it ends now with a line
@@ -110,6 +116,6 @@ class Link:
                 w.wait()
         except RanksDivergedError as e:
             raise StageTransferError(f"pipeline stage {self.stage} (rank {self.ranks[self.stage]}) failed "
-                                     f"sending to a neighbouring stage: {str(e).splitlines()[0][:300]}") from e
+                                     f"sending to a neighbouring stage ({_detail(e)})") from e
         finally:
             self.pending.clear()
