@@ -383,3 +383,67 @@ def dead_stage(folder: str) -> str:
     with open(f"{folder}/rank0.txt", "w") as f:
         f.write(f"{time.monotonic() - start:.1f}\n{line}")
     return line
+
+
+def cifar_layers() -> list:
+    """DeepSpeed's CIFAR pipeline example's shape: plain modules and a lambda, no specs."""
+    torch.manual_seed(7)
+    return [nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), lambda x: torch.flatten(x, 1), nn.Linear(4 * 3 * 3, 16),
+            nn.ReLU(), nn.Linear(16, 10)]
+
+
+def cifar_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    images = torch.randn(16, 3, 8, 8, generator=g)
+    return torch.utils.data.TensorDataset(images, torch.randint(0, 10, (16,), generator=g))
+
+
+CIFAR_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 100,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "pipeline": {"seed_layers": False}}
+
+
+def cifar_script(folder: str) -> list[float]:
+    """As DeepSpeed's example: args.deepspeed_config, PipelineModule(layers=..., partition_method=...),
+    initialize(args=..., training_data=...), train_batch() with no iterator."""
+    import argparse
+    import json
+
+    import shardwise
+
+    shardwise.install_as_deepspeed()
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    with open(f"{folder}/ds_config.json", "w") as f:
+        json.dump(CIFAR_CONFIG, f)
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", f"{folder}/ds_config.json"])
+    deepspeed.init_distributed(dist_backend="gloo")
+    net = PipelineModule(layers=cifar_layers(), loss_fn=nn.CrossEntropyLoss(), num_stages=2,
+                         partition_method="parameters", activation_checkpoint_interval=0)
+    engine, _, _, _ = deepspeed.initialize(args=args, model=net, training_data=cifar_data(),
+                                           model_parameters=[p for p in net.parameters() if p.requires_grad])
+    return [float(engine.train_batch()) for _ in range(5)]  # 5 batches of 4 from 16 samples: the loader repeats
+
+
+def cifar_reference() -> list[float]:
+    layers = cifar_layers()
+    params = [p for m in layers if isinstance(m, nn.Module) for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=True)
+    x_all, y_all = cifar_data().tensors
+    out = []
+    for step in range(5):
+        for p in params:
+            p.grad = None
+        total = torch.zeros(())
+        for i in range(2):
+            start = (step * 4 + i * 2) % 16
+            x, y = x_all[start:start + 2], y_all[start:start + 2]
+            for layer in layers:
+                x = layer(x)
+            loss = nn.CrossEntropyLoss()(x, y)
+            (loss * 0.5).backward()
+            total += loss.detach()
+        opt.step()
+        out.append(float(total / 2))
+    return out

@@ -190,3 +190,13 @@ def test_a_stage_that_dies_ends_its_neighbour_with_one_line(tmp_path) -> None:
     assert "StageTransferError: pipeline stage 0 (rank 0) failed receiving" in line, line
     assert "from stage 1 (rank 1)" in line and "\n" not in line, line
     assert float(seconds) < 30, seconds
+
+
+def test_deepspeeds_cifar_example_shape(pool2, tmp_path) -> None:
+    """A script shaped as DeepSpeed's CIFAR pipeline example (args.deepspeed_config, plain modules and a
+    lambda, training_data, train_batch() without an iterator, its loader repeating): the single-process losses."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    ref = pc.cifar_reference()
+    for losses in pool2.run("pipeline_cases:cifar_script", str(folder)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
