@@ -101,6 +101,8 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | 
     engine, _, _, _ = initialize(model=model, config=config,
                                  model_parameters=[p for p in model.parameters() if p.requires_grad])
     dp_rank = engine.grid.get_data_parallel_id()
+    if config.get("bf16", {}).get("enabled"):  # the script hands the model bf16 inputs, as DeepSpeed's must
+        engine.set_batch_fn(lambda b: tuple(t.bfloat16() for t in b))
     losses = [engine.train_batch(batches(s, dp_rank, config)).item() for s in range(steps)]
     evaluated = engine.eval_batch(batches(steps, dp_rank, config)).item()
     engine.wait_for_params()

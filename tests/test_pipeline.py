@@ -143,3 +143,18 @@ def test_schedules_and_partitions_in_process() -> None:
     assert partition_balanced([1, 1, 1, 1, 1, 1, 0], 2) == [0, 3, 7]
     assert partition_balanced([72] * 7, 4) == [0, 2, 4, 6, 7]
     assert bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(4, 8, virtual=2) == 3 / 19
+
+
+@pytest.mark.parametrize("config", [
+    {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+    {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                      "offload_param": {"device": "cpu"}}},
+], ids=["bf16-zero1", "bf16-zero3-offload"])
+def test_bf16_and_offload_equal_the_run_without_pp(pool1, pool2, config: dict) -> None:
+    """Beyond DeepSpeed: bf16 and offload at PP 2 give what the same engine gives without stages (PP 1 on one
+    rank), bit for bit: the stages run the same ops and hand each other bf16 activations and gradients."""
+    alone = pool1.run("pipeline_cases:train", 1, config=config)[0]
+    for r in pool2.run("pipeline_cases:train", 2, config=config):
+        assert r["losses"] == alone["losses"] and r["eval"] == alone["eval"]
+        for name, value in r["weights"].items():
+            assert torch.equal(value, alone["weights"][name]), name
