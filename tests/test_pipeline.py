@@ -158,3 +158,19 @@ def test_bf16_and_offload_equal_the_run_without_pp(pool1, pool2, config: dict) -
         assert r["losses"] == alone["losses"] and r["eval"] == alone["eval"]
         for name, value in r["weights"].items():
             assert torch.equal(value, alone["weights"][name]), name
+
+
+def test_estimate_pp_is_one_stage_and_the_bubble(capsys) -> None:
+    """`shardwise estimate --pp 2`: the report of one stage (half the parameters on half the devices) and
+    the bubble; devices that tp x pp does not divide: exit 2."""
+    import json
+
+    from shardwise.cli.estimate import main
+    from shardwise.estimate import estimate
+
+    assert main(["--params", "7B", "--devices", "16", "--pp", "2", "--micro-batches", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pipeline"]["bubble"] == 1 / 9 and out["pipeline"]["stages"] == 2
+    assert out["stages"]["1"]["per_device_bytes"] == estimate(3_500_000_000, 8).stages[1].per_device_bytes
+    assert main(["--params", "7B", "--devices", "15", "--pp", "2"]) == 2
+    assert "not divisible by --tp 1 x --pp 2" in capsys.readouterr().err
