@@ -34,7 +34,12 @@ def _check(results: list[dict], ref: dict, exact: bool = True) -> None:
 def test_pp_on_two_ranks_gives_plain_pytorch_losses(pool2, stages: int) -> None:
     results = pool2.run("pipeline_cases:train", stages)
     _check(results, pc.reference(dp=2 // stages))
-    assert [r["stage"] for r in results] == [0, 0] if stages == 1 else [0, 1]
+    assert [r["stage"] for r in results] == ([0, 0] if stages == 1 else [0, 1])
+    # comm_stats() counts every transfer: per micro-batch 8 B (header length) + 40 B (header) + 64 B (2 x 8
+    # fp32), forward in 3 x 4 training and 4 eval micro-batches, backward in the 12 training ones
+    acts, grads = 16 * 112, 12 * 112
+    want = [(0, 0), (0, 0)] if stages == 1 else [(acts, grads), (grads, acts)]
+    assert [(r["send"], r["recv"]) for r in results] == want
 
 
 @pytest.mark.parametrize("stages", [4, 2])
