@@ -22,7 +22,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "RanksDivergedError": ("shardwise.comm", "RanksDivergedError"),
     "DeepSpeedConfigError": ("shardwise.config.schema", "ConfigError"),
     "install_as_deepspeed": ("shardwise.deepspeed", "install_as_deepspeed"),
-    "initialize": ("shardwise.engine.initialize", "initialize"),
+    "initialize": ("shardwise.pipeline.entry", "initialize"),  # the engine's, with pipeline.stages
     "add_config_arguments": ("shardwise.engine.initialize", "add_config_arguments"),
     "compile": ("shardwise.fsdp.compiled", "compile"),
     "ShardedModule": ("shardwise.fsdp.module", "ShardedModule"),
@@ -75,7 +75,7 @@ if _TYPE_CHECKING:  # the names as type checkers and editors see them
     from shardwise.comm import RanksDivergedError, init_distributed  # noqa: F401
     from shardwise.config.schema import ConfigError as DeepSpeedConfigError  # noqa: F401
     from shardwise.deepspeed import install_as_deepspeed  # noqa: F401
-    from shardwise.engine.initialize import add_config_arguments, initialize  # noqa: F401
+    from shardwise.engine.initialize import add_config_arguments  # noqa: F401
     from shardwise.fsdp.compiled import compile  # noqa: A004, F401
     from shardwise.fsdp.module import ShardedModule, shard  # noqa: F401
     from shardwise.fsdp.optim import ShardedOptimizer, clip_grad_norm_  # noqa: F401
@@ -88,4 +88,5 @@ if _TYPE_CHECKING:  # the names as type checkers and editors see them
         sharded_state_dict,
     )
     from shardwise.inference.compat import init_inference  # noqa: F401
+    from shardwise.pipeline.entry import initialize  # noqa: F401
     from shardwise.zero import GatheredParameters  # noqa: F401

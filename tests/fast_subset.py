@@ -29,6 +29,7 @@ FAST: dict[str, list[str]] = {
     "monitor": ["test_monitor.py::test_sections_are_checked"],
     "nvme": ["test_nvme_folder.py::test_the_lock_refuses_a_second_run_and_close_removes_everything"],
     "optim": ["test_precision.py::test_state_dict_round_trip", "test_optim.py::test_warmup_decay_lr"],
+    "pipeline": ["test_pipeline.py::test_schedules_and_partitions_in_process"],
     "sharded_init": ["test_safetensors_io.py::test_zero_init_source_refuses_other_shape"],
     "sequence_parallel": [
         "test_sequence_parallel.py::test_forward_backward_equal_whole_sequence[sdpa-2-15-None-False]"],

@@ -62,7 +62,7 @@ def test_install_serves_every_listed_name_and_refuses_the_rest():
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPFwdLossBwdWithLogits
         assert compare_versions("deepspeed", ">=", "0.18.2")  # Accelerate's check for its SP path
         for use in (lambda: UlyssesSPFwdLossBwdWithLogits(), lambda: deepspeed.moe.layer.MoE(),
-                    lambda: isinstance(1, deepspeed.PipelineModule)):
+                    lambda: isinstance(1, deepspeed.DualPipeVModule)):
             try:
                 use()
                 raise AssertionError("not refused")

@@ -310,3 +310,20 @@ def test_prefetch_used_before_its_copy_fails(world1, model_folder, monkeypatch):
         batch = ids.to(DEVICE)
         model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=2, do_sample=False,
                        pad_token_id=0)
+
+
+def test_pipeline_engine_one_stage(world2):
+    """A PipelineModule at 1 stage x DP 2 (the fake group cannot carry sends between stages): its batches
+    moved to the device, the stage's loss and the averaged loss made there, and eval_batch."""
+    import pipeline_cases as pc
+    import torch.nn.functional as F
+
+    import shardwise
+    from shardwise.pipeline import PipelineModule
+
+    model = PipelineModule(pc.specs(), num_stages=1, loss_fn=F.mse_loss)
+    with device_guard():
+        engine, *_ = shardwise.initialize(model=model, config=pc.CONFIG)
+        loss = engine.train_batch(pc.batches(0, 0, pc.CONFIG))
+        assert loss.device == DEVICE and engine.eval_batch(pc.batches(1, 0, pc.CONFIG)).device == DEVICE
+    assert engine.global_steps == 1

@@ -117,6 +117,9 @@ def metadata(meta: dict[str, Any], manifests: list[dict], client_state: dict) ->
     saved = {logical_name(k, v) for sec in (tensors, module, frozen) for k, v in sec.items()}
     order = [n for n in meta["names"] if n in saved]
     order += [n for n in dict.fromkeys(logical_name(k, v) for k, v in module.items()) if n not in order]
+    # pipeline stages: rank 0 holds the first stage's parameters only; the others follow in rank order
+    order += [n for n in dict.fromkeys(logical_name(k, v) for sec in (tensors, frozen) for k, v in sec.items())
+              if n not in order]
     return {
         "format": FORMAT, "version": VERSION,
         "layout": meta["layout"],

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="shardwise estimate", epilog=EPILOG,
                       formatter_class=argparse.RawDescriptionHelpFormatter,
                       description="Estimate per-device memory and communication for ZeRO "
-                                  "stages 0-3, offload and tensor parallelism.")
+                                  "stages 0-3, offload, tensor and pipeline parallelism.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=_arg(parse_count, "count", 10**15), help="parameter count, e.g. 7.5B")
     src.add_argument("--model", help="HF model directory or config.json (exact count, shapes)")
@@ -69,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--device-memory", type=_arg(parse_bytes, "size", 10**18), help="e.g. 80GB, 80GiB")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    add_pipeline_args(p)
     add_planner_args(p)
     add_long_context_args(p)
     try:
         args = p.parse_args(argv)
         if args.devices % args.tp:
             p.error(f"--devices {args.devices} is not divisible by --tp {args.tp}")
+        check_pipeline_args(p, args)
         if (args.micro_batch is None) != (args.seq is None):
             p.error("--micro-batch and --seq go together")
         if args.master != "fp32" and (args.dtype == "fp32" or (args.master == "states" and args.dtype != "bf16")):
@@ -98,11 +100,54 @@ def main(argv: list[str] | None = None) -> int:
         return run_planner(p, args, facts)
     if args.budget is not None:
         return run_long_context(p, args, facts)
-    est = estimate(facts.params if facts else args.params, args.devices, tp=args.tp, dtype=args.dtype,
+    return run_estimate(args, facts)
+
+
+def run_estimate(args: argparse.Namespace, facts: Any) -> int:
+    """The memory estimate (one stage's with --pp; the NVMe tier with --offload nvme), printed."""
+    params = facts.params if facts else args.params
+    est = estimate(-(-params // args.pp), args.devices // args.pp, tp=args.tp, dtype=args.dtype,
                    offload="optimizer" if args.offload == "nvme" else args.offload, micro_batch=args.micro_batch,
-                   seq=args.seq, facts=facts,
-                   activation_checkpointing=args.activation_checkpointing,
+                   seq=args.seq, facts=facts, activation_checkpointing=args.activation_checkpointing,
                    device_memory=args.device_memory, master=args.master, kahan=args.master_update == "kahan")
     nvme_from_args(est, args)  # --offload nvme: the optimizer's host bytes on disk, the buffers on the host
-    print(json.dumps(est.to_dict()) if args.json else format_report(est))
+    print(render(est, args, params))
     return 0
+
+
+def render(est: Any, args: argparse.Namespace, params: int) -> str:
+    """The report (or its JSON), under the pipeline line with --pp."""
+    stages = pipeline_note(args.pp, args.micro_batches, params, args.devices)
+    if args.json:
+        return json.dumps({**est.to_dict(), **({"pipeline": stages} if stages else {})})
+    return (stages["line"] + "\n" if stages else "") + format_report(est)
+
+
+def add_pipeline_args(p: OneLineParser) -> None:
+    p.add_argument("--pp", type=_arg(parse_count, "count", 10**4), default=1,
+                   help="pipeline stages: the estimate is one stage's (params/pp on devices/pp); under 1F1B stage 0 "
+                        "holds pp micro-batches of layers/pp layers, the activations of one micro-batch of all layers")
+    p.add_argument("--micro-batches", type=_arg(parse_count, "count", 10**6), default=None,
+                   help="micro-batches per batch with --pp (gradient_accumulation_steps): the bubble (pp-1)/(m+pp-1)")
+
+
+def check_pipeline_args(p: OneLineParser, args: argparse.Namespace) -> None:
+    """--pp and --micro-batches: exit 2 naming the flag when they cannot apply."""
+    if args.devices % (args.tp * args.pp):
+        p.error(f"--devices {args.devices} is not divisible by --tp {args.tp} x --pp {args.pp}")
+    if args.pp > 1 and (args.nodes is not None or args.budget is not None):
+        p.error("--pp is not combined with the step-time planner (--nodes) or --budget yet")
+    if args.micro_batches is not None and args.pp == 1:
+        p.error("--micro-batches goes with --pp")
+
+
+def pipeline_note(pp: int, micro_batches: int | None, params: int, devices: int) -> dict | None:
+    """With --pp: the stages, the micro-batches and the bubble, and the line printed above the stage's report."""
+    if pp == 1:
+        return None
+    m = micro_batches
+    bubble = None if m is None else (pp - 1) / (m + pp - 1)
+    line = (f"pipeline: {pp} stages of {devices // pp} devices; below is one stage ({-(-params // pp):,} params, "
+            "the layers split evenly; stage 0's activations under 1F1B: one micro-batch of every layer)"
+            + ("" if bubble is None else f"; bubble (p-1)/(m+p-1) = {bubble:.3f} at {m} micro-batches"))
+    return {"stages": pp, "micro_batches": m, "bubble": bubble, "line": line}

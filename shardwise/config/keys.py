@@ -277,7 +277,8 @@ KEYS: tuple[Key, ...] = (
     *(Key(EP + k, I, "DeepEP tuning; " + _PERF) for k in ("comm_num_sm", "comm_qp_margin",
                                                           "comm_max_tokens_per_rank")),
     Key("use_data_before_expert_parallelism", I, "used only with MoE"),
-    Key("pipeline", I, "used only by DeepSpeed's PipelineModule, which shardwise does not provide",
+    Key("pipeline", I, "not read by the loader: a PipelineModule's engine reads `schedule` (1f1b, gpipe; "
+        "shardwise's); DeepSpeed's other keys are the module's arguments ([pipeline.md](pipeline.md))",
         subtree=True),
     # -- features not implemented --------------------------------------------------------------------
     Key("compile", R, "DeepCompile (compile.deepcompile)", _off("deepcompile"), subtree=True),

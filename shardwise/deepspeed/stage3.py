@@ -19,7 +19,7 @@ from shardwise.config.schema import ConfigError
 from shardwise.deepspeed.accelerate_state import process_count_note
 from shardwise.deepspeed.params import attach
 from shardwise.engine import Engine
-from shardwise.engine.initialize import initialize as shardwise_initialize
+from shardwise.pipeline.entry import initialize as shardwise_initialize  # the engine's, with pipeline.stages
 
 
 def mark_stage3_params(engine: Engine) -> None:

@@ -12,7 +12,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from shardwise import utils, zero
+from shardwise import pipeline, utils, zero
 from shardwise.comm import compat as comm_api
 from shardwise.config.schema import ConfigError
 from shardwise.deepspeed import accelerate_state, accelerator, names, ops, ulysses
@@ -37,6 +37,7 @@ def _take(module: ModuleType, wanted: list[str]) -> dict[str, Any]:
 _ZERO = ["GatheredParameters", "Init", "MiCS_Init", "register_external_parameter", "unregister_external_parameter"]
 _SCHEDULE_NAMES = ["WARMUP_LR", "WARMUP_DECAY_LR", "WARMUP_COSINE_LR", "ONE_CYCLE", "LR_RANGE_TEST",
                    "VALID_LR_SCHEDULES", "CYCLE_MIN_LR", "CYCLE_MAX_LR"]
+_PIPE = ["PipelineModule", "LayerSpec", "TiedLayerSpec"]
 _major, _minor, _patch = (int(x) for x in API_LEVEL.split("."))
 
 SURFACE: dict[str, dict[str, Any]] = {
@@ -46,6 +47,7 @@ SURFACE: dict[str, dict[str, Any]] = {
         "DeepSpeedConfigError": ConfigError, "tp_model_init": names.tp_model_init, "__version__": VERSION,
         "__version_major__": _major, "__version_minor__": _minor, "__version_patch__": _patch,
         "__git_hash__": "unknown", "__git_branch__": "unknown",
+        "PipelineModule": pipeline.PipelineModule, "PipelineEngine": pipeline.PipelineEngine,
     },
     "deepspeed.comm": {**_take(comm_api, comm_api.__all__), "init_distributed": accelerate_state.init_distributed},
     "deepspeed.zero": _take(zero, _ZERO),
@@ -62,6 +64,12 @@ SURFACE: dict[str, dict[str, Any]] = {
     "deepspeed.runtime.config": {
         **_take(names, ["ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "ADAGRAD_OPTIMIZER",
                         "LION_OPTIMIZER"]), "DeepSpeedConfigError": ConfigError},
+    "deepspeed.pipe": _take(pipeline, _PIPE),
+    "deepspeed.runtime.pipe": _take(pipeline, [*_PIPE, "ProcessTopology"]),
+    "deepspeed.runtime.pipe.module": _take(pipeline, _PIPE),
+    "deepspeed.runtime.pipe.topology": _take(pipeline, [
+        "ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid"]),
+    "deepspeed.runtime.pipe.engine": {"PipelineEngine": pipeline.PipelineEngine},
     "deepspeed.runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": names.MIN_SWAPPABLE_BYTES},
     "deepspeed.runtime.sequence_parallel": {},
     "deepspeed.runtime.sequence_parallel.ulysses_sp": _take(ulysses, [

@@ -127,6 +127,10 @@ def initialize(
         config, mpu = with_sequence_parallel(config, sp_mpu.get_sequence_parallel_world_size()), None
     _join(dist_init_required, distributed_port, timeout_of(config))
     _setup_logging()
+    build_stage = getattr(model, "engine_builder", None)  # a PipelineModule: its stage's engine (shardwise/pipeline/)
+    if build_stage is not None:
+        return build_stage(model, config, optimizer=optimizer, model_parameters=model_parameters,
+                           training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn)
     cfg, layout = _config_and_layout(config, model, mpu, sp_mpu is not None)
     loader = None if training_data is None else _dataloader(training_data, layout, cfg, collate_fn)
     if is_sharded(model):  # initialize() again on a model an earlier engine wraps, as DeepSpeed allows

@@ -1,0 +1,132 @@
+"""A Hugging Face causal LM cut into pipeline stages: ``initialize(model=hf_lm, config={"pipeline": {"stages": N}})``.
+
+The model is read as the decoder families of transformers lay themselves out (Llama, Mistral, Qwen2,
+...: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``) and
+becomes a :class:`PipelineModule` of ``2 + layers`` entries: the embedding first, one entry per decoder
+layer, the final norm and the head last, cut uniformly by default (``pipeline.partition``). Each decoder
+entry makes its own causal mask and rotary position embeddings from the hidden states it receives
+(positions 0..S-1, no padding mask), so only hidden states cross between stages. With
+``tie_word_embeddings`` the head is the embedding's weight used a second time (a ``TiedLayerSpec``): the
+first and the last stage each hold a copy, trained as one.
+
+The model is the one the script built: each rank has it whole when it is given, and its stage's engine
+holds (and trains, shards, steps) only its stage's entries. The items of ``train_batch``'s iterator are
+``(input_ids, labels)`` pairs or dicts with ``input_ids`` (and ``labels``; default the inputs); the loss
+is the model's own: the mean next-token cross-entropy over the labels that are not -100.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.engine.compat import UsageError
+from shardwise.pipeline.module import PipelineModule
+from shardwise.pipeline.spec import LayerSpec, TiedLayerSpec
+
+
+class Embedding(nn.Module):
+    """The first entry: token ids to hidden states."""
+
+    def __init__(self, embed: nn.Module):
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer, with the causal mask and rotary embeddings made from its input's length."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any):
+        super().__init__()
+        self.layer, self.rotary = layer, rotary
+        self.__dict__["config"] = config  # not a module: kept out of the stage's parameters
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        out = self.layer(hidden, attention_mask=mask, position_ids=positions,
+                         position_embeddings=self.rotary(hidden, position_ids=positions))
+        return out[0] if isinstance(out, tuple) else out
+
+
+class Head(nn.Module):
+    """The last entry without tied embeddings: the final norm and the output projection."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module):
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(hidden))
+
+
+class Norm(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+def tied_head(embedding: Embedding, hidden: torch.Tensor) -> torch.Tensor:
+    """The head as the embedding's weight used a second time (``tie_word_embeddings``)."""
+    return F.linear(hidden, embedding.embed.weight)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross-entropy (in fp32) over the labels that are not -100."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                           ignore_index=-100)
+
+
+def lm_batch(item: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A data item as ``(input_ids, labels)``: a pair as it is, a dict by its keys."""
+    if isinstance(item, dict):
+        return item["input_ids"], item.get("labels", item["input_ids"])
+    return item
+
+
+def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module, Any]:
+    base = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(model, "lm_head"):
+        raise UsageError(f"pipeline.stages: {type(model).__name__} is not split automatically (served: decoder "
+                         "models laid out as model.embed_tokens / model.layers / model.norm / model.rotary_emb / "
+                         "lm_head, such as Llama, Mistral, Qwen2); build a PipelineModule of its layers")
+    return base, model.lm_head, model.config
+
+
+def split_causal_lm(model: nn.Module, stages: int, partition_method: str = "uniform") -> PipelineModule:
+    """``model`` as a :class:`PipelineModule` of ``stages`` stages (this rank keeps its stage's entries)."""
+    base, head, config = _parts(model)
+    tied = bool(getattr(config, "tie_word_embeddings", False)) and head.weight is base.embed_tokens.weight
+    first = (TiedLayerSpec("embed", Embedding, base.embed_tokens, tied_weight_attr="embed.weight") if tied
+             else LayerSpec(Embedding, base.embed_tokens))
+    layers = [LayerSpec(DecoderLayer, layer, base.rotary_emb, config) for layer in base.layers]
+    last = ([LayerSpec(Norm, base.norm), TiedLayerSpec("embed", Embedding, base.embed_tokens, forward_fn=tied_head,
+                                                       tied_weight_attr="embed.weight")] if tied
+            else [LayerSpec(Head, base.norm, head)])
+    module = PipelineModule([first, *layers, *last], num_stages=stages, loss_fn=causal_lm_loss,
+                            partition_method=partition_method)
+    module.hf_config = config
+    return module
+
+
+def pipeline_stages(raw: dict) -> int:
+    """``pipeline.stages`` of a config dict: 1 when absent or ``"auto"`` (DeepSpeed's default)."""
+    stages = (raw.get("pipeline") or {}).get("stages", 1)
+    if stages in (None, "auto"):
+        return 1
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise UsageError(f"pipeline.stages must be a positive integer or \"auto\", got {stages!r}")
+    return stages

@@ -1,0 +1,193 @@
+"""``PipelineModule``: a sequence of layers cut into stages, each rank building only its stage's layers.
+
+DeepSpeed's constructor, arguments and numbering: ``layers`` (modules, ``LayerSpec``s,
+``TiedLayerSpec``s or plain callables) is cut by ``partition_method`` into ``num_stages`` contiguous
+runs (``parts``); this rank builds the run of its stage in order, drawing its random numbers as
+DeepSpeed draws them (the ``parameters`` method first builds each spec once to count it), so with
+``seed_layers=True`` a layer's initial weights do not depend on the number of stages. Its
+``forward`` runs the local layers, in chunks of ``activation_checkpoint_interval`` layers under
+activation checkpointing when that is above 0 (``activation_checkpoint_func`` when given, else
+``torch.utils.checkpoint``, non-reentrant: the same gradients, the forward recomputed in backward).
+The schedule and the transfers between stages are the engine's (``pipeline/engine.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardwise.engine.compat import UsageError
+from shardwise.pipeline.spec import LayerSpec, TiedLayerSpec, partition_layers
+from shardwise.pipeline.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
+
+
+def set_random_seed(seed: int) -> None:
+    """DeepSpeed's default ``seed_fn``: Python's, NumPy's (when installed) and torch's generators."""
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:  # NumPy is optional here
+        numpy = None
+    if numpy is not None:
+        numpy.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _topology(num_stages: int | None, topology: ProcessTopology | None) -> ProcessTopology:
+    if topology is not None:
+        if topology.get_dim("model") > 1:
+            raise UsageError(f"PipelineModule(topology=...): a model-parallel size of {topology.get_dim('model')} "
+                             "is not served with pipeline parallelism (shardwise serves model size 1)")
+        return topology
+    if num_stages is None:
+        raise UsageError("PipelineModule() needs num_stages or topology")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if int(num_stages) < 1 or world % int(num_stages):
+        raise UsageError(f"PipelineModule(num_stages={num_stages}) must divide the world size {world}")
+    return PipeDataParallelTopology(num_pp=int(num_stages), num_dp=world // int(num_stages))
+
+
+class PipelineModule(nn.Module):
+    """Layers to train with pipeline parallelism; this rank holds its stage's (DeepSpeed's API)."""
+
+    def __init__(self, layers: Any, num_stages: int | None = None, topology: ProcessTopology | None = None,
+                 loss_fn: Any = None, seed_layers: bool = False, seed_fn: Any = None, base_seed: int = 1234,
+                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
+                 activation_checkpoint_func: Any = None, checkpointable_layers: list[str] | None = None,
+                 dynamic_shape: bool = False):
+        super().__init__()
+        if not dist.is_initialized():
+            raise UsageError("PipelineModule() needs the process group: call deepspeed.init_distributed() "
+                             "(shardwise.init_distributed()) first")
+        self.loss_fn, self.seed_layers, self.seed_fn, self.base_seed = loss_fn, seed_layers, seed_fn, base_seed
+        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers, self.dynamic_shape = checkpointable_layers, dynamic_shape
+        self.micro_offset = 0
+        self._topo = _topology(num_stages, topology)
+        self.num_stages = self._topo.get_dim("pipe")
+        self._grid = PipelineParallelGrid(self._topo)
+        self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.stage_id = self._grid.get_stage_id()
+        self._layer_specs = list(layers)
+        self._num_layers = len(self._layer_specs)
+        if self._num_layers < self.num_stages:
+            raise UsageError(f"PipelineModule: {self.num_stages} stages but only {self._num_layers} layers; "
+                             "give at least one layer per stage")
+        self.parts = partition_layers(self._layer_specs, self.num_stages, partition_method)
+        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.forward_funcs: list[Any] = []
+        self.fwd_map: dict[str, int] = {}
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self._build()
+
+    def _seed(self, seed: int) -> None:
+        (self.seed_fn or set_random_seed)(seed)
+
+    def _build(self) -> None:
+        for idx in range(self._local_start, self._local_stop):
+            layer = self._layer_specs[idx]
+            if self.seed_layers:
+                self._seed(self.base_seed + idx)
+            if isinstance(layer, PipelineModule):
+                raise UsageError("a PipelineModule inside a PipelineModule's layers is not served")
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied_modules:
+                    self.tied_modules[layer.key] = layer.build()
+                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+                module = self.tied_modules[layer.key]
+                self.forward_funcs.append(module if layer.forward_fn is None
+                                          else functools.partial(layer.forward_fn, module))
+                continue
+            module = layer.build() if isinstance(layer, LayerSpec) else layer
+            if isinstance(module, nn.Module):
+                self.fwd_map[str(idx)] = len(self.forward_funcs)
+                self.add_module(str(idx), module)
+            self.forward_funcs.append(module)
+
+    # -- DeepSpeed's accessors ----------------------------------------------------------
+    def topology(self) -> ProcessTopology:
+        return self._topo
+
+    def mpu(self) -> PipelineParallelGrid:
+        return self._grid
+
+    def num_pipeline_stages(self) -> int:
+        return self.num_stages
+
+    def partitions(self) -> list[int]:
+        return self.parts
+
+    def stage_owner(self, layer_idx: int) -> int:
+        if not 0 <= layer_idx < self._num_layers:
+            raise UsageError(f"stage_owner({layer_idx}): there are {self._num_layers} layers")
+        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        if interval < 0:
+            raise UsageError(f"set_checkpoint_interval({interval}): the interval must be >= 0")
+        self.activation_checkpoint_interval = int(interval)
+
+    def get_additional_losses(self) -> None:
+        return None
+
+    def tied_keys(self) -> list[str]:
+        """Every TiedLayerSpec key of the whole model, sorted (the same order on every rank)."""
+        return sorted({s.key for s in self._layer_specs if isinstance(s, TiedLayerSpec)})
+
+    def tied_stages(self, key: str) -> list[int]:
+        """The stages holding a use of ``key``, in order."""
+        idxs = [i for i, s in enumerate(self._layer_specs) if isinstance(s, TiedLayerSpec) and s.key == key]
+        return sorted({self.stage_owner(i) for i in idxs})
+
+    def tied_weights(self, key: str) -> list[torch.Tensor]:
+        """The tied tensors of this stage's copy of ``key`` (``tied_weight_attr``, dotted paths allowed)."""
+        out = []
+        for attr in self.tied_weight_attrs[key]:
+            obj: Any = self.tied_modules[key]
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            out.append(obj)
+        return out
+
+    # -- forward ---------------------------------------------------------------------------
+    def _run(self, start: int, stop: int, offset: int, *inputs: Any) -> Any:
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for i, layer in enumerate(self.forward_funcs[start:stop]):
+            if self.seed_layers:  # DeepSpeed's per-micro-batch seed (its layer index counts from the chunk start)
+                self._seed(self.base_seed * offset + i + self._local_start)
+            x = layer(x)
+        return x
+
+    def forward(self, forward_input: Any) -> Any:
+        self.micro_offset += 1
+        offset = self.micro_offset + 1
+        interval, n = self.activation_checkpoint_interval, len(self.forward_funcs)
+        if interval == 0:
+            return self._run(0, n, offset, forward_input)
+        x = forward_input
+        for start in range(0, n, interval):
+            stop = min(start + interval, n)
+            args = x if isinstance(x, tuple) else (x,)
+            if self.training and self._checkpointable(start, stop):
+                run = functools.partial(self._run, start, stop, offset)
+                x = (self.activation_checkpoint_func(run, *args) if self.activation_checkpoint_func is not None
+                     else checkpoint(run, *args, use_reentrant=False))
+            else:
+                x = self._run(start, stop, offset, *args)
+        return x
+
+    def _checkpointable(self, start: int, stop: int) -> bool:
+        """DeepSpeed's rule: a chunk is checkpointed when a layer in it has parameters (or, with
+        ``checkpointable_layers``, is of a listed class)."""
+        funcs = self.forward_funcs[start:stop]
+        if self.checkpointable_layers is not None:
+            return any(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        return any(isinstance(f, nn.Module) and next(f.parameters(), None) is not None for f in funcs)
