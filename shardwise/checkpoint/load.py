@@ -39,6 +39,7 @@ from shardwise.checkpoint.frozen import (
     read_whole,
     saved_extras,
 )
+from shardwise.checkpoint.load_plan import needed_files
 from shardwise.checkpoint.publish import IMPL_KEYS
 from shardwise.checkpoint.tp import (
     direct_key,
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
 
 log = logging.getLogger("shardwise")
+PREFETCH = True  # the rank's files read whole through the I/O engine first (checkpoint/prefetch.py)
 
 
 def _read_latest(latest: Path) -> str:
@@ -305,6 +307,8 @@ def _stage(engine: CheckpointTarget, path: Path, meta: dict, reader: ShardReader
         check_foreign_optimizer(engine, meta, source)
     if with_opt:
         check_state_layout(engine, meta, source)  # flat vs whole-tensor state: refused by name
+    if PREFETCH and hasattr(reader, "prefetch"):  # (a foreign checkpoint's reader holds its tensors already)
+        reader.prefetch(needed_files(engine, meta, skip_t | skip_m))  # several files in flight, each hashed
     loaded = _read_own(engine, meta, reader, meta["states"] if with_opt else [], skip_t)
     st = _Staged(masters=[got["bufs"]["master"] for got in loaded],
                  module=_read_module(engine, meta, reader, skip_m),

@@ -1,0 +1,145 @@
+"""Checkpoint loads: the streaming reader against the rank files read whole through the I/O engine.
+
+    PYTHONPATH=. python benchmarks/checkpoint/bench_load.py [--size large] [--repeats 3] [--folder DIR]
+        [--json out.json]
+
+Two gloo ranks (spawned here) build a Llama at ZeRO-2 with AdamW (fp32 master, exp_avg, exp_avg_sq: 12
+bytes a parameter), take one step, save synchronously once, then load that checkpoint ``repeats`` times
+each way, alternating (``load.PREFETCH`` off: the sha256 pass then a ``pread`` per slice; on: every
+file the rank needs read whole by the engine's threads, several in flight, hashed as the chunks
+arrive). ``cold``: the files' pages are dropped before each load (``POSIX_FADV_DONTNEED``, as after a
+restart); ``warm``: left in the page cache (just written). Prints rank 0's median wall time of
+``load_checkpoint`` per mode, the checkpoint's size, the 1-minute load average before and after (the
+machine may be shared), and whether both modes loaded the saved bits (every rank's masters and Adam
+moments, halved before each load, compared with the state at the save). Only shardwise, torch,
+transformers and the standard library are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = {"small": (512, 4, 1376, 8000), "large": (768, 8, 2048, 32000)}  # hidden, layers, intermediate, vocab
+
+
+def _engine(size: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import shardwise
+
+    hidden, layers, inter, vocab = SIZES[size]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
+                                         vocab_size=vocab, num_attention_heads=8, num_key_value_heads=8,
+                                         max_position_embeddings=64))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}}
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    return engine
+
+
+def _drop_cache(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _live(engine) -> list[torch.Tensor]:
+    out = []
+    for g in engine.groups:
+        out.append(g.master)
+        out += [v for v in engine.optimizer.state.get(g.master, {}).values() if torch.is_tensor(v) and v.dim()]
+    return out
+
+
+def _snapshot(engine) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in _live(engine)]
+
+
+def _timed_load(engine, folder: Path, prefetch: bool, cold: bool) -> float:
+    from shardwise.checkpoint import load
+
+    load.PREFETCH = prefetch
+    with torch.no_grad():  # a load that left the state alone would be caught by the comparison
+        for t in _live(engine):
+            t.mul_(0.5)
+    if cold and dist.get_rank() == 0:
+        _drop_cache(folder)
+    dist.barrier()
+    t = time.perf_counter()
+    engine.load_checkpoint(str(folder), tag="t")
+    return time.perf_counter() - t
+
+
+def _rank(rank: int, port: int, size: str, folder: str, repeats: int, out: str | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    import shardwise
+
+    shardwise.init_distributed()
+    load_before = os.getloadavg()[0]
+    engine, root = _engine(size), Path(folder)
+    engine.save_checkpoint(str(root), tag="t", asynchronous=False)
+    nbytes, saved = sum(p.stat().st_size for p in (root / "t").iterdir()), _snapshot(engine)
+    times: dict[str, list[float]] = {f"{c}_{m}": [] for c in ("cold", "warm") for m in ("streaming", "engine")}
+    same = True
+    for _ in range(repeats):
+        for cold in (True, False):
+            snaps = []
+            for prefetch in (False, True):
+                times[f"{'cold' if cold else 'warm'}_{'engine' if prefetch else 'streaming'}"].append(
+                    _timed_load(engine, root, prefetch, cold))
+                snaps.append(_snapshot(engine))
+            same = same and all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*snaps, saved, strict=True))
+    flag = torch.tensor([int(same)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if rank == 0:
+        res = {"size": size, "checkpoint_bytes": nbytes, "repeats": repeats,
+               **{f"{k}_s": round(statistics.median(v), 3) for k, v in times.items()},
+               "same_bits": bool(flag.item()), "loadavg_1m_before": load_before,
+               "loadavg_1m_after": os.getloadavg()[0], "cpus": os.cpu_count()}
+        print(json.dumps(res), flush=True)
+        if out:
+            Path(out).write_text(json.dumps(res, indent=1) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="large", choices=sorted(SIZES))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--folder", default=None, help="where the checkpoint goes (default: a temporary folder)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args()
+    from shardwise.launch.net import free_port
+
+    folder = a.folder or tempfile.mkdtemp(prefix="bench_load_")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        mp.spawn(_rank, args=(free_port(), a.size, folder, a.repeats, a.json), nprocs=2, join=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
