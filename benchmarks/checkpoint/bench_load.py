@@ -1,18 +1,20 @@
-"""Checkpoint loads: the streaming reader against the rank files read whole through the I/O engine.
+"""Checkpoint loads: files verified when first read, against hashed ahead through the I/O engine.
 
     PYTHONPATH=. python benchmarks/checkpoint/bench_load.py [--size large] [--repeats 3] [--folder DIR]
         [--json out.json]
 
-Two gloo ranks (spawned here) build a Llama at ZeRO-2 with AdamW (fp32 master, exp_avg, exp_avg_sq: 12
-bytes a parameter), take one step, save synchronously once, then load that checkpoint ``repeats`` times
-each way, alternating (``load.PREFETCH`` off: the sha256 pass then a ``pread`` per slice; on: every
-file the rank needs read whole by the engine's threads, several in flight, hashed as the chunks
-arrive). ``cold``: the files' pages are dropped before each load (``POSIX_FADV_DONTNEED``, as after a
-restart); ``warm``: left in the page cache (just written). Prints rank 0's median wall time of
-``load_checkpoint`` per mode, the checkpoint's size, the 1-minute load average before and after (the
-machine may be shared), and whether both modes loaded the saved bits (every rank's masters and Adam
-moments, halved before each load, compared with the state at the save). Only shardwise, torch,
-transformers and the standard library are used.
+Two gloo ranks (spawned here) build a Llama at ZeRO-2 with AdamW (fp32 master, exp_avg, exp_avg_sq:
+12 bytes a parameter), take one step, save synchronously once, then load that checkpoint ``repeats``
+times each way, alternating: ``streaming`` (``load_plan.AHEAD`` off: each file's sha256 pass on the
+loading thread when first used, then a ``pread`` per slice) and ``ahead`` (every file the rank needs
+hashed on background threads, its chunks read by the engine's threads, while the loading thread
+reads its slices; ``checkpoint/hash_ahead.py``). ``cold``: the files' pages are dropped before each
+load (``POSIX_FADV_DONTNEED``, as after a restart); ``warm``: left in the page cache (just written).
+
+Prints rank 0's median wall time of ``load_checkpoint`` per mode, the checkpoint's size, the
+1-minute load average before and after (the machine may be shared), and whether every mode loaded
+the saved bits (every rank's masters and Adam moments, halved before each load, compared with the
+state at the save). Only shardwise, torch, transformers and the standard library are used.
 """
 
 from __future__ import annotations
@@ -75,10 +77,10 @@ def _snapshot(engine) -> list[torch.Tensor]:
     return [t.detach().clone() for t in _live(engine)]
 
 
-def _timed_load(engine, folder: Path, prefetch: bool, cold: bool) -> float:
-    from shardwise.checkpoint import load
+def _timed_load(engine, folder: Path, mode: str, cold: bool) -> float:
+    from shardwise.checkpoint import load_plan
 
-    load.PREFETCH = prefetch
+    load_plan.AHEAD = mode == "ahead"
     with torch.no_grad():  # a load that left the state alone would be caught by the comparison
         for t in _live(engine):
             t.mul_(0.5)
@@ -100,16 +102,16 @@ def _rank(rank: int, port: int, size: str, folder: str, repeats: int, out: str |
     engine, root = _engine(size), Path(folder)
     engine.save_checkpoint(str(root), tag="t", asynchronous=False)
     nbytes, saved = sum(p.stat().st_size for p in (root / "t").iterdir()), _snapshot(engine)
-    times: dict[str, list[float]] = {f"{c}_{m}": [] for c in ("cold", "warm") for m in ("streaming", "engine")}
+    modes = ("streaming", "ahead")
+    times: dict[str, list[float]] = {f"{c}_{m}": [] for c in ("cold", "warm") for m in modes}
     same = True
     for _ in range(repeats):
         for cold in (True, False):
             snaps = []
-            for prefetch in (False, True):
-                times[f"{'cold' if cold else 'warm'}_{'engine' if prefetch else 'streaming'}"].append(
-                    _timed_load(engine, root, prefetch, cold))
+            for mode in modes:
+                times[f"{'cold' if cold else 'warm'}_{mode}"].append(_timed_load(engine, root, mode, cold))
                 snaps.append(_snapshot(engine))
-            same = same and all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*snaps, saved, strict=True))
+            same = same and all(all(torch.equal(a, b) for a in snap) for *snap, b in zip(*snaps, saved, strict=True))
     flag = torch.tensor([int(same)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if rank == 0:

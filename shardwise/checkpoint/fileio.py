@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.checkpoint import prefetch
+from shardwise.checkpoint import hash_ahead
 from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json  # noqa: F401 (re-exported)
 from shardwise.comm import Comm, CommStats, compute_device, make_comm
 from shardwise.files.safe import finite_json, open_regular, write_atomic
@@ -108,28 +108,30 @@ class ShardReader:
         self.folder, self.files, self.verify = folder, files, verify
         self._verified: set[str] = set()
         self._open: dict[str, SafetensorsFile] = {}
-        self._memory: dict[str, torch.Tensor] = {}  # files read whole by prefetch(): their bytes
+        self._ahead: hash_ahead.Verifier | None = None
 
-    def prefetch(self, fnames: Iterable[str], budget: int | None = None) -> list[str]:
-        """Read the files ``fnames`` whole through the I/O engine, several in flight, each size checked
-        against the metadata before its buffer is allocated and its sha256 (when verifying) over the
-        bytes the later reads use (``checkpoint/prefetch.py``); those over ``budget`` are left to the
-        streaming reads. Returns the names read."""
-        sizes = {}
+    def verify_ahead(self, fnames: Iterable[str]) -> None:
+        """Check the sizes of ``fnames`` now and hash them on background threads (``hash_ahead.py``)
+        while this thread reads; :meth:`wait_verified` must follow before anything read is used."""
         for fname in dict.fromkeys(fnames):
-            if fname in self._memory or fname in self._verified:
+            if fname in self._verified:
                 continue
             info, path = self.files.get(fname), self._path(fname)
             if info is None:
                 raise CheckpointError(f"{path}: not listed in the checkpoint's metadata.json")
             self._check_size(path, info)
-            sizes[fname] = info["bytes"]
-        chosen = prefetch.choose(sizes, budget)
-        got = prefetch.read_files({n: self._path(n) for n in chosen}, {n: sizes[n] for n in chosen},
-                                  {n: self.files[n]["sha256"] if self.verify else None for n in chosen})
-        self._memory.update(got)
-        self._verified.update(got)
-        return chosen
+            if self.verify:
+                if self._ahead is None:
+                    self._ahead = hash_ahead.Verifier()
+                self._ahead.start(path, info["bytes"], info["sha256"])
+            self._verified.add(fname)
+
+    def wait_verified(self) -> None:
+        """Every hash started by :meth:`verify_ahead` done and equal to the metadata's (else the first
+        mismatch, naming its file); no background thread is left."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.wait()
 
     @staticmethod
     def _check_size(path: Path, info: dict) -> None:
@@ -191,12 +193,7 @@ class ShardReader:
                 continue
             f = self._entry(seg["file"], key, stored or out.dtype, [seg["stop"] - seg["start"]])
             i, j, dst = a - seg["start"], b - seg["start"], out.narrow(0, a - lo, b - a)
-            mem = self._memory.get(seg["file"])
-            if mem is not None:  # read whole by prefetch(): the slice copied out of memory
-                t = f.info(key)
-                prefetch.copy_out(mem, t.offset + i * t.dtype.itemsize, t.dtype, dst)
-            else:
-                self._get(seg["file"], key, lambda f=f, i=i, j=j, dst=dst: f.read(key, i, j, dst))
+            self._get(seg["file"], key, lambda f=f, i=i, j=j, dst=dst: f.read(key, i, j, dst))
             covered += b - a
         if covered != hi - lo:
             raise CheckpointError(f"{self.folder}: {key} elements [{lo}, {hi}) are not all in the checkpoint")
@@ -205,12 +202,6 @@ class ShardReader:
                   stored: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor ``key`` in ``dtype`` (``stored``: the promised file dtype, as in read_range)."""
         f = self._entry(fname, key, stored or dtype, shape)
-        mem = self._memory.get(fname)
-        if mem is not None:
-            t = f.info(key)
-            out = torch.empty(t.shape, dtype=t.dtype)
-            prefetch.copy_out(mem, t.offset, t.dtype, out)
-            return out.to(dtype)
         return self._get(fname, key, lambda: f.read_tensor(key)).to(dtype)
 
     def _get(self, fname: str, key: str, read):
@@ -224,7 +215,6 @@ class ShardReader:
         for f in self._open.values():
             f.close()
         self._open.clear()
-        self._memory.clear()  # the prefetched bytes go back (their files stay verified)
 
 
 # -- JSON helpers -------------------------------------------------------------------------------

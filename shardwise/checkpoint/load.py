@@ -39,7 +39,7 @@ from shardwise.checkpoint.frozen import (
     read_whole,
     saved_extras,
 )
-from shardwise.checkpoint.load_plan import needed_files
+from shardwise.checkpoint.load_plan import hashed_ahead
 from shardwise.checkpoint.publish import IMPL_KEYS
 from shardwise.checkpoint.tp import (
     direct_key,
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from shardwise.checkpoint.target import CheckpointTarget
 
 log = logging.getLogger("shardwise")
-PREFETCH = True  # the rank's files read whole through the I/O engine first (checkpoint/prefetch.py)
 
 
 def _read_latest(latest: Path) -> str:
@@ -307,8 +306,6 @@ def _stage(engine: CheckpointTarget, path: Path, meta: dict, reader: ShardReader
         check_foreign_optimizer(engine, meta, source)
     if with_opt:
         check_state_layout(engine, meta, source)  # flat vs whole-tensor state: refused by name
-    if PREFETCH and hasattr(reader, "prefetch"):  # (a foreign checkpoint's reader holds its tensors already)
-        reader.prefetch(needed_files(engine, meta, skip_t | skip_m))  # several files in flight, each hashed
     loaded = _read_own(engine, meta, reader, meta["states"] if with_opt else [], skip_t)
     st = _Staged(masters=[got["bufs"]["master"] for got in loaded],
                  module=_read_module(engine, meta, reader, skip_m),
@@ -353,8 +350,9 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | N
         path = resolve_tag(load_dir, tag)
         if path is not None:
             meta, reader = open_checkpoint(path, verify)
-            st = _stage(engine, path, meta, reader, load_module_strict, with_opt, load_lr_scheduler_states,
-                        load_module_only, comm.rank, comm.size)
+            with hashed_ahead(engine, meta, reader):  # the files hashed meanwhile, checked before agreeing
+                st = _stage(engine, path, meta, reader, load_module_strict, with_opt, load_lr_scheduler_states,
+                            load_module_only, comm.rank, comm.size)
     except CheckpointError as e:
         err = e
     except Exception as e:  # noqa: BLE001 - anything else a damaged file provokes, named

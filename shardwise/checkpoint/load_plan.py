@@ -1,14 +1,16 @@
-"""Which shard files a rank's load will read, known before it reads any (so they can be read together).
+"""Which shard files a rank's load will read, known before it reads any, so they are hashed together.
 
 From the metadata alone: the files holding a segment that overlaps one of this rank's owned ranges
 (every saved piece of a parameter resharded across TP degrees), and the files of the buffers and
-frozen tensors it takes. Only a plan for ``ShardReader.prefetch``: a file it misses is still read,
-by the streaming path, so a miss costs time, never correctness.
+frozen tensors it takes. Only a plan for ``ShardReader.verify_ahead`` (``hash_ahead.py``): a file
+it misses is verified when first read, as before, so a miss costs time, never correctness.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from shardwise.checkpoint.experts import saved_offset
 from shardwise.checkpoint.frozen import saved_extras
@@ -42,3 +44,25 @@ def needed_files(engine: CheckpointTarget, meta: dict, skip: set[str], module: b
     if module:
         out += [f for info in saved_extras(meta).values() for f in _entry_files(info)]
     return list(dict.fromkeys(out))
+
+
+AHEAD = True  # False: every file verified when first read, on the loading thread (the benchmark's baseline)
+
+
+@contextmanager
+def hashed_ahead(engine: CheckpointTarget, meta: dict, reader: Any) -> Iterator[None]:
+    """The body runs while this rank's files are hashed in the background; on leaving, every hash is
+    checked (a mismatch raised naming its file, in place of whatever the body raised after reading
+    a corrupt file). A foreign checkpoint's reader, which holds its tensors already, is left alone."""
+    if not AHEAD or not hasattr(reader, "verify_ahead"):
+        yield
+        return
+    try:
+        files = needed_files(engine, meta, set())
+    except (KeyError, TypeError, ValueError, IndexError):
+        files = []  # the loader reports what is wrong with the metadata, naming it
+    try:
+        reader.verify_ahead(files)
+        yield
+    finally:
+        reader.wait_verified()
