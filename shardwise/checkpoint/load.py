@@ -344,8 +344,7 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | N
     async_save.complete(block=True)  # a pending asynchronous save is published (or fails) first
     comm, _ = world_comm(), engine.wait_for_params()  # the last step's all-gathers may still write the params
     with_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    err: BaseException | None = None
-    path, meta, st = None, {}, _Staged()
+    err, path, meta, st = None, None, {}, _Staged()
     try:
         path = resolve_tag(load_dir, tag)
         if path is not None:
