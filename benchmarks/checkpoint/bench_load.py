@@ -1,20 +1,24 @@
-"""Checkpoint loads: files verified when first read, against hashed ahead through the I/O engine.
+"""Checkpoint I/O: saves through the buffered writer and through the I/O engine; loads verifying
+each file when first read, and hashing the files ahead through the I/O engine.
 
     PYTHONPATH=. python benchmarks/checkpoint/bench_load.py [--size large] [--repeats 3] [--folder DIR]
         [--json out.json]
 
 Two gloo ranks (spawned here) build a Llama at ZeRO-2 with AdamW (fp32 master, exp_avg, exp_avg_sq:
-12 bytes a parameter), take one step, save synchronously once, then load that checkpoint ``repeats``
-times each way, alternating: ``streaming`` (``load_plan.AHEAD`` off: each file's sha256 pass on the
-loading thread when first used, then a ``pread`` per slice) and ``ahead`` (every file the rank needs
-hashed on background threads, its chunks read by the engine's threads, while the loading thread
-reads its slices; ``checkpoint/hash_ahead.py``). ``cold``: the files' pages are dropped before each
-load (``POSIX_FADV_DONTNEED``, as after a restart); ``warm``: left in the page cache (just written).
+12 bytes a parameter) and take one step. Saves: ``repeats`` synchronous saves with each shard writer,
+alternating (``shard_writer.ENGINE`` off: buffered writes; on: ``write_shard_engine``). Loads: one
+checkpoint loaded ``repeats`` times each way, alternating: ``streaming`` (``load_plan.AHEAD`` off:
+each file's sha256 pass on the loading thread when first used, then a ``pread`` per slice) and
+``ahead`` (every file the rank needs hashed on background threads, its chunks read by the engine's
+threads, while the loading thread reads its slices; ``checkpoint/hash_ahead.py``). ``cold``: the
+files' pages are dropped before each load (``POSIX_FADV_DONTNEED``, as after a restart); ``warm``:
+left in the page cache (just written).
 
-Prints rank 0's median wall time of ``load_checkpoint`` per mode, the checkpoint's size, the
-1-minute load average before and after (the machine may be shared), and whether every mode loaded
-the saved bits (every rank's masters and Adam moments, halved before each load, compared with the
-state at the save). Only shardwise, torch, transformers and the standard library are used.
+Prints rank 0's median wall time of ``save_checkpoint`` and ``load_checkpoint`` per mode, the
+checkpoint's size, the 1-minute load average before and after (the machine may be shared), and
+``same_bits``: both writers wrote the same files (their sha256) and every load gave the saved bits
+(every rank's masters and Adam moments, halved before each load, compared with the state at the
+save). Only shardwise, torch, transformers and the standard library are used.
 """
 
 from __future__ import annotations
@@ -92,6 +96,32 @@ def _timed_load(engine, folder: Path, mode: str, cold: bool) -> float:
     return time.perf_counter() - t
 
 
+def _timed_saves(engine, root: Path, repeats: int) -> tuple[dict[str, float], bool]:
+    """Synchronous saves of the same state, the shard writer alternating between its two bodies; the
+    median time of each, and whether both wrote the same rank files (their sha256 in metadata.json)."""
+    from shardwise.checkpoint import shard_writer
+
+    times: dict[str, list[float]] = {"buffered": [], "engine": []}
+    same = True
+    for i in range(repeats):
+        shas = []
+        for mode in times:
+            shard_writer.ENGINE = mode == "engine"
+            dist.barrier()
+            t = time.perf_counter()
+            engine.save_checkpoint(str(root), tag=f"w{i}{mode}", asynchronous=False, save_latest=False)
+            times[mode].append(time.perf_counter() - t)
+            files = json.loads((root / f"w{i}{mode}" / "metadata.json").read_text())["files"]
+            shas.append({k: v["sha256"] for k, v in files.items()})
+        same = same and shas[0] == shas[1]
+        dist.barrier()
+        if dist.get_rank() == 0:
+            for mode in times:
+                shutil.rmtree(root / f"w{i}{mode}")
+    shard_writer.ENGINE = False
+    return {f"save_{k}_s": round(statistics.median(v), 3) for k, v in times.items()}, same
+
+
 def _rank(rank: int, port: int, size: str, folder: str, repeats: int, out: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -104,7 +134,7 @@ def _rank(rank: int, port: int, size: str, folder: str, repeats: int, out: str |
     nbytes, saved = sum(p.stat().st_size for p in (root / "t").iterdir()), _snapshot(engine)
     modes = ("streaming", "ahead")
     times: dict[str, list[float]] = {f"{c}_{m}": [] for c in ("cold", "warm") for m in modes}
-    same = True
+    saves, same = _timed_saves(engine, root, repeats)
     for _ in range(repeats):
         for cold in (True, False):
             snaps = []
@@ -116,7 +146,7 @@ def _rank(rank: int, port: int, size: str, folder: str, repeats: int, out: str |
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if rank == 0:
         res = {"size": size, "checkpoint_bytes": nbytes, "repeats": repeats,
-               **{f"{k}_s": round(statistics.median(v), 3) for k, v in times.items()},
+               **{f"{k}_s": round(statistics.median(v), 3) for k, v in times.items()}, **saves,
                "same_bits": bool(flag.item()), "loadavg_1m_before": load_before,
                "loadavg_1m_after": os.getloadavg()[0], "cpus": os.cpu_count()}
         print(json.dumps(res), flush=True)

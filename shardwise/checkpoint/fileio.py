@@ -28,7 +28,28 @@ from shardwise.comm import Comm, CommStats, compute_device, make_comm
 from shardwise.files.safe import finite_json, open_regular, write_atomic
 from shardwise.files.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
 
-__all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name"]
+__all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name",
+           "safetensors_header"]
+
+
+def safetensors_header(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+                       ) -> tuple[bytes, list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """The bytes a safetensors file starts with (length, JSON header padded to 8) for tensors laid out
+    in the order of ``specs``, and that order (name, dtype, shape)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    pos = 0
+    for name, dtype, shape in specs:
+        n = 1
+        for s in shape:
+            n *= int(s)
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": ST_NAMES[dtype], "shape": [int(s) for s in shape], "data_offsets": [pos, pos + nbytes]}
+        order.append((name, dtype, tuple(int(s) for s in shape)))
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, order
 
 
 class SafetensorsWriter:
@@ -41,24 +62,11 @@ class SafetensorsWriter:
     def __init__(self, path: str | Path, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None):
         self.path = Path(path)
-        header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-        self._order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-        pos = 0
-        for name, dtype, shape in specs:
-            n = 1
-            for s in shape:
-                n *= int(s)
-            nbytes = n * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": ST_NAMES[dtype], "shape": [int(s) for s in shape],
-                            "data_offsets": [pos, pos + nbytes]}
-            self._order.append((name, dtype, tuple(int(s) for s in shape)))
-            pos += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+        head, self._order = safetensors_header(specs, metadata)
         # never written through a symlink at the destination; closed in close()
         self._f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "wb")
         self._sha = hashlib.sha256()
-        self._put(len(raw).to_bytes(8, "little") + raw)
+        self._put(head)
         self._next = 0
 
     def _put(self, data: bytes | memoryview) -> None:

@@ -1,6 +1,7 @@
-"""A load's shard files hashed ahead on background threads through the I/O engine (checkpoint/hash_ahead.py):
-the reads are the streaming reads, bit for bit; sizes checked before a buffer is allocated; a changed
-byte, wherever it is, refused naming the file; chunk boundaries and empty files hashed right."""
+"""Checkpoint file I/O through shardwise/aio. Loads (checkpoint/hash_ahead.py): files hashed ahead on
+background threads, the reads the streaming reads bit for bit; sizes checked before a buffer is
+allocated; a changed byte, wherever it is, refused naming the file; chunk boundaries and empty files
+hashed right. Saves (shard_writer.write_shard_engine): the buffered writer's bytes, sha256 and size."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from shardwise.aio import IOEngine
-from shardwise.checkpoint import hash_ahead
+from shardwise.checkpoint import hash_ahead, shard_writer
 from shardwise.checkpoint.fileio import CheckpointError, ShardReader
 from shardwise.checkpoint.shard_writer import write_shard
 
@@ -102,3 +103,48 @@ def test_sizes_are_checked_before_any_buffer(tmp_path, monkeypatch):
     assert allocated == []
     with pytest.raises(CheckpointError, match="not listed"):
         ShardReader(tmp_path, files).verify_ahead(["rank00009.safetensors"])
+
+
+@pytest.mark.parametrize("chunk", [4096, 3 * 4096, 8 << 20])  # many chunks through the ring of 4, and one
+def test_the_engine_writer_writes_the_buffered_writers_bytes(tmp_path, monkeypatch, chunk):
+    g = torch.Generator().manual_seed(1)
+    pieces = [("master/a", torch.randn(3001, generator=g).bfloat16()), ("exp_avg/a", torch.randn(7, 9, generator=g)),
+              ("step/a", torch.tensor(3.0)), ("module/mask", torch.rand(33, generator=g) > 0.5),
+              ("exp_avg_sq/a", torch.randn(9000, generator=g)[::3])]  # a strided view, as staged pieces can be
+    phases = []
+    monkeypatch.setattr(shard_writer, "at_phase", phases.append)
+    monkeypatch.setattr(shard_writer, "ENGINE", False)
+    want = shard_writer.write_shard(tmp_path / "buffered.safetensors", pieces)
+    monkeypatch.setattr(shard_writer, "CHUNK", chunk)
+    (tmp_path / "engine.safetensors").write_bytes(b"x" * 100_000)  # a longer file at the name is replaced
+    got = shard_writer.write_shard_engine(tmp_path / "engine.safetensors", pieces)
+    assert got == want and got[1] == (tmp_path / "buffered.safetensors").stat().st_size
+    assert (tmp_path / "engine.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
+    assert phases == ["writing", "fsync"] * 2
+    assert hashlib.sha256((tmp_path / "engine.safetensors").read_bytes()).hexdigest() == got[0]
+
+
+def test_an_error_in_the_engine_writer_is_raised(tmp_path, monkeypatch):
+    def full(phase: str) -> None:
+        if phase == "fsync":
+            raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(shard_writer, "at_phase", full)
+    with pytest.raises(OSError, match="No space left"):
+        shard_writer.write_shard_engine(tmp_path / "f.safetensors", [("a", torch.ones(10))])
+
+
+def test_at_exit_the_engine_writer_writes_on_its_own_thread(tmp_path, monkeypatch):
+    """A pending save completed at interpreter exit: no engine thread can start there (the submit raises
+    RuntimeError); the chunks are written on the writer's thread, the same bytes."""
+    pieces = [("a", torch.arange(50_000, dtype=torch.float32)), ("b", torch.ones(3, dtype=torch.bfloat16))]
+    monkeypatch.setattr(shard_writer, "ENGINE", False)  # the buffered body, for the expected bytes
+    expected = shard_writer.write_shard(tmp_path / "buffered", pieces)
+
+    def refuse(*_a, **_k):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(shard_writer.IOEngine, "write", refuse)
+    monkeypatch.setattr(shard_writer, "CHUNK", 4096 * 5)
+    assert shard_writer.write_shard_engine(tmp_path / "engine", pieces) == expected
+    assert (tmp_path / "engine").read_bytes() == (tmp_path / "buffered").read_bytes()
