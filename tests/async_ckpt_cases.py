@@ -76,6 +76,30 @@ def same_bytes_kept_buffer(root: str) -> dict:
     return {**second, "first_differ": first.get("differ"), "reused": staging._KEPT[0].data_ptr() == kept}
 
 
+def same_bytes_nvme(root: str, stage: int, params: bool = False) -> dict:
+    """:func:`same_bytes` with ``offload_optimizer.device: nvme`` (masters and Adam moments in swap files,
+    read back for the save by ``engine/nvme.py``'s ``nvme_resident``); ``params`` (stage 3): the parameter
+    shards in swap files too (``offload_param.device: nvme``, every shard on disk)."""
+    import tempfile
+
+    swap = tempfile.mkdtemp(dir=root)  # each rank its own folder (SwapFolder adds rank{r} below it anyway)
+    cfg = config(stage, dist.get_world_size())
+    zero = cfg["zero_optimization"]
+    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap, "buffer_count": 2, "pipeline_read": True,
+                                 "pipeline_write": True}
+    if params:  # every parameter shard on disk (no persistent ones, none kept in host memory)
+        zero.update(stage3_param_persistence_threshold=0, offload_param={
+            "device": "nvme", "nvme_path": swap, "buffer_count": 2, "buffer_size": 3000, "max_in_cpu": 0})
+    from tiny_models import build
+
+    engine, *_ = shardwise.initialize(model=build("llama"), config=cfg)
+    assert engine.nvme is not None and (engine.nvme_params is not None) == params
+    try:
+        return _same_bytes_with(engine, lambda a, b: _train(engine, a, b), Path(root))
+    finally:
+        engine.destroy()
+
+
 def same_bytes_sp(root: str) -> dict:
     """:func:`same_bytes` for Ulysses sequence parallelism 2 (stage 2): each rank trains on its half
     of every sequence (tests/sp_cases.py's model and batches)."""

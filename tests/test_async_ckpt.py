@@ -22,11 +22,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [*CASES, "sp2", "ep2_stage2", "ep2_stage3", "kept_buffer"])
+@pytest.mark.parametrize("case", [*CASES, "sp2", "ep2_stage2", "ep2_stage3", "kept_buffer",
+                                  "stage2_nvme", "stage3_nvme", "stage3_nvme_params"])
 def test_async_checkpoint_is_the_sync_checkpoint_byte_for_byte(pool2, tmp_path, case):
     if case == "kept_buffer":  # shardwise.keep_checkpoint_buffer: the second save reuses the first's buffer
         res = pool2.run("async_ckpt_cases:same_bytes_kept_buffer", str(tmp_path))
         assert all(r["reused"] for r in res) and res[0]["first_differ"] == []
+    elif "nvme" in case:  # offload_optimizer (and offload_param) on NVMe: the swap files read back for the save
+        res = pool2.run("async_ckpt_cases:same_bytes_nvme", str(tmp_path), int(case[5]), case.endswith("params"))
     elif case == "sp2":
         res = pool2.run("async_ckpt_cases:same_bytes_sp", str(tmp_path))
     elif case.startswith("ep2"):

@@ -22,12 +22,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.checkpoint import hash_ahead
 from shardwise.checkpoint.format import FORMAT, VERSION, CheckpointError, read_json  # noqa: F401 (re-exported)
 from shardwise.comm import Comm, CommStats, compute_device, make_comm
 from shardwise.files.safe import finite_json, open_regular, write_atomic
 from shardwise.files.safetensors_io import ST_NAMES, SafetensorsFile, dtype_from_name, dtype_name
 
-__all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name"]
+__all__ = ["CheckpointError", "SafetensorsWriter", "ShardReader", "dtype_from_name", "dtype_name",
+           "safetensors_header"]
+
+
+def safetensors_header(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+                       ) -> tuple[bytes, list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """The bytes a safetensors file starts with (length, JSON header padded to 8) for tensors laid out
+    in the order of ``specs``, and that order (name, dtype, shape)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    pos = 0
+    for name, dtype, shape in specs:
+        n = 1
+        for s in shape:
+            n *= int(s)
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": ST_NAMES[dtype], "shape": [int(s) for s in shape], "data_offsets": [pos, pos + nbytes]}
+        order.append((name, dtype, tuple(int(s) for s in shape)))
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, order
 
 
 class SafetensorsWriter:
@@ -40,24 +62,11 @@ class SafetensorsWriter:
     def __init__(self, path: str | Path, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None):
         self.path = Path(path)
-        header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-        self._order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-        pos = 0
-        for name, dtype, shape in specs:
-            n = 1
-            for s in shape:
-                n *= int(s)
-            nbytes = n * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": ST_NAMES[dtype], "shape": [int(s) for s in shape],
-                            "data_offsets": [pos, pos + nbytes]}
-            self._order.append((name, dtype, tuple(int(s) for s in shape)))
-            pos += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+        head, self._order = safetensors_header(specs, metadata)
         # never written through a symlink at the destination; closed in close()
         self._f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "wb")
         self._sha = hashlib.sha256()
-        self._put(len(raw).to_bytes(8, "little") + raw)
+        self._put(head)
         self._next = 0
 
     def _put(self, data: bytes | memoryview) -> None:
@@ -107,6 +116,39 @@ class ShardReader:
         self.folder, self.files, self.verify = folder, files, verify
         self._verified: set[str] = set()
         self._open: dict[str, SafetensorsFile] = {}
+        self._ahead: hash_ahead.Verifier | None = None
+
+    def verify_ahead(self, fnames: Iterable[str]) -> None:
+        """Check the sizes of ``fnames`` now and hash them on background threads (``hash_ahead.py``)
+        while this thread reads; :meth:`wait_verified` must follow before anything read is used."""
+        for fname in dict.fromkeys(fnames):
+            if fname in self._verified:
+                continue
+            info, path = self.files.get(fname), self._path(fname)
+            if info is None:
+                raise CheckpointError(f"{path}: not listed in the checkpoint's metadata.json")
+            self._check_size(path, info)
+            if self.verify:
+                if self._ahead is None:
+                    self._ahead = hash_ahead.Verifier()
+                self._ahead.start(path, info["bytes"], info["sha256"])
+            self._verified.add(fname)
+
+    def wait_verified(self) -> None:
+        """Every hash started by :meth:`verify_ahead` done and equal to the metadata's (else the first
+        mismatch, naming its file); no background thread is left."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.wait()
+
+    @staticmethod
+    def _check_size(path: Path, info: dict) -> None:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: file is missing")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path}: file is truncated or was modified ({size} bytes, "
+                                  f"metadata.json says {info['bytes']})")
 
     def _path(self, fname: str) -> Path:
         from shardwise.checkpoint.validate import confined_path
@@ -121,12 +163,7 @@ class ShardReader:
         path = self._path(fname)
         if info is None:
             raise CheckpointError(f"{path}: not listed in the checkpoint's metadata.json")
-        if not path.is_file():
-            raise CheckpointError(f"{path}: file is missing")
-        size = path.stat().st_size
-        if size != info["bytes"]:
-            raise CheckpointError(f"{path}: file is truncated or was modified ({size} bytes, "
-                                  f"metadata.json says {info['bytes']})")
+        self._check_size(path, info)
         if self.verify and sha256_file(path) != info["sha256"]:
             raise CheckpointError(f"{path}: sha256 mismatch, the file is corrupt")
         self._verified.add(fname)

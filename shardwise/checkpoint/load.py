@@ -39,6 +39,7 @@ from shardwise.checkpoint.frozen import (
     read_whole,
     saved_extras,
 )
+from shardwise.checkpoint.load_plan import hashed_ahead
 from shardwise.checkpoint.publish import IMPL_KEYS
 from shardwise.checkpoint.tp import (
     direct_key,
@@ -345,14 +346,14 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | Path, tag: str | N
     async_save.complete(block=True)  # a pending asynchronous save is published (or fails) first
     comm, _ = world_comm(), engine.wait_for_params()  # the last step's all-gathers may still write the params
     with_opt = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    err: BaseException | None = None
-    path, meta, st = None, {}, _Staged()
+    err, path, meta, st = None, None, {}, _Staged()
     try:
         path = resolve_tag(load_dir, tag)
         if path is not None:
             meta, reader = open_checkpoint(path, verify)
-            st = _stage(engine, path, meta, reader, load_module_strict, with_opt, load_lr_scheduler_states,
-                        load_module_only, comm.rank, comm.size)
+            with hashed_ahead(engine, meta, reader):  # the files hashed meanwhile, checked before agreeing
+                st = _stage(engine, path, meta, reader, load_module_strict, with_opt, load_lr_scheduler_states,
+                            load_module_only, comm.rank, comm.size)
     except CheckpointError as e:
         err = e
     except Exception as e:  # noqa: BLE001 - anything else a damaged file provokes, named
