@@ -37,3 +37,16 @@ def resume(stages: int, load_optimizer_states: bool = True) -> dict:
     losses = [float(engine.train_batch(batches(s, dp, config))) for s in (2, 3)]
     return {"names": sorted(mine), "differ": differ, "losses": losses, "stage": engine.stage_id,
             "steps": steps, "ds": json.loads((FIXTURE / "losses.json").read_text())}
+
+
+def straight(stages: int) -> list[float]:
+    """The fixture's run here without a save: 4 batches from the seeded layers (DeepSpeed's before + after)."""
+    import shardwise
+    from shardwise.pipeline import PipelineModule
+
+    model = PipelineModule(specs(), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
+                           seed_fn=torch.manual_seed, base_seed=BASE_SEED)
+    config = {**CONFIG, "zero_optimization": {"stage": 1}}
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    dp = engine.grid.get_data_parallel_id()
+    return [float(engine.train_batch(batches(s, dp, config))) for s in range(4)]

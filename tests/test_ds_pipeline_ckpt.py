@@ -24,7 +24,21 @@ def test_deepspeed_pipeline_checkpoint_loads_at_any_pp_degree(request, stages):
         assert r["differ"] == [], r["differ"]  # DeepSpeed's weights, bit for bit
         assert r["steps"] == 2
         ds = r["ds"]["after"]  # DeepSpeed's batches 3-4 after its save: the optimizer state carried over
-        assert r["losses"] == pytest.approx(ds, rel=1e-6, abs=0), (r["losses"], ds)
+        assert r["losses"][0] == ds[0]  # DeepSpeed's weights: the same bits
+        # after one step on the loaded Adam moments and step: 2.7e-7 relative apart (measured), as far as this
+        # engine's run without the save is from DeepSpeed's own at that batch (the test below)
+        assert r["losses"][1] == pytest.approx(ds[1], rel=1e-6, abs=0), (r["losses"], ds)
+    assert pool.run("ds_pipeline_ckpt_cases:resume", stages, load_optimizer_states=False)[-1]["losses"][1] != \
+        pytest.approx(res[-1]["losses"][1], rel=1e-4)  # fresh moments: the check above tells them apart
+
+
+def test_the_resumed_run_is_the_run_without_a_save(pool2):
+    """Loaded from DeepSpeed's checkpoint at PP 2, batches 3-4 give bit for bit what this engine gives
+    training the 4 batches straight: nothing of the optimizer state was lost or rounded in the import."""
+    resumed = pool2.run("ds_pipeline_ckpt_cases:resume", 2)[0]
+    straight = pool2.run("ds_pipeline_ckpt_cases:straight", 2)[0]
+    assert straight[:2] == resumed["ds"]["before"]  # DeepSpeed's losses before its save, bit for bit
+    assert resumed["losses"] == straight[2:]
 
 
 def _damaged(tmp_path, damage: str):
