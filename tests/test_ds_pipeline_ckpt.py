@@ -62,6 +62,10 @@ def _damaged(tmp_path, damage: str):
         sd["fc.extra"] = torch.zeros(3)
     elif damage == "index":  # a layer past the last one (layer 6, the head, is the last)
         layer = folder / "layer_09-model_states.pt"
+    elif damage == "zero0":  # no optimizer files: ZeRO-0's optimizer lives in the model states, not mapped
+        for f in folder.glob("zero_pp_rank_*"):
+            f.unlink()
+        return folder, "no *_optim_states.pt files"
     elif damage == "missing":
         layer.unlink()
         return folder, "mp_rank_00_model_states.pt"
@@ -72,7 +76,7 @@ def _damaged(tmp_path, damage: str):
     return folder, layer.name
 
 
-@pytest.mark.parametrize("damage", ["shape", "size", "name", "index", "missing", "truncated"])
+@pytest.mark.parametrize("damage", ["shape", "size", "name", "index", "missing", "truncated", "zero0"])
 def test_a_lying_layer_file_is_refused_naming_it(tmp_path, damage):
     from shardwise.checkpoint import CheckpointError
     from shardwise.checkpoint.formats import open_checkpoint
