@@ -32,6 +32,20 @@ def test_deepspeed_pipeline_checkpoint_loads_at_any_pp_degree(request, stages):
         pytest.approx(res[-1]["losses"][1], rel=1e-4)  # fresh moments: the check above tells them apart
 
 
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_pp2_x_dp2_checkpoint_loads_at_any_pp_degree(pool4, stages):
+    """DeepSpeed's PP 2 x DP 2 checkpoint (each stage's ZeRO-1 optimizer over its 2 data-parallel rank
+    files) on 4 ranks at PP 1 x DP 4, PP 2 x DP 2 and PP 4: DeepSpeed's weights bit for bit; at PP 2 x
+    DP 2 (DeepSpeed's data layout) its next loss bit for bit and the one after within 1e-6 relative."""
+    res = pool4.run("ds_pipeline_ckpt_cases:resume", stages, fixture="z1_dp2")
+    assert len({n for r in res for n in r["names"]}) == 14
+    for r in res:
+        assert r["differ"] == [] and r["steps"] == 2, r["differ"]
+        if stages == 2:
+            ds = r["ds"]["after"]
+            assert r["losses"][0] == ds[0] and r["losses"][1] == pytest.approx(ds[1], rel=1e-6, abs=0), r["losses"]
+
+
 def test_the_resumed_run_is_the_run_without_a_save(pool2):
     """Loaded from DeepSpeed's checkpoint at PP 2, batches 3-4 give bit for bit what this engine gives
     training the 4 batches straight: nothing of the optimizer state was lost or rounded in the import."""
