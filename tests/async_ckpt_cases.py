@@ -353,3 +353,25 @@ def failed_write_frees_copy(root: str) -> dict:
         save_mod.stage, shard_writer.at_phase = orig_stage, orig_phase
     gc.collect()
     return {"error": err, "staged": len(refs), "alive": sum(r() is not None for r in refs)}
+
+
+def same_bytes_pp(root: str, stages: int, zero: int = 0) -> dict:
+    """:func:`same_bytes` for a pipeline engine (tests/pipeline_cases.py's layers) at ``stages`` stages,
+    data-parallel over the rest of the ranks, ZeRO ``zero``: every stage writes its layers' tensors into
+    the one folder, the async save's bytes those of the sync save."""
+    import torch.nn.functional as F  # noqa: N812
+    from pipeline_cases import BASE_SEED, CONFIG, batches, specs
+
+    from shardwise.pipeline import PipelineModule
+
+    model = PipelineModule(specs(), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
+                           seed_fn=torch.manual_seed, base_seed=BASE_SEED)
+    config = {**CONFIG, "zero_optimization": {"stage": zero}}
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    dp = engine.grid.get_data_parallel_id()
+
+    def train(a: int, b: int) -> None:
+        for s in range(a, b):
+            engine.train_batch(batches(s, dp, config))
+
+    return _same_bytes_with(engine, train, Path(root))

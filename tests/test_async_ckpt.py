@@ -23,7 +23,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", [*CASES, "sp2", "ep2_stage2", "ep2_stage3", "kept_buffer",
-                                  "stage2_nvme", "stage3_nvme", "stage3_nvme_params"])
+                                  "stage2_nvme", "stage3_nvme", "stage3_nvme_params", "pp2", "pp2_zero1"])
 def test_async_checkpoint_is_the_sync_checkpoint_byte_for_byte(pool2, tmp_path, case):
     if case == "kept_buffer":  # shardwise.keep_checkpoint_buffer: the second save reuses the first's buffer
         res = pool2.run("async_ckpt_cases:same_bytes_kept_buffer", str(tmp_path))
@@ -32,6 +32,9 @@ def test_async_checkpoint_is_the_sync_checkpoint_byte_for_byte(pool2, tmp_path, 
         res = pool2.run("async_ckpt_cases:same_bytes_nvme", str(tmp_path), int(case[5]), case.endswith("params"))
     elif case == "sp2":
         res = pool2.run("async_ckpt_cases:same_bytes_sp", str(tmp_path))
+    elif case.startswith("pp2"):  # pipeline parallelism: two stages, one rank each
+        res = pool2.run("async_ckpt_cases:same_bytes_pp", str(tmp_path), 2, int(case.endswith("zero1")))
+        assert all(r["held"] for r in res)  # each stage's writer held while the pipeline trained on
     elif case.startswith("ep2"):
         res = pool2.run("async_ckpt_cases:same_bytes_ep", str(tmp_path), int(case[-1]))
     else:
@@ -44,6 +47,16 @@ def test_async_checkpoint_is_the_sync_checkpoint_byte_for_byte(pool2, tmp_path, 
     assert "metadata.json" in res[0]["names"] and any(n.endswith(".safetensors") for n in res[0]["names"])
     assert res[0]["differ"] == [], res[0]["differ"]
     assert res[0]["leftovers"] == []
+
+
+def test_async_checkpoint_of_pp2_x_dp2_at_zero1_is_the_sync_checkpoint(pool4, tmp_path):
+    """Two stages, each data-parallel over two ranks with ZeRO-1 (each rank writes its optimizer shard)."""
+    res = pool4.run("async_ckpt_cases:same_bytes_pp", str(tmp_path), 2, 1)
+    for r in res:
+        assert r["pending"] == "t" and not r["published_early"] and r["after"] is None and r["held"], r
+        assert r["latest"] == "t"
+    assert res[0]["names"] == ["metadata.json", *(f"rank{r:05d}.safetensors" for r in range(4))]
+    assert res[0]["differ"] == [] and res[0]["leftovers"] == []
 
 
 @pytest.mark.parametrize(("extra", "on"), [

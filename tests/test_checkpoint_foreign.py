@@ -260,7 +260,6 @@ def test_file_outside_the_folder_is_not_read(tmp_path):
 
 
 @pytest.mark.parametrize("extra,match", [
-    ("layer_01-model_states.pt", "pipeline-parallel"),
     ("expp_rank_0_mp_rank_00_optim_states.pt", "MoE expert"),
     ("layer_0_expert_0_mp_rank_00_model_states.pt", "MoE expert"),
     ("mp_rank_01_model_states.pt", "tensor-parallel"),

@@ -19,8 +19,9 @@ Layout (DeepSpeed 0.19; the facts are those its ``zero_to_fp32.py`` reconstructs
     ``optimizer_state_dict`` (the torch state over the same flat sub-groups).
 
 Each parameter's full master and Adam moments are cut out of the concatenated rank slices and
-handed to the one loader as full tensors (``foreign.py``). Refused by name: tensor- or pipeline-
-parallel layouts (``mp_rank_01``, ``layer_*``), MoE expert files, fp16 dynamic loss-scaler state is
+handed to the one loader as full tensors (``foreign.py``). A pipeline's checkpoint (``layer_*``) is
+read stage by stage through :func:`read_deepspeed` by ``deepspeed_pipeline.py``. Refused by name:
+tensor-parallel layouts (``mp_rank_01`` without ``layer_*`` files), MoE expert files, fp16 dynamic loss-scaler state is
 not carried over (logged), missing or extra rank files, partitions that do not add up.
 """
 
@@ -53,19 +54,21 @@ def is_deepspeed(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*model_states.pt"))
 
 
-def _files(path: Path) -> list[str]:
+def _files(path: Path, pipeline: bool = False) -> list[str]:
+    """The folder's file names, each confined to it; layouts not read refused by name (``pipeline``:
+    the ``layer_*`` files and ``mp_rank`` > 0 are a pipeline's, read by ``deepspeed_pipeline.py``)."""
     names = sorted(p.name for p in path.iterdir())
     if (path / "zero").is_dir():
         raise CheckpointError(f"{path / 'zero'}: a DeepSpeed universal checkpoint (ds_to_universal); not read "
                               "(load the checkpoint it was converted from)")
     for n in names:
         confined_path(path, n, path)  # a symlink out of the folder is refused before anything is read
-        if n.startswith(("layer_", "expp_rank_")) or "_expert_" in n:
+        if n.startswith("expp_rank_") or "_expert_" in n or (n.startswith("layer_") and not pipeline):
             what = "MoE expert" if n.startswith("expp_rank_") or "_expert_" in n else "pipeline-parallel (layer_*)"
             raise CheckpointError(f"{path / n}: a DeepSpeed {what} checkpoint file; shardwise does not read "
                                   "that layout (nothing was loaded)")
         m = _OPTIM.match(n) or _MODEL3.match(n) or re.match(r"^mp_rank_(\d+)_model_states\.pt$", n)
-        if m and m.group(m.lastindex) != "00":
+        if m and m.group(m.lastindex) != "00" and not pipeline:
             raise CheckpointError(f"{path / n}: a DeepSpeed tensor-parallel (mp_rank > 0) checkpoint; not read "
                                   "(nothing was loaded)")
     return names
@@ -276,8 +279,9 @@ def _open_optims(path: Path, names: list[str]) -> tuple[list[Path], str, list[di
     return files, prefix, optims, stage
 
 
-def _model_files(path: Path, names: list[str], stage: int, world: int) -> list[Path]:
-    files = [path / "mp_rank_00_model_states.pt"] if stage < 3 else _ranked(path, names, _MODEL3, "model_states")[0]
+def _model_files(path: Path, names: list[str], stage: int, world: int, mp: int = 0) -> list[Path]:
+    one = [path / f"mp_rank_{mp:02d}_model_states.pt"]
+    files = one if stage < 3 else _ranked(path, names, _MODEL3, "model_states")[0]
     if (stage == 3 and len(files) != world) or not files[0].is_file():
         raise CheckpointError(f"{path}: expected {'one' if stage < 3 else world} model_states file(s) for stage "
                               f"{stage} at world {world}")
@@ -302,13 +306,23 @@ def _cutter(stage: int, shapes: list[dict], world: int, path: Path):
     return lambda per_rank: _cut_3(merged, [_flat(p, path, "a flat group") for p in per_rank], world, path)
 
 
-def read_deepspeed(path: Path) -> Foreign:
-    """The DeepSpeed checkpoint in ``path`` (a ``global_stepN`` folder) as full per-parameter tensors."""
-    names = _files(path)
+def read_deepspeed(path: Path, mp: int | None = None, module: dict | None = None) -> Foreign:
+    """The DeepSpeed checkpoint in ``path`` (a ``global_stepN`` folder) as full per-parameter tensors.
+
+    ``mp``: read pipeline stage ``mp`` only (its ``mp_rank_MP`` files), with ``module`` (the stage's
+    layers' tensors, from its ``layer_*`` files, already read and checked) as its module state."""
+    names = _files(path, pipeline=mp is not None)
+    if mp is not None:
+        names = [n for n in names if not (m := _OPTIM.match(n)) or int(m.group(3)) == mp]
     optim_files, prefix, optims, stage = _open_optims(path, names)
     world = len(optim_files)
-    model_files = _model_files(path, names, stage, world)
+    model_files = _model_files(path, names, stage, world, mp or 0)
     model = safe_load(model_files[0], model_files[0], mmap=True)
+    if module is not None:
+        if not isinstance(model, dict) or model.get("module") is not None:
+            raise CheckpointError(f"{model_files[0]}: a pipeline stage's model states must hold no 'module' (its "
+                                  "layers are in the layer_* files)")
+        model = {**model, "module": module}
     shapes = _shapes(_get(model, "param_shapes", model_files[0]), model_files[0])
     key, base = ("single_partition_of_fp32_groups", "base_optimizer_state") if stage < 3 else \
                 ("fp32_flat_groups", "optimizer_state_dict")

@@ -15,6 +15,7 @@ import torch
 
 from shardwise.checkpoint.dcp_format import read_dcp
 from shardwise.checkpoint.deepspeed_format import is_deepspeed, read_deepspeed
+from shardwise.checkpoint.deepspeed_pipeline import is_pipeline, read_deepspeed_pipeline
 from shardwise.checkpoint.fileio import CheckpointError, ShardReader, read_json
 from shardwise.checkpoint.foreign import FOREIGN
 from shardwise.checkpoint.validate import confined_path, parse_metadata
@@ -36,7 +37,10 @@ def open_checkpoint(path: Path, verify: bool = True) -> tuple[dict, ShardReader]
     checked), so an unreadable one fails before the loader starts.
     """
     if is_foreign(path):
-        found = read_dcp(path) if is_dcp(path) else read_deepspeed(path)
+        if is_dcp(path):
+            found = read_dcp(path)
+        else:  # a PipelineModule's checkpoint: layer_XX files and one model states file per stage
+            found = read_deepspeed_pipeline(path) if is_pipeline(path) else read_deepspeed(path)
         return found.build()
     source = path / "metadata.json"
     meta = parse_metadata(read_json(confined_path(path, "metadata.json", source)), source)
@@ -72,9 +76,11 @@ def check_foreign_optimizer(engine: Any, meta: dict, source: Path) -> None:
     members = meta.get("group_members") or []
     by_master = {id(g.master): g.names for g in engine.groups}
     live = [sorted(n for p in pg["params"] for n in by_master.get(id(p), [])) for pg in opt.param_groups]
+    mine = {n for names in live for n in names}
+    one_stage = getattr(engine, "holds_one_stage", False)  # a pipeline stage: the others' names are theirs
     if members and len(members) == len(live):
         for i, (have, saved) in enumerate(zip(live, members, strict=True)):
-            if have != sorted(saved):
+            if have != sorted(n for n in saved if n in mine or not one_stage):
                 raise CheckpointError(f"{source}: optimizer param group {i} holds {sorted(set(saved) ^ set(have))[:4]} "
                                       "in only one of the checkpoint and this engine; build the same param groups")
     want = _expected_states(opt)
