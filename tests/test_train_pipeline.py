@@ -74,8 +74,16 @@ def test_pp2_gives_pp1s_losses_weights_and_export(pool1, pool2, tmp_path) -> Non
 @pytest.mark.parametrize(("extra", "words"), [
     (["--pp", "3"], "not divisible into 3 pipeline stages"),
     (["--pp", "2", "--sp", "2"], "--pp 2 with --sp / sequence_parallel_size is not served"),
+    (["--pp", "2", "--model", "TIED"], "tie_word_embeddings=True) is not served by shardwise train yet"),
 ])
 def test_pp_refusals_are_one_line(pool2, tmp_path, extra: list[str], words: str) -> None:
+    """A world --pp does not divide, --pp with --sp, and an embedding tied across stages: exit 2, one line."""
+    from transformers import LlamaConfig
+
+    tied = tmp_path / "tied.json"
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True).to_json_file(str(tied))
+    extra = [str(tied) if e == "TIED" else e for e in extra]
     answers = pool2.run("train_cases:train", _argv(tmp_path, tmp_path / "run", 1, *extra))
     assert [code for code, _, _ in answers] == [2, 2]
     err = answers[0][2].strip()

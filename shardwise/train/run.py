@@ -162,7 +162,7 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
         _log(note)
     state = {"seq": args.seq, "seed": args.seed, "global_batch": global_batch}
     return Job(args, engine, data, tokenizer, run_dir, global_batch * args.seq, state, lock=lock,
-               guard=NonFiniteGuard(engine.max_nonfinite_steps), model=model if pp > 1 else None)
+               guard=NonFiniteGuard(engine.max_nonfinite_steps), model=pipeline_job.whole_model(engine, model))
 
 
 def _check_before_writing(args: Any) -> ModelSource:
