@@ -46,16 +46,29 @@ def _export_eval_loss(out: Path) -> float:
     return total / count
 
 
-def test_pp2_gives_pp1s_losses_weights_and_export(pool1, pool2, tmp_path) -> None:
+def _tied_config(tmp_path: Path) -> str:
+    """A config.json of a tiny Llama whose head is its embedding (tie_word_embeddings)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path / "tied.json"
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True).to_json_file(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pp2_gives_pp1s_losses_weights_and_export(pool1, pool2, tmp_path, tied: bool) -> None:
     """--pp 2 on 2 ranks (stopped at step 2, resumed to 3) against --pp 1 on 1 rank, the same global batch:
-    the same losses, bit-identical exported weights, and the export's held-out loss in transformers is the
-    stages' final eval loss."""
+    the same losses, the same exported weights (bit for bit untied; tied, the embedding's gradient is summed
+    over its two stages in another order: 1e-5), and the export's held-out loss in transformers is the
+    stages' final eval loss. Tied, the export is tied too and the checkpoint holds the owner's copy."""
     from safetensors.torch import load_file
 
     one, two = tmp_path / "pp1", tmp_path / "pp2"
-    train_in(pool1, _argv(tmp_path, one, 3))
-    train_in(pool2, _argv(tmp_path, two, 2, "--pp", "2"))
-    log = train_in(pool2, _argv(tmp_path, two, 3, "--pp", "2", "--resume", "auto"))
+    model = ["--model", _tied_config(tmp_path)] if tied else []
+    train_in(pool1, _argv(tmp_path, one, 3, *model))
+    train_in(pool2, _argv(tmp_path, two, 2, "--pp", "2", *model))
+    log = train_in(pool2, _argv(tmp_path, two, 3, "--pp", "2", "--resume", "auto", *model))
     assert "resumed from" in log and "(pp 2 x tp 1 x sp 1 x dp 1)" in log
     a, b = _records(one, "train", "loss"), _records(two, "train", "loss")
     assert sorted(a) == sorted(b) == [1, 2, 3]
@@ -64,9 +77,12 @@ def test_pp2_gives_pp1s_losses_weights_and_export(pool1, pool2, tmp_path) -> Non
     ea, eb = _records(one, "eval", "eval_loss"), _records(two, "eval", "eval_loss")
     assert eb[3] == pytest.approx(ea[3], rel=LOSS_RTOL, abs=0)
     wa, wb = load_file(str(one / "hf" / "model.safetensors")), load_file(str(two / "hf" / "model.safetensors"))
-    assert sorted(wa) == sorted(wb)
+    assert sorted(wa) == sorted(wb) and ("lm_head.weight" in wa) != tied
     for name, t in wa.items():
-        assert torch.equal(t, wb[name]), name
+        if tied:
+            torch.testing.assert_close(wb[name], t, rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(t, wb[name]), name
     assert _export_eval_loss(two) == pytest.approx(eb[3], rel=1e-6, abs=0)
     assert (two / "sample.txt").read_text() == (one / "sample.txt").read_text()
 
@@ -74,17 +90,11 @@ def test_pp2_gives_pp1s_losses_weights_and_export(pool1, pool2, tmp_path) -> Non
 @pytest.mark.parametrize(("extra", "words"), [
     (["--pp", "3"], "not divisible into 3 pipeline stages"),
     (["--pp", "2", "--sp", "2"], "--pp 2 with --sp / sequence_parallel_size is not served"),
-    (["--pp", "2", "--model", "TIED"], "tie_word_embeddings=True) is not served by shardwise train yet"),
 ])
 def test_pp_refusals_are_one_line(pool2, tmp_path, extra: list[str], words: str) -> None:
-    """A world --pp does not divide, --pp with --sp, and an embedding tied across stages: exit 2, one line."""
-    from transformers import LlamaConfig
-
-    tied = tmp_path / "tied.json"
-    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True).to_json_file(str(tied))
-    extra = [str(tied) if e == "TIED" else e for e in extra]
+    """A world --pp does not divide, and --pp with --sp: exit 2 and one line, before any work."""
     answers = pool2.run("train_cases:train", _argv(tmp_path, tmp_path / "run", 1, *extra))
     assert [code for code, _, _ in answers] == [2, 2]
     err = answers[0][2].strip()
     assert words in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()

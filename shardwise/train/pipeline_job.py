@@ -57,18 +57,8 @@ def check_layout(ds_config: dict, world: int) -> None:
 
 
 def whole_model(engine: Any, model: nn.Module) -> nn.Module | None:
-    """The model the stages were cut from, kept for the sample and the export (None without stages).
-
-    A weight tied across stages (``tie_word_embeddings=True``) is refused on every rank before the
-    first step: the pipeline engine does not checkpoint such a tie yet, and every run saves."""
-    if not is_pipeline(engine):
-        return None
-    module = engine.module
-    if any(len(module.tied_stages(key)) > 1 for key in module.tied_keys()):
-        raise UserError(f"--pp {engine.num_stages} with a model whose embedding is tied to its head "
-                        "(tie_word_embeddings=True) is not served by shardwise train yet: the pipeline engine does "
-                        "not checkpoint a weight tied across stages; train it at --pp 1, or untie it in config.json")
-    return model
+    """The model the stages were cut from, kept for the sample and the export (None without stages)."""
+    return model if is_pipeline(engine) else None
 
 
 def train_batch(engine: Any, micro: list[torch.Tensor]) -> tuple[float, float | None]:
