@@ -50,20 +50,6 @@ def refusal(kind: str) -> str:
     return "none"
 
 
-def checkpoint_refused() -> str:
-    """save_checkpoint at 2 stages with a weight tied across them: one line (not served yet)."""
-    import shardwise
-    from shardwise.pipeline import PipelineModule
-
-    model = PipelineModule(specs(tied=True), num_stages=2, loss_fn=F.mse_loss)
-    engine, *_ = shardwise.initialize(model=model, config=CONFIG)
-    try:
-        engine.save_checkpoint("ckpt")
-    except Exception as e:  # noqa: BLE001 - the line is what is checked
-        return str(e)
-    return "none"
-
-
 def tiny_lm(tied: bool) -> nn.Module:
     """A 4-layer Llama built from a config (seeded: the same on every rank)."""
     from transformers import AutoModelForCausalLM, LlamaConfig

@@ -106,7 +106,8 @@ def test_pp_x_dp_zero3_with_tied_layers(pool4) -> None:
     _check(pool4.run("pipeline_cases:train", 2, config=ZERO3, tied=True), pc.reference(dp=2, tied=True), exact=False)
 
 
-@pytest.mark.parametrize(("save", "load", "tied"), [(2, 1, False), (1, 2, False), (1, 2, True)])
+@pytest.mark.parametrize(("save", "load", "tied"),
+                         [(2, 1, False), (1, 2, False), (1, 2, True), (2, 2, True), (2, 1, True)])
 def test_checkpoint_resumes_at_another_pp_degree(pool2, tmp_path, save: int, load: int, tied: bool) -> None:
     """ZeRO-1, saved after 2 batches at ``save`` stages, resumed at ``load`` stages on the same ranks (so the
     data-parallel degree changes too): batches 3-4 are the single-process run's with that change, bit for bit

@@ -78,6 +78,7 @@ def _rank_pieces(engine: CheckpointTarget, rank: int, exclude_frozen: bool = Fal
     segments: dict[str, list[int]] = {}
     scalars: dict[str, dict] = {}
     state_dtypes: dict[str, str] = {}
+    copies = getattr(engine, "copies_not_saved", frozenset())  # a pipeline stage's copies of tied weights
     for g in engine.groups:
         state = engine.optimizer.state.get(g.master, {}) if engine.optimizer is not None else {}  # None: eval engine
         writes_g = writes_group(g, engine.policy.shard_optimizer, first_replica, engine.comm.rank)
@@ -86,7 +87,7 @@ def _rank_pieces(engine: CheckpointTarget, rank: int, exclude_frozen: bool = Fal
         own = {s.index: s for s in g.owned}
         for i, (name, p) in enumerate(zip(g.names, g.params, strict=True)):
             spec = spec_of(p)
-            if spec is None and tp_rank != 0:
+            if name in copies or (spec is None and tp_rank != 0):
                 continue  # replicated over TP: TP rank 0 saves it
             key, shape = saved_name(name, spec), saved_shape(p)  # experts: the full tensor (checkpoint/experts.py)
             tensors[key] = {"shape": shape, "numel": saved_numel(p), "dtype": dtype_name(g.dtype),

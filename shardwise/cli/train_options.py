@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ep", type=int, default=None,
       help="expert parallelism for an HF MoE model: split each MoE layer's experts over N ranks "
            "(sets the config's expert_parallel section; docs/moe.md)")
+    a("--pp", type=int, default=None,
+      help="pipeline parallelism: the model split by decoder layers into N stages (the config's pipeline.stages; "
+           "docs/pipeline.md)")
     a("--timeout", type=float, default=None,
       help="seconds a collective may wait for the other ranks before failing (default: SHARDWISE_TIMEOUT or 600)")
     return p
@@ -167,6 +170,18 @@ def _apply_sp(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     args.ds_config["sequence_parallel_size"] = args.sp
 
 
+def _apply_pp(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """``--pp N`` as the config's ``pipeline.stages`` (a different value in the config is refused)."""
+    if args.pp is None:
+        return
+    if args.pp < 1:
+        p.error(f"--pp must be >= 1, got {args.pp}")
+    section = args.ds_config.get("pipeline") or {}
+    if section.get("stages") not in (None, "auto", args.pp):
+        p.error(f"--pp {args.pp} disagrees with the config's pipeline.stages {section['stages']}; keep one")
+    args.ds_config["pipeline"] = {**section, "stages": args.pp}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags over the run config file over the defaults; ``args.ds_config`` is the config dict."""
     p = build_parser()
@@ -182,6 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     config = default_config(args.steps) if args.config is None else args.config  # no --config: the defaults
     args.ds_config = read_ds_config(config, args.steps, p)
     _apply_sp(args, p)
+    _apply_pp(args, p)
     if args.ep is not None:  # DeepSpeed AutoEP's keys, as a config would give them
         if args.ep < 1:
             p.error(f"--ep must be >= 1, got {args.ep}")

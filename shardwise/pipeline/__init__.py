@@ -14,7 +14,7 @@ from __future__ import annotations
 from shardwise.pipeline.build import build_pipeline_engine
 from shardwise.pipeline.engine import PipelineEngine
 from shardwise.pipeline.entry import initialize
-from shardwise.pipeline.hf import causal_lm_loss, split_causal_lm
+from shardwise.pipeline.hf import causal_lm_loss, pipeline_stages, split_causal_lm
 from shardwise.pipeline.module import PipelineModule
 from shardwise.pipeline.schedule import SCHEDULES, bubble_fraction
 from shardwise.pipeline.spec import LayerSpec, TiedLayerSpec, partition_balanced, partition_uniform
@@ -32,4 +32,4 @@ PipelineModule.engine_builder = staticmethod(build_pipeline_engine)
 __all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineEngine",
            "PipelineModule", "PipelineParallelGrid", "ProcessTopology", "SCHEDULES", "StageTransferError",
            "TiedLayerSpec", "bubble_fraction", "build_pipeline_engine", "causal_lm_loss", "initialize",
-           "split_causal_lm", "partition_balanced", "partition_uniform"]
+           "pipeline_stages", "split_causal_lm", "partition_balanced", "partition_uniform"]

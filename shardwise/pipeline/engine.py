@@ -93,11 +93,12 @@ class PipelineEngine(Engine):
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """The engine's checkpoint, written by every stage into one folder (each tensor under its layer's
-        name, so it loads at any number of stages, data-parallel degree or ZeRO stage)."""
-        if self.num_stages > 1 and self.tied.ties:
-            raise UsageError(f"engine.save_checkpoint() with {self.num_stages} pipeline stages and a TiedLayerSpec "
-                             "across stages is not served yet (each stage holds a copy under one name); save at 1 "
-                             "stage (such a checkpoint loads at any number of stages)")
+        name, so it loads at any number of stages, data-parallel degree or ZeRO stage). A weight tied
+        across stages is written by its owner (the first stage using it) only: the copies hold its values,
+        and on load each copy reads the owner's tensor and optimizer state under the one name."""
+        copies = {id(w) for _, stages, weights in self.tied.ties if self.stage_id != stages[0] for w in weights}
+        self.copies_not_saved = frozenset(n for g in self.groups for n, p in zip(g.names, g.params, strict=True)
+                                          if id(p) in copies)
         return Engine.save_checkpoint(self, *args, **kwargs)
 
     # -- a batch -------------------------------------------------------------------------

@@ -119,6 +119,9 @@ def split_causal_lm(model: nn.Module, stages: int, partition_method: str = "unif
     module = PipelineModule([first, *layers, *last], num_stages=stages, loss_fn=causal_lm_loss,
                             partition_method=partition_method)
     module.hf_config = config
+    # this stage's parameter names -> the model's own (a tied head: the embedding's), for the HF export
+    owner = {id(p): n for n, p in model.named_parameters()}
+    module.hf_names = {n: owner[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in owner}
     return module
 
 

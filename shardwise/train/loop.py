@@ -23,6 +23,7 @@ from shardwise.checkpoint import wait_for_checkpoint
 from shardwise.comm import make_comm
 from shardwise.engine import NonFiniteError
 from shardwise.sequence_parallel import router_aux_loss, sequence_parallel_loss, split_batch
+from shardwise.train import pipeline_job
 from shardwise.train.data import TokenData
 from shardwise.train.divergence import RankOutOfMemoryError
 from shardwise.train.run_folder import prune_checkpoints
@@ -105,7 +106,11 @@ def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepRes
     micro = data.micro_batches(step, cfg.train_micro_batch_size_per_gpu, engine.gas, engine.dp_rank,
                                engine.dp_world)
     data_s = time.perf_counter() - t0
-    total, norm = 0.0, None
+    total, norm, mean = 0.0, None, None
+    if pipeline_job.is_pipeline(engine):  # a step is one train_batch over the micro-batches: its mean loss
+        with out_of_memory_names("forward and backward", step + 1):
+            mean, norm = pipeline_job.train_batch(engine, [mb.to(engine.device) for mb in micro])
+        micro = []
     for mb in micro:
         mb = mb.to(engine.device)
         with out_of_memory_names("forward", step + 1):
@@ -118,7 +123,7 @@ def train_step(engine, data: TokenData, step: int, stop: StopRequest) -> StepRes
         except NonFiniteError as e:
             norm = e.value
         total += float(loss.detach())
-    flags = torch.tensor([total / engine.gas, float(stop.requested)], dtype=torch.float64,
+    flags = torch.tensor([total / engine.gas if mean is None else mean, float(stop.requested)], dtype=torch.float64,
                          device=engine.device)
     make_comm().all_reduce(flags)  # world sum: TP and SP ranks repeat their data-parallel rank's loss, so / world
     scaler_skip = engine.loss_scaler is not None and not engine.was_step_applied()
@@ -136,6 +141,9 @@ def evaluate(engine, data: TokenData) -> float:
     batches = data.eval_batches(engine.config.train_micro_batch_size_per_gpu)
     dp, rank = engine.dp_world, engine.dp_rank  # SP ranks evaluate whole sequences (no_grad: SP is off)
     sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    if pipeline_job.is_pipeline(engine):
+        sums += pipeline_job.eval_sums(engine, [b.to(engine.device) for b in batches])
+        batches = []  # the stages' turns are taken; no forward below
     engine.module.eval()
     try:
         for r in range(-(-len(batches) // dp)):
@@ -162,7 +170,8 @@ def probe_loss(engine, data: TokenData) -> float:
     mb = torch.from_numpy(data.sequence(0))[None, :].to(engine.device)
     engine.module.eval()
     try:
-        loss = engine(input_ids=mb, labels=mb).loss
+        pipe = pipeline_job.is_pipeline(engine)
+        loss = pipeline_job.probe(engine, mb) if pipe else engine(input_ids=mb, labels=mb).loss
     finally:
         engine.module.train()
     out = torch.tensor([float(loss)], dtype=torch.float64, device=engine.device)

@@ -25,7 +25,7 @@ from shardwise.checkpoint.run_files import RUN_TOKENIZER
 from shardwise.comm import RanksDivergedError, make_comm
 from shardwise.config import ConfigError, SupportedFeatures, load_config
 from shardwise.errors import UserError, one_line, user_error_types
-from shardwise.train import loop
+from shardwise.train import loop, pipeline_job
 from shardwise.train.advice import eval_rise_note, passes_note
 from shardwise.train.data import DataError, TokenData, list_sources, tokenize_to_cache
 from shardwise.train.defaults import SUMMARY
@@ -117,6 +117,7 @@ class Job:
     times: dict = field(default_factory=lambda: {"data": 0.0, "step": 0.0, "n": 0})
     lock: RunLock | None = None  # rank 0's lock on run_dir, held until main() returns
     guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(0))
+    model: Any = None  # --pp: the whole model the stages were cut from (the sample and export gather into it)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -138,7 +139,7 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
     tokenizer = load_tokenizer(src)
     data = TokenData.open(_prepare_data(args, tokenizer, run_dir), args.seq, args.eval_fraction, args.seed)
     stage = (args.ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if (args.ds_config.get("expert_parallel") or {}).get("enabled"):
+    if (args.ds_config.get("expert_parallel") or {}).get("enabled") or pipeline_job.stages_of(args.ds_config) > 1:
         stage = 0  # built whole (not under zero.Init): the experts are split before ZeRO shards the rest
     model = build_model(src, tokenizer.vocab_size, args.seq, args.seed, stage if isinstance(stage, int) else 0)
     size = n_params(model)
@@ -149,9 +150,10 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
         engine.max_nonfinite_steps = args.max_nonfinite_steps
     cfg = engine.config
     global_batch = cfg.train_micro_batch_size_per_gpu * engine.gas * engine.dp_world
+    pp = getattr(engine, "num_stages", 1)
     _log(f"{args.model} ({src.kind}): {size / 1e6:.2f}M params, tokenizer {tokenizer.name}; data "
          f"{len(data.tokens):,} tokens = {data.n_train} train + {data.n_eval} eval sequences of {args.seq}; "
-         f"world {dist.get_world_size()} (tp {engine.tp.size} x sp {cfg.sequence_parallel_size} x dp "
+         f"world {dist.get_world_size()} (pp {pp} x tp {engine.tp.size} x sp {cfg.sequence_parallel_size} x dp "
          f"{engine.dp_world}), ZeRO stage {engine.stage}, {cfg.precision}, {global_batch} sequences/step")
     if args.config is None:
         _log(f"no --config: the defaults ({SUMMARY}); saved in {run_dir / 'run_config.json'}")
@@ -160,7 +162,7 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
         _log(note)
     state = {"seq": args.seq, "seed": args.seed, "global_batch": global_batch}
     return Job(args, engine, data, tokenizer, run_dir, global_batch * args.seq, state, lock=lock,
-               guard=NonFiniteGuard(engine.max_nonfinite_steps))
+               guard=NonFiniteGuard(engine.max_nonfinite_steps), model=pipeline_job.whole_model(engine, model))
 
 
 def _check_before_writing(args: Any) -> ModelSource:
@@ -171,6 +173,7 @@ def _check_before_writing(args: Any) -> ModelSource:
     a folder the next run would find, and half a minute spent first.
     """
     load_config(args.ds_config, world_size=dist.get_world_size(), supported=SupportedFeatures.everything())
+    pipeline_job.check_layout(args.ds_config, dist.get_world_size())
     if dataset_kind(args.data) is None and not Path(args.data).exists():
         raise DataError(f"--data {args.data}: no such file or folder")
     return resolve_model(args.model)
@@ -341,16 +344,17 @@ def _finish(job: Job, step: int) -> int:
     args, engine = job.args, job.engine
     if job.data.n_eval and (job.last_eval is None or job.last_eval[0] != step):
         _eval(job, step)
+    whole = pipeline_job.gather_whole(engine, job.model) if job.model is not None else None  # --pp: collective
     if not args.no_export:  # before the sample: nothing after a finished run may lose the export
         _check_state(job, step, "the hf/ export")
-        engine.save_16bit_model(job.run_dir / "hf")
+        pipeline_job.save_hf(engine, whole, job.run_dir / "hf")
         if dist.get_rank() == 0:  # with its tokenizer and generation config: `shardwise generate` runs on it
-            write_side_files(job.run_dir / "hf", job.tokenizer, engine.module)
+            write_side_files(job.run_dir / "hf", job.tokenizer, whole.module if whole else engine.module)
         _log(f"model exported to {job.run_dir / 'hf'} (try: shardwise generate --model {job.run_dir / 'hf'} "
              f"--prompt ...)")
     if args.sample_tokens:
         try:
-            _sample(job, step)
+            _sample(job, step, whole or engine)
         except DivergedError:  # the model that was exported computes non-finite logits: no export of it
             if dist.get_rank() == 0 and not args.no_export:
                 shutil.rmtree(job.run_dir / "hf", ignore_errors=True)
@@ -377,17 +381,17 @@ def _finish(job: Job, step: int) -> int:
     return 0
 
 
-def _sample(job: Job, step: int) -> None:
+def _sample(job: Job, step: int, model: Any) -> None:
     """Generate from --prompt (default: the start of the held-out text), within the model's positions."""
     args, data = job.args, job.data
     prompt = job.tokenizer.encode(args.prompt) if args.prompt else []
     if not prompt:  # no --prompt, or one with no tokens: the start of the held-out text
         prompt = data.sequence(data.n_train if data.n_eval else 0)[:min(32, args.seq // 2)].tolist()
-    room = getattr(job.engine.module.config, "max_position_embeddings", None)
+    room = getattr(model.module.config, "max_position_embeddings", None)
     if room is not None:  # keep the prompt's end, leaving room for at least one new token
         prompt = prompt[-(room - 1):]
     new_tokens = args.sample_tokens if room is None else max(1, min(args.sample_tokens, room - len(prompt)))
-    text = loop.sample(job.engine, job.tokenizer, prompt, new_tokens, args.seed, FiniteLogits(step))
+    text = loop.sample(model, job.tokenizer, prompt, new_tokens, args.seed, FiniteLogits(step))
     if dist.get_rank() == 0:
         (job.run_dir / "sample.txt").write_text(text + "\n")
         print(f"[shardwise train] sample ({new_tokens} tokens after a {len(prompt)}-token prompt):\n{text}\n",
