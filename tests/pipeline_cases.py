@@ -78,9 +78,10 @@ def batches(step: int, dp_rank: int, config: dict):
 
 
 def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | str = False,
-          partition: str = "parameters", interval: int = 0, facade: bool = False) -> dict:
+          partition: str = "parameters", interval: int = 0, facade: bool = False, reduce_once: bool = True) -> dict:
     """Each rank: the losses train_batch returned and its stage's final weights by layer index.
-    ``facade``: written as a DeepSpeed script (``import deepspeed``, ``deepspeed.pipe``)."""
+    ``facade``: written as a DeepSpeed script (``import deepspeed``, ``deepspeed.pipe``). ``reduce_once=False``:
+    ZeRO-2/3 reduce-scatter after every micro-batch instead of once per batch."""
     import shardwise
 
     if facade:
@@ -100,10 +101,12 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | 
                                activation_checkpoint_interval=interval)
     engine, _, _, _ = initialize(model=model, config=config,
                                  model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine.set_reduce_once(reduce_once)
     dp_rank = engine.grid.get_data_parallel_id()
     if config.get("bf16", {}).get("enabled"):  # the script hands the model bf16 inputs, as DeepSpeed's must
         engine.set_batch_fn(lambda b: tuple(t.bfloat16() for t in b))
     losses = [engine.train_batch(batches(s, dp_rank, config)).item() for s in range(steps)]
+    calls = {k: engine.layout.stats.calls.get(k, 0) for k in ("reduce_scatter", "all_gather")}  # training's only
     evaluated = engine.eval_batch(batches(steps, dp_rank, config)).item()
     engine.wait_for_params()
     with shardwise.zero.GatheredParameters(list(model.parameters())):
@@ -111,7 +114,8 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | 
     stats = engine.comm_stats()
     return {"losses": losses, "eval": evaluated, "weights": weights, "parts": model.parts, "stage": engine.stage_id,
             "first": engine.is_first_stage(), "last": engine.is_last_stage(),
-            "send": stats.get("send", 0), "recv": stats.get("recv", 0)}
+            "send": stats.get("send", 0), "recv": stats.get("recv", 0), "calls": calls,
+            "groups": len(engine.sharding.groups)}
 
 
 def reference(dp: int | list[int], config: dict | None = None, steps: int = 3, tied: bool | str = False) -> dict:

@@ -101,6 +101,39 @@ def test_pp_with_zero2_and_zero3(pool2, config: dict) -> None:
     _check(pool2.run("pipeline_cases:train", 2, config=config), pc.reference(dp=1))
 
 
+@pytest.mark.parametrize("config", [{"zero_optimization": {"stage": 2}}, ZERO3], ids=["zero2", "zero3"])
+def test_pp_x_dp_zero2_zero3_reduce_once_per_batch(pool4, config: dict) -> None:
+    """PP 2 x DP 2 at ZeRO-2/3: each micro-batch's gradients accumulate in the stage's full local bucket and
+    are reduce-scattered once per batch, after the last micro-batch: the reference's order (each replica's
+    micro-batches summed, then the replicas). ZeRO-3 (a group per layer) gives plain PyTorch's weights bit for
+    bit; ZeRO-2 gives ZeRO-1's (the same whole-stage flat shard) bit for bit. The per-micro-batch path
+    (reduce-scatter into the shard after each) sums in another order: within tolerance.py's floor.
+    comm_stats() counts one reduce-scatter per group per batch and, at ZeRO-3 (held gathered across
+    micro-batches), one all-gather per group per batch; per micro-batch: one (two) per micro-batch."""
+    from tolerance import EPS32, ULPS_PER_STEP
+
+    steps, gas = 3, pc.CONFIG["gradient_accumulation_steps"]
+    once = pool4.run("pipeline_cases:train", 2, config=config, steps=steps)
+    if config is ZERO3:
+        _check(once, pc.reference(dp=2, steps=steps))
+    else:
+        zero1 = pool4.run("pipeline_cases:train", 2, config={"zero_optimization": {"stage": 1}}, steps=steps)
+        for r, z1 in zip(once, zero1, strict=True):
+            assert r["losses"] == z1["losses"] and r["eval"] == z1["eval"]
+            assert all(torch.equal(v, z1["weights"][n]) for n, v in r["weights"].items())
+    per_micro = pool4.run("pipeline_cases:train", 2, config=config, steps=steps, reduce_once=False)
+    rtol = ULPS_PER_STEP * EPS32 * steps
+    for r, pm in zip(once, per_micro, strict=True):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(pm["losses"]), rtol=rtol, atol=0)
+        for name, value in r["weights"].items():
+            torch.testing.assert_close(value, pm["weights"][name], rtol=rtol, atol=1e-7)
+        assert r["calls"]["reduce_scatter"] == steps * r["groups"], (r["calls"], r["groups"])
+        assert pm["calls"]["reduce_scatter"] == steps * gas * r["groups"], (pm["calls"], r["groups"])
+        if config is ZERO3:
+            assert r["calls"]["all_gather"] == steps * r["groups"], (r["calls"], r["groups"])
+            assert pm["calls"]["all_gather"] == 2 * steps * gas * r["groups"], pm["calls"]
+
+
 def test_pp_x_dp_zero3_with_tied_layers(pool4) -> None:
     """PP 2 x DP 2 at ZeRO-3, the tied weight sharded on both stages: gathered to be sent after each step."""
     _check(pool4.run("pipeline_cases:train", 2, config=ZERO3, tied=True), pc.reference(dp=2, tied=True), exact=False)

@@ -51,9 +51,20 @@ class PipelineEngine(Engine):
         self.batch_fn = None
         self.agg_train_loss: torch.Tensor | None = None
         self.tied.hook()
+        self.reduce_once = False
+        self.set_reduce_once(self.policy.shard_grads)  # ZeRO-2/3: one reduce-scatter per batch (docs/pipeline.md)
         if self.num_stages > 1:
             inner = self.sharding.grad_norm
             self.sharding.grad_norm = lambda grads: self._pipeline_norm(inner(grads))
+
+    def set_reduce_once(self, on: bool) -> None:
+        """ZeRO-2/3: accumulate each micro-batch's gradients in the stage's full local buckets and
+        reduce-scatter them once, after the batch's last micro-batch, with the stage-3 parameters held
+        gathered from the first forward to the last backward (``on``, the default); or reduce-scatter
+        after every micro-batch into the shard, gathering per unit, as the engine's accumulation does."""
+        self.reduce_once = bool(on) and self.policy.shard_grads
+        for g in self.sharding.groups:
+            g.defer_reduce = self.reduce_once
 
     def _pipeline_norm(self, norm: float) -> float:
         """The gradient norm over every stage (each stage's squares summed over the pipeline)."""
@@ -191,7 +202,14 @@ class PipelineEngine(Engine):
             self.set_dataiterator(data_iter)
         self.module.train()
         state = self._state()
-        self._run(train_steps(self.schedule, self.micro_batches, self.num_stages, self.stage_id), state)
+        held = self.fetcher is not None and self.reduce_once  # ZeRO-3: gathered through the batch
+        if held:
+            self.fetcher.hold()
+        try:
+            self._run(train_steps(self.schedule, self.micro_batches, self.num_stages, self.stage_id), state)
+        finally:
+            if held:
+                self.fetcher.release_all()
         self.wait_for_params()
         self.tied.publish()
         self.link.drain()
