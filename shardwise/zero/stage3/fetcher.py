@@ -296,6 +296,7 @@ class ParamFetcher:
         of two per micro-batch; the end of a backward does not release a held model)."""
         self.gather_all()
         self.held = True
+        self.measure()  # peak_gathered_bytes: the whole (padded) stage, held through the batch
 
     def remove(self) -> None:
         for h in self._handles:
