@@ -78,10 +78,11 @@ def batches(step: int, dp_rank: int, config: dict):
 
 
 def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | str = False,
-          partition: str = "parameters", interval: int = 0, facade: bool = False, reduce_once: bool = True) -> dict:
+          partition: str = "parameters", interval: int = 0, facade: bool = False, reduce_once: bool = True,
+          virtual: int = 1) -> dict:
     """Each rank: the losses train_batch returned and its stage's final weights by layer index.
     ``facade``: written as a DeepSpeed script (``import deepspeed``, ``deepspeed.pipe``). ``reduce_once=False``:
-    ZeRO-2/3 reduce-scatter after every micro-batch instead of once per batch."""
+    ZeRO-2/3 reduce-scatter after every micro-batch instead of once per batch. ``virtual``: chunks per rank."""
     import shardwise
 
     if facade:
@@ -98,7 +99,8 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | 
     config = {**CONFIG, **(config or {})}
     model = api.PipelineModule(specs(tied, api), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
                                seed_fn=torch.manual_seed, base_seed=BASE_SEED, partition_method=partition,
-                               activation_checkpoint_interval=interval)
+                               activation_checkpoint_interval=interval,
+                               **({"virtual_stages": virtual} if virtual > 1 else {}))
     engine, _, _, _ = initialize(model=model, config=config,
                                  model_parameters=[p for p in model.parameters() if p.requires_grad])
     engine.set_reduce_once(reduce_once)

@@ -134,6 +134,17 @@ def test_pp_x_dp_zero2_zero3_reduce_once_per_batch(pool4, config: dict) -> None:
             assert pm["calls"]["all_gather"] == 2 * steps * gas * r["groups"], pm["calls"]
 
 
+@pytest.mark.parametrize("zero", [0, 3])
+def test_interleaved_1f1b_equals_1f1b(pool2, zero: int) -> None:
+    """Interleaved 1F1B, 2 chunks per rank (virtual stages 0 and 2 on rank 0, 1 and 3 on rank 1): every chunk
+    runs its backwards in micro-batch order, so the losses and weights are 1F1B's (and plain PyTorch's) bit
+    for bit, at ZeRO-0 and at ZeRO-3 (reduced once per batch, held gathered across the m x v backwards)."""
+    config = {"pipeline": {"schedule": "interleaved_1f1b"}, **(ZERO3 if zero == 3 else {})}
+    results = pool2.run("pipeline_cases:train", 2, config=config, virtual=2, steps=2)
+    _check(results, pc.reference(dp=1, steps=2))
+    assert all(len(r["parts"]) == 5 for r in results)
+
+
 def test_pp_x_dp_zero3_with_tied_layers(pool4) -> None:
     """PP 2 x DP 2 at ZeRO-3, the tied weight sharded on both stages: gathered to be sent after each step."""
     _check(pool4.run("pipeline_cases:train", 2, config=ZERO3, tied=True), pc.reference(dp=2, tied=True), exact=False)
@@ -166,6 +177,7 @@ def test_training_data_given_to_initialize(pool2) -> None:
 def test_schedules_and_partitions_in_process() -> None:
     """1F1B: stage s of p runs p-s-1 forwards first, every backward in micro-batch order, at most p-s
     micro-batches in flight; GPipe: all forwards first. Partitions: DeepSpeed's cuts (its ties included)."""
+    from shardwise.errors import UsageError
     from shardwise.pipeline import bubble_fraction, partition_balanced, partition_uniform
     from shardwise.pipeline.schedule import train_steps
 
@@ -181,6 +193,17 @@ def test_schedules_and_partitions_in_process() -> None:
     assert partition_balanced([1, 1, 1, 1, 1, 1, 0], 2) == [0, 3, 7]
     assert partition_balanced([72] * 7, 4) == [0, 2, 4, 6, 7]
     assert bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(4, 8, virtual=2) == 3 / 19
+    # interleaved (p=4, v=2, m=8): each (micro-batch, chunk) once forward and once backward, forward first;
+    # each chunk's backwards in micro-batch order; the last step is chunk 0's last backward (the boundary)
+    for s in range(p):
+        steps = train_steps("interleaved_1f1b", m, p, s, virtual=2)
+        fwd, bwd = [st[1:] for st in steps if st[0] == "F"], [st[1:] for st in steps if st[0] == "B"]
+        assert sorted(fwd) == sorted(bwd) == sorted((i, c) for i in range(m) for c in range(2))
+        assert all(steps.index(("F", i, c)) < steps.index(("B", i, c)) for i, c in fwd)
+        assert all([i for i, c2 in bwd if c2 == c] == list(range(m)) for c in range(2))
+        assert steps[-1] == ("B", m - 1, 0)
+    with pytest.raises(UsageError, match="divisible by the 4 stages"):
+        train_steps("interleaved_1f1b", 6, 4, 0, virtual=2)
 
 
 @pytest.mark.parametrize("config", [
