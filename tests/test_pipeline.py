@@ -145,6 +145,16 @@ def test_interleaved_1f1b_equals_1f1b(pool2, zero: int) -> None:
     assert all(len(r["parts"]) == 5 for r in results)
 
 
+def test_interleaved_pp_x_dp_zero3(pool4) -> None:
+    """Interleaved 1F1B at PP 2 x DP 2 and ZeRO-3: plain PyTorch's losses and weights bit for bit, one
+    reduce-scatter and one all-gather per group per batch over the m x v backwards."""
+    config = {"pipeline": {"schedule": "interleaved_1f1b"}, **ZERO3}
+    results = pool4.run("pipeline_cases:train", 2, config=config, virtual=2, steps=2)
+    _check(results, pc.reference(dp=2, steps=2))
+    for r in results:
+        assert r["calls"] == {"reduce_scatter": 2 * r["groups"], "all_gather": 2 * r["groups"]}, r["calls"]
+
+
 def test_pp_x_dp_zero3_with_tied_layers(pool4) -> None:
     """PP 2 x DP 2 at ZeRO-3, the tied weight sharded on both stages: gathered to be sent after each step."""
     _check(pool4.run("pipeline_cases:train", 2, config=ZERO3, tied=True), pc.reference(dp=2, tied=True), exact=False)
