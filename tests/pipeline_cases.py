@@ -223,18 +223,23 @@ def train_from_dataset(stages: int) -> tuple[list[float], list[float]]:
     return out[0], out[1]
 
 
-def resume(save_stages: int, load_stages: int, folder: str, tied: bool = False) -> tuple[list[float], list[float]]:
+def resume(save_stages: int, load_stages: int, folder: str, tied: bool = False,
+           save_virtual: int = 1) -> tuple[list[float], list[float]]:
     """Train 4 batches at ``save_stages`` (saving after 2), then load that checkpoint at ``load_stages`` and
-    train batches 3-4 again: (the uninterrupted losses, the resumed ones)."""
+    train batches 3-4 again: (the uninterrupted losses, the resumed ones). ``save_virtual``: the saving run's
+    chunks per rank (interleaved 1F1B)."""
     import shardwise
     from shardwise.pipeline import PipelineModule
 
-    def engine_at(stages: int):
+    def engine_at(stages: int, virtual: int = 1):
         model = PipelineModule(specs(tied), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
-                               seed_fn=torch.manual_seed, base_seed=BASE_SEED)
-        return shardwise.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": 1}})[0]
+                               seed_fn=torch.manual_seed, base_seed=BASE_SEED, virtual_stages=virtual)
+        config = {**CONFIG, "zero_optimization": {"stage": 1}}
+        if virtual > 1:
+            config["pipeline"] = {"schedule": "interleaved_1f1b"}
+        return shardwise.initialize(model=model, config=config)[0]
 
-    first = engine_at(save_stages)
+    first = engine_at(save_stages, save_virtual)
     dp = first.grid.get_data_parallel_id()
     losses = []
     for s in range(4):

@@ -173,6 +173,14 @@ def test_checkpoint_resumes_at_another_pp_degree(pool2, tmp_path, save: int, loa
             assert resumed == ref
 
 
+def test_interleaved_checkpoint_resumes_under_1f1b(pool2, tmp_path) -> None:
+    """Saved under interleaved 1F1B (2 chunks a rank, ZeRO-1), resumed at 2 stages under 1F1B: the
+    single-process run's losses bit for bit (tensors are named by global layer index)."""
+    ref = pc.reference(dp=1, steps=4)["losses"][2:]
+    for uninterrupted, resumed in pool2.run("pipeline_cases:resume", 2, 2, str(tmp_path / "ckpt"), save_virtual=2):
+        assert resumed == ref and uninterrupted == ref
+
+
 def test_checkpoint_from_four_stages_resumes_at_two(pool4, tmp_path) -> None:
     ref = pc.reference(dp=[1, 1, 2, 2], steps=4)["losses"][2:]
     for uninterrupted, resumed in pool4.run("pipeline_cases:resume", 4, 2, str(tmp_path / "ckpt")):
