@@ -134,13 +134,14 @@ def test_pp_x_dp_zero2_zero3_reduce_once_per_batch(pool4, config: dict) -> None:
             assert pm["calls"]["all_gather"] == 2 * steps * gas * r["groups"], pm["calls"]
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_interleaved_1f1b_equals_1f1b(pool2, zero: int) -> None:
+@pytest.mark.parametrize(("zero", "interval"), [(0, 0), (3, 0), (0, 1)], ids=["zero0", "zero3", "checkpointing"])
+def test_interleaved_1f1b_equals_1f1b(pool2, zero: int, interval: int) -> None:
     """Interleaved 1F1B, 2 chunks per rank (virtual stages 0 and 2 on rank 0, 1 and 3 on rank 1): every chunk
     runs its backwards in micro-batch order, so the losses and weights are 1F1B's (and plain PyTorch's) bit
-    for bit, at ZeRO-0 and at ZeRO-3 (reduced once per batch, held gathered across the m x v backwards)."""
+    for bit, at ZeRO-0, at ZeRO-3 (reduced once per batch, held gathered across the m x v backwards) and
+    with activation checkpointing inside each chunk."""
     config = {"pipeline": {"schedule": "interleaved_1f1b"}, **(ZERO3 if zero == 3 else {})}
-    results = pool2.run("pipeline_cases:train", 2, config=config, virtual=2, steps=2)
+    results = pool2.run("pipeline_cases:train", 2, config=config, virtual=2, steps=2, interval=interval)
     _check(results, pc.reference(dp=1, steps=2))
     assert all(len(r["parts"]) == 5 for r in results)
 
