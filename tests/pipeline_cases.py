@@ -78,9 +78,11 @@ def batches(step: int, dp_rank: int, config: dict):
 
 
 def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | str = False,
-          partition: str = "parameters", interval: int = 0, facade: bool = False) -> dict:
+          partition: str = "parameters", interval: int = 0, facade: bool = False, reduce_once: bool = True,
+          virtual: int = 1) -> dict:
     """Each rank: the losses train_batch returned and its stage's final weights by layer index.
-    ``facade``: written as a DeepSpeed script (``import deepspeed``, ``deepspeed.pipe``)."""
+    ``facade``: written as a DeepSpeed script (``import deepspeed``, ``deepspeed.pipe``). ``reduce_once=False``:
+    ZeRO-2/3 reduce-scatter after every micro-batch instead of once per batch. ``virtual``: chunks per rank."""
     import shardwise
 
     if facade:
@@ -97,13 +99,16 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | 
     config = {**CONFIG, **(config or {})}
     model = api.PipelineModule(specs(tied, api), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
                                seed_fn=torch.manual_seed, base_seed=BASE_SEED, partition_method=partition,
-                               activation_checkpoint_interval=interval)
+                               activation_checkpoint_interval=interval,
+                               **({"virtual_stages": virtual} if virtual > 1 else {}))
     engine, _, _, _ = initialize(model=model, config=config,
                                  model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine.set_reduce_once(reduce_once)
     dp_rank = engine.grid.get_data_parallel_id()
     if config.get("bf16", {}).get("enabled"):  # the script hands the model bf16 inputs, as DeepSpeed's must
         engine.set_batch_fn(lambda b: tuple(t.bfloat16() for t in b))
     losses = [engine.train_batch(batches(s, dp_rank, config)).item() for s in range(steps)]
+    calls = {k: engine.layout.stats.calls.get(k, 0) for k in ("reduce_scatter", "all_gather")}  # training's only
     evaluated = engine.eval_batch(batches(steps, dp_rank, config)).item()
     engine.wait_for_params()
     with shardwise.zero.GatheredParameters(list(model.parameters())):
@@ -111,7 +116,8 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | 
     stats = engine.comm_stats()
     return {"losses": losses, "eval": evaluated, "weights": weights, "parts": model.parts, "stage": engine.stage_id,
             "first": engine.is_first_stage(), "last": engine.is_last_stage(),
-            "send": stats.get("send", 0), "recv": stats.get("recv", 0)}
+            "send": stats.get("send", 0), "recv": stats.get("recv", 0), "calls": calls,
+            "groups": len(engine.sharding.groups)}
 
 
 def reference(dp: int | list[int], config: dict | None = None, steps: int = 3, tied: bool | str = False) -> dict:
@@ -217,18 +223,23 @@ def train_from_dataset(stages: int) -> tuple[list[float], list[float]]:
     return out[0], out[1]
 
 
-def resume(save_stages: int, load_stages: int, folder: str, tied: bool = False) -> tuple[list[float], list[float]]:
+def resume(save_stages: int, load_stages: int, folder: str, tied: bool = False,
+           save_virtual: int = 1) -> tuple[list[float], list[float]]:
     """Train 4 batches at ``save_stages`` (saving after 2), then load that checkpoint at ``load_stages`` and
-    train batches 3-4 again: (the uninterrupted losses, the resumed ones)."""
+    train batches 3-4 again: (the uninterrupted losses, the resumed ones). ``save_virtual``: the saving run's
+    chunks per rank (interleaved 1F1B)."""
     import shardwise
     from shardwise.pipeline import PipelineModule
 
-    def engine_at(stages: int):
+    def engine_at(stages: int, virtual: int = 1):
         model = PipelineModule(specs(tied), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
-                               seed_fn=torch.manual_seed, base_seed=BASE_SEED)
-        return shardwise.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": 1}})[0]
+                               seed_fn=torch.manual_seed, base_seed=BASE_SEED, virtual_stages=virtual)
+        config = {**CONFIG, "zero_optimization": {"stage": 1}}
+        if virtual > 1:
+            config["pipeline"] = {"schedule": "interleaved_1f1b"}
+        return shardwise.initialize(model=model, config=config)[0]
 
-    first = engine_at(save_stages)
+    first = engine_at(save_stages, save_virtual)
     dp = first.grid.get_data_parallel_id()
     losses = []
     for s in range(4):

@@ -41,8 +41,14 @@ def refusal(kind: str) -> str:
         config["train_batch_size"] = 7
     elif kind == "fp16":
         config["fp16"] = {"enabled": True}
+    elif kind == "interleaved_v1":
+        config["pipeline"] = {"schedule": "interleaved_1f1b"}
+    virtual = {"virtual_1f1b": 2, "virtual_tied": 2}.get(kind, 1)
+    if kind == "virtual_tied":
+        layers = specs(tied=True)
     try:
-        model = PipelineModule(layers, num_stages=2, loss_fn=F.mse_loss, partition_method="uniform")
+        model = PipelineModule(layers, num_stages=2, loss_fn=F.mse_loss, partition_method="uniform",
+                               virtual_stages=virtual)
         engine, *_ = shardwise.initialize(model=model, config=config)
         engine.train_batch(batches(0, 0, config))
     except Exception as e:  # noqa: BLE001 - the line is what is checked

@@ -318,9 +318,11 @@ def test_prefetch_used_before_its_copy_fails(world1, model_folder, monkeypatch):
                        pad_token_id=0)
 
 
-def test_pipeline_engine_one_stage(world2):
+@pytest.mark.parametrize("zero", [0, 3])
+def test_pipeline_engine_one_stage(world2, zero: int):
     """A PipelineModule at 1 stage x DP 2 (the fake group cannot carry sends between stages): its batches
-    moved to the device, the stage's loss and the averaged loss made there, and eval_batch."""
+    moved to the device, the stage's loss and the averaged loss made there, and eval_batch; at ZeRO-3 the
+    gradients accumulated in the local buckets and reduce-scattered once, the stage held gathered."""
     import pipeline_cases as pc
     import torch.nn.functional as F
 
@@ -328,8 +330,9 @@ def test_pipeline_engine_one_stage(world2):
     from shardwise.pipeline import PipelineModule
 
     model = PipelineModule(pc.specs(), num_stages=1, loss_fn=F.mse_loss)
+    config = {**pc.CONFIG, "zero_optimization": {"stage": zero, "stage3_param_persistence_threshold": 0}}
     with device_guard():
-        engine, *_ = shardwise.initialize(model=model, config=pc.CONFIG)
+        engine, *_ = shardwise.initialize(model=model, config=config)
         loss = engine.train_batch(pc.batches(0, 0, pc.CONFIG))
         assert loss.device == DEVICE and engine.eval_batch(pc.batches(1, 0, pc.CONFIG)).device == DEVICE
-    assert engine.global_steps == 1
+    assert engine.global_steps == 1 and engine.reduce_once == (zero == 3)

@@ -101,6 +101,61 @@ def test_pp_with_zero2_and_zero3(pool2, config: dict) -> None:
     _check(pool2.run("pipeline_cases:train", 2, config=config), pc.reference(dp=1))
 
 
+@pytest.mark.parametrize("config", [{"zero_optimization": {"stage": 2}}, ZERO3], ids=["zero2", "zero3"])
+def test_pp_x_dp_zero2_zero3_reduce_once_per_batch(pool4, config: dict) -> None:
+    """PP 2 x DP 2 at ZeRO-2/3: each micro-batch's gradients accumulate in the stage's full local bucket and
+    are reduce-scattered once per batch, after the last micro-batch: the reference's order (each replica's
+    micro-batches summed, then the replicas). ZeRO-3 (a group per layer) gives plain PyTorch's weights bit for
+    bit; ZeRO-2 gives ZeRO-1's (the same whole-stage flat shard) bit for bit. The per-micro-batch path
+    (reduce-scatter into the shard after each) sums in another order: within tolerance.py's floor.
+    comm_stats() counts one reduce-scatter per group per batch and, at ZeRO-3 (held gathered across
+    micro-batches), one all-gather per group per batch; per micro-batch: one (two) per micro-batch."""
+    from tolerance import EPS32, ULPS_PER_STEP
+
+    steps, gas = 3, pc.CONFIG["gradient_accumulation_steps"]
+    once = pool4.run("pipeline_cases:train", 2, config=config, steps=steps)
+    if config is ZERO3:
+        _check(once, pc.reference(dp=2, steps=steps))
+    else:
+        zero1 = pool4.run("pipeline_cases:train", 2, config={"zero_optimization": {"stage": 1}}, steps=steps)
+        for r, z1 in zip(once, zero1, strict=True):
+            assert r["losses"] == z1["losses"] and r["eval"] == z1["eval"]
+            assert all(torch.equal(v, z1["weights"][n]) for n, v in r["weights"].items())
+    per_micro = pool4.run("pipeline_cases:train", 2, config=config, steps=steps, reduce_once=False)
+    rtol = ULPS_PER_STEP * EPS32 * steps
+    for r, pm in zip(once, per_micro, strict=True):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(pm["losses"]), rtol=rtol, atol=0)
+        for name, value in r["weights"].items():
+            torch.testing.assert_close(value, pm["weights"][name], rtol=rtol, atol=1e-7)
+        assert r["calls"]["reduce_scatter"] == steps * r["groups"], (r["calls"], r["groups"])
+        assert pm["calls"]["reduce_scatter"] == steps * gas * r["groups"], (pm["calls"], r["groups"])
+        if config is ZERO3:
+            assert r["calls"]["all_gather"] == steps * r["groups"], (r["calls"], r["groups"])
+            assert pm["calls"]["all_gather"] == 2 * steps * gas * r["groups"], pm["calls"]
+
+
+@pytest.mark.parametrize(("zero", "interval"), [(0, 0), (3, 0), (0, 1)], ids=["zero0", "zero3", "checkpointing"])
+def test_interleaved_1f1b_equals_1f1b(pool2, zero: int, interval: int) -> None:
+    """Interleaved 1F1B, 2 chunks per rank (virtual stages 0 and 2 on rank 0, 1 and 3 on rank 1): every chunk
+    runs its backwards in micro-batch order, so the losses and weights are 1F1B's (and plain PyTorch's) bit
+    for bit, at ZeRO-0, at ZeRO-3 (reduced once per batch, held gathered across the m x v backwards) and
+    with activation checkpointing inside each chunk."""
+    config = {"pipeline": {"schedule": "interleaved_1f1b"}, **(ZERO3 if zero == 3 else {})}
+    results = pool2.run("pipeline_cases:train", 2, config=config, virtual=2, steps=2, interval=interval)
+    _check(results, pc.reference(dp=1, steps=2))
+    assert all(len(r["parts"]) == 5 for r in results)
+
+
+def test_interleaved_pp_x_dp_zero3(pool4) -> None:
+    """Interleaved 1F1B at PP 2 x DP 2 and ZeRO-3: plain PyTorch's losses and weights bit for bit, one
+    reduce-scatter and one all-gather per group per batch over the m x v backwards."""
+    config = {"pipeline": {"schedule": "interleaved_1f1b"}, **ZERO3}
+    results = pool4.run("pipeline_cases:train", 2, config=config, virtual=2, steps=2)
+    _check(results, pc.reference(dp=2, steps=2))
+    for r in results:
+        assert r["calls"] == {"reduce_scatter": 2 * r["groups"], "all_gather": 2 * r["groups"]}, r["calls"]
+
+
 def test_pp_x_dp_zero3_with_tied_layers(pool4) -> None:
     """PP 2 x DP 2 at ZeRO-3, the tied weight sharded on both stages: gathered to be sent after each step."""
     _check(pool4.run("pipeline_cases:train", 2, config=ZERO3, tied=True), pc.reference(dp=2, tied=True), exact=False)
@@ -120,6 +175,14 @@ def test_checkpoint_resumes_at_another_pp_degree(pool2, tmp_path, save: int, loa
             assert resumed == ref
 
 
+def test_interleaved_checkpoint_resumes_under_1f1b(pool2, tmp_path) -> None:
+    """Saved under interleaved 1F1B (2 chunks a rank, ZeRO-1), resumed at 2 stages under 1F1B: the
+    single-process run's losses bit for bit (tensors are named by global layer index)."""
+    ref = pc.reference(dp=1, steps=4)["losses"][2:]
+    for uninterrupted, resumed in pool2.run("pipeline_cases:resume", 2, 2, str(tmp_path / "ckpt"), save_virtual=2):
+        assert resumed == ref and uninterrupted == ref
+
+
 def test_checkpoint_from_four_stages_resumes_at_two(pool4, tmp_path) -> None:
     ref = pc.reference(dp=[1, 1, 2, 2], steps=4)["losses"][2:]
     for uninterrupted, resumed in pool4.run("pipeline_cases:resume", 4, 2, str(tmp_path / "ckpt")):
@@ -134,6 +197,7 @@ def test_training_data_given_to_initialize(pool2) -> None:
 def test_schedules_and_partitions_in_process() -> None:
     """1F1B: stage s of p runs p-s-1 forwards first, every backward in micro-batch order, at most p-s
     micro-batches in flight; GPipe: all forwards first. Partitions: DeepSpeed's cuts (its ties included)."""
+    from shardwise.errors import UsageError
     from shardwise.pipeline import bubble_fraction, partition_balanced, partition_uniform
     from shardwise.pipeline.schedule import train_steps
 
@@ -149,6 +213,17 @@ def test_schedules_and_partitions_in_process() -> None:
     assert partition_balanced([1, 1, 1, 1, 1, 1, 0], 2) == [0, 3, 7]
     assert partition_balanced([72] * 7, 4) == [0, 2, 4, 6, 7]
     assert bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(4, 8, virtual=2) == 3 / 19
+    # interleaved (p=4, v=2, m=8): each (micro-batch, chunk) once forward and once backward, forward first;
+    # each chunk's backwards in micro-batch order; the last step is chunk 0's last backward (the boundary)
+    for s in range(p):
+        steps = train_steps("interleaved_1f1b", m, p, s, virtual=2)
+        fwd, bwd = [st[1:] for st in steps if st[0] == "F"], [st[1:] for st in steps if st[0] == "B"]
+        assert sorted(fwd) == sorted(bwd) == sorted((i, c) for i in range(m) for c in range(2))
+        assert all(steps.index(("F", i, c)) < steps.index(("B", i, c)) for i, c in fwd)
+        assert all([i for i, c2 in bwd if c2 == c] == list(range(m)) for c in range(2))
+        assert steps[-1] == ("B", m - 1, 0)
+    with pytest.raises(UsageError, match="divisible by the 4 stages"):
+        train_steps("interleaved_1f1b", 6, 4, 0, virtual=2)
 
 
 @pytest.mark.parametrize("config", [

@@ -13,6 +13,9 @@ import torch
     ("batch", "train_batch_size"),
     ("tied_shapes", "TiedLayerSpec 'p': the tied weights have shapes"),
     ("fp16", "fp16.enabled"),
+    ("interleaved_v1", "interleaved_1f1b needs virtual_stages > 1"),
+    ("virtual_1f1b", "virtual_stages > 1 needs interleaved_1f1b"),
+    ("virtual_tied", "virtual_stages > 1) with a TiedLayerSpec is not served"),
 ])
 def test_bad_input_is_one_line_on_every_rank(pool2, kind: str, words: str) -> None:
     for line in pool2.run("pipeline_script_cases:refusal", kind):

@@ -1,4 +1,4 @@
-"""The pipeline bubble, measured from timestamps, against (p-1)/(m+p-1).
+"""The pipeline bubble, measured from timestamps, against (p-1)/(m+p-1) (interleaved: (p-1)/(v*m+p-1)).
 
 Each stage holds layers whose forward sleeps ``--fwd-ms`` and whose backward sleeps twice that (a
 stand-in for compute whose time does not depend on how busy the machine's cores are, so the
@@ -11,8 +11,9 @@ at most ``p``, GPipe all ``m``).
 Run on ``p`` ranks (one stage each)::
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/pipeline/bench_pipeline.py --micro 4,8,16
+    ... --schedules interleaved_1f1b --virtual 2    # v chunks per rank (PipelineModule(virtual_stages=v))
 
-Prints a markdown table (rank 0) of schedule, p, m, measured bubble, (p-1)/(m+p-1), peak in flight.
+Prints a markdown table (rank 0) of schedule, p, v, m, measured bubble, (p-1)/(v*m+p-1), peak in flight.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def measure(schedule: str, micro: int, args: argparse.Namespace) -> tuple[float,
     world = int(os.environ["WORLD_SIZE"])
     seconds = args.fwd_ms / 1000 / args.layers_per_stage
     layers = [LayerSpec(SleepLayer, 16, seconds, i == 0) for i in range(world * args.layers_per_stage)]
-    model = PipelineModule(layers, num_stages=world, loss_fn=F.mse_loss, partition_method="uniform")
+    virtual = args.virtual if schedule == "interleaved_1f1b" else 1
+    model = PipelineModule(layers, num_stages=world, loss_fn=F.mse_loss, partition_method="uniform",
+                           virtual_stages=virtual)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": micro,
               "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "pipeline": {"schedule": schedule}}
     engine, *_ = shardwise.initialize(model=model, config=config)
@@ -93,7 +96,8 @@ def main() -> None:
     parser.add_argument("--micro", default="4,8,16", help="micro-batch counts, comma-separated")
     parser.add_argument("--schedules", default="1f1b,gpipe")
     parser.add_argument("--fwd-ms", type=float, default=20.0, help="one stage's forward time per micro-batch")
-    parser.add_argument("--layers-per-stage", type=int, default=2)
+    parser.add_argument("--layers-per-stage", type=int, default=2, help="layers per rank (at least --virtual)")
+    parser.add_argument("--virtual", type=int, default=2, help="chunks per rank under interleaved_1f1b")
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
@@ -104,11 +108,11 @@ def main() -> None:
     for schedule in args.schedules.split(","):
         for m in (int(v) for v in args.micro.split(",")):
             bubble, peak = measure(schedule, m, args)
-            p = dist.get_world_size()
-            rows.append(f"| {schedule} | {p} | {m} | {bubble:.3f} | {bubble_fraction(p, m):.3f} | {peak} |")
+            p, v = dist.get_world_size(), args.virtual if schedule == "interleaved_1f1b" else 1
+            rows.append(f"| {schedule} | {p} | {v} | {m} | {bubble:.3f} | {bubble_fraction(p, m, v):.3f} | {peak} |")
     if dist.get_rank() == 0:
-        print("| schedule | p | m | bubble, stage 0 (measured) | (p-1)/(m+p-1) | peak in flight, stage 0 |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| schedule | p | v | m | bubble, stage 0 (measured) | (p-1)/(v*m+p-1) | peak in flight, stage 0 |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         print("\n".join(rows))
 
 

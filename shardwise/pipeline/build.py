@@ -4,7 +4,8 @@ The engine's groups come from the pipeline grid (``engine.grid``): ZeRO shards o
 data-parallel group and the batch rule counts data-parallel ranks only (DeepSpeed's arithmetic:
 ``train_batch_size = micro_batch * gradient_accumulation_steps * data_parallel_size``, the
 micro-batches of a batch being the accumulation steps). The config's ``pipeline.schedule``
-(``1f1b``, the default, or ``gpipe``) picks the schedule; DeepSpeed's other ``pipeline`` keys
+(``1f1b``, the default, ``gpipe``, or ``interleaved_1f1b`` for a ``PipelineModule(virtual_stages=v)``)
+picks the schedule; DeepSpeed's other ``pipeline`` keys
 (``stages``, ``partition``, ``seed_layers``, ``activation_checkpoint_interval``) are read by it from
 the ``PipelineModule``'s own arguments, as here, and ``pipe_partitioned`` / ``grad_partitioned``
 only act with tensor parallelism, which is refused beside pipeline parallelism.
@@ -27,10 +28,16 @@ from shardwise.pipeline.schedule import SCHEDULES
 from shardwise.utils import RepeatingLoader
 
 
-def _refuse(cfg: ShardwiseConfig, schedule: str) -> None:
+def _refuse(cfg: ShardwiseConfig, schedule: str, model: PipelineModule) -> None:
     """One line for each combination pipeline parallelism does not serve yet."""
     if schedule not in SCHEDULES:
         raise UsageError(f"pipeline.schedule {schedule!r} is not served; use one of {', '.join(SCHEDULES)}")
+    virtual = model.virtual_stages
+    if (schedule == "interleaved_1f1b") != (virtual > 1):
+        raise UsageError(f"pipeline.schedule {schedule!r} with PipelineModule(virtual_stages={virtual}): "
+                         "interleaved_1f1b needs virtual_stages > 1, and virtual_stages > 1 needs interleaved_1f1b")
+    if virtual > 1 and model.num_stages < 2:
+        raise UsageError("pipeline.schedule interleaved_1f1b needs at least 2 stages (num_stages)")
     z = cfg.zero_optimization
     unserved = {
         "fp16.enabled (each stage would scale its loss on its own; use bf16)": cfg.fp16.enabled,
@@ -54,7 +61,7 @@ def build_pipeline_engine(model: PipelineModule, config: Any, *, optimizer: Any 
     schedule = str((read_config(config).get("pipeline") or {}).get("schedule", "1f1b")).lower()
     cfg = load_config(config, world_size=grid.data_parallel_size,
                       supported=SupportedFeatures(stage3=True, offload_param=True))
-    _refuse(cfg, schedule)
+    _refuse(cfg, schedule, model)
     stats = CommStats()
     dp = make_comm(grid.get_data_parallel_group(), stats, size=grid.data_parallel_size)
     solo = make_comm("solo", stats)

@@ -45,15 +45,28 @@ class PipelineEngine(Engine):
         self.num_stages, self.stage_id = grid.pipe_parallel_size, grid.get_stage_id()
         self.micro_batches, self.micro_batch_size = self.gas, config.train_micro_batch_size_per_gpu
         self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
+        self.virtual = module.virtual_stages  # chunks of layers on this rank (interleaved_1f1b)
+        self.link.ring = self.virtual > 1
         self.data_iterator: Iterator | None = None
         self.training_dataloader = None
         self.holds_one_stage = self.num_stages > 1  # its checkpoint loads take this stage's tensors only
         self.batch_fn = None
         self.agg_train_loss: torch.Tensor | None = None
         self.tied.hook()
+        self.reduce_once = False
+        self.set_reduce_once(self.policy.shard_grads)  # ZeRO-2/3: one reduce-scatter per batch (docs/pipeline.md)
         if self.num_stages > 1:
             inner = self.sharding.grad_norm
             self.sharding.grad_norm = lambda grads: self._pipeline_norm(inner(grads))
+
+    def set_reduce_once(self, on: bool) -> None:
+        """ZeRO-2/3: accumulate each micro-batch's gradients in the stage's full local buckets and
+        reduce-scatter them once, after the batch's last micro-batch, with the stage-3 parameters held
+        gathered from the first forward to the last backward (``on``, the default); or reduce-scatter
+        after every micro-batch into the shard, gathering per unit, as the engine's accumulation does."""
+        self.reduce_once = bool(on) and self.policy.shard_grads
+        for g in self.sharding.groups:
+            g.defer_reduce = self.reduce_once
 
     def _pipeline_norm(self, norm: float) -> float:
         """The gradient norm over every stage (each stage's squares summed over the pipeline)."""
@@ -106,20 +119,36 @@ class PipelineEngine(Engine):
         batch = next(self.data_iterator) if self.data_iterator is not None else None
         return self.batch_fn(batch) if self.batch_fn else batch
 
-    def _stage_input(self, i: int, state: dict) -> Any:
-        """This stage's input for micro-batch ``i``: read (first stage) or received; labels kept (last)."""
-        batch = self._next_batch() if self.is_first_stage() or self.is_last_stage() else None
-        if batch is None and (self.is_first_stage() or self.is_last_stage()):
+    def _first(self, c: int) -> bool:
+        """Chunk ``c`` of this rank is the first virtual stage (reads the inputs)."""
+        return self.stage_id == 0 and c == 0
+
+    def _last(self, c: int) -> bool:
+        """Chunk ``c`` of this rank is the last virtual stage (reads the labels, computes the loss)."""
+        return self.stage_id == self.num_stages - 1 and c == self.virtual - 1
+
+    def _label(self, i: int, c: int, kind: int, step: int) -> int | None:
+        """Interleaved: the transfer's label (micro-batch, receiving virtual stage, kind), else None."""
+        if self.virtual == 1:
+            return None
+        return (i * self.num_stages * self.virtual + c * self.num_stages + self.stage_id + step) * 2 + kind
+
+    def _stage_input(self, i: int, c: int, state: dict) -> Any:
+        """Chunk ``c``'s input for micro-batch ``i``: read (first stage) or received; labels kept (last)."""
+        first, last = self._first(c), self._last(c)
+        batch = self._next_batch() if first or last else None
+        if batch is None and (first or last):
             raise UsageError(f"pipeline stage {self.stage_id}: no data; pass train_batch(data_iter=...) or "
                              "initialize(training_data=...)")
-        if self.is_last_stage():
+        if last:
             state["labels"][i] = self._to_device(batch[1])
-        if self.is_first_stage():
+        if first:
             return self._to_device(batch[0], copy=True)
-        got = self.link.recv(self.prev_stage, f"the activations of micro-batch {i}", self.device)
+        got = self.link.recv((self.stage_id - 1) % self.num_stages, f"the activations of micro-batch {i}",
+                             self.device, self._label(i, c, 0, 0))
         for t in got:
             t.requires_grad_(t.is_floating_point() and torch.is_grad_enabled())
-        state["inputs"][i] = got
+        state["inputs"][(i, c)] = got
         return got[0] if len(got) == 1 else got
 
     def _to_device(self, value: Any, copy: bool = False) -> Any:
@@ -130,13 +159,13 @@ class PipelineEngine(Engine):
             return tuple(self._to_device(v, copy) for v in value)
         return value
 
-    def _forward(self, i: int, state: dict) -> None:
-        x = self._stage_input(i, state)
-        out = self.module(x)
-        if not self.is_last_stage():
+    def _forward(self, i: int, state: dict, c: int = 0) -> None:
+        x = self._stage_input(i, c, state)
+        out = self.module(x) if self.virtual == 1 else self.module(x, chunk=c, micro_offset=state["offset"] + i + 1)
+        if not self._last(c):
             tensors = as_tensors(out, self.stage_id, "output")
-            self.link.send(tensors, self.next_stage)
-            state["outputs"][i] = tensors
+            self.link.send(tensors, (self.stage_id + 1) % self.num_stages, self._label(i, c, 0, 1))
+            state["outputs"][(i, c)] = tensors
             return
         labels = state["labels"].pop(i)
         loss = self.module.loss_fn(out, labels) if state["loss"] and self.module.loss_fn is not None else out
@@ -145,42 +174,58 @@ class PipelineEngine(Engine):
         state["losses"].append(loss.detach() if torch.is_tensor(loss) else [v.detach() for v in loss])
         state["loss_of"][i] = loss
 
-    def _backward(self, i: int, state: dict) -> None:
-        last = i == self.micro_batches - 1
+    def _backward(self, i: int, state: dict, c: int = 0) -> None:
+        last = (i, c) == state["last_backward"]
         self.tied.last_backward = last
-        if self.is_last_stage():
+        if self.virtual > 1:  # m x v backwards a batch: the boundary (reduce, step) is the last one's
+            self._forced_boundary = last
+        if self._last(c):
             Engine.backward(self, state["loss_of"].pop(i))
         else:
-            outs = state["outputs"].pop(i)
-            grads = self.link.recv(self.next_stage, f"the gradients of micro-batch {i}", self.device)
+            outs = state["outputs"].pop((i, c))
+            grads = self.link.recv((self.stage_id + 1) % self.num_stages, f"the gradients of micro-batch {i}",
+                                   self.device, self._label(i, c, 1, 0))
             floats = [o for o in outs if o.is_floating_point()]  # one gradient came back for each
             pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
             if not pairs:
                 raise UsageError(f"pipeline stage {self.stage_id}: no output of micro-batch {i} requires grad, so "
                                  "no gradient can flow back through this stage")
             Engine.backward(self, sum((o * g).sum() for o, g in pairs), scale_wrt_gas=False)
-        if not self.is_first_stage():
-            inputs = state["inputs"].pop(i)
+        if not self._first(c):
+            inputs = state["inputs"].pop((i, c))
             sent = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point())
-            self.link.send(sent, self.prev_stage)
+            self.link.send(sent, (self.stage_id - 1) % self.num_stages, self._label(i, c, 1, -1))
         if last:
             self.tied.send_aside()
         self.tied.last_backward = False
-        Engine.step(self)
+        if c == 0:  # one step() per micro-batch (its chunk-0 backward comes last), as the engine counts them
+            Engine.step(self)
 
-    def _run(self, steps: list[tuple[str, int]], state: dict) -> None:
+    def _run(self, steps: list[tuple], state: dict) -> None:
+        backwards = [tuple(st[1:]) + (0,) * (3 - len(st)) for st in steps if st[0] == "B"]
+        state["last_backward"] = backwards[-1] if backwards else None
         try:
-            for kind, i in steps:
-                (self._forward if kind == "F" else self._backward)(i, state)
+            for kind, i, *chunk in steps:
+                (self._forward if kind == "F" else self._backward)(i, state, *chunk)
         except (UsageError, StageTransferError):
             self.link.stop()  # the neighbours waiting on this stage end now, naming it
             raise
+        finally:
+            self._forced_boundary = None if self.virtual > 1 else getattr(self, "_forced_boundary", None)
         self.link.drain()
+
+    def _take_offsets(self, m: int) -> int:
+        """Interleaved: the seed offsets of this batch's ``m`` micro-batches (one each, however many
+        chunks it runs through); the module's counter moves past them. Returns the first minus one."""
+        base = self.module.micro_offset
+        if self.virtual > 1:
+            self.module.micro_offset = base + m
+        return base
 
     @staticmethod
     def _state(compute_loss: bool = True, logits: bool = False) -> dict:
         return {"labels": {}, "inputs": {}, "outputs": {}, "loss_of": {}, "losses": [], "loss": compute_loss,
-                "logits": logits}
+                "logits": logits, "offset": 0}
 
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """Train on one batch (``gradient_accumulation_steps`` micro-batches from ``data_iter`` on the
@@ -192,7 +237,16 @@ class PipelineEngine(Engine):
             self.set_dataiterator(data_iter)
         self.module.train()
         state = self._state()
-        self._run(train_steps(self.schedule, self.micro_batches, self.num_stages, self.stage_id), state)
+        state["offset"] = self._take_offsets(self.micro_batches)
+        held = self.fetcher is not None and self.reduce_once  # ZeRO-3: gathered through the batch
+        if held:
+            self.fetcher.hold()
+        try:
+            self._run(train_steps(self.schedule, self.micro_batches, self.num_stages, self.stage_id, self.virtual),
+                      state)
+        finally:
+            if held:
+                self.fetcher.release_all()
         self.wait_for_params()
         self.tied.publish()
         self.link.drain()
@@ -212,8 +266,9 @@ class PipelineEngine(Engine):
         self.set_dataiterator(data_iter)
         m = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
         state = self._state(compute_loss, return_logits)
+        state["offset"] = self._take_offsets(m)
         with torch.no_grad():
-            self._run(eval_steps(m), state)
+            self._run(eval_steps(m, self.virtual), state)
         self.data_iterator = saved
         self.module.train(was_training)
         if reduce_output is None:

@@ -60,7 +60,7 @@ class PipelineModule(nn.Module):
                  loss_fn: Any = None, seed_layers: bool = False, seed_fn: Any = None, base_seed: int = 1234,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Any = None, checkpointable_layers: list[str] | None = None,
-                 dynamic_shape: bool = False):
+                 dynamic_shape: bool = False, virtual_stages: int = 1):
         super().__init__()
         if not dist.is_initialized():
             raise UsageError("PipelineModule() needs the process group: call deepspeed.init_distributed() "
@@ -80,8 +80,13 @@ class PipelineModule(nn.Module):
         if self._num_layers < self.num_stages:
             raise UsageError(f"PipelineModule: {self.num_stages} stages but only {self._num_layers} layers; "
                              "give at least one layer per stage")
-        self.parts = partition_layers(self._layer_specs, self.num_stages, partition_method)
-        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.virtual_stages = self._virtual(virtual_stages)
+        self.parts = partition_layers(self._layer_specs, self.num_stages * self.virtual_stages, partition_method)
+        # (global start, global stop) of each chunk this rank holds: virtual stage c * p + s (interleaved)
+        self.chunk_ranges = [(self.parts[c * self.num_stages + self.stage_id],
+                              self.parts[c * self.num_stages + self.stage_id + 1]) for c in range(self.virtual_stages)]
+        self._local_start, self._local_stop = self.chunk_ranges[0][0], self.chunk_ranges[-1][1]
+        self.chunk_funcs: list[tuple[int, int]] = []  # each chunk's slice of forward_funcs
         self.forward_funcs: list[Any] = []
         self.fwd_map: dict[str, int] = {}
         self.tied_modules = nn.ModuleDict()
@@ -91,8 +96,25 @@ class PipelineModule(nn.Module):
     def _seed(self, seed: int) -> None:
         (self.seed_fn or set_random_seed)(seed)
 
+    def _virtual(self, v: int) -> int:
+        """Chunks per rank (``pipeline.schedule: interleaved_1f1b``); ties across chunks are not served."""
+        v = int(v)
+        if v < 1 or self._num_layers < self.num_stages * v:
+            raise UsageError(f"PipelineModule(virtual_stages={v}): needs 1 <= virtual_stages and at least "
+                             f"stages x virtual_stages = {self.num_stages * max(v, 1)} layers ({self._num_layers})")
+        if v > 1 and any(isinstance(s, TiedLayerSpec) for s in self._layer_specs):
+            raise UsageError("PipelineModule(virtual_stages > 1) with a TiedLayerSpec is not served; "
+                             "use virtual_stages=1 (the 1f1b or gpipe schedule)")
+        return v
+
     def _build(self) -> None:
-        for idx in range(self._local_start, self._local_stop):
+        for start, stop in self.chunk_ranges:
+            first = len(self.forward_funcs)
+            self._build_range(start, stop)
+            self.chunk_funcs.append((first, len(self.forward_funcs)))
+
+    def _build_range(self, start: int, stop: int) -> None:
+        for idx in range(start, stop):
             layer = self._layer_specs[idx]
             if self.seed_layers:
                 self._seed(self.base_seed + idx)
@@ -128,7 +150,8 @@ class PipelineModule(nn.Module):
     def stage_owner(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < self._num_layers:
             raise UsageError(f"stage_owner({layer_idx}): there are {self._num_layers} layers")
-        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        virtual = next(s for s in range(len(self.parts) - 1) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        return virtual % self.num_stages
 
     def set_checkpoint_interval(self, interval: int) -> None:
         if interval < 0:
@@ -158,30 +181,36 @@ class PipelineModule(nn.Module):
         return out
 
     # -- forward ---------------------------------------------------------------------------
-    def _run(self, start: int, stop: int, offset: int, *inputs: Any) -> Any:
+    def _run(self, start: int, stop: int, offset: int, layer0: int, *inputs: Any) -> Any:
         x = inputs[0] if len(inputs) == 1 else inputs
         for i, layer in enumerate(self.forward_funcs[start:stop]):
             if self.seed_layers:  # DeepSpeed's per-micro-batch seed (its layer index counts from the chunk start)
-                self._seed(self.base_seed * offset + i + self._local_start)
+                self._seed(self.base_seed * offset + i + layer0)
             x = layer(x)
         return x
 
-    def forward(self, forward_input: Any) -> Any:
-        self.micro_offset += 1
-        offset = self.micro_offset + 1
-        interval, n = self.activation_checkpoint_interval, len(self.forward_funcs)
+    def forward(self, forward_input: Any, chunk: int = 0, micro_offset: int | None = None) -> Any:
+        """This rank's layers (chunk ``chunk`` of them with virtual stages) on ``forward_input``;
+        ``micro_offset``: the micro-batch's seed offset (interleaved: one per micro-batch, not per call)."""
+        if micro_offset is None:
+            self.micro_offset += 1
+            micro_offset = self.micro_offset
+        offset = micro_offset + 1
+        first, n = self.chunk_funcs[chunk]
+        layer0 = self.chunk_ranges[chunk][0]
+        interval = self.activation_checkpoint_interval
         if interval == 0:
-            return self._run(0, n, offset, forward_input)
+            return self._run(first, n, offset, layer0, forward_input)
         x = forward_input
-        for start in range(0, n, interval):
+        for start in range(first, n, interval):
             stop = min(start + interval, n)
             args = x if isinstance(x, tuple) else (x,)
             if self.training and self._checkpointable(start, stop):
-                run = functools.partial(self._run, start, stop, offset)
+                run = functools.partial(self._run, start, stop, offset, layer0)
                 x = (self.activation_checkpoint_func(run, *args) if self.activation_checkpoint_func is not None
                      else checkpoint(run, *args, use_reentrant=False))
             else:
-                x = self._run(start, stop, offset, *args)
+                x = self._run(start, stop, offset, layer0, *args)
         return x
 
     def _checkpointable(self, start: int, stop: int) -> bool:

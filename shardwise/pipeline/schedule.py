@@ -13,18 +13,27 @@ schedule or the number of stages).
 - ``gpipe``: every forward, then every backward.
 
 Both leave a stage idle for a fraction ``(p - 1) / (m + p - 1)`` of a step (the bubble).
+
+- ``interleaved_1f1b`` (Megatron-LM's, ``PipelineModule(virtual_stages=v)``): each rank holds ``v``
+  chunks of layers (virtual stage ``c * p + s`` is rank ``s``'s chunk ``c``; a micro-batch goes
+  round the ranks ``v`` times). Steps are ``("F"|"B", i, c)``; the forwards take the chunks in turns
+  of ``p`` micro-batches, warm up ``2 (p - s - 1) + (v - 1) p`` of them, then alternate; each chunk
+  still runs its backwards in micro-batch order (the same bits as 1F1B). It needs ``m`` divisible by
+  ``p``, and leaves a stage idle for ``(p - 1) / (v m + p - 1)`` of a step.
 """
 
 from __future__ import annotations
 
 from shardwise.engine.compat import UsageError
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
 
-def train_steps(schedule: str, micro_batches: int, stages: int, stage: int) -> list[tuple[str, int]]:
+def train_steps(schedule: str, micro_batches: int, stages: int, stage: int, virtual: int = 1) -> list[tuple]:
     """One stage's training steps for one batch under ``schedule``."""
     m = micro_batches
+    if schedule == "interleaved_1f1b":
+        return interleaved_steps(m, stages, stage, virtual)
     if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     if schedule != "1f1b":
@@ -37,8 +46,28 @@ def train_steps(schedule: str, micro_batches: int, stages: int, stage: int) -> l
     return steps
 
 
-def eval_steps(micro_batches: int) -> list[tuple[str, int]]:
-    """Evaluation: forwards only, in order."""
+def interleaved_steps(m: int, p: int, s: int, v: int) -> list[tuple[str, int, int]]:
+    """Interleaved 1F1B for rank ``s`` of ``p`` with ``v`` chunks: ``("F"|"B", micro_batch, chunk)``."""
+    if m % p:
+        raise UsageError(f"pipeline.schedule interleaved_1f1b needs the micro-batches ({m}, "
+                         f"gradient_accumulation_steps) divisible by the {p} stages")
+    total = m * v
+
+    def at(k: int, forward: bool) -> tuple[int, int]:
+        c = (k % (p * v)) // p
+        return (k // (p * v)) * p + k % p, c if forward else v - 1 - c
+
+    warmup = min(2 * (p - s - 1) + (v - 1) * p, total)
+    steps = [("F", *at(k, True)) for k in range(warmup)]
+    for j in range(total - warmup):
+        steps += [("F", *at(warmup + j, True)), ("B", *at(j, False))]
+    return steps + [("B", *at(k, False)) for k in range(total - warmup, total)]
+
+
+def eval_steps(micro_batches: int, virtual: int = 1) -> list[tuple]:
+    """Evaluation: forwards only, in order (each micro-batch through every chunk of this rank)."""
+    if virtual > 1:
+        return [("F", i, c) for i in range(micro_batches) for c in range(virtual)]
     return [("F", i) for i in range(micro_batches)]
 
 

@@ -60,9 +60,13 @@ class Link:
         self.pending: list[Work] = []
         self.stopping: list[Work] = []
         self.stopped_peer: int | None = None
+        # interleaved schedules: a label leads each header, and a transfer that arrives before the one
+        # awaited (the two directions of a pair of ranks share one ordered channel) waits here
+        self.stash: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.ring = False  # the last stage sends on to the first (virtual stages): both are neighbours
 
-    def send(self, tensors: tuple[torch.Tensor, ...], peer: int) -> None:
-        header = [len(tensors)]
+    def send(self, tensors: tuple[torch.Tensor, ...], peer: int, label: int | None = None) -> None:
+        header = ([] if label is None else [label]) + [len(tensors)]
         for t in tensors:
             header += [_CODE[t.dtype], t.dim(), *t.shape]
         head = torch.tensor(header, dtype=torch.int64, device=self.device)
@@ -70,7 +74,16 @@ class Link:
                          self.p2p.send(head, peer)]
         self.pending += [self.p2p.send(t.detach(), peer) for t in tensors]
 
-    def recv(self, peer: int, what: str, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def recv(self, peer: int, what: str, device: torch.device, label: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The next transfer from ``peer``; with a ``label``, the one sent with it (others are kept)."""
+        if label is None:
+            return self._recv(peer, what, device, False)[1]
+        while (peer, label) not in self.stash:
+            got, tensors = self._recv(peer, what, device, True)
+            self.stash[(peer, got)] = tensors
+        return self.stash.pop((peer, label))
+
+    def _recv(self, peer: int, what: str, device: torch.device, labelled: bool) -> tuple[int, tuple]:
         try:
             n = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.p2p.recv(n, peer)
@@ -78,11 +91,12 @@ class Link:
                 self.stopped_peer = peer  # told already: not told back
                 raise StageTransferError(f"stage {peer} stopped with an error of its own (see rank "
                                          f"{self.ranks[peer]}'s line)")
-            if not 0 < int(n) <= 1 + MAX_TENSORS * (2 + MAX_DIMS):
+            if not 0 < int(n) <= 2 + MAX_TENSORS * (2 + MAX_DIMS):
                 raise StageTransferError(f"a header of {int(n)} numbers")
             head = torch.zeros(int(n), dtype=torch.int64, device=self.device)
             self.p2p.recv(head, peer)
             head = head.tolist()  # one host read of the header
+            label = head.pop(0) if labelled else -1
             out, pos = [], 1
             for _ in range(int(head[0])):
                 code, ndim = int(head[pos]), int(head[pos + 1])
@@ -91,7 +105,7 @@ class Link:
                 t = torch.empty(shape, dtype=_DTYPES[code], device=device)
                 self.p2p.recv(t, peer)
                 out.append(t)
-            return tuple(out)
+            return label, tuple(out)
         except (RanksDivergedError, StageTransferError) as e:
             raise StageTransferError(
                 f"pipeline stage {self.stage} (rank {self.ranks[self.stage]}) failed receiving {what} from stage "
@@ -101,7 +115,9 @@ class Link:
     def stop(self) -> None:
         """Tell both neighbours this stage stopped, so that a stage waiting on it ends now with a line
         naming it instead of at the timeout (best effort: a neighbour that is gone is not told)."""
-        for peer in (self.stage - 1, self.stage + 1):
+        last = len(self.ranks) - 1
+        ring = {last if self.stage == 0 else None, 0 if self.stage == last else None} if self.ring else set()
+        for peer in sorted({self.stage - 1, self.stage + 1} | (ring - {None})):
             if 0 <= peer < len(self.ranks) and peer != self.stopped_peer:
                 try:  # kept, not waited for: the work must outlive this call for the bytes to leave
                     self.stopping.append(self.p2p.send(torch.tensor([STOPPED], dtype=torch.int64,

@@ -202,7 +202,8 @@ class Sharding:
         for g in self.groups:
             g.end_backward()
         if self.fetcher is not None:
-            self.fetcher.release_all()  # frozen groups, and any a skipped branch left gathered
+            if not self.fetcher.held:  # (held: a pipeline batch keeps the model gathered to its end)
+                self.fetcher.release_all()  # frozen groups, and any a skipped branch left gathered
             self._settle_reductions()
 
     def _settle_reductions(self) -> None:

@@ -173,6 +173,9 @@ class ShardedGroup(StageThreeGather, GradReduction):
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._ready = 0
         self._reduce_now = False
+        # stages 2-3: keep the full gradient bucket across backwards and reduce-scatter it once, at
+        # the accumulation boundary (set by the pipeline engine; docs/pipeline.md)
+        self.defer_reduce = False
         # Stages 0-1 with a reduction per backward (no sync toggle): a reduced sum set aside while
         # the next backward accumulates local gradients (see begin_backward).
         self._holds_reduced = False

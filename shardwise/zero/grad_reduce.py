@@ -36,7 +36,9 @@ class GradReduction:
     def begin_backward(self, reduce_now: bool) -> None:
         """Arm the group for one backward; ``reduce_now`` at an accumulation boundary."""
         self._ready = 0
-        self._reduce_now = reduce_now or self.policy.shard_grads
+        # stages 2-3 reduce-scatter every backward (the shard is what accumulates), unless
+        # ``defer_reduce`` (a pipeline batch): then the full bucket accumulates until the boundary
+        self._reduce_now = reduce_now or (self.policy.shard_grads and not self.defer_reduce)
         if self._holds_reduced and not self.policy.shard_grads:
             self._set_aside_reduced()
 

@@ -107,6 +107,7 @@ class ParamFetcher:
         self.order: list[int] = []
         self.trace: list[int] = []
         self.all_gathered = False  # generate(): the whole model stays gathered
+        self.held = False  # hold(): gathered across backwards too (a pipeline batch), see hold()
         self.peak_gathered_bytes = 0  # most bytes of full (unsharded) parameters alive at once
         self.root = len(units) - 1
         self.stack: list[int] = []  # units whose forward is running, innermost last
@@ -284,9 +285,18 @@ class ParamFetcher:
 
     def release_all(self) -> None:
         self.all_gathered = False
+        self.held = False
         for gs in self.groups:
             for g in gs:
                 g.release()
+
+    def hold(self) -> None:
+        """Gather every group and keep it gathered through every forward and backward until
+        :meth:`release_all` (a pipeline batch at stage 3: one all-gather per group per batch instead
+        of two per micro-batch; the end of a backward does not release a held model)."""
+        self.gather_all()
+        self.held = True
+        self.measure()  # peak_gathered_bytes: the whole (padded) stage, held through the batch
 
     def remove(self) -> None:
         for h in self._handles:
