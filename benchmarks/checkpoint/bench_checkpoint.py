@@ -69,7 +69,9 @@ class PeakRSS:
         self.thread.join()
 
 
-def _engine(size: str):
+def build_engine(size: str):
+    """A Llama of ``SIZES[size]`` at ZeRO-2 with AdamW, seeded; also its parameter count and vocabulary
+    (bench_load.py builds the same one)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import shardwise
@@ -130,7 +132,7 @@ def _async_saves(engine, vocab: int, folder: Path, saves: int, keep: bool) -> di
 
 
 def _size_run(size: str, folder: Path, saves: int) -> dict:
-    engine, n_params, vocab = _engine(size)
+    engine, n_params, vocab = build_engine(size)
     for i in range(2):  # warm up (Adam state allocated)
         _step(engine, vocab, i)
     plain = [_step(engine, vocab, 50 + i) for i in range(4)]

@@ -35,23 +35,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-SIZES = {"small": (512, 4, 1376, 8000), "large": (768, 8, 2048, 32000)}  # hidden, layers, intermediate, vocab
+from bench_checkpoint import SIZES, build_engine  # the same model and config as the save benchmark
 
 
 def _engine(size: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import shardwise
-
-    hidden, layers, inter, vocab = SIZES[size]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
-                                         vocab_size=vocab, num_attention_heads=8, num_key_value_heads=8,
-                                         max_position_embeddings=64))
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}}
-    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    engine, _, vocab = build_engine(size)
     ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
