@@ -250,9 +250,10 @@ class OptimizerSwapper:
         bufs: list[AlignedBuffer] = []
         try:
             for u, layout in enumerate(self.layouts):
-                bufs.append(AlignedBuffer(layout.nbytes))
-                self._read(u, bufs[-1])
-                self._enter(u, bufs[-1])
+                buf = AlignedBuffer(layout.nbytes)
+                self._read(u, buf)
+                self._enter(u, buf)
+                bufs.append(buf)  # only a group read and checked is written back (never its stand-ins)
             yield
         finally:
             for u, buf in enumerate(bufs):
