@@ -12,7 +12,9 @@ import torch
 
 from shardwise.engine.nvme import param_swap
 from shardwise.errors import UserError
-from shardwise.nvme import NvmeSettings, OptimizerSwapper, SwapFileError
+from shardwise.nvme import NvmeSettings, OptimizerSwapper, SwapFileError, SwapFolder
+
+KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
 def _group(numel: int) -> SimpleNamespace:
@@ -48,3 +50,16 @@ def test_the_parameters_room_check_counts_an_fp32_models_four_bytes(tmp_path: Pa
     with pytest.raises(UserError, match=r"the swap files need .*\(4040 bytes\)"):
         swap = param_swap(config, model)
         swap.close()
+
+
+def test_a_refused_optimizer_swapper_releases_its_lock_and_folder(tmp_path: Path, monkeypatch) -> None:
+    """No room: the UserError, and the folder removed and its lock released at once (not at garbage
+    collection: the traceback holds the half-built swapper), so a retry on the same path is not 'in use'."""
+    groups = [_group(4096)]
+    opt = torch.optim.Adam([g.master for g in groups])
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda _p: usage(1 << 30, 1 << 30, 1000))
+    with pytest.raises(UserError, match="the swap files need") as info:
+        OptimizerSwapper(groups, opt, NvmeSettings(nvme_path=tmp_path), rank=0)
+    assert info.traceback and list(tmp_path.iterdir()) == []
+    SwapFolder(KEY, tmp_path, rank=0).close()  # the lock is free

@@ -91,19 +91,29 @@ class OptimizerSwapper:
         self.optimizer, self.settings = optimizer, settings
         self.units = [(i, g) for i, g in enumerate(groups) if g.master is not None]
         self.folder = SwapFolder(settings.key, settings.nvme_path, rank)
-        self.layouts = [SwapLayout.build(self.folder.file(f"group{i:05d}.swap"), g.own_numel, g.master.dtype,
-                                         state_keys(optimizer, g)) for i, g in self.units]
-        self.disk_bytes = sum(layout.nbytes for layout in self.layouts)
-        check_room(settings.key, Path(settings.nvme_path), self.disk_bytes * settings.local_ranks)
         self.io = IOEngine(settings.aio)
         # a read and its check, a stamp and its write, off the main thread (torch's sum releases the GIL)
         self.workers = ThreadPoolExecutor(2, thread_name_prefix="shardwise-nvme")
-        self.files = [open_file(layout.path) for layout in self.layouts]
+        self.files: list = []
+        self.prefetched: deque[tuple[AlignedBuffer, Future]] = deque()  # the next step's first reads
+        try:
+            self._open(settings)
+        except BaseException:
+            self.close()  # refused (no room) or a first write failed: the lock, threads and files go now
+            raise
+
+    def _open(self, settings: NvmeSettings) -> None:
+        """The layouts (room checked), the files and buffers; the masters (and any state) to disk."""
+        self.layouts = [SwapLayout.build(self.folder.file(f"group{i:05d}.swap"), g.own_numel, g.master.dtype,
+                                         state_keys(self.optimizer, g)) for i, g in self.units]
+        self.disk_bytes = sum(layout.nbytes for layout in self.layouts)
+        check_room(settings.key, Path(settings.nvme_path), self.disk_bytes * settings.local_ranks)
+        for layout in self.layouts:
+            self.files.append(open_file(layout.path))
         size = max((layout.nbytes for layout in self.layouts), default=4096)
         count = max(1, min(settings.buffer_count, len(self.units)))  # more buffers than groups would sit idle
         self.buffers = [AlignedBuffer(size, settings.pin_memory) for _ in range(count)]
         self.free = list(self.buffers)
-        self.prefetched: deque[tuple[AlignedBuffer, Future]] = deque()  # the next step's first reads
         for u, (_, g) in enumerate(self.units):  # the masters (and any state) to disk, their host copies dropped
             buf = self.free[0]
             self._fill(u, buf)
