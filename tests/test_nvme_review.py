@@ -63,3 +63,18 @@ def test_a_refused_optimizer_swapper_releases_its_lock_and_folder(tmp_path: Path
         OptimizerSwapper(groups, opt, NvmeSettings(nvme_path=tmp_path), rank=0)
     assert info.traceback and list(tmp_path.iterdir()) == []
     SwapFolder(KEY, tmp_path, rank=0).close()  # the lock is free
+
+
+def test_a_stale_folder_that_cannot_be_removed_releases_the_lock(tmp_path: Path, monkeypatch) -> None:
+    """A killed run's folder this user cannot remove: one line naming the key and the folder, and the lock
+    released (a retry in this process is not refused as 'in use by another run')."""
+    (tmp_path / "shardwise-swap" / "rank0").mkdir(parents=True)
+
+    def denied(path, *_a, **_k):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    with monkeypatch.context() as m:
+        m.setattr("shutil.rmtree", denied)
+        with pytest.raises(UserError, match=f"^{KEY}: cannot replace .*rank0.*Permission denied"):
+            SwapFolder(KEY, tmp_path, rank=0)
+    SwapFolder(KEY, tmp_path, rank=0).close()

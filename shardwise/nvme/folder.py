@@ -66,11 +66,15 @@ class SwapFolder:
             os.close(fd)
             raise UserError(f"{key}: {root} is in use by another run (the lock {lock} is held); give each "
                             "run its own nvme_path") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        if self.path.exists():  # a killed run's files (its lock died with it)
-            shutil.rmtree(self.path)
-        self.path.mkdir()
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            if self.path.exists():  # a killed run's files (its lock died with it)
+                shutil.rmtree(self.path)
+            self.path.mkdir()
+        except OSError as e:  # the lock released with the error, not held until the process ends
+            os.close(fd)
+            raise UserError(f"{key}: cannot replace {self.path} (a killed run's swap folder?): {e.strerror}") from None
         self._lock_fd = [fd]
         self._finalizer = weakref.finalize(self, _remove, self.path, self._lock_fd)
         atexit.register(self._finalizer)
