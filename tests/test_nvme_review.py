@@ -78,3 +78,34 @@ def test_a_stale_folder_that_cannot_be_removed_releases_the_lock(tmp_path: Path,
         with pytest.raises(UserError, match=f"^{KEY}: cannot replace .*rank0.*Permission denied"):
             SwapFolder(KEY, tmp_path, rank=0)
     SwapFolder(KEY, tmp_path, rank=0).close()
+
+
+def _refuse(*_args) -> None:
+    raise RuntimeError("refused")  # as engine.offload_states()'s step hook refuses a step
+
+
+@pytest.mark.parametrize("pipeline_read", [False, True])
+def test_a_step_that_raises_gives_its_buffer_back(tmp_path: Path, pipeline_read: bool) -> None:
+    """The optimizer raising mid-step (offload_states' hook): the buffer goes back to the free list and the
+    group to its stand-ins (nothing points into a buffer that will be reused), so the next step is exact."""
+    groups = [_group(8), _group(8)]
+    for g in groups:
+        g.master.grad = torch.ones(8)
+        g.publish_master, g.master_writable = (lambda async_op: None), (lambda: None)
+    ref = [g.master.clone().requires_grad_() for g in groups]
+    for r in ref:
+        r.grad = torch.ones(8)
+    torch.optim.Adam(ref).step()
+    opt = torch.optim.Adam([g.master for g in groups])
+    settings = NvmeSettings(nvme_path=tmp_path, buffer_count=2, pipeline_read=pipeline_read)
+    swapper, sharding = OptimizerSwapper(groups, opt, settings, rank=0), SimpleNamespace(wait_for_params=lambda: None)
+    try:
+        hook = opt.register_step_pre_hook(_refuse)
+        with pytest.raises(RuntimeError, match="refused"):
+            swapper.step_and_publish(sharding)
+        hook.remove()
+        swapper.step_and_publish(sharding)
+        with swapper.resident(write_back=False):
+            assert all(torch.equal(g.master, r.detach()) for g, r in zip(groups, ref, strict=True))
+    finally:
+        swapper.close()

@@ -196,6 +196,20 @@ class OptimizerSwapper:
         finally:
             self.optimizer.param_groups = whole
 
+    def _step_in(self, u: int, buf: AlignedBuffer, group_of: dict[int, dict]) -> None:
+        """Step group ``u`` in ``buf`` and publish it. Raising (the optimizer refused: offload_states' hook),
+        the group goes back to its stand-ins (its file still holds it) and ``buf`` to the free list."""
+        g = self.units[u][1]
+        try:
+            self._enter(u, buf)
+            self._step_one(u, group_of)
+            g.publish_master(async_op=True)
+            g.master_writable()  # the device copy out of the buffer has read it (host_copy.py, rule 4)
+        except BaseException:
+            self._leave(u)
+            self.free.append(buf)
+            raise
+
     @torch.no_grad()
     def step_and_publish(self, sharding: Any) -> None:
         """Step every group through its swap file and publish it (as ``bucket_step.step_and_publish``)."""
@@ -213,11 +227,7 @@ class OptimizerSwapper:
                     issued += 1
                 buf, handle = reads.popleft()
                 self._drain(deque([(buf, handle)]), keep=buf)
-                self._enter(u, buf)
-                self._step_one(u, group_of)
-                g = self.units[u][1]
-                g.publish_master(async_op=True)
-                g.master_writable()  # the device copy out of the buffer has read it (host_copy.py, rule 4)
+                self._step_in(u, buf, group_of)
                 self._fill(u, buf)
                 writes.append((buf, self.workers.submit(self._write, u, buf)))
                 if not s.pipeline_write:
