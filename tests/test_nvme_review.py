@@ -3,6 +3,8 @@ and the parameters' room check counts the bytes their files hold."""
 
 from __future__ import annotations
 
+import errno
+import os
 from collections import namedtuple
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from shardwise.aio import AioError, IOEngine, open_file
 from shardwise.engine.nvme import param_swap
 from shardwise.errors import UserError
 from shardwise.nvme import NvmeSettings, OptimizerSwapper, SwapFileError, SwapFolder
@@ -109,3 +112,21 @@ def test_a_step_that_raises_gives_its_buffer_back(tmp_path: Path, pipeline_read:
             assert all(torch.equal(g.master, r.detach()) for g, r in zip(groups, ref, strict=True))
     finally:
         swapper.close()
+
+
+@pytest.mark.parametrize("call", ["fdatasync", "fsync"])
+def test_a_buffered_files_sync_error_names_the_file(tmp_path: Path, monkeypatch, call: str) -> None:
+    """Without O_DIRECT a write's error (EIO, ENOSPC) often shows at the sync: it too names the file."""
+    def eio(_fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    path = tmp_path / "t.bin"
+    with IOEngine() as io:
+        f = open_file(path, direct=False)
+        try:
+            monkeypatch.setattr(os, call, eio)
+            with pytest.raises(AioError, match=f"^{path}: .*Input/output error"):
+                io.write(f, torch.zeros(4096, dtype=torch.uint8)).wait()
+                f.sync()
+        finally:
+            f.close()
