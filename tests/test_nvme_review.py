@@ -130,3 +130,26 @@ def test_a_buffered_files_sync_error_names_the_file(tmp_path: Path, monkeypatch,
                 f.sync()
         finally:
             f.close()
+
+
+def test_a_lock_file_removed_before_our_flock_is_not_held(tmp_path: Path, monkeypatch) -> None:
+    """The run holding the lock exits (unlinks the lock file) between our open and our flock: we must lock
+    the file now at the path, not the unlinked one, or a third run locks a new file and shares the folder."""
+    import fcntl
+
+    real, calls = fcntl.flock, []
+
+    def flock_after_the_holder_left(fd: int, op: int) -> None:
+        if not calls:
+            calls.append(fd)
+            (tmp_path / "shardwise-swap" / "rank0.lock").unlink()
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_holder_left)
+    first = SwapFolder(KEY, tmp_path, rank=0)
+    monkeypatch.setattr(fcntl, "flock", real)
+    try:
+        with pytest.raises(UserError, match="is in use by another run"):
+            SwapFolder(KEY, tmp_path, rank=0)
+    finally:
+        first.close()
