@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +39,23 @@ class AioFile:
         return os.fstat(self.fd).st_size
 
     def truncate(self, nbytes: int) -> None:
-        os.ftruncate(self.fd, nbytes)
+        with self.named("truncate"):
+            os.ftruncate(self.fd, nbytes)
 
     def sync(self) -> None:
-        os.fsync(self.fd)
+        with self.named("fsync"):
+            os.fsync(self.fd)
+
+    @contextmanager
+    def named(self, what: str):
+        """An OSError of the body as an :class:`AioError` naming the file (a write's EIO or ENOSPC often
+        surfaces only at the sync)."""
+        try:
+            yield
+        except OSError as e:
+            if isinstance(e, AioError):
+                raise
+            raise AioError(f"{self.path}: {what} failed: {e.strerror}") from None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -89,6 +103,7 @@ def drop_cached(f: AioFile, offset: int, nbytes: int) -> None:
     """After a buffered write: the bytes to the disk, then their pages out of the cache (a hint)."""
     if f.direct:
         return
-    os.fdatasync(f.fd)
+    with f.named("fdatasync after a write"):
+        os.fdatasync(f.fd)
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(f.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)

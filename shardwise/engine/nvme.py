@@ -90,7 +90,9 @@ def param_swap(config, model: Any) -> ParamSwap | None:
     if not op.nvme_path:
         raise UserError(f"{OP}.nvme_path: required with {OP}.device 'nvme' (a folder on the NVMe disk)")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    need = sum(p.numel() * 2 for p in model.parameters()) // world * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # the files hold the parameters' own dtype (4 bytes an element for an fp32 model), a rank's shard rounded up
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    need = -(-total // world) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     check_room(f"{OP}.nvme_path", Path(op.nvme_path), need)
     folder = SwapFolder(f"{OP}.nvme_path", op.nvme_path, rank, kind="param-")
     return ParamSwap(folder, IOEngine(aio_config(dict(config.aio))), op.buffer_count, op.buffer_size, op.max_in_cpu)

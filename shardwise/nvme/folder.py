@@ -48,6 +48,27 @@ def _remove(folder: Path, lock_fd: list[int]) -> None:
         pass
 
 
+def _take_lock(key: str, root: Path, lock: Path) -> int:
+    """``lock`` opened and flocked; retried when the file we locked is no longer the one at the path (its
+    holder unlinked it on exit between our open and our flock: a third run would lock a new file)."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"{key}: {root} is in use by another run (the lock {lock} is held); give each "
+                            "run its own nvme_path") from None
+        held = os.fstat(fd)
+        try:
+            now = os.stat(lock)
+            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
 class SwapFolder:
     """This rank's swap folder under ``nvme_path``, locked; ``key`` names the config key in messages."""
 
@@ -59,18 +80,16 @@ class SwapFolder:
         base.mkdir(exist_ok=True)
         self.path = base / f"{kind}rank{rank}"
         lock = base / f"{kind}rank{rank}.lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = _take_lock(key, root, lock)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            if self.path.exists():  # a killed run's files (its lock died with it)
+                shutil.rmtree(self.path)
+            self.path.mkdir()
+        except OSError as e:  # the lock released with the error, not held until the process ends
             os.close(fd)
-            raise UserError(f"{key}: {root} is in use by another run (the lock {lock} is held); give each "
-                            "run its own nvme_path") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        if self.path.exists():  # a killed run's files (its lock died with it)
-            shutil.rmtree(self.path)
-        self.path.mkdir()
+            raise UserError(f"{key}: cannot replace {self.path} (a killed run's swap folder?): {e.strerror}") from None
         self._lock_fd = [fd]
         self._finalizer = weakref.finalize(self, _remove, self.path, self._lock_fd)
         atexit.register(self._finalizer)

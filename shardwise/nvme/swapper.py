@@ -91,19 +91,29 @@ class OptimizerSwapper:
         self.optimizer, self.settings = optimizer, settings
         self.units = [(i, g) for i, g in enumerate(groups) if g.master is not None]
         self.folder = SwapFolder(settings.key, settings.nvme_path, rank)
-        self.layouts = [SwapLayout.build(self.folder.file(f"group{i:05d}.swap"), g.own_numel, g.master.dtype,
-                                         state_keys(optimizer, g)) for i, g in self.units]
-        self.disk_bytes = sum(layout.nbytes for layout in self.layouts)
-        check_room(settings.key, Path(settings.nvme_path), self.disk_bytes * settings.local_ranks)
         self.io = IOEngine(settings.aio)
         # a read and its check, a stamp and its write, off the main thread (torch's sum releases the GIL)
         self.workers = ThreadPoolExecutor(2, thread_name_prefix="shardwise-nvme")
-        self.files = [open_file(layout.path) for layout in self.layouts]
+        self.files: list = []
+        self.prefetched: deque[tuple[AlignedBuffer, Future]] = deque()  # the next step's first reads
+        try:
+            self._open(settings)
+        except BaseException:
+            self.close()  # refused (no room) or a first write failed: the lock, threads and files go now
+            raise
+
+    def _open(self, settings: NvmeSettings) -> None:
+        """The layouts (room checked), the files and buffers; the masters (and any state) to disk."""
+        self.layouts = [SwapLayout.build(self.folder.file(f"group{i:05d}.swap"), g.own_numel, g.master.dtype,
+                                         state_keys(self.optimizer, g)) for i, g in self.units]
+        self.disk_bytes = sum(layout.nbytes for layout in self.layouts)
+        check_room(settings.key, Path(settings.nvme_path), self.disk_bytes * settings.local_ranks)
+        for layout in self.layouts:
+            self.files.append(open_file(layout.path))
         size = max((layout.nbytes for layout in self.layouts), default=4096)
         count = max(1, min(settings.buffer_count, len(self.units)))  # more buffers than groups would sit idle
         self.buffers = [AlignedBuffer(size, settings.pin_memory) for _ in range(count)]
         self.free = list(self.buffers)
-        self.prefetched: deque[tuple[AlignedBuffer, Future]] = deque()  # the next step's first reads
         for u, (_, g) in enumerate(self.units):  # the masters (and any state) to disk, their host copies dropped
             buf = self.free[0]
             self._fill(u, buf)
@@ -186,6 +196,20 @@ class OptimizerSwapper:
         finally:
             self.optimizer.param_groups = whole
 
+    def _step_in(self, u: int, buf: AlignedBuffer, group_of: dict[int, dict]) -> None:
+        """Step group ``u`` in ``buf`` and publish it. Raising (the optimizer refused: offload_states' hook),
+        the group goes back to its stand-ins (its file still holds it) and ``buf`` to the free list."""
+        g = self.units[u][1]
+        try:
+            self._enter(u, buf)
+            self._step_one(u, group_of)
+            g.publish_master(async_op=True)
+            g.master_writable()  # the device copy out of the buffer has read it (host_copy.py, rule 4)
+        except BaseException:
+            self._leave(u)
+            self.free.append(buf)
+            raise
+
     @torch.no_grad()
     def step_and_publish(self, sharding: Any) -> None:
         """Step every group through its swap file and publish it (as ``bucket_step.step_and_publish``)."""
@@ -203,11 +227,7 @@ class OptimizerSwapper:
                     issued += 1
                 buf, handle = reads.popleft()
                 self._drain(deque([(buf, handle)]), keep=buf)
-                self._enter(u, buf)
-                self._step_one(u, group_of)
-                g = self.units[u][1]
-                g.publish_master(async_op=True)
-                g.master_writable()  # the device copy out of the buffer has read it (host_copy.py, rule 4)
+                self._step_in(u, buf, group_of)
                 self._fill(u, buf)
                 writes.append((buf, self.workers.submit(self._write, u, buf)))
                 if not s.pipeline_write:
@@ -250,9 +270,10 @@ class OptimizerSwapper:
         bufs: list[AlignedBuffer] = []
         try:
             for u, layout in enumerate(self.layouts):
-                bufs.append(AlignedBuffer(layout.nbytes))
-                self._read(u, bufs[-1])
-                self._enter(u, bufs[-1])
+                buf = AlignedBuffer(layout.nbytes)
+                self._read(u, buf)
+                self._enter(u, buf)
+                bufs.append(buf)  # only a group read and checked is written back (never its stand-ins)
             yield
         finally:
             for u, buf in enumerate(bufs):
