@@ -15,16 +15,16 @@ FIXTURES = Path(__file__).resolve().parent / "data" / "pipeline_ckpt"
 
 
 def resume(stages: int, load_optimizer_states: bool = True, fixture: str = "z1") -> dict:
-    """Load the fixture (``z1``: PP 2; ``z1_dp2``: PP 2 x DP 2) at ``stages`` stages (ZeRO-1, the
-    fixture's config): this stage's weights against DeepSpeed's (bit for bit, by layer index), then
-    batches 3-4, which DeepSpeed's run took right after its save."""
+    """Load the fixture (``z1``: PP 2; ``z1_dp2``: PP 2 x DP 2; ``z1_tied``: PP 2 with a weight tied across
+    the stages) at ``stages`` stages (ZeRO-1, the fixture's config): this stage's weights against
+    DeepSpeed's (bit for bit, by name), then batches 3-4, which DeepSpeed's run took right after its save."""
     from safetensors.torch import load_file
 
     import shardwise
     from shardwise.pipeline import PipelineModule
 
     FIXTURE = FIXTURES / fixture  # noqa: N806
-    model = PipelineModule(specs(), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
+    model = PipelineModule(specs(fixture.endswith("tied")), num_stages=stages, loss_fn=F.mse_loss, seed_layers=True,
                            seed_fn=torch.manual_seed, base_seed=BASE_SEED)
     config = {**CONFIG, "zero_optimization": {"stage": 1}}
     engine, *_ = shardwise.initialize(model=model, config=config)

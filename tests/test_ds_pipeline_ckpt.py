@@ -114,6 +114,73 @@ def test_a_layer_file_beside_a_plain_zero_checkpoint_is_refused(tmp_path):
     folder = tmp_path / "global_step2"
     shutil.copytree(FOLDER.parents[2] / "foreign_ckpt" / "ds_z2_frozen" / "global_step2", folder)
     (folder / "layer_01-model_states.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states\.pt: parameter .* not named by its layer "
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states\.pt: parameter .* named neither by its layer "
                                               r"index .*not a PipelineModule's checkpoint"):
         open_checkpoint(folder)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_tied_deepspeed_checkpoint_loads_at_any_pp_degree(request, stages):
+    """DeepSpeed's PP 2 checkpoint of a weight tied across the stages (``TiedLayerSpec``: written once, in
+    ``layer_00``, listed and stepped by both stages' optimizers as ``tied_modules.proj.weight``) at PP 1, 2
+    and 4: DeepSpeed's weights bit for bit (the tied one once, on every stage using it), its next loss bit
+    for bit."""
+    pool = request.getfixturevalue(f"pool{stages}")
+    res = pool.run("ds_pipeline_ckpt_cases:resume", stages, fixture="z1_tied")
+    assert res[0]["ds"]["tied_copies_equal"] is True  # DeepSpeed's two copies were equal: the join is not a choice
+    names = {n for r in res for n in r["names"]}
+    assert len(names) == 13 and "tied_modules.proj.weight" in names
+    if stages > 1:  # the first and the last stage both hold the tied weight
+        assert "tied_modules.proj.weight" in res[0]["names"] and "tied_modules.proj.weight" in res[-1]["names"]
+    for r in res:
+        assert r["differ"] == [] and r["steps"] == 2, r["differ"]
+        ds = r["ds"]["after"]
+        assert r["losses"][0] == ds[0]
+        assert r["losses"][1] == pytest.approx(ds[1], rel=1e-6, abs=0), (r["losses"], ds)
+
+
+def _damaged_tied(tmp_path, damage: str):
+    """A copy of the tied fixture's global_step2 with its tied weight damaged; the file the error must name."""
+    import shutil
+
+    import torch
+
+    from shardwise.checkpoint.unpickle import safe_load
+
+    folder = tmp_path / "global_step2"
+    shutil.copytree(FOLDER.parents[1] / "z1_tied" / "global_step2", folder)
+    layer = folder / "layer_00-model_states.pt"  # the tied module (the head's use is a forward_fn: no file)
+    weight = safe_load(layer, layer)["weight"]
+    if damage == "shape":  # the tied weight one row larger than both stages' param_shapes say
+        torch.save({"weight": torch.zeros(9, 8)}, layer)
+    elif damage == "missing":  # the one file that holds the tied weight
+        layer.unlink()
+        return folder, "mp_rank_00_model_states.pt: lists the tied tied_modules.proj.weight"
+    elif damage in ("duplicate", "same"):  # a second file of the tied module (as when two uses are modules)
+        layer = folder / "layer_07-model_states.pt"
+        torch.save({"weight": weight + (1e-3 if damage == "duplicate" else 0.0)}, layer)
+    else:  # "optimizer": stage 1's copy of the tied master one element off (bytes changed in place)
+        layer = folder / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+        flat = safe_load(layer, layer)["optimizer_state_dict"]["single_partition_of_fp32_groups"][0].detach()
+        data = bytearray(layer.read_bytes())
+        at = bytes(data).find(flat[:4].numpy().tobytes())  # its first 64 elements: the tied weight (param_shapes)
+        data[at:at + 4] = torch.tensor([float(flat[0]) * 1.5]).numpy().tobytes()
+        layer.write_bytes(bytes(data))
+    return folder, layer.name
+
+
+@pytest.mark.parametrize("damage", ["shape", "missing", "duplicate", "optimizer"])
+def test_a_lying_tied_layer_is_refused_naming_the_file(tmp_path, damage):
+    """Tied weights in DeepSpeed's pipeline checkpoint: a wrong shape, the file missing, a second file or a
+    stage's optimizer copy with other values: one line naming the file; an equal second file is read."""
+    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.formats import open_checkpoint
+
+    folder, named = _damaged_tied(tmp_path, damage)
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(folder)
+    msg = str(err.value)
+    assert named in msg and "\n" not in msg, msg
+    same, _ = _damaged_tied(tmp_path / "same", "same")
+    meta, _ = open_checkpoint(same)
+    assert meta["tensors"]["tied_modules.proj.weight"]["shape"] == [8, 8]

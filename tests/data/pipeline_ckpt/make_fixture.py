@@ -14,6 +14,14 @@ every layer's weights as DeepSpeed held them after the save (``layer.IDX.name``,
 ``z1/losses.json`` the losses of batches 3-4 the same run gives after the save (what a resume
 continues with). On 4 ranks the same at PP 2 x DP 2 into ``z1_dp2`` (each stage's optimizer
 partitioned over its 2 data-parallel ranks: ``zero_pp_rank_0/1_mp_rank_00/01_optim_states.pt``).
+
+On 2 ranks also ``z1_tied``: the tied layers (``specs(True)``: a ``TiedLayerSpec("proj")`` first, whose
+weight the last layer reuses through ``forward_fn``) at 2 stages (partition [0, 4, 8]). DeepSpeed names
+the tied weight ``tied_modules.proj.weight`` in both stages' ``param_shapes`` and optimizers (each stage
+steps its copy on the all-reduced gradient) and writes it once, in ``layer_00-model_states.pt`` as
+``weight`` (the use that is a module; the head's use is a ``functools.partial``, which has no file).
+``reference.safetensors`` is keyed ``layer.NAME`` by the module's parameter names; ``losses.json`` says
+whether the two stages' copies were equal bit for bit (``tied_copies_equal``).
 """
 
 from __future__ import annotations
@@ -32,37 +40,55 @@ sys.path.insert(0, str(HERE.parents[1]))  # tests/
 import pipeline_cases as pc  # noqa: E402
 
 
-def main() -> None:
+def make(name: str, tied: bool) -> None:
+    """Train 2 batches, save into ``name``, record the weights and the next 2 batches' losses."""
     import deepspeed
     from deepspeed import pipe
     from safetensors.torch import save_file
 
-    deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     cfg = {**pc.CONFIG, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
-    model = pipe.PipelineModule(pc.specs(False, pipe), num_stages=2, loss_fn=F.mse_loss, seed_layers=True,
+    model = pipe.PipelineModule(pc.specs(tied, pipe), num_stages=2, loss_fn=F.mse_loss, seed_layers=True,
                                 seed_fn=torch.manual_seed, base_seed=pc.BASE_SEED)
     engine, *_ = deepspeed.initialize(model=model, config=cfg,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     dp = engine.grid.get_data_parallel_id()
-    out = HERE / ("z1" if dist.get_world_size() == 2 else f"z1_dp{dist.get_world_size() // 2}")
+    out = HERE / name
     before = [float(engine.train_batch(pc.batches(s, dp, cfg))) for s in range(2)]
     engine.save_checkpoint(str(out))
-    weights = {f"layer.{model._local_start + i}.{k}": v.detach().float().clone().contiguous()
-               for i, layer in enumerate(model.forward_funcs) if isinstance(layer, torch.nn.Module)
-               for k, v in layer.state_dict().items()}
+    # the module's own names: IDX.fc.weight, and tied_modules.KEY.weight on every stage holding a use
+    weights = {f"layer.{n}": v.detach().float().clone().contiguous() for n, v in model.named_parameters()}
     after = [float(engine.train_batch(pc.batches(s, dp, cfg))) for s in (2, 3)]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, weights)
     if dist.get_rank() == 0:  # each stage's first data-parallel rank holds the stage's layers (the same on the rest)
-        save_file({k: v for w in gathered for k, v in w.items()}, str(out / "reference.safetensors"))
-        (out / "losses.json").write_text(json.dumps({"deepspeed": deepspeed.__version__, "before": before,
-                                                     "after": after, "parts": [int(p) for p in model.parts]},
-                                                    indent=1) + "\n")
+        ref, equal = {}, True
+        for w in gathered:
+            for k, v in w.items():
+                equal = equal and (k not in ref or torch.equal(ref[k], v))
+                ref.setdefault(k, v)
+        save_file(ref, str(out / "reference.safetensors"))
+        info = {"deepspeed": deepspeed.__version__, "before": before, "after": after,
+                "parts": [int(p) for p in model.parts]}
+        if tied:
+            info["tied_copies_equal"] = equal
+        (out / "losses.json").write_text(json.dumps(info, indent=1) + "\n")
         for f in out.glob("zero_to_*.py"):
             f.unlink()
         shutil.rmtree(out / "global_step2" / "__pycache__", ignore_errors=True)
     dist.barrier()
+
+
+def main() -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = dist.get_world_size()
+    if world == 2:
+        make("z1", False)
+        make("z1_tied", True)
+    else:
+        make(f"z1_dp{world // 2}", False)
 
 
 if __name__ == "__main__":
