@@ -54,13 +54,18 @@ class Merge(nn.Module):
 
 def specs(tied: bool | str = False, api=None) -> list:
     """The layers; ``api``: the module providing LayerSpec / TiedLayerSpec (DeepSpeed's for the fixture).
-    ``tied="tuple"``: tuples cross the stage boundaries instead (tensors with and without gradients)."""
+    ``tied="tuple"``: tuples cross the stage boundaries instead (tensors with and without gradients);
+    ``tied="three"``: one weight used by three layers (0, 5 and 7 of 8)."""
     if api is None:
         from shardwise import pipeline as api
     LayerSpec, TiedLayerSpec = api.LayerSpec, api.TiedLayerSpec  # noqa: N806
     if tied == "tuple":
         return [LayerSpec(Block), LayerSpec(Split), *[LayerSpec(TupleBlock) for _ in range(4)], LayerSpec(Merge),
                 LayerSpec(Head, WIDTH, OUT)]
+    if tied == "three":  # three uses: the first layer, one in the middle, the head (forward_fn = x @ W)
+        use = TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=tied_head)
+        return [TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False), *[LayerSpec(Block) for _ in range(4)],
+                use, LayerSpec(Block), use]
     first = [TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False)] if tied else []
     last = ([TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=tied_head)] if tied
             else [LayerSpec(Head, WIDTH, OUT)])
@@ -79,10 +84,11 @@ def batches(step: int, dp_rank: int, config: dict):
 
 def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | str = False,
           partition: str = "parameters", interval: int = 0, facade: bool = False, reduce_once: bool = True,
-          virtual: int = 1) -> dict:
+          virtual: int = 1, tied_exact: bool = True) -> dict:
     """Each rank: the losses train_batch returned and its stage's final weights by layer index.
     ``facade``: written as a DeepSpeed script (``import deepspeed``, ``deepspeed.pipe``). ``reduce_once=False``:
-    ZeRO-2/3 reduce-scatter after every micro-batch instead of once per batch. ``virtual``: chunks per rank."""
+    ZeRO-2/3 reduce-scatter after every micro-batch instead of once per batch. ``virtual``: chunks per rank.
+    ``tied_exact=False``: tied gradients sent once a batch (DeepSpeed's order), not per micro-batch."""
     import shardwise
 
     if facade:
@@ -104,6 +110,7 @@ def train(stages: int, config: dict | None = None, steps: int = 3, tied: bool | 
     engine, _, _, _ = initialize(model=model, config=config,
                                  model_parameters=[p for p in model.parameters() if p.requires_grad])
     engine.set_reduce_once(reduce_once)
+    engine.set_tied_exact(tied_exact)
     dp_rank = engine.grid.get_data_parallel_id()
     if config.get("bf16", {}).get("enabled"):  # the script hands the model bf16 inputs, as DeepSpeed's must
         engine.set_batch_fn(lambda b: tuple(t.bfloat16() for t in b))

@@ -24,6 +24,10 @@ class Unpack(nn.Module):
         return x["x"] if isinstance(x, dict) else x
 
 
+def _weight_only(module: nn.Module, x):
+    return x @ module.weight.t()
+
+
 def refusal(kind: str) -> str:
     """Each rank's error line for one kind of bad input (``"none"`` when nothing was raised)."""
     import shardwise
@@ -43,9 +47,11 @@ def refusal(kind: str) -> str:
         config["fp16"] = {"enabled": True}
     elif kind == "interleaved_v1":
         config["pipeline"] = {"schedule": "interleaved_1f1b"}
-    virtual = {"virtual_1f1b": 2, "virtual_tied": 2}.get(kind, 1)
-    if kind == "virtual_tied":
-        layers = specs(tied=True)
+    elif kind == "tied_unused":  # the first use reads the tied weight only, the last its bias too
+        both = {"tied_weight_attr": ["weight", "bias"]}
+        layers = [TiedLayerSpec("p", nn.Linear, WIDTH, WIDTH, forward_fn=_weight_only, **both), *specs()[1:-1],
+                  TiedLayerSpec("p", nn.Linear, WIDTH, WIDTH, **both)]
+    virtual = {"virtual_1f1b": 2}.get(kind, 1)
     try:
         model = PipelineModule(layers, num_stages=2, loss_fn=F.mse_loss, partition_method="uniform",
                                virtual_stages=virtual)

@@ -67,7 +67,7 @@ def test_activation_checkpointing_and_zero1_and_gpipe(pool2) -> None:
 @pytest.mark.parametrize("stages", [1, 2])
 def test_tied_layers_across_stages(pool2, stages: int) -> None:
     results = pool2.run("pipeline_cases:train", stages, tied=True)
-    _check(results, pc.reference(dp=2 // stages, tied=True), exact=stages == 1)
+    _check(results, pc.reference(dp=2 // stages, tied=True))  # the tied gradient summed in one process's order
 
 
 DS_FIXTURE = json.loads((Path(__file__).parent / "data" / "pipeline" / "ds_losses.json").read_text())
@@ -146,6 +146,30 @@ def test_interleaved_1f1b_equals_1f1b(pool2, zero: int, interval: int) -> None:
     assert all(len(r["parts"]) == 5 for r in results)
 
 
+@pytest.mark.parametrize("tied", [True, "three"], ids=["first_and_last", "three_uses"])
+def test_interleaved_1f1b_with_tied_layers(pool2, tied) -> None:
+    """Interleaved 1F1B (2 chunks a rank: virtual stages 0 and 2 on rank 0, 1 and 3 on rank 1) with a weight
+    tied across ranks and chunks: ``True``, layers 0 and 7 (rank 0 chunk 0, rank 1 chunk 1); ``three``, layers
+    0, 5 and 7 (rank 0 chunks 0 and 1, rank 1 chunk 1; under 1F1B stage 0 and twice stage 1). The owner sums
+    each micro-batch's gradient over the uses in one process's order: plain PyTorch's losses and weights bit
+    for bit, so 1F1B's (run here for ``three``; for ``True`` in test_tied_layers_across_stages)."""
+    config = {"pipeline": {"schedule": "interleaved_1f1b"}}
+    results = pool2.run("pipeline_cases:train", 2, config=config, virtual=2, steps=2, tied=tied)
+    assert results[0]["parts"] == [0, 2, 4, 6, 8]
+    ref = pc.reference(dp=1, steps=2, tied=tied)
+    _check(results, ref)
+    if tied == "three":
+        _check(pool2.run("pipeline_cases:train", 2, steps=2, tied=tied), ref)
+
+
+def test_tied_gradients_once_a_batch_give_deepspeeds_bits(pool4) -> None:
+    """``engine.set_tied_exact(False)``: each copy's gradient sent once a batch (DeepSpeed's traffic) gives
+    DeepSpeed 0.19.8's own PP 2 x DP 2 losses bit for bit (its all-reduce adds the stages' sums in the same
+    order); the default (per micro-batch, one process's order) is within 1e-5 of them (the fixture test)."""
+    for r in pool4.run("pipeline_cases:train", 2, tied=True, facade=True, tied_exact=False):
+        assert r["losses"] == DS_FIXTURE["cases"]["pp2_tied"]["losses"]
+
+
 def test_interleaved_pp_x_dp_zero3(pool4) -> None:
     """Interleaved 1F1B at PP 2 x DP 2 and ZeRO-3: plain PyTorch's losses and weights bit for bit, one
     reduce-scatter and one all-gather per group per batch over the m x v backwards."""
@@ -157,8 +181,16 @@ def test_interleaved_pp_x_dp_zero3(pool4) -> None:
 
 
 def test_pp_x_dp_zero3_with_tied_layers(pool4) -> None:
-    """PP 2 x DP 2 at ZeRO-3, the tied weight sharded on both stages: gathered to be sent after each step."""
-    _check(pool4.run("pipeline_cases:train", 2, config=ZERO3, tied=True), pc.reference(dp=2, tied=True), exact=False)
+    """PP 2 x DP 2 at ZeRO-3, the tied weight sharded on both stages: gathered to be sent after each step.
+    Measured: the losses, the eval loss and the tied weight bit for bit; one element of 5.fc.bias 1 ulp off
+    (3.7e-9), which ZeRO-3 on these ranks gives without ties too at another stage3_param_persistence_threshold
+    (it moves where each parameter sits in the flat shard)."""
+    results = pool4.run("pipeline_cases:train", 2, config=ZERO3, tied=True)
+    ref = pc.reference(dp=2, tied=True)
+    _check(results, ref, exact=False)
+    for r in results:
+        assert r["losses"] == ref["losses"] and r["eval"] == ref["eval"], r["losses"]
+        assert torch.equal(r["weights"]["tied_modules.proj.weight"], ref["params"]["tied_modules.proj.weight"])
 
 
 @pytest.mark.parametrize(("save", "load", "tied"),
@@ -169,10 +201,7 @@ def test_checkpoint_resumes_at_another_pp_degree(pool2, tmp_path, save: int, loa
     (DeepSpeed's PP 2 checkpoint fails to load at PP 1 and PP 4)."""
     ref = pc.reference(dp=[2 // save] * 2 + [2 // load] * 2, steps=4, tied=tied)["losses"][2:]
     for _, resumed in pool2.run("pipeline_cases:resume", save, load, str(tmp_path / "ckpt"), tied=tied):
-        if tied:
-            torch.testing.assert_close(torch.tensor(resumed), torch.tensor(ref), rtol=1e-5, atol=0)
-        else:
-            assert resumed == ref
+        assert resumed == ref
 
 
 def test_interleaved_checkpoint_resumes_under_1f1b(pool2, tmp_path) -> None:

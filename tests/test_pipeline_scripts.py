@@ -15,11 +15,18 @@ import torch
     ("fp16", "fp16.enabled"),
     ("interleaved_v1", "interleaved_1f1b needs virtual_stages > 1"),
     ("virtual_1f1b", "virtual_stages > 1 needs interleaved_1f1b"),
-    ("virtual_tied", "virtual_stages > 1) with a TiedLayerSpec is not served"),
 ])
 def test_bad_input_is_one_line_on_every_rank(pool2, kind: str, words: str) -> None:
     for line in pool2.run("pipeline_script_cases:refusal", kind):
         assert words in line and "\n" not in line, line
+
+
+def test_a_tied_tensor_its_first_use_leaves_alone_is_refused(pool2) -> None:
+    """A tied bias that only the last use reads: its gradient would have nowhere to go on the owner (stage 0),
+    which says so in one line and stops; stage 1, waiting for the weights, ends naming stage 0."""
+    owner, copy = pool2.run("pipeline_script_cases:refusal", "tied_unused")
+    assert "TiedLayerSpec ['p']" in owner and "first use must use every tied_weight_attr" in owner, owner
+    assert "StageTransferError" in copy and "stage 0 stopped" in copy and "\n" not in owner + copy, copy
 
 
 def test_a_stage_output_that_is_no_tensor_ends_both_stages(tmp_path) -> None:

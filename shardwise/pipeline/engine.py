@@ -68,6 +68,12 @@ class PipelineEngine(Engine):
         for g in self.sharding.groups:
             g.defer_reduce = self.reduce_once
 
+    def set_tied_exact(self, on: bool) -> None:
+        """Tied weights across stages: send each micro-batch's gradient of a copy to the owner, summed in
+        one process's order (``on``, the default: bit for bit one process), or each copy's sum once a
+        batch (DeepSpeed's traffic, the sum in another order); ``pipeline/tied.py``."""
+        self.tied.exact = bool(on)
+
     def _pipeline_norm(self, norm: float) -> float:
         """The gradient norm over every stage (each stage's squares summed over the pipeline)."""
         sq = torch.tensor([norm * norm], dtype=torch.float64, device=self.link.device)
@@ -176,7 +182,7 @@ class PipelineEngine(Engine):
 
     def _backward(self, i: int, state: dict, c: int = 0) -> None:
         last = (i, c) == state["last_backward"]
-        self.tied.last_backward = last
+        self.tied.current = (i, c)
         if self.virtual > 1:  # m x v backwards a batch: the boundary (reduce, step) is the last one's
             self._forced_boundary = last
         if self._last(c):
@@ -195,9 +201,7 @@ class PipelineEngine(Engine):
             inputs = state["inputs"].pop((i, c))
             sent = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point())
             self.link.send(sent, (self.stage_id - 1) % self.num_stages, self._label(i, c, 1, -1))
-        if last:
-            self.tied.send_aside()
-        self.tied.last_backward = False
+        self.tied.after_backward(i, c)
         if c == 0:  # one step() per micro-batch (its chunk-0 backward comes last), as the engine counts them
             Engine.step(self)
 
@@ -242,8 +246,10 @@ class PipelineEngine(Engine):
         if held:
             self.fetcher.hold()
         try:
+            self.tied.begin(self.micro_batches)
             self._run(train_steps(self.schedule, self.micro_batches, self.num_stages, self.stage_id, self.virtual),
                       state)
+            self.tied.finish()
         finally:
             if held:
                 self.fetcher.release_all()

@@ -97,14 +97,12 @@ class PipelineModule(nn.Module):
         (self.seed_fn or set_random_seed)(seed)
 
     def _virtual(self, v: int) -> int:
-        """Chunks per rank (``pipeline.schedule: interleaved_1f1b``); ties across chunks are not served."""
+        """Chunks per rank (``pipeline.schedule: interleaved_1f1b``); a tied module is built once per rank
+        and shared by its chunks (``pipeline/tied.py`` sums the gradients over ranks and chunks)."""
         v = int(v)
         if v < 1 or self._num_layers < self.num_stages * v:
             raise UsageError(f"PipelineModule(virtual_stages={v}): needs 1 <= virtual_stages and at least "
                              f"stages x virtual_stages = {self.num_stages * max(v, 1)} layers ({self._num_layers})")
-        if v > 1 and any(isinstance(s, TiedLayerSpec) for s in self._layer_specs):
-            raise UsageError("PipelineModule(virtual_stages > 1) with a TiedLayerSpec is not served; "
-                             "use virtual_stages=1 (the 1f1b or gpipe schedule)")
         return v
 
     def _build(self) -> None:
@@ -165,10 +163,13 @@ class PipelineModule(nn.Module):
         """Every TiedLayerSpec key of the whole model, sorted (the same order on every rank)."""
         return sorted({s.key for s in self._layer_specs if isinstance(s, TiedLayerSpec)})
 
+    def tied_layers(self, key: str) -> list[int]:
+        """The global indices of the layers that use ``key``."""
+        return [i for i, s in enumerate(self._layer_specs) if isinstance(s, TiedLayerSpec) and s.key == key]
+
     def tied_stages(self, key: str) -> list[int]:
         """The stages holding a use of ``key``, in order."""
-        idxs = [i for i, s in enumerate(self._layer_specs) if isinstance(s, TiedLayerSpec) and s.key == key]
-        return sorted({self.stage_owner(i) for i in idxs})
+        return sorted({self.stage_owner(i) for i in self.tied_layers(key)})
 
     def tied_weights(self, key: str) -> list[torch.Tensor]:
         """The tied tensors of this stage's copy of ``key`` (``tied_weight_attr``, dotted paths allowed)."""
