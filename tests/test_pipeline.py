@@ -162,6 +162,16 @@ def test_interleaved_1f1b_with_tied_layers(pool2, tied) -> None:
         _check(pool2.run("pipeline_cases:train", 2, steps=2, tied=tied), ref)
 
 
+def test_interleaved_tied_copies_on_two_ranks(pool4) -> None:
+    """PP 4 with 2 chunks a rank (one layer a virtual stage): the weight used by layers 0, 5 and 7 is owned
+    by rank 0 (chunk 0) and copied on ranks 1 and 3 (chunk 1 each), neither next to the owner in the ring
+    order of its use: every copy's gradient reaches the owner per micro-batch, plain PyTorch bit for bit."""
+    config = {"pipeline": {"schedule": "interleaved_1f1b"}}
+    results = pool4.run("pipeline_cases:train", 4, config=config, virtual=2, steps=2, tied="three", partition="uniform")
+    assert results[0]["parts"] == list(range(9))
+    _check(results, pc.reference(dp=1, steps=2, tied="three"))
+
+
 def test_tied_gradients_once_a_batch_give_deepspeeds_bits(pool4) -> None:
     """``engine.set_tied_exact(False)``: each copy's gradient sent once a batch (DeepSpeed's traffic) gives
     DeepSpeed 0.19.8's own PP 2 x DP 2 losses bit for bit (its all-reduce adds the stages' sums in the same
