@@ -181,8 +181,11 @@ class TiedWeights:
                 self.link.send(sums, tie.owner, self._label(tie, i))
 
     def begin(self, micro_batches: int) -> None:
+        """A batch starts: nothing of an earlier one (that raised midway) is kept."""
         self.micro_batches = micro_batches
         self._received.clear()
+        self._aside.clear()
+        self._incoming.clear()
 
     def finish(self) -> None:
         """After the batch's backwards: every gradient set aside or received was taken (else one line)."""
