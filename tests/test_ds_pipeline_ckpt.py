@@ -156,6 +156,14 @@ def _damaged_tied(tmp_path, damage: str):
     elif damage == "missing":  # the one file that holds the tied weight
         layer.unlink()
         return folder, "mp_rank_00_model_states.pt: lists the tied tied_modules.proj.weight"
+    elif damage in ("ambiguous", "partial"):  # stage 0 lists another tied key like proj, or a bias of proj
+        layer = folder / "mp_rank_00_model_states.pt"
+        model = dict(safe_load(layer, layer))
+        extra = {"ambiguous": ("tied_modules.emb.weight", [8, 8]), "partial": ("tied_modules.proj.bias", [8])}[damage]
+        model["param_shapes"] = [{**model["param_shapes"][0], extra[0]: torch.Size(extra[1])}]
+        torch.save(model, layer)
+        return folder, "layer_00-model_states.pt: " + ("its tensors ['weight'] fit the tied layers" if damage ==
+                                                       "ambiguous" else "holds tied layer 'proj' without its bias")
     elif damage in ("duplicate", "same"):  # a second file of the tied module (as when two uses are modules)
         layer = folder / "layer_07-model_states.pt"
         torch.save({"weight": weight + (1e-3 if damage == "duplicate" else 0.0)}, layer)
@@ -169,10 +177,11 @@ def _damaged_tied(tmp_path, damage: str):
     return folder, layer.name
 
 
-@pytest.mark.parametrize("damage", ["shape", "missing", "duplicate", "optimizer"])
+@pytest.mark.parametrize("damage", ["shape", "missing", "duplicate", "optimizer", "ambiguous", "partial"])
 def test_a_lying_tied_layer_is_refused_naming_the_file(tmp_path, damage):
     """Tied weights in DeepSpeed's pipeline checkpoint: a wrong shape, the file missing, a second file or a
-    stage's optimizer copy with other values: one line naming the file; an equal second file is read."""
+    stage's optimizer copy with other values, a file that fits two tied keys or lacks a tensor of its key: one line
+    naming the file; an equal second file is read."""
     from shardwise.checkpoint import CheckpointError
     from shardwise.checkpoint.formats import open_checkpoint
 
