@@ -1,0 +1,70 @@
+"""Pipeline parallelism composed with tensor and sequence parallelism (docs/pipeline.md, "Composition"):
+PP 2 x TP 2 and PP 2 x SP 2 on the 4-rank pool against the same run without stages (TP 2 / SP 2 on
+the 2-rank pool: the same degree and global batch), bit for bit, and against the unsplit layers on one
+rank within the suite's 1e-5 (tests/pipeline_compose_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+OFFLOAD_BF16 = {"bf16": {"enabled": True}, "zero_optimization": {
+    "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+OFFLOAD_FP32 = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+
+
+def _same(split: list[dict], whole: list[dict], key: str) -> None:
+    """Every rank of the pipelined run holds the run without stages' numbers for its coordinate (``key``:
+    its TP or SP rank) bit for bit: losses, eval loss and each of its layers' weights."""
+    by_coord = {r[key]: r for r in whole}
+    for r in split:
+        ref = by_coord[r[key]]
+        assert (r["losses"], r["eval"]) == (ref["losses"], ref["eval"]), (r["stage"], r["losses"], ref["losses"])
+        for name, value in r["weights"].items():
+            assert torch.equal(value, ref["weights"][name]), (r["stage"], r[key], name)
+    for coord in by_coord:  # together the stages hold every layer
+        held = set().union(*(r["weights"] for r in split if r[key] == coord))
+        assert held == set(by_coord[coord]["weights"]), coord
+
+
+def _near_unsplit(split: list[dict], unsplit: dict) -> None:
+    """The losses of the split run are the unsplit layers' within 1e-5 relative (TP's partial sums and
+    SP's shard means are added in another order)."""
+    for r in split:
+        torch.testing.assert_close(torch.tensor(r["losses"] + [r["eval"]]),
+                                   torch.tensor(unsplit["losses"] + [unsplit["eval"]]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("config", [OFFLOAD_FP32, OFFLOAD_BF16], ids=["fp32_zero1_offload", "bf16_zero3_offload"])
+def test_pp2_x_tp2_equals_tp2_without_stages(pool1, pool2, pool4, config: dict) -> None:
+    split = pool4.run("pipeline_compose_cases:train", "tp", 2, tp=2, config=config)
+    whole = pool2.run("pipeline_compose_cases:train", "tp", 1, tp=2, config=config)
+    # the one grid, pp x dp x tp: ranks 0-1 stage 0, 2-3 stage 1; TP innermost; each TP rank's pipe peer
+    # has its TP coordinate
+    assert [(r["stage"], r["tp_rank"]) for r in split] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["pipe"] for r in split] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(r["dp_world"] == 1 for r in split + whole)
+    _same(split, whole, "tp_rank")
+    assert all(r["send"] > 0 and r["all_reduce"] > 0 for r in split)  # the wire and TP's all-reduces counted
+    if "bf16" not in config:
+        _near_unsplit(split, pool1.run("pipeline_compose_cases:train", "tp", 1, config=config)[0])
+
+
+@pytest.mark.parametrize("config", [OFFLOAD_FP32, OFFLOAD_BF16], ids=["fp32_zero1_offload", "bf16_zero3_offload"])
+def test_pp2_x_sp2_equals_sp2_without_stages(pool1, pool2, pool4, config: dict) -> None:
+    split = pool4.run("pipeline_compose_cases:train", "sp", 2, sp=2, config=config)
+    whole = pool2.run("pipeline_compose_cases:train", "sp", 1, sp=2, config=config)
+    assert [(r["stage"], r["sp_rank"]) for r in split] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["pipe"] for r in split] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(r["dp_world"] == 1 for r in split + whole)  # the two SP ranks read one sample set
+    _same(split, whole, "sp_rank")
+    assert all(r["all_to_all"] > 0 for r in split)  # the sequence exchange counted in comm_stats()
+    if "bf16" not in config:
+        _near_unsplit(split, pool1.run("pipeline_compose_cases:train", "sp", 1, config=config)[0])
+
+
+def test_what_is_not_served_is_one_line(pool4) -> None:
+    got = pool4.run("pipeline_compose_cases:refused", {"tensor_parallel": {"autotp_size": 2}})
+    assert all("PipeModelDataParallelTopology(num_pp, num_mp=2" in g and "\n" not in g for g in got), got
+    got = pool4.run("pipeline_compose_cases:refused", {"sequence_parallel_size": 2}, stages=1, tp=2)
+    assert all("sequence_parallel_size > 1 beside a model-parallel size > 1" in g for g in got), got
