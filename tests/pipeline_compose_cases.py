@@ -139,3 +139,49 @@ def refused(config: dict, stages: int = 2, tp: int = 1) -> str:
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
     return "served"
+
+
+def train_moe(stages: int, ep: int = 2, config: dict | None = None, steps: int = 3, reduce_once: bool = True) -> dict:
+    """A Mixtral-style MoE model (tests/moe_cases.py, no router aux loss) with ``expert_parallel``: split by
+    ``pipeline.stages`` and trained with ``train_batch``, or (``stages`` 1) the engine's own loop over the
+    same micro-batches. Returns the mean loss per step and every weight whole (experts gathered) by the
+    model's own names, on every rank."""
+    import moe_cases
+
+    import shardwise
+    from shardwise.checkpoint import gather_experts
+
+    dp = torch.distributed.get_world_size() // stages
+    model = moe_cases.build("mixtral", aux=0.0)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": "mixtral"}, **(config or {})}
+    if stages > 1:
+        cfg["pipeline"] = {"stages": stages}
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    if stages > 1:
+        engine.set_reduce_once(reduce_once)
+    data = moe_cases.batches(steps, dp, 2)
+    losses = []
+    for s in range(steps):
+        items = [data[s, engine.dp_rank, m:m + 1] for m in range(2)]
+        if stages > 1:
+            losses.append(float(engine.train_batch(iter([(x, x) for x in items]))))
+            continue
+        total = torch.zeros(1)
+        for x in items:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        total /= 2
+        engine.comm.all_reduce(total)
+        losses.append(float(total) / dp)
+    engine.wait_for_params()
+    names = getattr(engine.module, "hf_names", None)
+    with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = {(names[n] if names else n): gather_experts(p.detach().clone(), p).float()
+                   for n, p in engine.module.named_parameters()}
+    return {"losses": losses, "weights": weights, "ep_world": engine.layout.ep,
+            "stage": getattr(engine, "stage_id", 0),
+            "all_to_all": sum(v for k, v in engine.comm_stats().items() if k.startswith("all_to_all"))}

@@ -1,7 +1,8 @@
 """``shardwise.pipeline``: pipeline parallelism, DeepSpeed's ``deepspeed.pipe`` API (docs/pipeline.md).
 
 - ``topology``: ``ProcessTopology``, ``PipeDataParallelTopology``, ``PipeModelDataParallelTopology``
-  and the grid of groups (``engine.grid``; ``current_grid()`` while a ``PipelineModule``'s layers are built); ``spec``: ``LayerSpec``, ``TiedLayerSpec``, the partition
+  and the grid of groups (``engine.grid``; ``current_grid()`` while a ``PipelineModule``'s layers are
+  built); ``spec``: ``LayerSpec``, ``TiedLayerSpec``, the partition
   methods; ``module``: ``PipelineModule`` (each rank builds its stage's layers only);
 - ``schedule``: 1F1B, GPipe and interleaved 1F1B; ``wire``: the transfers between stages; ``tied``: tied weights
   across stages; ``engine``: ``PipelineEngine`` (``train_batch`` / ``eval_batch``) on shardwise's

@@ -47,7 +47,7 @@ def _refuse(cfg: ShardwiseConfig, schedule: str, model: PipelineModule) -> None:
                          "interleaved_1f1b needs virtual_stages > 1, and virtual_stages > 1 needs interleaved_1f1b")
     if virtual > 1 and model.num_stages < 2:
         raise UsageError("pipeline.schedule interleaved_1f1b needs at least 2 stages (num_stages)")
-    z, grid = cfg.zero_optimization, model.mpu()
+    z, grid, experts = cfg.zero_optimization, model.mpu(), getattr(model, "expert_parallel", None)
     if cfg.tp_size != grid.model_parallel_size:
         raise UsageError(f"tensor_parallel.autotp_size {cfg.tp_size} with a PipelineModule whose topology has "
                          f"model-parallel size {grid.model_parallel_size}: give PipelineModule(topology="
@@ -59,7 +59,8 @@ def _refuse(cfg: ShardwiseConfig, schedule: str, model: PipelineModule) -> None:
             not grid.on_layout and cfg.sequence_parallel_size > 1),
         "sequence_parallel_size > 1 beside a model-parallel size > 1": (
             cfg.sequence_parallel_size > 1 and cfg.tp_size > 1),
-        "expert_parallel.enabled": cfg.expert_parallel.enabled,
+        "expert_parallel.enabled beside a PipelineModule of the script's own layers (served for a Hugging Face "
+        "MoE model split by pipeline.stages)": cfg.expert_parallel.enabled and experts is None,
         "zero_optimization.mics_shard_size": z.mics_shard_size > 0,
         "zero_optimization.zero_hpz_partition_size > 1": z.zero_hpz_partition_size > 1,
     }
@@ -84,6 +85,9 @@ def _stage_layout(grid: Any, cfg: ShardwiseConfig, model: PipelineModule) -> Run
         comm.stats = layout.stats  # the layers' own collectives count where the engine's do
     grid.sequence = layout.sequence
     layout.sequence = None  # the layers exchange over it themselves: no attention of the engine's to patch
+    experts = getattr(model, "expert_parallel", None)  # a Hugging Face MoE model split over experts (entry.py)
+    if experts is not None:
+        layout.adopt_experts(experts.mesh)
     if layout.tp > 1 and not any(getattr(p, "_tp_spec", None) is not None for p in model.parameters()) \
             and mark_tp_params(model, layout.mesh.tp) == 0:
         raise UsageError(f"PipelineModule: model-parallel size {layout.tp} but no parameter of stage "
