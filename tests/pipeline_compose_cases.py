@@ -141,27 +141,30 @@ def refused(config: dict, stages: int = 2, tp: int = 1) -> str:
     return "served"
 
 
-def train_moe(stages: int, ep: int = 2, config: dict | None = None, steps: int = 3, reduce_once: bool = True) -> dict:
-    """A Mixtral-style MoE model (tests/moe_cases.py, no router aux loss) with ``expert_parallel``: split by
+def train_hf(kind: str, stages: int, parallel: dict, config: dict | None = None, steps: int = 3,
+             reduce_once: bool = True) -> dict:
+    """A Hugging Face model (``kind``: "mixtral", tests/moe_cases.py without the router aux loss, or "llama",
+    tests/tiny_models.py) with ``parallel`` (an ``expert_parallel`` or ``tensor_parallel`` section): split by
     ``pipeline.stages`` and trained with ``train_batch``, or (``stages`` 1) the engine's own loop over the
-    same micro-batches. Returns the mean loss per step and every weight whole (experts gathered) by the
-    model's own names, on every rank."""
+    same micro-batches. Returns the mean loss per step and this rank's weights (experts gathered, TP
+    slices as held) by the model's own names."""
     import moe_cases
+    import tiny_models
 
     import shardwise
     from shardwise.checkpoint import gather_experts
 
-    dp = torch.distributed.get_world_size() // stages
-    model = moe_cases.build("mixtral", aux=0.0)
+    dp = torch.distributed.get_world_size() // stages // parallel.get("tensor_parallel", {}).get("autotp_size", 1)
+    model = moe_cases.build("mixtral", aux=0.0) if kind == "mixtral" else tiny_models.build(kind)
+    vocab = moe_cases.VOCAB if kind == "mixtral" else tiny_models.VOCAB
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": "mixtral"}, **(config or {})}
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, **parallel, **(config or {})}
     if stages > 1:
         cfg["pipeline"] = {"stages": stages}
     engine, *_ = shardwise.initialize(model=model, config=cfg)
     if stages > 1:
         engine.set_reduce_once(reduce_once)
-    data = moe_cases.batches(steps, dp, 2)
+    data = torch.randint(0, vocab, (steps, dp, 2, 8), generator=torch.Generator().manual_seed(1))
     losses = []
     for s in range(steps):
         items = [data[s, engine.dp_rank, m:m + 1] for m in range(2)]
@@ -182,6 +185,23 @@ def train_moe(stages: int, ep: int = 2, config: dict | None = None, steps: int =
     with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
         weights = {(names[n] if names else n): gather_experts(p.detach().clone(), p).float()
                    for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "weights": weights, "ep_world": engine.layout.ep,
+    return {"losses": losses, "weights": weights, "ep_world": engine.layout.ep, "tp_world": engine.layout.tp,
             "stage": getattr(engine, "stage_id", 0),
-            "all_to_all": sum(v for k, v in engine.comm_stats().items() if k.startswith("all_to_all"))}
+            "all_to_all": sum(v for k, v in engine.comm_stats().items() if k.startswith("all_to_all")),
+            "all_reduce": engine.comm_stats().get("all_reduce", 0)}
+
+
+def hf_refused(config: dict, aux: bool = False) -> str:
+    """The one line ``initialize`` raises for a Hugging Face model cut by ``pipeline.stages`` 2 with ``config``
+    (``aux``: a Mixtral-style model with its router aux loss on)."""
+    import moe_cases
+    import tiny_models
+
+    import shardwise
+
+    model = moe_cases.build("mixtral") if aux else tiny_models.build("llama")
+    try:
+        shardwise.initialize(model=model, config={**CONFIG, "pipeline": {"stages": 2}, **config})
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "served"

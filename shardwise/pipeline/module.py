@@ -142,6 +142,14 @@ class PipelineModule(nn.Module):
                 self.add_module(str(idx), module)
             self.forward_funcs.append(module)
 
+    def use_topology(self, topology: ProcessTopology, mesh: Any = None) -> None:
+        """Re-cut the grid for ``topology`` (same stages: a model axis added, for a model split over its
+        tensor-parallel groups before it was cut; ``mesh``: those groups, ``layout.get_mesh``'s)."""
+        if topology.get_dim("pipe") != self.num_stages or topology.world_size() != self.world_size:
+            raise UsageError(f"use_topology: {topology.dims} does not keep {self.num_stages} stages of "
+                             f"{self.world_size} ranks")
+        self._topo, self._grid = topology, PipelineParallelGrid(topology, mesh)
+
     # -- DeepSpeed's accessors ----------------------------------------------------------
     def topology(self) -> ProcessTopology:
         return self._topo

@@ -140,7 +140,9 @@ def _groups(lists: list[list[int]], rank: int) -> tuple[Any, list[int]]:
 class PipelineParallelGrid:
     """This rank's place in the topology and its groups (DeepSpeed's ``engine.grid`` / ``module._grid``)."""
 
-    def __init__(self, topology: ProcessTopology):
+    def __init__(self, topology: ProcessTopology, mesh: Mesh | None = None):
+        """``mesh``: the stage's groups already cut (``layout.get_mesh(tp, pp=stages)``) for a model split
+        over them; None: cut (or found) here."""
         self._topo = topology
         self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if topology.world_size() != self.world_size:
@@ -159,7 +161,7 @@ class PipelineParallelGrid:
         self.sequence: SequenceMesh | None = None  # SP's groups, set by the stage's engine (build.py)
         if self.on_layout:
             self.pp_group_handle, self.pp_group = get_pipe_group(self.pipe_parallel_size)
-            self.mesh = get_mesh(self.model_parallel_size, pp=self.pipe_parallel_size)
+            self.mesh = mesh if mesh is not None else get_mesh(self.model_parallel_size, pp=self.pipe_parallel_size)
             self.dp_group_handle = self._handle(self.mesh.dp_full, topology.get_axis_comm_lists("data"))
             self.mp_group_handle = self._handle(self.mesh.tp, topology.get_axis_comm_lists("model"))
         else:
