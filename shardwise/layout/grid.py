@@ -35,7 +35,7 @@ import torch.distributed as dist
 from shardwise.comm import Comm, CommStats, collective_timeout, make_comm
 
 # (tp, k) -> (shard group, tp group, replica group, full data-parallel group); made once each
-_GROUPS: dict[tuple, tuple] = {}
+_GROUPS: dict[Any, Any] = {}
 
 
 @dataclass
@@ -49,8 +49,13 @@ class Mesh:
 
 
 def _world() -> tuple[int, int]:
+    """(world size, rank); the groups made for an earlier default group (destroyed and made again, as a
+    fake world of the device guard is) are forgotten, so none is handed out after its group is gone."""
     if not dist.is_initialized():
         return 1, 0
+    if _GROUPS.get("default") is not dist.group.WORLD:
+        _GROUPS.clear()
+        _GROUPS["default"] = dist.group.WORLD
     return dist.get_world_size(), dist.get_rank()
 
 
