@@ -205,3 +205,59 @@ def hf_refused(config: dict, aux: bool = False) -> str:
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
     return "served"
+
+
+def resume(kind: str, folder: str, tp: int = 1, sp: int = 1) -> tuple[list[float], list[float]]:
+    """Train 4 batches at PP 2 (saving after 2), load that checkpoint into a new engine of the same layout and
+    train batches 3-4 again: (the uninterrupted losses, the resumed ones)."""
+    import shardwise
+    from shardwise.pipeline import PipelineModule, PipeModelDataParallelTopology
+
+    config = {**CONFIG, "zero_optimization": {"stage": 1}, **({"sequence_parallel_size": sp} if sp > 1 else {})}
+    world = torch.distributed.get_world_size()
+
+    def engine_and_batches():
+        topology = PipeModelDataParallelTopology(num_pp=2, num_mp=tp, num_dp=world // (2 * tp))
+        model = PipelineModule(specs(kind), topology=topology, loss_fn=F.mse_loss, seed_layers=True,
+                               seed_fn=torch.manual_seed, base_seed=BASE_SEED)
+        engine = shardwise.initialize(model=model, config=config)[0]
+        g = engine.grid
+        shard, shards = g.get_sequence_parallel_rank(), g.get_sequence_parallel_world_size()
+        return engine, lambda s: iter([data(s, g.get_data_parallel_id() // shards, i, 2, shard, shards)
+                                       for i in range(4)])
+
+    first, batch = engine_and_batches()
+    losses = []
+    for s in range(4):
+        if s == 2:
+            first.save_checkpoint(folder, tag="half")
+        losses.append(float(first.train_batch(batch(s))))
+    second, batch = engine_and_batches()
+    second.load_checkpoint(folder, tag="half")
+    return losses[2:], [float(second.train_batch(batch(s))) for s in (2, 3)]
+
+
+def reshard(folder: str) -> list[float]:
+    """Train 2 batches at PP 2 x TP 2 and save; load that checkpoint at PP 1 x TP 2 x DP 2 and at PP 2 x DP 2
+    (no TP). Each layout's eval loss on one batch (every replica the same): the saving run's, then the two
+    loads' (the same model in each, if every slice went where it belongs)."""
+    import shardwise
+    from shardwise.pipeline import PipelineModule, PipeModelDataParallelTopology
+
+    config = {**CONFIG, "zero_optimization": {"stage": 1}}
+    world = torch.distributed.get_world_size()
+    batch = [data(9, 0, i, 2, 0, 1) for i in range(4)]
+    out = []
+    for i, (stages, tp) in enumerate(((2, 2), (1, 2), (2, 1))):
+        topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=tp, num_dp=world // (stages * tp))
+        model = PipelineModule(specs("tp"), topology=topology, loss_fn=F.mse_loss, seed_layers=True,
+                               seed_fn=torch.manual_seed, base_seed=BASE_SEED)
+        engine = shardwise.initialize(model=model, config=config)[0]
+        if i == 0:
+            for s in range(2):
+                engine.train_batch(iter([data(s, engine.grid.get_data_parallel_id(), m, 2, 0, 1) for m in range(4)]))
+            engine.save_checkpoint(folder, tag="t")
+        else:
+            engine.load_checkpoint(folder, tag="t")
+        out.append(float(engine.eval_batch(iter(batch))))
+    return out

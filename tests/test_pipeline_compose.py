@@ -119,3 +119,14 @@ def test_hf_split_refusals(pool2, pool4) -> None:
     assert all(g.startswith("UsageError: pipeline.stages with sequence_parallel_size > 1") for g in got), got
     got = pool2.run("pipeline_compose_cases:hf_refused", {}, aux=True)
     assert all("router auxiliary loss" in g and "\n" not in g for g in got), got
+
+
+def test_checkpoints_resume_and_reshard(pool4, tmp_path) -> None:
+    """PP 2 x TP 2 and PP 2 x SP 2 (ZeRO-1) saved halfway resume with the uninterrupted losses bit for bit;
+    PP 2 x TP 2's checkpoint loaded at PP 1 x TP 2 x DP 2 and at PP 2 x DP 2 (no TP) gives the saving run's
+    eval loss bit for bit (every slice where it belongs)."""
+    for kind, tp, sp in (("tp", 2, 1), ("sp", 1, 2)):
+        got = pool4.run("pipeline_compose_cases:resume", kind, str(tmp_path / kind), tp=tp, sp=sp)
+        assert all(straight == resumed for straight, resumed in got), (kind, got)
+    got = pool4.run("pipeline_compose_cases:reshard", str(tmp_path / "reshard"))
+    assert all(len(set(r)) == 1 for r in got) and len({r[0] for r in got}) == 1, got
