@@ -122,6 +122,8 @@ def train(kind: str, stages: int, tp: int = 1, sp: int = 1, config: dict | None 
     stats = engine.comm_stats()
     return {"losses": losses, "eval": evaluated, "weights": weights, "stage": engine.stage_id,
             "tp_rank": grid.get_model_parallel_rank(), "sp_rank": shard, "pipe": list(grid.pp_group),
+            "groups": [torch.distributed.get_process_group_ranks(h) for h in (
+                grid.get_pipe_parallel_group(), grid.get_data_parallel_group(), grid.get_model_parallel_group())],
             "dp_world": engine.dp_world, "send": stats.get("send", 0), "all_reduce": stats.get("all_reduce", 0),
             "all_to_all": sum(v for k, v in stats.items() if k.startswith("all_to_all"))}
 

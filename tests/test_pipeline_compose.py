@@ -46,6 +46,9 @@ def test_pp2_x_tp2_equals_tp2_without_stages(pool1, pool2, pool4, config: dict) 
     # has its TP coordinate
     assert [(r["stage"], r["tp_rank"]) for r in split] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [r["pipe"] for r in split] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # DeepSpeed's getters hand out the same groups: pipe, data (a rank alone), model
+    assert [r["groups"] for r in split] == [[[0, 2], [0], [0, 1]], [[1, 3], [1], [0, 1]],
+                                            [[0, 2], [2], [2, 3]], [[1, 3], [3], [2, 3]]]
     assert all(r["dp_world"] == 1 for r in split + whole)
     _same(split, whole, "tp_rank")
     assert all(r["send"] > 0 and r["all_reduce"] > 0 for r in split)  # the wire and TP's all-reduces counted
@@ -59,6 +62,8 @@ def test_pp2_x_sp2_equals_sp2_without_stages(pool1, pool2, pool4, config: dict) 
     whole = pool2.run("pipeline_compose_cases:train", "sp", 1, sp=2, config=config)
     assert [(r["stage"], r["sp_rank"]) for r in split] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [r["pipe"] for r in split] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # SP ranks are data ranks to ZeRO: the stage's data group holds both
+    assert [r["groups"][1] for r in split] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert all(r["dp_world"] == 1 for r in split + whole)  # the two SP ranks read one sample set
     _same(split, whole, "sp_rank")
     assert all(r["all_to_all"] > 0 for r in split)  # the sequence exchange counted in comm_stats()
