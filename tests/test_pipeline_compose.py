@@ -9,11 +9,15 @@ import pytest
 import torch
 from tolerance import EPS32, ULPS_PER_STEP
 
+OFFLOAD_FP32 = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
 OFFLOAD_BF16 = {"bf16": {"enabled": True}, "zero_optimization": {
     "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+BF16_STATES = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+MODES = [OFFLOAD_FP32, OFFLOAD_BF16, BF16_STATES]
+MODE_IDS = ["fp32_zero1_offload", "bf16_zero3_offload", "bf16_states_zero2_offload"]
 EP2 = {"expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}}
 TP2 = {"tensor_parallel": {"autotp_size": 2}}
-OFFLOAD_FP32 = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
 
 
 def _same(split: list[dict], whole: list[dict], key: str) -> None:
@@ -38,7 +42,7 @@ def _near_unsplit(split: list[dict], unsplit: dict) -> None:
                                    torch.tensor(unsplit["losses"] + [unsplit["eval"]]), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("config", [OFFLOAD_FP32, OFFLOAD_BF16], ids=["fp32_zero1_offload", "bf16_zero3_offload"])
+@pytest.mark.parametrize("config", MODES, ids=MODE_IDS)
 def test_pp2_x_tp2_equals_tp2_without_stages(pool1, pool2, pool4, config: dict) -> None:
     split = pool4.run("pipeline_compose_cases:train", "tp", 2, tp=2, config=config)
     whole = pool2.run("pipeline_compose_cases:train", "tp", 1, tp=2, config=config)
@@ -56,7 +60,7 @@ def test_pp2_x_tp2_equals_tp2_without_stages(pool1, pool2, pool4, config: dict) 
         _near_unsplit(split, pool1.run("pipeline_compose_cases:train", "tp", 1, config=config)[0])
 
 
-@pytest.mark.parametrize("config", [OFFLOAD_FP32, OFFLOAD_BF16], ids=["fp32_zero1_offload", "bf16_zero3_offload"])
+@pytest.mark.parametrize("config", MODES, ids=MODE_IDS)
 def test_pp2_x_sp2_equals_sp2_without_stages(pool1, pool2, pool4, config: dict) -> None:
     split = pool4.run("pipeline_compose_cases:train", "sp", 2, sp=2, config=config)
     whole = pool2.run("pipeline_compose_cases:train", "sp", 1, sp=2, config=config)
@@ -78,8 +82,8 @@ def test_what_is_not_served_is_one_line(pool4) -> None:
     assert all("sequence_parallel_size > 1 beside a model-parallel size > 1" in g for g in got), got
 
 
-@pytest.mark.parametrize(("config", "reduce_once"), [(OFFLOAD_FP32, True), (OFFLOAD_BF16, False)],
-                         ids=["fp32_zero1_offload", "bf16_zero3_offload"])
+@pytest.mark.parametrize(("config", "reduce_once"), [(OFFLOAD_FP32, True), (OFFLOAD_BF16, False), (BF16_STATES, False)],
+                         ids=MODE_IDS)
 def test_pp2_x_ep2_equals_ep2_without_stages(pool2, pool4, config: dict, reduce_once: bool) -> None:
     """A Mixtral-style MoE model split by ``pipeline.stages`` 2 with ``expert_parallel.autoep_size`` 2 on 4
     ranks (each stage: EP 2, its 2 experts of 4 per rank) against EP 2 on 2 ranks through the engine's own
