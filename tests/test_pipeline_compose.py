@@ -80,6 +80,8 @@ def test_what_is_not_served_is_one_line(pool4) -> None:
     assert all("PipeModelDataParallelTopology(num_pp, num_mp=2" in g and "\n" not in g for g in got), got
     got = pool4.run("pipeline_compose_cases:refused", {"sequence_parallel_size": 2}, stages=1, tp=2)
     assert all("sequence_parallel_size > 1 beside a model-parallel size > 1" in g for g in got), got
+    got = pool4.run("pipeline_compose_cases:refused", {"expert_parallel": {"enabled": True, "autoep_size": 2}})
+    assert all("expert_parallel.enabled beside a PipelineModule of the script's own layers" in g for g in got), got
 
 
 @pytest.mark.parametrize(("config", "reduce_once"), [(OFFLOAD_FP32, True), (OFFLOAD_BF16, False), (BF16_STATES, False)],
