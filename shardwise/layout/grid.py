@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from shardwise.comm import Comm, CommStats, collective_timeout, make_comm
 
-# (tp, k) -> (shard group, tp group, replica group, full data-parallel group); made once each
+# (tp, k[, "pp", pp]) -> (shard group, tp group, replica group, full data-parallel group); SP's, EP's, hpZ's
+# and the pipe groups under keys of their own; "default": the default group they were made in. Made once each
 _GROUPS: dict[Any, Any] = {}
 
 
