@@ -336,3 +336,25 @@ def test_pipeline_engine_one_stage(world2, zero: int):
         loss = engine.train_batch(pc.batches(0, 0, pc.CONFIG))
         assert loss.device == DEVICE and engine.eval_batch(pc.batches(1, 0, pc.CONFIG)).device == DEVICE
     assert engine.global_steps == 1 and engine.reduce_once == (zero == 3)
+
+
+@pytest.mark.parametrize("kind", ["tp", "sp"])
+def test_pipeline_engine_one_stage_with_tp_or_sp(world2, kind: str):
+    """A PipelineModule at 1 stage x TP 2 (DeepSpeed's 3D topology, Megatron-marked slices) or x SP 2 (layers
+    exchanging over the grid's SP group): the grid's groups from the run layout, the sequence shards and the
+    TP partial sums on the device (tests/pipeline_compose_cases.py)."""
+    import pipeline_compose_cases as pcc
+    import torch.nn.functional as F
+
+    import shardwise
+    from shardwise.pipeline import PipelineModule, PipeModelDataParallelTopology
+
+    tp = 2 if kind == "tp" else 1
+    topology = PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=2 // tp)
+    config = {**pcc.CONFIG, **({"sequence_parallel_size": 2} if kind == "sp" else {})}
+    model = PipelineModule(pcc.specs(kind), topology=topology, loss_fn=F.mse_loss)
+    with device_guard():
+        engine, *_ = shardwise.initialize(model=model, config=config)
+        items = iter([pcc.data(0, 0, i, 2, 0, 2 if kind == "sp" else 1) for i in range(4)])
+        assert engine.train_batch(items).device == DEVICE
+    assert engine.global_steps == 1 and engine.layout.tp == tp

@@ -14,6 +14,12 @@ Megatron and DeepSpeed order them). An SP group is the ``n`` ranks with the same
 are data-parallel ranks to ZeRO. With world 8, t = 2, n = 2: TP {0,1} {2,3} ..., SP {0,2} {1,3}
 {4,6} {5,7}, SP replicas {0,4} {1,5} {2,6} {3,7}.
 
+Pipeline parallelism is outermost: with ``pp`` stages, stage ``s`` holds the ``world / pp``
+consecutive ranks from ``s * world / pp``, and every group above is cut inside each stage's block
+(rank ``((s * dp + d) * n + sp) * t + tp``: DeepSpeed's ``PipeModelDataParallelTopology`` numbering,
+torchtitan's pp x dp x tp). The pipeline groups are the ``pp`` ranks ``world / pp`` apart: one rank
+with the same data, SP and TP coordinates in every stage (:func:`get_pipe_group`).
+
 This is the one place that builds process groups; :class:`~shardwise.layout.run.RunLayout` calls it
 once per run with every degree, and the engine, ZeRO, SP and EP receive the groups from it.
 """
@@ -28,8 +34,9 @@ import torch.distributed as dist
 
 from shardwise.comm import Comm, CommStats, collective_timeout, make_comm
 
-# (tp, k) -> (shard group, tp group, replica group, full data-parallel group); made once each
-_GROUPS: dict[tuple, tuple] = {}
+# (tp, k[, "pp", pp]) -> (shard group, tp group, replica group, full data-parallel group); SP's, EP's, hpZ's
+# and the pipe groups under keys of their own; "default": the default group they were made in. Made once each
+_GROUPS: dict[Any, Any] = {}
 
 
 @dataclass
@@ -43,9 +50,21 @@ class Mesh:
 
 
 def _world() -> tuple[int, int]:
+    """(world size, rank); the groups made for an earlier default group (destroyed and made again, as a
+    fake world of the device guard is) are forgotten, so none is handed out after its group is gone."""
     if not dist.is_initialized():
         return 1, 0
+    if _GROUPS.get("default") is not dist.group.WORLD:
+        _GROUPS.clear()
+        _GROUPS["default"] = dist.group.WORLD
     return dist.get_world_size(), dist.get_rank()
+
+
+def _block(world: int, pp: int) -> int:
+    """The ranks of one pipeline stage (the whole world without pipeline parallelism)."""
+    if pp < 1 or world % pp:
+        raise ValueError(f"pipeline stages {pp} must divide the world size {world} (pipeline.stages)")
+    return world // pp
 
 
 def _check(world: int, tp: int, shard: int, key: str = "zero_optimization.mics_shard_size") -> None:
@@ -83,20 +102,23 @@ def _make(world: int, rank: int, size: int, stride: int):
 
 
 def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: int = 1,
-             stats: CommStats | None = None) -> Mesh:
+             stats: CommStats | None = None, pp: int = 1) -> Mesh:
     """The groups for ``tp_size`` and a shard group of ``shard_size`` (None: all data-parallel ranks).
 
     ``secondary_size`` > 1 adds ZeRO++ hpZ's secondary groups: that many consecutive data-parallel ranks.
+
+    ``pp`` > 1: the groups of each pipeline stage's ``world / pp`` ranks (module docstring).
 
     Every rank must call this with the same arguments; each call counts into ``stats`` (None: a fresh
     :class:`CommStats`; a run's layout passes its one counter). Bytes
     moved across replica groups are counted apart (``*_across_groups`` in ``comm_stats()``).
     """
     world, rank = _world()
-    dp = world // tp_size if tp_size >= 1 else 0
+    block = _block(world, pp)
+    dp = block // tp_size if tp_size >= 1 else 0
     shard = dp if shard_size is None else shard_size
-    _check(world, tp_size, shard)
-    key = (tp_size, shard)
+    _check(block, tp_size, shard)
+    key = (tp_size, shard) if pp == 1 else (tp_size, shard, "pp", pp)
     if key not in _GROUPS:
         shard_g = _make(world, rank, shard, tp_size)
         _GROUPS[key] = (shard_g, _make(world, rank, tp_size, 1), _make(world, rank, dp // shard, tp_size * shard),
@@ -107,26 +129,29 @@ def get_mesh(tp_size: int = 1, shard_size: int | None = None, secondary_size: in
                 replicate=make_comm(rep_g, stats, scope="_across_groups"), dp_full=make_comm(dp_g, stats),
                 stats=stats)
     if secondary_size > 1:
-        _check(world, tp_size, secondary_size, "zero_optimization.zero_hpz_partition_size")
-        skey = (tp_size, secondary_size, "secondary")
+        _check(block, tp_size, secondary_size, "zero_optimization.zero_hpz_partition_size")
+        skey = (tp_size, secondary_size, "secondary", pp)
         if skey not in _GROUPS:
             _GROUPS[skey] = (_make(world, rank, secondary_size, tp_size),)
         mesh.secondary = make_comm(_GROUPS[skey][0], stats, scope="_secondary")
     return mesh
 
 
-def _inner_and_across(kind: str, size: int, what: str, key: str, stride: int = 1) -> tuple:
+def _inner_and_across(kind: str, size: int, what: str, key: str, stride: int = 1, pp: int = 1) -> tuple:
     """Groups of ``size`` ranks ``stride`` apart (consecutive for stride 1), and the groups of ranks
-    ``size * stride`` apart (one rank of each inner group with the same offset): SP and its data
-    replicas (stride: the TP degree), EP and its expert-data-parallel ranks. Made once."""
+    ``size * stride`` apart (one rank of each inner group with the same offset) inside a pipeline
+    stage's block: SP and its data replicas (stride: the TP degree), EP and its expert-data-parallel
+    ranks. Made once."""
     world, rank = _world()
-    if size < 1 or world % (size * stride):
+    block = _block(world, pp)
+    if size < 1 or block % (size * stride):
         inner = f" x tensor parallel size {stride}" if stride > 1 else ""
-        raise ValueError(f"{what} {size}{inner} must divide the world size {world} ({key})")
-    if (kind, size, stride) not in _GROUPS:
-        _GROUPS[(kind, size, stride)] = (_make(world, rank, size, stride),
-                                         _make(world, rank, world // (size * stride), size * stride))
-    return _GROUPS[(kind, size, stride)]
+        where = f"the stage's {block} ranks (world {world} / {pp} stages)" if pp > 1 else f"the world size {world}"
+        raise ValueError(f"{what} {size}{inner} must divide {where} ({key})")
+    if (kind, size, stride, pp) not in _GROUPS:
+        _GROUPS[(kind, size, stride, pp)] = (_make(world, rank, size, stride),
+                                             _make(world, rank, block // (size * stride), size * stride))
+    return _GROUPS[(kind, size, stride, pp)]
 
 
 @dataclass
@@ -138,7 +163,7 @@ class SequenceMesh:
     tp_size: int = 1  # the TP degree the groups were cut for (each rank holds heads / tp_size heads)
 
 
-def get_sequence_mesh(sp_size: int, stats: CommStats | None = None, tp_size: int = 1) -> SequenceMesh:
+def get_sequence_mesh(sp_size: int, stats: CommStats | None = None, tp_size: int = 1, pp: int = 1) -> SequenceMesh:
     """Cut the ranks into sequence-parallel groups of ``sp_size`` ranks, ``tp_size`` apart (module docstring).
 
     ZeRO keeps sharding and averaging over every data-parallel rank (``get_mesh``); SP ranks are
@@ -150,7 +175,7 @@ def get_sequence_mesh(sp_size: int, stats: CommStats | None = None, tp_size: int
     """
     stats = stats if stats is not None else CommStats()
     sp_g, data_g = _inner_and_across("sp", sp_size, "sequence parallel size", "sequence_parallel_size",
-                                     stride=tp_size)
+                                     stride=tp_size, pp=pp)
     return SequenceMesh(sp=make_comm(sp_g, stats, scope="_sequence"), data=make_comm(data_g, stats),
                         tp_size=tp_size)
 
@@ -168,11 +193,30 @@ class ExpertMesh:
     edp: Comm
 
 
-def get_expert_mesh(ep_size: int, stats: CommStats | None = None) -> ExpertMesh:
-    """The EP and expert-data-parallel groups for ``ep_size`` (collective: every rank, same argument)."""
+def get_expert_mesh(ep_size: int, stats: CommStats | None = None, pp: int = 1) -> ExpertMesh:
+    """The EP and expert-data-parallel groups for ``ep_size`` (collective: every rank, same argument);
+    ``pp`` > 1: inside each pipeline stage's ranks."""
     stats = stats if stats is not None else CommStats()
-    ep_g, edp_g = _inner_and_across("expert", ep_size, "expert parallel size", "expert_parallel.autoep_size")
+    ep_g, edp_g = _inner_and_across("expert", ep_size, "expert parallel size", "expert_parallel.autoep_size",
+                                    pp=pp)
     return ExpertMesh(ep=make_comm(ep_g, stats), edp=make_comm(edp_g, stats))
+
+
+def get_pipe_group(pp: int) -> tuple[Any, list[int]]:
+    """This rank's pipeline group and its ranks: the ``pp`` ranks ``world / pp`` apart, one per stage with
+    the same coordinates inside it (collective: every rank, same argument; made once). Always a real
+    group (a stage's point-to-point traffic runs on it), of one rank at ``pp`` 1."""
+    world, rank = _world()
+    block = _block(world, pp)
+    key = ("pipe", pp)
+    if key not in _GROUPS:
+        mine: tuple[Any, list[int]] = (None, [])
+        for ranks in _groups_of(world, pp, block):
+            g = dist.new_group(ranks, timeout=collective_timeout())
+            if rank in ranks:
+                mine = (g, ranks)
+        _GROUPS[key] = mine
+    return _GROUPS[key]
 
 
 def get_expert_join_group(ep_size: int, timeout_s: float) -> Any:

@@ -91,13 +91,15 @@ class RunLayout:
         self.expert = mesh
 
     @classmethod
-    def of(cls, tp: int = 1, shard: int | None = None, hpz: int = 1, sp: int = 1, ep: int = 0) -> RunLayout:
+    def of(cls, tp: int = 1, shard: int | None = None, hpz: int = 1, sp: int = 1, ep: int = 0,
+           pp: int = 1) -> RunLayout:
         """The layout for these degrees (collective: every rank, same arguments). ``shard``: None for
-        every data-parallel rank; ``ep`` 0: no expert parallelism (1: experts marked, not split)."""
+        every data-parallel rank; ``ep`` 0: no expert parallelism (1: experts marked, not split);
+        ``pp``: pipeline stages, outermost (every group above is cut inside one stage's ranks)."""
         stats = CommStats()
-        mesh = get_mesh(tp, shard, secondary_size=hpz, stats=stats)
-        sequence = get_sequence_mesh(sp, stats, tp_size=tp) if sp > 1 else None
-        expert = get_expert_mesh(ep, stats) if ep >= 1 else None
+        mesh = get_mesh(tp, shard, secondary_size=hpz, stats=stats, pp=pp)
+        sequence = get_sequence_mesh(sp, stats, tp_size=tp, pp=pp) if sp > 1 else None
+        expert = get_expert_mesh(ep, stats, pp=pp) if ep >= 1 else None
         return cls(mesh, sequence, expert, stats)
 
     @classmethod

@@ -1,7 +1,8 @@
 """``shardwise.pipeline``: pipeline parallelism, DeepSpeed's ``deepspeed.pipe`` API (docs/pipeline.md).
 
 - ``topology``: ``ProcessTopology``, ``PipeDataParallelTopology``, ``PipeModelDataParallelTopology``
-  and the grid of groups (``engine.grid``); ``spec``: ``LayerSpec``, ``TiedLayerSpec``, the partition
+  and the grid of groups (``engine.grid``; ``current_grid()`` while a ``PipelineModule``'s layers are
+  built); ``spec``: ``LayerSpec``, ``TiedLayerSpec``, the partition
   methods; ``module``: ``PipelineModule`` (each rank builds its stage's layers only);
 - ``schedule``: 1F1B, GPipe and interleaved 1F1B; ``wire``: the transfers between stages; ``tied``: tied weights
   across stages; ``engine``: ``PipelineEngine`` (``train_batch`` / ``eval_batch``) on shardwise's
@@ -23,6 +24,7 @@ from shardwise.pipeline.topology import (
     PipelineParallelGrid,
     PipeModelDataParallelTopology,
     ProcessTopology,
+    current_grid,
 )
 from shardwise.pipeline.wire import StageTransferError
 
@@ -31,5 +33,5 @@ PipelineModule.engine_builder = staticmethod(build_pipeline_engine)
 
 __all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineEngine",
            "PipelineModule", "PipelineParallelGrid", "ProcessTopology", "SCHEDULES", "StageTransferError",
-           "TiedLayerSpec", "bubble_fraction", "build_pipeline_engine", "causal_lm_loss", "initialize",
+           "TiedLayerSpec", "bubble_fraction", "build_pipeline_engine", "causal_lm_loss", "current_grid", "initialize",
            "pipeline_stages", "split_causal_lm", "partition_balanced", "partition_uniform"]

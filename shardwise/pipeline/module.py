@@ -24,7 +24,13 @@ from torch.utils.checkpoint import checkpoint
 
 from shardwise.engine.compat import UsageError
 from shardwise.pipeline.spec import LayerSpec, TiedLayerSpec, partition_layers
-from shardwise.pipeline.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
+from shardwise.pipeline.topology import (
+    GRID_ORDERS,
+    PipeDataParallelTopology,
+    PipelineParallelGrid,
+    ProcessTopology,
+    set_current_grid,
+)
 
 
 def set_random_seed(seed: int) -> None:
@@ -41,9 +47,10 @@ def set_random_seed(seed: int) -> None:
 
 def _topology(num_stages: int | None, topology: ProcessTopology | None) -> ProcessTopology:
     if topology is not None:
-        if topology.get_dim("model") > 1:
-            raise UsageError(f"PipelineModule(topology=...): a model-parallel size of {topology.get_dim('model')} "
-                             "is not served with pipeline parallelism (shardwise serves model size 1)")
+        if topology.get_dim("model") > 1 and topology.axes not in GRID_ORDERS:
+            raise UsageError(f"PipelineModule(topology=...): a model-parallel size of {topology.get_dim('model')} is "
+                             f"served with the axes ordered pipe, data, model (PipeModelDataParallelTopology), not "
+                             f"{', '.join(topology.axes)}")
         return topology
     if num_stages is None:
         raise UsageError("PipelineModule() needs num_stages or topology")
@@ -73,6 +80,7 @@ class PipelineModule(nn.Module):
         self._topo = _topology(num_stages, topology)
         self.num_stages = self._topo.get_dim("pipe")
         self._grid = PipelineParallelGrid(self._topo)
+        set_current_grid(self._grid)  # its layers may read their tensor-parallel group while being built
         self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.stage_id = self._grid.get_stage_id()
         self._layer_specs = list(layers)
@@ -131,6 +139,14 @@ class PipelineModule(nn.Module):
                 self.fwd_map[str(idx)] = len(self.forward_funcs)
                 self.add_module(str(idx), module)
             self.forward_funcs.append(module)
+
+    def use_topology(self, topology: ProcessTopology, mesh: Any = None) -> None:
+        """Re-cut the grid for ``topology`` (same stages: a model axis added, for a model split over its
+        tensor-parallel groups before it was cut; ``mesh``: those groups, ``layout.get_mesh``'s)."""
+        if topology.get_dim("pipe") != self.num_stages or topology.world_size() != self.world_size:
+            raise UsageError(f"use_topology: {topology.dims} does not keep {self.num_stages} stages of "
+                             f"{self.world_size} ranks")
+        self._topo, self._grid = topology, PipelineParallelGrid(topology, mesh)
 
     # -- DeepSpeed's accessors ----------------------------------------------------------
     def topology(self) -> ProcessTopology:

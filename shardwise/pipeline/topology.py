@@ -6,9 +6,14 @@ script that computes a peer's rank from coordinates gets the same answer. With
 ``PipeDataParallelTopology(num_pp=2, num_dp=2)`` ranks 0 and 1 are stage 0 (data ranks 0 and 1),
 ranks 2 and 3 stage 1.
 
-:class:`PipelineParallelGrid` cuts the groups once (every rank, same order): one pipeline group per
-data-parallel index (the stages a micro-batch passes through) and one data-parallel group per stage
-(the replicas whose gradients are averaged). Groups are made with the job's timeout.
+:class:`PipelineParallelGrid` holds this rank's groups: one pipeline group per position inside a stage
+(the stages a micro-batch passes through: the same data, sequence and model coordinate in each), one
+data-parallel group per stage and model rank (the replicas whose gradients are averaged) and the
+model-parallel (tensor-parallel) group. For DeepSpeed's own orders (``pipe, data`` and ``pipe, data,
+model``: stages outermost, model innermost) every group is the run layout's (``layout/grid.py``: one
+rank grid, pp x dp x (sp x) tp), the same groups the stage's engine, ZeRO and sequence parallelism get;
+a topology in another order cuts its own groups here and serves pipeline x data parallelism only.
+Groups are made with the job's timeout.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.comm import collective_timeout
+from shardwise.comm import Comm, collective_timeout
+from shardwise.layout import Mesh, SequenceMesh, get_mesh, get_pipe_group
 
 
 class ProcessTopology:
@@ -91,13 +97,27 @@ class PipeDataParallelTopology(ProcessTopology):
 
 
 class PipeModelDataParallelTopology(ProcessTopology):
-    """Pipeline x data x model (tensor) parallelism, DeepSpeed's 3D layout; shardwise serves model size 1."""
+    """Pipeline x data x model (tensor) parallelism, DeepSpeed's 3D layout: rank ``(pipe * num_dp + data) *
+    num_mp + model``, the run layout's order (``layout/grid.py``)."""
 
     def __init__(self, num_pp: int, num_mp: int, num_dp: int):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
 
 
 _MADE: dict[Any, Any] = {"world": None}  # groups made in this process group, by their ranks (reused)
+_BUILDING: dict[str, Any] = {"grid": None}  # the grid of the PipelineModule built last (current_grid())
+GRID_ORDERS = (["pipe", "data"], ["pipe", "data", "model"])  # the run layout's orders (stages outermost)
+
+
+def current_grid() -> PipelineParallelGrid | None:
+    """The grid of the ``PipelineModule`` being (or last) built on this rank: what a layer split over the
+    model-parallel (or sequence-parallel) group reads while its ``LayerSpec`` is built, as Megatron's
+    layers read its ``mpu``. None before any ``PipelineModule``."""
+    return _BUILDING["grid"]
+
+
+def set_current_grid(grid: PipelineParallelGrid) -> None:
+    _BUILDING["grid"] = grid
 
 
 def _groups(lists: list[list[int]], rank: int) -> tuple[Any, list[int]]:
@@ -120,7 +140,9 @@ def _groups(lists: list[list[int]], rank: int) -> tuple[Any, list[int]]:
 class PipelineParallelGrid:
     """This rank's place in the topology and its groups (DeepSpeed's ``engine.grid`` / ``module._grid``)."""
 
-    def __init__(self, topology: ProcessTopology):
+    def __init__(self, topology: ProcessTopology, mesh: Mesh | None = None):
+        """``mesh``: the stage's groups already cut (``layout.get_mesh(tp, pp=stages)``) for a model split
+        over them; None: cut (or found) here."""
         self._topo = topology
         self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if topology.world_size() != self.world_size:
@@ -133,10 +155,30 @@ class PipelineParallelGrid:
         coord = topology.get_coord(self.global_rank)
         self.stage_id = coord.pipe
         self.data_parallel_id = coord.data
-        self.pp_group_handle, self.pp_group = _groups(topology.get_axis_comm_lists("pipe"), self.global_rank)
-        self.dp_group_handle, self.dp_group = _groups(topology.get_axis_comm_lists("data"), self.global_rank)
+        self.model_parallel_id = getattr(coord, "model", 0)
+        self.on_layout = topology.axes in GRID_ORDERS  # the run layout's groups (module docstring)
+        self.mesh: Mesh | None = None  # the stage's groups (on the layout)
+        self.sequence: SequenceMesh | None = None  # SP's groups, set by the stage's engine (build.py)
+        if self.on_layout:
+            self.pp_group_handle, self.pp_group = get_pipe_group(self.pipe_parallel_size)
+            self.mesh = mesh if mesh is not None else get_mesh(self.model_parallel_size, pp=self.pipe_parallel_size)
+            self.dp_group_handle = self._handle(self.mesh.dp_full, topology.get_axis_comm_lists("data"))
+            self.mp_group_handle = self._handle(self.mesh.tp, topology.get_axis_comm_lists("model"))
+        else:
+            self.pp_group_handle, self.pp_group = _groups(topology.get_axis_comm_lists("pipe"), self.global_rank)
+            self.dp_group_handle, _ = _groups(topology.get_axis_comm_lists("data"), self.global_rank)
+            self.mp_group_handle = None
         self.is_first_stage = self.stage_id == 0
         self.is_last_stage = self.stage_id == self.pipe_parallel_size - 1
+
+    def _handle(self, comm: Comm, lists: list[list[int]]) -> Any:
+        """A process group for DeepSpeed's getters: the layout's own, the world's, or (a group of one,
+        which the layout leaves as no group) one made here."""
+        if comm.group is not None:
+            return comm.group
+        if comm.size == self.world_size:
+            return dist.group.WORLD
+        return _groups(lists or [[r] for r in range(self.world_size)], self.global_rank)[0]
 
     def get_stage_id(self) -> int:
         return self.stage_id
@@ -175,13 +217,44 @@ class PipelineParallelGrid:
         return self.dp_group_handle
 
     def get_model_parallel_rank(self) -> int:
-        return 0
+        return self.model_parallel_id
 
     def get_model_parallel_world_size(self) -> int:
         return self.model_parallel_size
 
+    def get_model_parallel_group(self) -> Any:
+        return self.mp_group_handle
+
     def get_slice_parallel_rank(self) -> int:
-        return 0
+        return self.model_parallel_id
 
     def get_slice_parallel_world_size(self) -> int:
         return self.slice_parallel_size
+
+    def get_slice_parallel_group(self) -> Any:
+        return self.mp_group_handle
+
+    # -- shardwise's: the groups as counted comms (a layer split over them calls these in its forward) --
+    def tp_comm(self) -> Comm:
+        """The model-parallel group as the run layout's :class:`Comm` (its traffic counts in the stage
+        engine's ``comm_stats()`` once the engine is built)."""
+        if self.mesh is None:
+            raise ValueError(f"a topology ordered {self._topo.axes} has no tensor-parallel group here; use "
+                             "PipeModelDataParallelTopology (pipe, data, model)")
+        return self.mesh.tp
+
+    def sp_comm(self) -> Comm:
+        """The sequence-parallel group (the config's ``sequence_parallel_size``), once the engine is built."""
+        if self.sequence is None:
+            raise ValueError("no sequence-parallel group: set sequence_parallel_size > 1 in the config and "
+                             "call initialize() before the first forward")
+        return self.sequence.sp
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.sp_comm().group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.sequence.sp.size if self.sequence is not None else 1
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.sequence.sp.rank if self.sequence is not None else 0
