@@ -4,6 +4,7 @@ checkpoint, resume, sample and export as the run without stages does, and the ex
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,8 @@ def test_pp2_gives_pp1s_losses_weights_and_export(pool1, pool2, tmp_path, tied: 
     train_in(pool2, _argv(tmp_path, two, 2, "--pp", "2", *model))
     log = train_in(pool2, _argv(tmp_path, two, 3, "--pp", "2", "--resume", "auto", *model))
     assert "resumed from" in log and "(pp 2 x tp 1 x sp 1 x dp 1)" in log
+    made = re.search(r"pipeline stage 0: ([\d,]+) of the model's ([\d,]+) parameter bytes made real", log)
+    assert made and 0 < int(made[1].replace(",", "")) < int(made[2].replace(",", "")), log
     a, b = _records(one, "train", "loss"), _records(two, "train", "loss")
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for step in a:

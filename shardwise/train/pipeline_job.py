@@ -66,6 +66,14 @@ def whole_model(engine: Any, model: nn.Module) -> nn.Module | None:
     return model if is_pipeline(engine) else None
 
 
+def stage_note(engine: Any, model: nn.Module) -> str:
+    """What rank 0 made real of the model: its stage's parameters only (``stage_init``)."""
+    real = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (f"pipeline stage {engine.stage_id}: {real:,} of the model's {total:,} parameter bytes made real on "
+            f"this rank (its stage's; the other stages' stay on the meta device)")
+
+
 def train_batch(engine: Any, micro: list[torch.Tensor]) -> tuple[float, float | None]:
     """One step over ``micro`` (each its own labels): ``(mean loss, None)``, or ``(nan, norm)`` when
     the gradient norm was non-finite past the engine's allowance (the weights are untouched)."""

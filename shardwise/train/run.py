@@ -156,6 +156,8 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
          f"{len(data.tokens):,} tokens = {data.n_train} train + {data.n_eval} eval sequences of {args.seq}; "
          f"world {dist.get_world_size()} (pp {pp} x tp {engine.tp.size} x sp {cfg.sequence_parallel_size} x dp "
          f"{engine.dp_world}), ZeRO stage {engine.stage}, {cfg.precision}, {global_batch} sequences/step")
+    if pp > 1:
+        _log(pipeline_job.stage_note(engine, model))
     if args.config is None:
         _log(f"no --config: the defaults ({SUMMARY}); saved in {run_dir / 'run_config.json'}")
     note = passes_note(args.steps, global_batch, data.n_train)
