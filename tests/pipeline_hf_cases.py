@@ -33,14 +33,16 @@ def _real_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params if not p.is_meta)
 
 
-def stage_build_train_generate(tied: bool, folder: str | None = None) -> dict:
+def stage_build_train_generate(tied: bool, folder: str | None = None, virtual: int = 1) -> dict:
     """This rank's stage: the bytes made real (in the whole model and in the stage), the stage's parameters
-    under HF names before and after two steps, and greedy and sampled tokens decoded through the stages."""
+    under HF names before and after two steps, and greedy and sampled tokens decoded through the stages.
+    ``virtual`` > 1: the split cut into 2 x virtual chunks, trained by interleaved 1F1B."""
     import shardwise
 
     model = build(tied, folder)
     metas_before = sum(p.is_meta for p in model.parameters())
-    engine, *_ = shardwise.initialize(model=model, config={**LM_CONFIG, "pipeline": {"stages": 2}})
+    pipe = {"stages": 2} if virtual == 1 else {"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": virtual}
+    engine, *_ = shardwise.initialize(model=model, config={**LM_CONFIG, "pipeline": pipe})
     names = engine.module.hf_names
     own = list({id(p): p for p in engine.module.parameters()}.values())
     out = {"stage": engine.stage_id, "metas_before": metas_before, "whole_real": _real_bytes(model.parameters()),

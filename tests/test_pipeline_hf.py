@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import pipeline_hf_cases as phc
-import pytest
 import torch
 from pipeline_script_cases import tiny_lm
 
@@ -19,19 +18,9 @@ def _whole_with(trained: dict, tied: bool):
     return model
 
 
-@pytest.mark.parametrize(("tied", "from_folder"), [(False, False), (True, True)],
-                         ids=["from_config", "tied_from_folder"])
-def test_stage_only_build_then_generate_through_the_stages(pool2, tmp_path, tied: bool, from_folder: bool) -> None:
-    """Each rank makes real only its stage's parameters (the other stage's stay on meta: the whole model's real
-    bytes are the stage's), with the whole build's values bit for bit (same seed; the same folder); after two
-    training steps, greedy and seeded sampling decoded through the stages give HF generate()'s tokens on the
-    unsplit model with the same weights, the decode's transfers counted in comm_stats()."""
-    reference = tiny_lm(tied)
-    folder = None
-    if from_folder:
-        folder = str(tmp_path / "folder")
-        reference.save_pretrained(folder)
-    ranks = pool2.run("pipeline_hf_cases:stage_build_train_generate", tied, folder)
+def _check(ranks: list[dict], reference, tied: bool) -> dict:
+    """Each rank made real its stage's parameters only, with the whole build's values; the decode through the
+    stages gave HF generate()'s tokens on the unsplit model holding the stages' trained weights."""
     whole = dict(reference.named_parameters())
     total = sum(p.numel() * p.element_size() for p in reference.parameters())
     trained: dict = {}
@@ -53,3 +42,26 @@ def test_stage_only_build_then_generate_through_the_stages(pool2, tmp_path, tied
         assert torch.equal(r["greedy"], greedy) and torch.equal(r["sampled"], sampled), (r["greedy"], greedy)
         assert "num_beams not served" in r["beams"] and "\n" not in r["beams"], r["beams"]
     assert ranks[0]["greedy_sent"] > 0  # stage 0's hidden states went to stage 1 through the counted Comm
+    return trained
+
+
+def test_stage_only_build_then_generate_through_the_stages(pool2) -> None:
+    """From the config (seeded): each rank makes real only its stage's parameters (the other stage's stay on
+    meta: the whole model's real bytes are the stage's), with the whole build's values bit for bit; after two
+    training steps, greedy and seeded sampling decoded through the stages give HF generate()'s tokens on the
+    unsplit model with the same weights. Cut into 2 x 2 virtual stages (interleaved 1F1B): the same trained
+    weights bit for bit, the decode going round the ranks twice a token."""
+    reference = tiny_lm(False)
+    plain = _check(pool2.run("pipeline_hf_cases:stage_build_train_generate", False), reference, False)
+    virtual = _check(pool2.run("pipeline_hf_cases:stage_build_train_generate", False, None, 2), reference, False)
+    for name, t in plain.items():
+        assert torch.equal(virtual[name], t), name
+
+
+def test_tied_model_from_a_folder_read_by_stage(pool2, tmp_path) -> None:
+    """Read from a save_pretrained folder (tie_word_embeddings): each rank reads its stage's tensors only (the
+    last stage the embedding again, for its tied head), equal to the folder's; the decode as above."""
+    reference = tiny_lm(True)
+    folder = str(tmp_path / "folder")
+    reference.save_pretrained(folder)
+    _check(pool2.run("pipeline_hf_cases:stage_build_train_generate", True, folder), reference, True)

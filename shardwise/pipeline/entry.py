@@ -18,7 +18,7 @@ from shardwise.config import read_config, timeout_of
 from shardwise.engine.compat import UsageError
 from shardwise.engine.initialize import TORCH_DISTRIBUTED_DEFAULT_PORT
 from shardwise.engine.initialize import initialize as engine_initialize
-from shardwise.pipeline.hf import lm_batch, pipeline_stages, split_causal_lm
+from shardwise.pipeline.hf import lm_batch, pipeline_stages, pipeline_virtual_stages, split_causal_lm
 from shardwise.pipeline.module import PipelineModule
 
 _METHODS = ("uniform", "parameters")
@@ -41,7 +41,7 @@ def _split(model: Any, source: Any, dist_init_required: bool | None) -> Pipeline
         init_distributed(timeout=timeout_of(source))
     partition = str((raw.get("pipeline") or {}).get("partition", "uniform")).lower()
     return split_causal_lm(model, stages, partition if partition in _METHODS or partition.startswith("type:")
-                           else "uniform")
+                           else "uniform", pipeline_virtual_stages(raw))
 
 
 @functools.wraps(engine_initialize)

@@ -89,9 +89,10 @@ def _processors(gen: Any, custom: Any) -> list:
     return out
 
 
-def _run_stage(module: Any, x: torch.Tensor, past: int, cache: Any) -> torch.Tensor:
-    """This stage's entries on ``x`` (token ids on the first stage, else hidden states) for one step."""
-    for f in module.forward_funcs:
+def _run_chunk(module: Any, chunk: int, x: torch.Tensor, past: int, cache: Any) -> torch.Tensor:
+    """This rank's entries of ``chunk`` on ``x`` (token ids on the first stage, else hidden states)."""
+    first, stop = module.chunk_funcs[chunk]
+    for f in module.forward_funcs[first:stop]:
         if isinstance(f, DecoderLayer):
             x = f.decode(x, past, cache)
         elif isinstance(f, Head):  # HF: the final norm over every position, the head on the last one
@@ -103,6 +104,21 @@ def _run_stage(module: Any, x: torch.Tensor, past: int, cache: Any) -> torch.Ten
         else:
             raise UsageError(f"generate() on a pipeline: the stage holds a {type(f).__name__}, not an entry of a "
                              "Hugging Face model split by pipeline.stages")
+    return x
+
+
+def _through_chunks(engine: Any, new: torch.Tensor, past: int, cache: Any) -> torch.Tensor:
+    """One step through this rank's chunks (one without virtual stages; with them the hidden states go
+    round the ranks ``virtual`` times): each receives from the previous virtual stage and sends to the next,
+    except the first (the new tokens) and the last (the logits, returned)."""
+    p, s, v = engine.num_stages, engine.stage_id, engine.virtual
+    x = new
+    for c in range(v):
+        if not (s == 0 and c == 0):
+            x = engine.link.recv((s - 1) % p, f"the decode's hidden states at position {past}", engine.device)[0]
+        x = _run_chunk(engine.module, c, x, past, cache)
+        if not (s == p - 1 and c == v - 1):
+            engine.link.send((x,), (s + 1) % p)
     return x
 
 
@@ -163,8 +179,6 @@ def _prompt(engine: Any, kwargs: dict) -> torch.Tensor:
     if mask is not None and not bool((mask == 1).all()):
         raise UsageError("generate() on a pipeline: a padded batch (attention_mask with zeros) is not served; "
                          "give prompts of one length")
-    if engine.virtual > 1:
-        raise UsageError("generate() on a pipeline with virtual_stages > 1 (interleaved_1f1b) is not served")
     return ids.to(engine.device)
 
 
@@ -187,17 +201,13 @@ def generate(engine: Any, **kwargs: Any) -> torch.Tensor:
         engine.fetcher.hold()
     try:
         while ids.shape[1] < total:
-            x = new if engine.is_first_stage() else engine.link.recv(engine.stage_id - 1, "the decode's hidden "
-                                                                     f"states at position {past}", engine.device)[0]
-            x = _run_stage(module, x, past, cache)
+            x = _through_chunks(engine, new, past, cache)
             tokens, error = None, None
             if engine.is_last_stage():
                 try:
                     tokens = _pick(x, ids, gen, processors, state)
                 except Exception as e:  # noqa: BLE001 - sent to every stage, then raised here too
                     error = e
-            else:
-                engine.link.send((x,), engine.stage_id + 1)
             tokens = _share(engine, tokens, state, error)
             engine.link.drain()  # this step's sends are done (their hidden states may go)
             past, new = past + new.shape[1], tokens[:, None]

@@ -125,8 +125,11 @@ def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module, Any]:
     return base, model.lm_head, model.config
 
 
-def split_causal_lm(model: nn.Module, stages: int, partition_method: str = "uniform") -> PipelineModule:
-    """``model`` as a :class:`PipelineModule` of ``stages`` stages (this rank keeps its stage's entries)."""
+def split_causal_lm(model: nn.Module, stages: int, partition_method: str = "uniform",
+                    virtual_stages: int = 1) -> PipelineModule:
+    """``model`` as a :class:`PipelineModule` of ``stages`` stages (this rank keeps its stage's entries);
+    ``virtual_stages > 1``: cut into ``stages x virtual_stages`` chunks for ``interleaved_1f1b`` (untied
+    models: a tied head is a ``TiedLayerSpec``, which interleaving refuses in one line)."""
     base, head, config = _parts(model)
     tied = bool(getattr(config, "tie_word_embeddings", False)) and head.weight is base.embed_tokens.weight
     first = (TiedLayerSpec("embed", Embedding, base.embed_tokens, tied_weight_attr="embed.weight") if tied
@@ -136,7 +139,7 @@ def split_causal_lm(model: nn.Module, stages: int, partition_method: str = "unif
                                                        tied_weight_attr="embed.weight")] if tied
             else [LayerSpec(Head, base.norm, head)])
     module = PipelineModule([first, *layers, *last], num_stages=stages, loss_fn=causal_lm_loss,
-                            partition_method=partition_method)
+                            partition_method=partition_method, virtual_stages=virtual_stages)
     module.hf_config = config
     module.hf_generation_config = getattr(model, "generation_config", None)
     # this stage's parameter names -> the model's own (a tied head: the embedding's), for the HF export
@@ -145,6 +148,15 @@ def split_causal_lm(model: nn.Module, stages: int, partition_method: str = "unif
     # built under stage_init() (or zero.Init from a folder): only this stage's parameters become real
     module.materialized_bytes = materialize_stage(module, model)
     return module
+
+
+def pipeline_virtual_stages(raw: dict) -> int:
+    """``pipeline.virtual_stages`` of a config dict (shardwise's key: chunks per rank for
+    ``pipeline.schedule: interleaved_1f1b``); 1 when absent."""
+    v = (raw.get("pipeline") or {}).get("virtual_stages", 1)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise UsageError(f"pipeline.virtual_stages must be a positive integer, got {v!r}")
+    return v
 
 
 def pipeline_stages(raw: dict) -> int:
