@@ -70,6 +70,20 @@ class Recorder(TorchFunctionMode):
         self.logs: dict[int, list[tuple]] = {}  # root parameter id -> its calls
         self.views: dict[int, tuple[torch.Tensor, list[tuple]]] = {}  # view id -> (root, recipe from the root)
         self.keep: list[torch.Tensor] = []  # the roots and views seen (their ids stay theirs while recording)
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}  # the draws' scratch, per dtype (while building)
+
+    def _scratch(self, target: torch.Tensor) -> torch.Tensor:
+        """Where a random init's draws go: a view of one buffer per dtype, grown to the largest parameter
+        (a fresh tensor per call would leave the host allocator's heap fragmented by the generator states
+        kept between them: measured, the whole model's bytes in RSS), or a tensor of the target's strides
+        when they are not contiguous ones (a sampler may draw differently there)."""
+        if not target.is_contiguous():
+            return torch.empty_strided(target.shape, target.stride(), dtype=target.dtype)
+        buf = self.buffers.get(target.dtype)
+        if buf is None or buf.numel() < target.numel():
+            self.buffers[target.dtype] = buf = None  # the old one freed before the larger is made
+            self.buffers[target.dtype] = buf = torch.empty(target.numel(), dtype=target.dtype)
+        return buf[:target.numel()].view(target.shape)
 
     def _root(self, t: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         if id(t) in self.views:
@@ -95,9 +109,7 @@ class Recorder(TorchFunctionMode):
         if name in RANDOM:
             gen = kw.get("generator") or torch.default_generator
             state = gen.get_state()
-            scratch = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype)
-            _call(func, scratch, rest, kw, by_keyword)  # the draws of the whole build, into nothing kept
-            del scratch
+            _call(func, self._scratch(target), rest, kw, by_keyword)  # the whole build's draws, into nothing kept
         else:
             func(*args, **kwargs)  # on meta: nothing computed
         self.logs.setdefault(id(root), []).append((recipe, func, rest, kw, by_keyword, state))
@@ -167,6 +179,7 @@ def stage_init() -> Iterator[Recorder]:
         PreTrainedModel.from_pretrained = original
     recorder.keep = [t for t in recorder.keep if isinstance(t, nn.Parameter)]  # views are no longer needed
     recorder.views.clear()
+    recorder.buffers.clear()
 
 
 @torch.no_grad()
