@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import pipeline_hf_cases as phc
+import pytest
 import torch
 from pipeline_script_cases import tiny_lm
 
@@ -65,3 +66,56 @@ def test_tied_model_from_a_folder_read_by_stage(pool2, tmp_path) -> None:
     folder = str(tmp_path / "folder")
     reference.save_pretrained(folder)
     _check(pool2.run("pipeline_hf_cases:stage_build_train_generate", True, folder), reference, True)
+
+
+def _llama(**extra):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, **extra)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_stage_init_replays_inits_through_views_and_keeps_the_generator_in_step() -> None:
+    """In one process: an embedding with a padding row (zeroed through a view of the weight), every parameter
+    made real afterwards equals the whole build's, and the generator is where the whole build left it."""
+    from shardwise.pipeline import materialize_stage, stage_init
+
+    torch.manual_seed(3)
+    whole, after_whole = _llama(pad_token_id=5), torch.rand(4)
+    torch.manual_seed(3)
+    with stage_init():
+        model = _llama(pad_token_id=5)
+    assert torch.equal(torch.rand(4), after_whole)
+    assert all(p.is_meta for p in model.parameters())
+    made = materialize_stage(model.model.layers[1], model)  # one layer: the rest stays on meta
+    assert made == sum(p.numel() * p.element_size() for p in whole.model.layers[1].parameters())
+    assert model.model.embed_tokens.weight.is_meta
+    materialize_stage(model, model)
+    for (name, a), b in zip(whole.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert not bool(model.model.embed_tokens.weight[5].any())
+
+
+def test_stage_init_refusals_are_one_line(tmp_path) -> None:
+    """A meta model not built under stage_init (zero.Init from a config: nothing recorded), and a folder whose
+    tensors do not have the config's shapes (refused before reading, naming the file and the tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    import shardwise
+    from shardwise.errors import UsageError
+    from shardwise.pipeline import materialize_stage, stage_init
+
+    with shardwise.zero.Init():
+        bare = _llama()
+    with pytest.raises(UsageError, match="not built under shardwise.pipeline.stage_init") as e:
+        materialize_stage(bare.model.layers[0], bare)
+    assert "\n" not in str(e.value)
+    _llama().save_pretrained(tmp_path)
+    config = (tmp_path / "config.json").read_text().replace('"intermediate_size": 48', '"intermediate_size": 40')
+    (tmp_path / "config.json").write_text(config)
+    with stage_init():
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight' is stored with shape \\[48, 32\\]") as e:
+        materialize_stage(model.model.layers[0], model)
+    assert "model.safetensors" in str(e.value) and "\n" not in str(e.value)
