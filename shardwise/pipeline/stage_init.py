@@ -165,7 +165,8 @@ def stage_init() -> Iterator[Recorder]:
         config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
         recorder.paused = True  # nothing drawn: the folder gives every value
         try:
-            model = cls._from_config(config, **({"dtype": kwargs["dtype"]} if "dtype" in kwargs else {}))
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+            model = cls._from_config(config, **({"dtype": dtype} if dtype not in (None, "auto") else {}))
         finally:
             recorder.paused = False
         model._shardwise_source = Path(path)
@@ -208,6 +209,8 @@ def materialize_stage(stage: nn.Module, model: nn.Module) -> int:
                 raise UsageError(f"pipeline stages: the parameter {name} is on the meta device with no recorded "
                                  "init (built outside shardwise.pipeline.stage_init()?)")
             value = recorder.replay(p, name)
+            recorder.logs.pop(id(p), None)  # replayed once: its calls and generator states go
+            p.__dict__.pop("_shardwise_stage_recorder", None)
         swap_contents(p, nn.Parameter(value, requires_grad=p.requires_grad))
         made += value.numel() * value.element_size()
     return made
