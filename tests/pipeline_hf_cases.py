@@ -60,6 +60,10 @@ def stage_build_train_generate(tied: bool, folder: str | None = None, virtual: i
     out["sampled"] = engine.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=10,
                                      temperature=0.8)
     try:
+        model(input_ids=ids)
+    except Exception as e:  # noqa: BLE001 - the refusal's line is the answer
+        out["whole_call"] = f"{type(e).__name__}: {e}"
+    try:
         engine.generate(input_ids=ids, num_beams=2)
     except Exception as e:  # noqa: BLE001 - the refusal's line is the answer
         out["beams"] = f"{type(e).__name__}: {e}"

@@ -42,6 +42,7 @@ def _check(ranks: list[dict], reference, tied: bool) -> dict:
     for r in ranks:
         assert torch.equal(r["greedy"], greedy) and torch.equal(r["sampled"], sampled), (r["greedy"], greedy)
         assert "num_beams not served" in r["beams"] and "\n" not in r["beams"], r["beams"]
+        assert "was split into pipeline stages by initialize" in r["whole_call"], r["whole_call"]
     assert ranks[0]["greedy_sent"] > 0  # stage 0's hidden states went to stage 1 through the counted Comm
     return trained
 
@@ -50,7 +51,8 @@ def test_stage_only_build_then_generate_through_the_stages(pool2) -> None:
     """From the config (seeded): each rank makes real only its stage's parameters (the other stage's stay on
     meta: the whole model's real bytes are the stage's), with the whole build's values bit for bit; after two
     training steps, greedy and seeded sampling decoded through the stages give HF generate()'s tokens on the
-    unsplit model with the same weights. Cut into 2 x 2 virtual stages (interleaved 1F1B): the same trained
+    unsplit model with the same weights; the model given to initialize refuses a call of its own (its other
+    stage's layers are not here). Cut into 2 x 2 virtual stages (interleaved 1F1B): the same trained
     weights bit for bit, the decode going round the ranks twice a token."""
     reference = tiny_lm(False)
     plain = _check(pool2.run("pipeline_hf_cases:stage_build_train_generate", False), reference, False)

@@ -40,8 +40,18 @@ def _split(model: Any, source: Any, dist_init_required: bool | None) -> Pipeline
             raise UsageError("pipeline.stages needs the process group; dist_init_required=False but none is up")
         init_distributed(timeout=timeout_of(source))
     partition = str((raw.get("pipeline") or {}).get("partition", "uniform")).lower()
-    return split_causal_lm(model, stages, partition if partition in _METHODS or partition.startswith("type:")
-                           else "uniform", pipeline_virtual_stages(raw))
+    split = split_causal_lm(model, stages, partition if partition in _METHODS or partition.startswith("type:")
+                            else "uniform", pipeline_virtual_stages(raw))
+    model.register_forward_pre_hook(_split_away)
+    return split
+
+
+def _split_away(module: Any, args: Any) -> None:
+    """The model given to ``initialize`` no longer computes what the stages hold: this rank trains its
+    stage only (the others' layers are stale here, or on meta), so a call of it would be a wrong number."""
+    raise UsageError(f"this {type(module).__name__} was split into pipeline stages by initialize "
+                     "(pipeline.stages); run it through the engine: engine.train_batch(), eval_batch() or "
+                     "generate()")
 
 
 @functools.wraps(engine_initialize)
