@@ -68,3 +68,29 @@ def stage_build_train_generate(tied: bool, folder: str | None = None, virtual: i
     except Exception as e:  # noqa: BLE001 - the refusal's line is the answer
         out["beams"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def failing_decode() -> tuple[str, float]:
+    """Stage 0's layers raise at the decode's second step: this rank's line and how long it took to end."""
+    import time
+
+    import shardwise
+    from shardwise.pipeline import hf
+
+    engine, *_ = shardwise.initialize(model=tiny_lm(False), config={**LM_CONFIG, "pipeline": {"stages": 2}})
+    decode = hf.DecoderLayer.decode
+
+    def broken(self, hidden, past, cache):
+        if past > 0 and engine.stage_id == 0:
+            raise RuntimeError("a layer failed at the second step")
+        return decode(self, hidden, past, cache)
+
+    hf.DecoderLayer.decode = broken
+    start = time.monotonic()
+    try:
+        engine.generate(input_ids=prompt(), max_new_tokens=4)
+    except Exception as e:  # noqa: BLE001 - the line is the answer
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+    finally:
+        hf.DecoderLayer.decode = decode
+    return "none", time.monotonic() - start

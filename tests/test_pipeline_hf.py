@@ -121,3 +121,13 @@ def test_stage_init_refusals_are_one_line(tmp_path) -> None:
     with pytest.raises(ValueError, match="mlp.gate_proj.weight' is stored with shape \\[48, 32\\]") as e:
         materialize_stage(model.model.layers[0], model)
     assert "model.safetensors" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_stage_failing_in_the_decode_ends_every_stage(pool2) -> None:
+    """Stage 0's layers raise at the second token: stage 0 ends with its own error, stage 1 (waiting for its
+    hidden states) at once with one line naming stage 0 (not at the timeout)."""
+    (first, t0), (second, t1) = pool2.run("pipeline_hf_cases:failing_decode")
+    assert first == "RuntimeError: a layer failed at the second step", first
+    assert second.startswith("StageTransferError: pipeline stage 1 (rank 1) failed receiving the decode's hidden")
+    assert "stage 0 stopped with an error of its own" in second and "\n" not in second, second
+    assert max(t0, t1) < 10, (t0, t1)

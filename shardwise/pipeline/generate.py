@@ -19,7 +19,9 @@ beams, penalties and the other processors are refused in one line.
 
 A processor that raises on the last stage (``shardwise train``'s non-finite-logits guard) ends every
 stage: the last broadcasts a stop and the error's line, and the others raise :class:`StageStopped`
-carrying it.
+carrying it. A stage whose layers or receive fail tells the next (the stop header), which fails its
+receive naming it and passes the stop on, so the last stage's broadcast ends every stage at once, each
+with its own line (the failing stage its error, the others the last stage's).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from typing import Any
 
 import torch
 
+from shardwise.comm import RanksDivergedError
 from shardwise.engine.compat import UsageError
 from shardwise.pipeline.hf import DecoderLayer, Embedding, Head, Norm, tied_head
+from shardwise.pipeline.wire import STOPPED
 
 SERVED = {"input_ids", "attention_mask", "max_new_tokens", "max_length", "do_sample", "temperature", "top_k",
           "top_p", "pad_token_id", "eos_token_id", "logits_processor", "generation_config", "use_cache"}
@@ -122,6 +126,20 @@ def _through_chunks(engine: Any, new: torch.Tensor, past: int, cache: Any) -> to
     return x
 
 
+def _stop_downstream(engine: Any) -> None:
+    """This stage failed in its layers or a receive: the next stage, waiting for its hidden states, is told
+    (the stop header of ``pipeline/wire.py``), fails its receive naming this stage and tells the next, so
+    the last stage learns it and every stage meets at ``_share``'s broadcast, which ends them all."""
+    link, s, p = engine.link, engine.stage_id, engine.num_stages
+    nxt = (s + 1) % p
+    if (engine.is_last_stage() and engine.virtual == 1) or nxt == link.stopped_peer:
+        return
+    try:  # kept, not waited for: the work must outlive this call for the bytes to leave
+        link.stopping.append(link.p2p.send(torch.tensor([STOPPED], dtype=torch.int64, device=link.device), nxt))
+    except RanksDivergedError:
+        pass  # that stage is gone; this stage's own error is raised by the caller
+
+
 def _eos(gen: Any, device: torch.device) -> torch.Tensor | None:
     eos = gen.eos_token_id
     if eos is None:
@@ -159,14 +177,16 @@ def _share(engine: Any, tokens: torch.Tensor | None, state: dict, error: BaseExc
     link.p2p.broadcast(msg, src=last)
     if int(msg[-1]) == -1:  # one host read a step: the stop decision needs it anyway
         text = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=link.device)
-        if error is not None:
+        if error is not None and engine.is_last_stage():
             raw = f"{type(error).__name__}\n{error}".encode()[:MESSAGE_BYTES]
             text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8, device=link.device)
         link.p2p.broadcast(text, src=last)
-        if error is not None:
+        if error is not None:  # this stage's own error is the more precise line
             raise error
         kind, _, message = bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace").partition("\n")
         raise StageStopped(kind, message)
+    if error is not None:
+        raise error
     state["unfinished"] = msg[batch:2 * batch].to(state["unfinished"].device)
     return msg[:batch].to(state["unfinished"].device)
 
@@ -201,9 +221,13 @@ def generate(engine: Any, **kwargs: Any) -> torch.Tensor:
         engine.fetcher.hold()
     try:
         while ids.shape[1] < total:
-            x = _through_chunks(engine, new, past, cache)
             tokens, error = None, None
-            if engine.is_last_stage():
+            try:
+                x = _through_chunks(engine, new, past, cache)
+            except Exception as e:  # noqa: BLE001 - told downstream, then raised on every stage by _share
+                error = e
+                _stop_downstream(engine)
+            if engine.is_last_stage() and error is None:
                 try:
                     tokens = _pick(x, ids, gen, processors, state)
                 except Exception as e:  # noqa: BLE001 - sent to every stage, then raised here too
