@@ -47,6 +47,7 @@ def stage_build_train_generate(tied: bool, folder: str | None = None, virtual: i
     own = list({id(p): p for p in engine.module.parameters()}.values())
     out = {"stage": engine.stage_id, "metas_before": metas_before, "whole_real": _real_bytes(model.parameters()),
            "stage_bytes": _real_bytes(own), "made": engine.module.materialized_bytes,
+           "read": getattr(engine.module, "bytes_read", None),
            "initial": {names[n]: p.detach().clone() for n, p in engine.module.named_parameters() if n in names}}
     for s in range(2):
         engine.train_batch(iter(lm_data(s, 0, 2)))

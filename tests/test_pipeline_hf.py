@@ -67,7 +67,10 @@ def test_tied_model_from_a_folder_read_by_stage(pool2, tmp_path) -> None:
     reference = tiny_lm(True)
     folder = str(tmp_path / "folder")
     reference.save_pretrained(folder)
-    _check(pool2.run("pipeline_hf_cases:stage_build_train_generate", True, folder), reference, True)
+    ranks = pool2.run("pipeline_hf_cases:stage_build_train_generate", True, folder)
+    _check(ranks, reference, True)
+    for r in ranks:  # the folder's bytes read are the stage's tensors' (fp32 stored, fp32 built), no more
+        assert r["read"] == r["stage_bytes"], (r["stage"], r["read"], r["stage_bytes"])
 
 
 def _llama(**extra):

@@ -213,4 +213,6 @@ def materialize_stage(stage: nn.Module, model: nn.Module) -> int:
             p.__dict__.pop("_shardwise_stage_recorder", None)
         swap_contents(p, nn.Parameter(value, requires_grad=p.requires_grad))
         made += value.numel() * value.element_size()
+    if files is not None:
+        stage.bytes_read = files.bytes_read  # the folder's bytes this rank read: its stage's tensors only
     return made
