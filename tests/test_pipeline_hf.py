@@ -102,6 +102,35 @@ def test_stage_init_replays_inits_through_views_and_keeps_the_generator_in_step(
     assert not bool(model.model.embed_tokens.weight[5].any())
 
 
+class _CustomInits(torch.nn.Module):
+    """Inits a model's own code may write: through ``.data``, a transposed (non-contiguous) view, item
+    assignment and an in-place operator."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 6)
+        self.extra = torch.nn.Parameter(torch.empty(4, 3))
+        with torch.no_grad():
+            self.fc.weight.data.normal_(0, 0.5)
+            self.extra.data.T.uniform_(-1, 1)
+            self.fc.weight[1] = 3.0
+            self.fc.weight *= 2
+            self.fc.bias.data[0:2] = 5.0
+
+
+def test_stage_init_replays_a_modules_own_inits() -> None:
+    from shardwise.pipeline import materialize_stage, stage_init
+
+    torch.manual_seed(2)
+    whole = _CustomInits()
+    torch.manual_seed(2)
+    with stage_init():
+        model = _CustomInits()
+    materialize_stage(model, model)
+    for (name, a), b in zip(whole.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_stage_init_refusals_are_one_line(tmp_path) -> None:
     """A meta model not built under stage_init (zero.Init from a config: nothing recorded), and a folder whose
     tensors do not have the config's shapes (refused before reading, naming the file and the tensor)."""

@@ -43,6 +43,11 @@ RANDOM = frozenset({"uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_"
                     "log_normal_", "cauchy_"})
 
 
+# the dunder methods that write into their tensor (``w.data[pad] = 0``, ``w *= 2``)
+WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
+
+
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "") or ""
 
@@ -100,7 +105,7 @@ class Recorder(TorchFunctionMode):
             return out
         rest, kw = _rest(args, kwargs)
         by_keyword = not args
-        if not name.endswith("_") or name.startswith("__"):  # a view or a new tensor: remembered as a recipe
+        if (not name.endswith("_") or name.startswith("__")) and name not in WRITES:  # a view or a new tensor
             out = func(*args, **kwargs)
             self._alias(target, out, func, rest, kw, by_keyword)
             return out
