@@ -196,6 +196,7 @@ def _write_index(tmp: Path, model: nn.Module, parts: list[tuple[str, dict[str, i
     index = {"metadata": {"total_size": sum(sum(s.values()) for _, s in parts)}, "weight_map": weight_map}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     model.config.dtype = dtype
+    model.config.architectures = [type(model).__name__]  # as save_pretrained writes it
     model.config.save_pretrained(str(tmp))
     for f in ("model.safetensors.index.json", "config.json"):
         _fsync(tmp / f)
