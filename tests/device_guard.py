@@ -259,12 +259,13 @@ def _guarded_read_into(fd: int, pos: int, dst: torch.Tensor, what: str) -> None:
 
 
 @contextlib.contextmanager
-def fake_world(world: int = 2) -> Iterator[None]:
-    """torch's fake process group: collectives accepted, nothing sent, ``world`` ranks in one process."""
+def fake_world(world: int = 2, rank: int = 0) -> Iterator[None]:
+    """torch's fake process group: collectives accepted, nothing sent, ``world`` ranks in one process
+    (this one being ``rank``: a pipeline's later stage is a rank other than 0)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     set_aside = _set_aside_world_of_one()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:

@@ -4,6 +4,7 @@ checkpoint, resume, sample and export as the run without stages does, and the ex
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,13 @@ def _export_eval_loss(out: Path) -> float:
     return total / count
 
 
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF export, one file or shards."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("model*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
 def _tied_config(tmp_path: Path) -> str:
     """A config.json of a tiny Llama whose head is its embedding (tie_word_embeddings)."""
     from transformers import LlamaConfig
@@ -62,21 +70,22 @@ def test_pp2_gives_pp1s_losses_weights_and_export(pool1, pool2, tmp_path, tied: 
     the same losses, the same exported weights (bit for bit untied; tied, the embedding's gradient is summed
     over its two stages in another order: 1e-5), and the export's held-out loss in transformers is the
     stages' final eval loss. Tied, the export is tied too and the checkpoint holds the owner's copy."""
-    from safetensors.torch import load_file
-
     one, two = tmp_path / "pp1", tmp_path / "pp2"
     model = ["--model", _tied_config(tmp_path)] if tied else []
     train_in(pool1, _argv(tmp_path, one, 3, *model))
     train_in(pool2, _argv(tmp_path, two, 2, "--pp", "2", *model))
     log = train_in(pool2, _argv(tmp_path, two, 3, "--pp", "2", "--resume", "auto", *model))
     assert "resumed from" in log and "(pp 2 x tp 1 x sp 1 x dp 1)" in log
+    made = re.search(r"pipeline stage 0: ([\d,]+) of the model's ([\d,]+) parameter bytes made real", log)
+    assert made and 0 < int(made[1].replace(",", "")) < int(made[2].replace(",", "")), log
     a, b = _records(one, "train", "loss"), _records(two, "train", "loss")
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL, abs=0)
     ea, eb = _records(one, "eval", "eval_loss"), _records(two, "eval", "eval_loss")
     assert eb[3] == pytest.approx(ea[3], rel=LOSS_RTOL, abs=0)
-    wa, wb = load_file(str(one / "hf" / "model.safetensors")), load_file(str(two / "hf" / "model.safetensors"))
+    wa, wb = _weights(one / "hf"), _weights(two / "hf")
+    assert len(list((two / "hf").glob("model-*-of-00002.safetensors"))) == 2  # one shard a stage, none gathered
     assert sorted(wa) == sorted(wb) and ("lm_head.weight" in wa) != tied
     for name, t in wa.items():
         if tied:

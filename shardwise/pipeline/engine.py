@@ -24,6 +24,7 @@ import torch
 from shardwise.comm import compute_device, make_point_to_point
 from shardwise.engine import Engine
 from shardwise.engine.compat import UsageError
+from shardwise.pipeline.generate import generate as pipeline_generate
 from shardwise.pipeline.module import PipelineModule
 from shardwise.pipeline.schedule import eval_steps, train_steps
 from shardwise.pipeline.tied import TiedWeights
@@ -109,6 +110,13 @@ class PipelineEngine(Engine):
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         raise UsageError("Only train_batch() is accessible in pipeline mode: it runs forward, backward and step")
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """HF ``generate()`` of a Hugging Face model split by ``pipeline.stages``, decoded through the
+        stages (``pipeline/generate.py``); collective over the pipeline, the same tokens on every stage."""
+        if args:
+            raise UsageError("generate() on a pipeline takes keyword arguments (input_ids=..., max_new_tokens=...)")
+        return pipeline_generate(self, **kwargs)
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """The engine's checkpoint, written by every stage into one folder (each tensor under its layer's

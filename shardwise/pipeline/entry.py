@@ -26,7 +26,7 @@ from shardwise.engine.initialize import TORCH_DISTRIBUTED_DEFAULT_PORT
 from shardwise.engine.initialize import initialize as engine_initialize
 from shardwise.layout import Mesh, get_expert_mesh, get_mesh
 from shardwise.moe import apply_from_config
-from shardwise.pipeline.hf import lm_batch, pipeline_stages, split_causal_lm
+from shardwise.pipeline.hf import lm_batch, pipeline_stages, pipeline_virtual_stages, split_causal_lm
 from shardwise.pipeline.module import PipelineModule
 from shardwise.pipeline.topology import PipeModelDataParallelTopology
 from shardwise.tensor_parallel import apply_tensor_parallel
@@ -52,16 +52,27 @@ def _split(model: Any, source: Any, dist_init_required: bool | None) -> Pipeline
     cfg = load_config(source, world_size=dist.get_world_size() // stages,
                       supported=SupportedFeatures(stage3=True, offload_param=True, tensor_parallel=True))
     _refuse_split(model, cfg)
+    if pipeline_virtual_stages(raw) > 1 and (cfg.tp_size > 1 or cfg.expert_parallel.enabled):
+        raise UsageError("pipeline.virtual_stages > 1 with tensor or expert parallelism is not served by shardwise")
     experts = _split_experts(model, cfg, stages)
     mesh = _split_tensors(model, cfg, stages)
     partition = str((raw.get("pipeline") or {}).get("partition", "uniform")).lower()
     module = split_causal_lm(model, stages, partition if partition in _METHODS or partition.startswith("type:")
-                             else "uniform")
+                             else "uniform", pipeline_virtual_stages(raw))
+    model.register_forward_pre_hook(_split_away)
     if mesh is not None:  # the stages' grid with its model axis: the groups the layers were split over
         world = dist.get_world_size()
         module.use_topology(PipeModelDataParallelTopology(stages, cfg.tp_size, world // (stages * cfg.tp_size)), mesh)
     module.expert_parallel = experts  # the stage's engine adopts its groups (None without experts split)
     return module
+
+
+def _split_away(module: Any, args: Any) -> None:
+    """The model given to ``initialize`` no longer computes what the stages hold: this rank trains its
+    stage only (the others' layers are stale here, or on meta), so a call of it would be a wrong number."""
+    raise UsageError(f"this {type(module).__name__} was split into pipeline stages by initialize "
+                     "(pipeline.stages); run it through the engine: engine.train_batch(), eval_batch() or "
+                     "generate()")
 
 
 def _refuse_split(model: Any, cfg: Any) -> None:
@@ -77,6 +88,9 @@ def _refuse_split(model: Any, cfg: Any) -> None:
         # the tied head would multiply by the embedding's vocabulary shard alone
         "tensor_parallel.autotp_size > 1 with tie_word_embeddings": (
             cfg.tp_size > 1 and getattr(config, "tie_word_embeddings", False)),
+        # TP and EP slice the whole model before the cut, and a stage_init() build has only meta tensors
+        "tensor or expert parallelism on a model built under stage_init() (build it whole)": (
+            (cfg.tp_size > 1 or cfg.expert_parallel.enabled) and any(p.is_meta for p in model.parameters())),
     }
     for what, on in unserved.items():
         if on:

@@ -9,8 +9,11 @@ entry makes its own causal mask and rotary position embeddings from the hidden s
 ``tie_word_embeddings`` the head is the embedding's weight used a second time (a ``TiedLayerSpec``): the
 first and the last stage each hold a copy, trained as one.
 
-The model is the one the script built: each rank has it whole when it is given, and its stage's engine
-holds (and trains, shards, steps) only its stage's entries. The items of ``train_batch``'s iterator are
+The model is the one the script built. Built whole, each rank has it whole and its stage's engine holds
+(and trains, shards, steps) only its stage's entries. Built under :func:`shardwise.pipeline.stage_init`
+(``pipeline/stage_init.py``) every parameter is on the meta device and the split gives real values, the
+whole build's bit for bit, to this stage's parameters alone: no rank materializes another stage's layers.
+The items of ``train_batch``'s iterator are
 ``(input_ids, labels)`` pairs or dicts with ``input_ids`` (and ``labels``; default the inputs); the loss
 is the model's own: the mean next-token cross-entropy over the labels that are not -100.
 """
@@ -26,6 +29,7 @@ from torch import nn
 from shardwise.engine.compat import UsageError
 from shardwise.pipeline.module import PipelineModule
 from shardwise.pipeline.spec import LayerSpec, TiedLayerSpec
+from shardwise.pipeline.stage_init import materialize_stage
 
 
 class Embedding(nn.Module):
@@ -54,6 +58,21 @@ class DecoderLayer(nn.Module):
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                                   position_ids=positions)
         out = self.layer(hidden, attention_mask=mask, position_ids=positions,
+                         position_embeddings=self.rotary(hidden, position_ids=positions))
+        return out[0] if isinstance(out, tuple) else out
+
+    def decode(self, hidden: torch.Tensor, past: int, cache: Any) -> torch.Tensor:
+        """The layer on ``hidden`` (positions ``past``..), keys and values kept in ``cache`` (``generate``),
+        with the mask and rotary embeddings HF's model builds for the same step."""
+        from transformers.masking_utils import create_causal_mask
+
+        batch, length = hidden.shape[:2]
+        positions = torch.arange(past, past + length, device=hidden.device).unsqueeze(0)
+        seen = torch.ones(batch, past + length, dtype=torch.long, device=hidden.device)
+        idx = getattr(getattr(self.layer, "self_attn", None), "layer_idx", None)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=seen, cache=cache,
+                                  position_ids=positions, layer_idx=idx)
+        out = self.layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                          position_embeddings=self.rotary(hidden, position_ids=positions))
         return out[0] if isinstance(out, tuple) else out
 
@@ -106,8 +125,11 @@ def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module, Any]:
     return base, model.lm_head, model.config
 
 
-def split_causal_lm(model: nn.Module, stages: int, partition_method: str = "uniform") -> PipelineModule:
-    """``model`` as a :class:`PipelineModule` of ``stages`` stages (this rank keeps its stage's entries)."""
+def split_causal_lm(model: nn.Module, stages: int, partition_method: str = "uniform",
+                    virtual_stages: int = 1) -> PipelineModule:
+    """``model`` as a :class:`PipelineModule` of ``stages`` stages (this rank keeps its stage's entries);
+    ``virtual_stages > 1``: cut into ``stages x virtual_stages`` chunks for ``interleaved_1f1b`` (untied
+    models: a tied head is a ``TiedLayerSpec``, which interleaving refuses in one line)."""
     base, head, config = _parts(model)
     tied = bool(getattr(config, "tie_word_embeddings", False)) and head.weight is base.embed_tokens.weight
     first = (TiedLayerSpec("embed", Embedding, base.embed_tokens, tied_weight_attr="embed.weight") if tied
@@ -117,12 +139,24 @@ def split_causal_lm(model: nn.Module, stages: int, partition_method: str = "unif
                                                        tied_weight_attr="embed.weight")] if tied
             else [LayerSpec(Head, base.norm, head)])
     module = PipelineModule([first, *layers, *last], num_stages=stages, loss_fn=causal_lm_loss,
-                            partition_method=partition_method)
+                            partition_method=partition_method, virtual_stages=virtual_stages)
     module.hf_config = config
+    module.hf_generation_config = getattr(model, "generation_config", None)
     # this stage's parameter names -> the model's own (a tied head: the embedding's), for the HF export
     owner = {id(p): n for n, p in model.named_parameters()}
     module.hf_names = {n: owner[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in owner}
+    # built under stage_init() (or zero.Init from a folder): only this stage's parameters become real
+    module.materialized_bytes = materialize_stage(module, model)
     return module
+
+
+def pipeline_virtual_stages(raw: dict) -> int:
+    """``pipeline.virtual_stages`` of a config dict (shardwise's key: chunks per rank for
+    ``pipeline.schedule: interleaved_1f1b``); 1 when absent."""
+    v = (raw.get("pipeline") or {}).get("virtual_stages", 1)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise UsageError(f"pipeline.virtual_stages must be a positive integer, got {v!r}")
+    return v
 
 
 def pipeline_stages(raw: dict) -> int:

@@ -117,7 +117,7 @@ class Job:
     times: dict = field(default_factory=lambda: {"data": 0.0, "step": 0.0, "n": 0})
     lock: RunLock | None = None  # rank 0's lock on run_dir, held until main() returns
     guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(0))
-    model: Any = None  # --pp: the whole model the stages were cut from (the sample and export gather into it)
+    model: Any = None  # --pp: the model object the stages were cut from (config, generation config)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -141,7 +141,8 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
     stage = (args.ds_config.get("zero_optimization") or {}).get("stage", 0)
     if (args.ds_config.get("expert_parallel") or {}).get("enabled") or pipeline_job.stages_of(args.ds_config) > 1:
         stage = 0  # built whole (not under zero.Init): the experts are split before ZeRO shards the rest
-    model = build_model(src, tokenizer.vocab_size, args.seq, args.seed, stage if isinstance(stage, int) else 0)
+    with pipeline_job.building(args.ds_config):  # --pp: only this rank's stage becomes real (in initialize)
+        model = build_model(src, tokenizer.vocab_size, args.seq, args.seed, stage if isinstance(stage, int) else 0)
     size = n_params(model)
     if dist.get_rank() == 0:  # consolidate of a run stopped before its export still finds the tokenizer
         write_side_files(run_dir / RUN_TOKENIZER, tokenizer, model)
@@ -155,6 +156,8 @@ def _setup(args, shardwise, held: list[RunLock]) -> Job:
          f"{len(data.tokens):,} tokens = {data.n_train} train + {data.n_eval} eval sequences of {args.seq}; "
          f"world {dist.get_world_size()} (pp {pp} x tp {engine.tp.size} x sp {cfg.sequence_parallel_size} x dp "
          f"{engine.dp_world}), ZeRO stage {engine.stage}, {cfg.precision}, {global_batch} sequences/step")
+    if pp > 1:
+        _log(pipeline_job.stage_note(engine, model))
     if args.config is None:
         _log(f"no --config: the defaults ({SUMMARY}); saved in {run_dir / 'run_config.json'}")
     note = passes_note(args.steps, global_batch, data.n_train)
@@ -344,17 +347,17 @@ def _finish(job: Job, step: int) -> int:
     args, engine = job.args, job.engine
     if job.data.n_eval and (job.last_eval is None or job.last_eval[0] != step):
         _eval(job, step)
-    whole = pipeline_job.gather_whole(engine, job.model) if job.model is not None else None  # --pp: collective
+    staged = pipeline_job.staged(engine, job.model) if job.model is not None else None  # --pp: through the stages
     if not args.no_export:  # before the sample: nothing after a finished run may lose the export
         _check_state(job, step, "the hf/ export")
-        pipeline_job.save_hf(engine, whole, job.run_dir / "hf")
+        pipeline_job.save_hf(engine, job.model, job.run_dir / "hf")
         if dist.get_rank() == 0:  # with its tokenizer and generation config: `shardwise generate` runs on it
-            write_side_files(job.run_dir / "hf", job.tokenizer, whole.module if whole else engine.module)
+            write_side_files(job.run_dir / "hf", job.tokenizer, job.model if staged else engine.module)
         _log(f"model exported to {job.run_dir / 'hf'} (try: shardwise generate --model {job.run_dir / 'hf'} "
              f"--prompt ...)")
     if args.sample_tokens:
         try:
-            _sample(job, step, whole or engine)
+            _sample(job, step, staged or engine)
         except DivergedError:  # the model that was exported computes non-finite logits: no export of it
             if dist.get_rank() == 0 and not args.no_export:
                 shutil.rmtree(job.run_dir / "hf", ignore_errors=True)
