@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from shardwise.engine.compat import UsageError
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
 
 
 def train_steps(schedule: str, micro_batches: int, stages: int, stage: int, virtual: int = 1) -> list[tuple]:
@@ -36,6 +36,8 @@ def train_steps(schedule: str, micro_batches: int, stages: int, stage: int, virt
         return interleaved_steps(m, stages, stage, virtual)
     if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if schedule == "zb_h1":
+        return zero_bubble_steps(m, stages, stage)
     if schedule != "1f1b":
         raise UsageError(f"pipeline schedule {schedule!r} is not served; use one of {', '.join(SCHEDULES)}")
     warmup = min(stages - stage - 1, m)
@@ -44,6 +46,22 @@ def train_steps(schedule: str, micro_batches: int, stages: int, stage: int, virt
         steps += [("F", warmup + i), ("B", i)]
     steps += [("B", i) for i in range(m - warmup, m)]
     return steps
+
+
+def zero_bubble_steps(m: int, p: int, s: int) -> list[tuple[str, int]]:
+    """ZB-H1 for stage ``s`` of ``p``: 1F1B's warm-up, then F, B and (from the ``s``-th B on) the oldest
+    micro-batch's W; the ``s`` W's still owed run last. ``("F" | "B" | "W", micro_batch)``."""
+    warmup = min(p - s - 1, m)
+    steps = [("F", i) for i in range(warmup)]
+    w = 0
+    for j in range(m):
+        if warmup + j < m:
+            steps.append(("F", warmup + j))
+        steps.append(("B", j))
+        if j >= s:
+            steps.append(("W", w))
+            w += 1
+    return steps + [("W", k) for k in range(w, m)]
 
 
 def interleaved_steps(m: int, p: int, s: int, v: int) -> list[tuple[str, int, int]]:
@@ -71,6 +89,9 @@ def eval_steps(micro_batches: int, virtual: int = 1) -> list[tuple]:
     return [("F", i) for i in range(micro_batches)]
 
 
-def bubble_fraction(stages: int, micro_batches: int, virtual: int = 1) -> float:
-    """The idle fraction of a step a schedule leaves on each stage: (p-1) / (v*m + p-1)."""
+def bubble_fraction(stages: int, micro_batches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
+    """The idle fraction of a step a schedule leaves on each stage: (p-1) / (v*m + p-1); ``zb_h1`` with
+    a forward, an input backward and a weight backward of equal times: (p-1) / (3m + p-1)."""
+    if schedule == "zb_h1":
+        return (stages - 1) / (3 * micro_batches + stages - 1)
     return (stages - 1) / (virtual * micro_batches + stages - 1)

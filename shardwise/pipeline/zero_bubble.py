@@ -1,0 +1,68 @@
+"""The zero-bubble schedule's two halves of a backward on a stage (``pipeline.schedule: "zb_h1"``).
+
+``("B", i)`` runs micro-batch ``i``'s backward to the stage's inputs only and sends their gradient
+upstream at once; ``("W", i)``, later, runs it to the stage's weights (``pipeline/split.py``). For the
+engine W is the micro-batch's backward: ZeRO's groups are armed for it (the boundary's reduction in the
+batch's last W), the tied-weight hooks fire in it, and the engine's ``step()`` follows it (the optimizer
+steps after the last). B arms the groups without a reduction and no parameter receives a gradient in it.
+The schedule runs the W passes in micro-batch order, so the sums are 1F1B's (``docs/pipeline.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardwise.engine import Engine
+from shardwise.engine.checks import track_used
+from shardwise.engine.compat import UsageError
+from shardwise.pipeline.split import SplitBackward
+
+
+class ZeroBubbleSteps:
+    """``PipelineEngine``'s B and W steps (mixed in; the state is the engine's)."""
+
+    def _split_roots(self: Any, i: int, state: dict) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """What B differentiates: the last stage's scaled loss (as ``Engine.backward``: loss x 1/gas), or
+        this stage's outputs with the gradients the next stage sent back."""
+        if self._last(0):
+            return [state["loss_of"].pop(i) * (1.0 / self.gas)], [None]
+        outs = state["outputs"].pop((i, 0))
+        grads = self.link.recv(self.stage_id + 1, f"the gradients of micro-batch {i}", self.device)
+        floats = [o for o in outs if o.is_floating_point()]  # one gradient came back for each
+        pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
+        if not pairs:
+            raise UsageError(f"pipeline stage {self.stage_id}: no output of micro-batch {i} requires grad, so "
+                             "no gradient can flow back through this stage")
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_input(self: Any, i: int, state: dict) -> None:
+        """B: the inputs' gradients, sent upstream now; the weights' part kept for W."""
+        roots, grads = self._split_roots(i, state)
+        inputs = [t for t in state["inputs"].pop((i, 0), ()) if t.is_floating_point()]
+        split = SplitBackward(roots, grads, inputs, [p for p in self.module.parameters() if p.requires_grad])
+        self.sharding.arm_passes(False)  # no parameter gets a gradient here: nothing to reduce
+        got = split.input_pass()
+        self.sharding.finish_backward()
+        if not self._first(0):
+            sent = dict(zip(map(id, split.inputs), got, strict=True))
+            self.link.send(tuple(sent.get(id(t)) if sent.get(id(t)) is not None else torch.zeros_like(t)
+                                 for t in inputs), self.stage_id - 1)
+        state["splits"][i] = split
+
+    def _backward_weight(self: Any, i: int, state: dict) -> None:
+        """W: the weights' gradients of micro-batch ``i``, accumulated as one backward would; then the
+        engine's per-micro-batch ``step()`` (the optimizer's at the boundary, after the batch's last W)."""
+        last = i == self.micro_batches - 1
+        self.tied.last_backward = last
+        reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        track_used(self)
+        self.sharding.arm_passes(reduce_now)
+        state["splits"].pop(i).weight_pass()
+        self.sharding.finish_backward()
+        self._grads_reduced = reduce_now
+        if last:
+            self.tied.send_aside()
+        self.tied.last_backward = False
+        Engine.step(self)

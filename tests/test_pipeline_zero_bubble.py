@@ -1,0 +1,69 @@
+"""The zero-bubble schedule (``pipeline.schedule: "zb_h1"``, shardwise/pipeline/split.py, zero_bubble.py): each
+backward split into B (the inputs' gradient, sent at once) and W (the weights', deferred), the W's in
+micro-batch order, so the losses and weights are 1F1B's and plain PyTorch's bit for bit."""
+
+from __future__ import annotations
+
+import pipeline_cases as pc
+import pytest
+import torch
+from test_pipeline import ZERO3, _check
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_zb_h1_at_two_stages_gives_plain_pytorch(pool2, zero: int) -> None:
+    """PP 2 at ZeRO-0 and ZeRO-3 (held gathered through the batch, reduced once, in the last W): the
+    single-process losses, eval loss and weights bit for bit."""
+    config = {"pipeline": {"schedule": "zb_h1"}, **(ZERO3 if zero == 3 else {})}
+    _check(pool2.run("pipeline_cases:train", 2, config=config, steps=2), pc.reference(dp=1, steps=2))
+
+
+def test_zb_h1_with_tied_layers_equals_1f1b(pool2) -> None:
+    """A weight tied across stages 0 and 1: its gradient, summed by the owner in its last W, is 1F1B's bit
+    for bit (both within 1e-5 of plain PyTorch: the tie's sum order)."""
+    for zb, f1b in pool2.run("zero_bubble_cases:zb_and_1f1b", 2, tied=True, steps=2):
+        assert zb["losses"] == f1b["losses"] and zb["eval"] == f1b["eval"]
+        assert all(torch.equal(v, f1b["weights"][n]) for n, v in zb["weights"].items())
+
+
+def test_zb_h1_four_stages_zero1_with_tuples(pool4) -> None:
+    """PP 4 at ZeRO-1 with tuples crossing the stages (a float that needs no gradient, an integer mask): plain
+    PyTorch's results bit for bit."""
+    zero1 = {"pipeline": {"schedule": "zb_h1"}, "zero_optimization": {"stage": 1}}
+    _check(pool4.run("pipeline_cases:train", 4, config=zero1, tied="tuple", partition="uniform", steps=2),
+           pc.reference(dp=1, tied="tuple", steps=2))
+
+
+def test_zb_h1_pp_x_dp_zero2_equals_1f1b(pool4) -> None:
+    """PP 2 x DP 2 at ZeRO-2: 1F1B's results bit for bit (which are ZeRO-1's), one reduce-scatter per group
+    per batch, as under 1F1B."""
+    for zb, f1b in pool4.run("zero_bubble_cases:zb_and_1f1b", 2, {"zero_optimization": {"stage": 2}}, steps=2):
+        assert zb["losses"] == f1b["losses"] and zb["eval"] == f1b["eval"]
+        assert all(torch.equal(v, f1b["weights"][n]) for n, v in zb["weights"].items())
+        assert zb["calls"] == f1b["calls"] and zb["calls"]["reduce_scatter"] == 2 * zb["groups"], zb["calls"]
+
+
+def test_zb_h1_refusals_are_one_line(pool2) -> None:
+    for checkpointing, per_micro in pool2.run("zero_bubble_cases:refusals"):
+        assert "activation checkpointing with pipeline.schedule zb_h1 is not served" in checkpointing, checkpointing
+        assert "set_reduce_once(False) with pipeline.schedule zb_h1 is not served" in per_micro, per_micro
+
+
+def test_zb_h1_schedule_in_process() -> None:
+    """Each micro-batch's F, B and W once, B after F, W after B; B's and W's in micro-batch order (1F1B's
+    accumulation order); stage s defers s W's, so at most p micro-batches wait for their W on any stage
+    (1F1B: p - s); the batch ends with the last W (the boundary). Bubble (p-1)/(3m+p-1)."""
+    from shardwise.pipeline import bubble_fraction
+    from shardwise.pipeline.schedule import train_steps
+
+    for p, m in ((2, 4), (4, 8), (4, 2)):
+        for s in range(p):
+            steps = train_steps("zb_h1", m, p, s)
+            assert len(steps) == 3 * m and len(set(steps)) == 3 * m
+            for kind in "FBW":
+                assert [i for k, i in steps if k == kind] == list(range(m))
+            assert all(steps.index(("F", i)) < steps.index(("B", i)) < steps.index(("W", i)) for i in range(m))
+            held = [sum({"F": 1, "W": -1}.get(k, 0) for k, _ in steps[: j + 1]) for j in range(len(steps))]
+            assert max(held) == min(p, m), (p, m, s, steps)
+            assert steps[-1] == ("W", m - 1)
+    assert bubble_fraction(4, 8, schedule="zb_h1") == 3 / 27

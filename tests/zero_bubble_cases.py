@@ -1,0 +1,37 @@
+"""Cases for tests/test_pipeline_zero_bubble.py: the zero-bubble schedule (``pipeline.schedule: "zb_h1"``) on
+the pools' ranks, beside 1F1B, with the layers of tests/pipeline_cases.py."""
+
+from __future__ import annotations
+
+import pipeline_cases as pc
+import torch.nn.functional as F
+
+ZB = {"pipeline": {"schedule": "zb_h1"}}
+
+
+def with_zb(config: dict | None = None) -> dict:
+    return {**(config or {}), **ZB}
+
+
+def zb_and_1f1b(stages: int, config: dict | None = None, **kwargs) -> tuple[dict, dict]:
+    """The same run under zb_h1 and under 1F1B (the default), on this rank."""
+    return pc.train(stages, config=with_zb(config), **kwargs), pc.train(stages, config=config, **kwargs)
+
+
+def refusals() -> list[str]:
+    """Each rank's line for zb_h1 with activation checkpointing, and with ZeRO-2's per-micro-batch reduction."""
+    import shardwise
+    from shardwise.pipeline import PipelineModule
+
+    lines = []
+    for interval, zero in ((2, 0), (0, 2)):
+        model = PipelineModule(pc.specs(), num_stages=2, loss_fn=F.mse_loss, activation_checkpoint_interval=interval)
+        engine, *_ = shardwise.initialize(model=model, config=with_zb({**pc.CONFIG, "zero_optimization":
+                                                                        {"stage": zero}}))
+        try:
+            engine.set_reduce_once(False)
+            engine.train_batch(pc.batches(0, 0, pc.CONFIG))
+            lines.append("none")
+        except Exception as e:  # noqa: BLE001 - the line is what is checked
+            lines.append(f"{type(e).__name__}: {e}")
+    return lines
