@@ -67,3 +67,26 @@ def test_zb_h1_schedule_in_process() -> None:
             assert max(held) == min(p, m), (p, m, s, steps)
             assert steps[-1] == ("W", m - 1)
     assert bubble_fraction(4, 8, schedule="zb_h1") == 3 / 27
+
+
+def test_zb_h1_splits_a_hugging_face_llama_as_1f1b(pool2) -> None:
+    """An HF Llama split at 2 stages with its embedding tied to the head (attention, RMSNorm and rotary
+    embeddings in the split graph; the tie's gradient summed by the owner in its last W): 1F1B's losses and
+    weights bit for bit."""
+    for (zb_losses, zb_w), (losses, weights) in pool2.run("zero_bubble_cases:lm_zb_and_1f1b", 2, True):
+        assert zb_losses == losses
+        assert weights and all(torch.equal(v, weights[n]) for n, v in zb_w.items())
+
+
+def test_estimate_pp_with_the_zero_bubble_schedule(capsys) -> None:
+    """`shardwise estimate --pp 2 --schedule zb_h1`: the bubble (p-1)/(3m+p-1); --schedule without --pp: exit 2."""
+    import json
+
+    from shardwise.cli.estimate import main
+
+    assert main(["--params", "7B", "--devices", "16", "--pp", "2", "--micro-batches", "8", "--schedule", "zb_h1",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["pipeline"]
+    assert out["bubble"] == 1 / 25 and out["schedule"] == "zb_h1" and "every stage's activations" in out["line"]
+    assert main(["--params", "7B", "--devices", "16", "--schedule", "zb_h1"]) == 2
+    assert "--schedule goes with --pp" in capsys.readouterr().err

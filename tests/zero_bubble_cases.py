@@ -35,3 +35,21 @@ def refusals() -> list[str]:
         except Exception as e:  # noqa: BLE001 - the line is what is checked
             lines.append(f"{type(e).__name__}: {e}")
     return lines
+
+
+def lm_zb_and_1f1b(stages: int, tied: bool, steps: int = 2) -> list[tuple[list[float], dict]]:
+    """A Hugging Face Llama split by ``pipeline.stages`` (attention, RMSNorm, rotary embeddings; with ``tied`` the
+    embedding on stage 0 is the head on the last): each schedule's losses and this stage's final weights."""
+    import pipeline_script_cases as psc
+
+    import shardwise
+
+    out = []
+    for schedule in ("zb_h1", "1f1b"):
+        model = psc.tiny_lm(tied)
+        config = {**psc.LM_CONFIG, "pipeline": {"stages": stages, "schedule": schedule}}
+        engine, *_ = shardwise.initialize(model=model, config=config, model_parameters=model.parameters())
+        dp = engine.grid.get_data_parallel_id()
+        losses = [float(engine.train_batch(iter(psc.lm_data(s, dp, 2)))) for s in range(steps)]
+        out.append((losses, {n: p.detach().clone() for n, p in engine.module.named_parameters()}))
+    return out
