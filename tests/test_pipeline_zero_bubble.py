@@ -90,3 +90,18 @@ def test_estimate_pp_with_the_zero_bubble_schedule(capsys) -> None:
     assert out["bubble"] == 1 / 25 and out["schedule"] == "zb_h1" and "every stage's activations" in out["line"]
     assert main(["--params", "7B", "--devices", "16", "--schedule", "zb_h1"]) == 2
     assert "--schedule goes with --pp" in capsys.readouterr().err
+
+
+def test_a_stalled_stage_ends_its_neighbour_at_the_timeout(tmp_path) -> None:
+    """Stage 1 hangs (alive) in its first forward: stage 0, waiting for micro-batch 0's gradient, ends at the
+    collective timeout (3 s here) with one line naming the stage, its rank and the transfer; stage 1, once
+    it moves on, ends with one line naming stage 0. (Under `shardwise launch` or torchrun a rank that
+    stays hung is ended by the launcher when its neighbour exits with the error.)"""
+    from rank_pool import run_fresh
+
+    (s0, first), (s1, second) = run_fresh(2, "zero_bubble_cases:stalled_stage", str(tmp_path), timeout_s=3, timeout=60)
+    assert "StageTransferError: pipeline stage 0 (rank 0) failed receiving the gradients of micro-batch 0" in first
+    assert "from stage 1 (rank 1)" in first and "stalled past the timeout" in first and "\n" not in first, first
+    assert 3 <= s0 < 20, s0
+    assert "StageTransferError: pipeline stage 1 (rank 1) failed" in second and "stage 0 (rank 0)" in second, second
+    assert "\n" not in second, second

@@ -53,3 +53,48 @@ def lm_zb_and_1f1b(stages: int, tied: bool, steps: int = 2) -> list[tuple[list[f
         losses = [float(engine.train_batch(iter(psc.lm_data(s, dp, 2)))) for s in range(steps)]
         out.append((losses, {n: p.detach().clone() for n, p in engine.module.named_parameters()}))
     return out
+
+
+class StallOnRank1(pc.Block):
+    """Rank 1 only: its first forward stalls (a hung stage, alive) until rank 0 has written its line, or 30 s."""
+
+    calls = 0
+
+    def forward(self, x):
+        import os
+        import time
+
+        StallOnRank1.calls += 1
+        if int(os.environ["RANK"]) == 1 and StallOnRank1.calls == 1:
+            end = time.monotonic() + 30
+            while time.monotonic() < end and not os.path.exists(os.environ["STALL_FLAG"]):
+                time.sleep(0.05)
+        return super().forward(x)
+
+
+def stalled_stage(folder: str) -> tuple[float, str]:
+    """PP 2; stage 1 stalls in its first forward. Each rank's (seconds in train_batch, the line it raised).
+    Rank 0 writes its line to ``folder/rank0.txt`` once raised, which ends rank 1's stall."""
+    import os
+    import time
+
+    import shardwise
+    from shardwise.pipeline import LayerSpec, PipelineModule
+
+    os.environ["STALL_FLAG"] = f"{folder}/rank0.txt"
+    model = PipelineModule([LayerSpec(pc.Block), LayerSpec(pc.Block), LayerSpec(StallOnRank1),
+                            LayerSpec(pc.Head, pc.WIDTH, pc.OUT)], num_stages=2, loss_fn=F.mse_loss,
+                           partition_method="uniform")
+    engine, *_ = shardwise.initialize(model=model, config=pc.CONFIG)
+    start = time.monotonic()
+    try:
+        engine.train_batch(pc.batches(0, 0, pc.CONFIG))
+        line = "none"
+    except Exception as e:  # noqa: BLE001 - the line is what is checked
+        line = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - start
+    if engine.stage_id == 0:
+        with open(f"{folder}/rank0.tmp", "w") as f:
+            f.write(line)
+        os.replace(f"{folder}/rank0.tmp", f"{folder}/rank0.txt")
+    return seconds, line

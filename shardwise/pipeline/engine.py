@@ -168,7 +168,8 @@ class PipelineEngine(ZeroBubbleSteps, Engine):
         out = self.module(x) if self.virtual == 1 else self.module(x, chunk=c, micro_offset=state["offset"] + i + 1)
         if not self._last(c):
             tensors = as_tensors(out, self.stage_id, "output")
-            self.link.send(tensors, (self.stage_id + 1) % self.num_stages, self._label(i, c, 0, 1))
+            self.link.send(tensors, (self.stage_id + 1) % self.num_stages, self._label(i, c, 0, 1),
+                           f"the activations of micro-batch {i}")
             state["outputs"][(i, c)] = tensors
             return
         labels = state["labels"].pop(i)
@@ -198,7 +199,8 @@ class PipelineEngine(ZeroBubbleSteps, Engine):
         if not self._first(c):
             inputs = state["inputs"].pop((i, c))
             sent = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point())
-            self.link.send(sent, (self.stage_id - 1) % self.num_stages, self._label(i, c, 1, -1))
+            self.link.send(sent, (self.stage_id - 1) % self.num_stages, self._label(i, c, 1, -1),
+                           f"the gradients of micro-batch {i}")
         if last:
             self.tied.send_aside()
         self.tied.last_backward = False

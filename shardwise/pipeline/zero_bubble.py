@@ -48,7 +48,7 @@ class ZeroBubbleSteps:
         if not self._first(0):
             sent = dict(zip(map(id, split.inputs), got, strict=True))
             self.link.send(tuple(sent.get(id(t)) if sent.get(id(t)) is not None else torch.zeros_like(t)
-                                 for t in inputs), self.stage_id - 1)
+                                 for t in inputs), self.stage_id - 1, what=f"the gradients of micro-batch {i}")
         state["splits"][i] = split
 
     def _backward_weight(self: Any, i: int, state: dict) -> None:

@@ -1,0 +1,114 @@
+"""Pipeline parallelism's step time against ZeRO-3's on the same ranks, model and global batch.
+
+A small Llama (``benchmarks/shared/models.py``) trained for a few steps on ``WORLD_SIZE`` ranks:
+
+- ``pp``: split into ``WORLD_SIZE`` stages (``pipeline.stages``), one rank a stage, each batch ``--micro``
+  micro-batches of ``--rows`` sequences, under each schedule of ``--schedules`` (``1f1b``, ``zb_h1``, ...);
+- ``zero3``: the whole model under ZeRO-3 over every rank, each rank ``--micro / WORLD_SIZE``
+  micro-batches of ``--rows`` sequences (the same global batch of ``--micro x --rows`` sequences).
+
+A step's time is the wall time of ``--steps`` steps after ``--warmup`` (between barriers), divided by
+the steps; rank 0 prints one markdown row per layout with the step time and the first step's loss (the
+same model and data: the layouts start from the same loss).
+
+    python -m torch.distributed.run --nproc-per-node 4 benchmarks/pipeline/bench_pp_vs_zero3.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import shardwise
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shared.models import LR, WD, llama  # noqa: E402
+
+SHAPE = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8,
+         "num_attention_heads": 4, "num_key_value_heads": 4}
+
+
+def data(step: int, micro: int, rows: int, seq: int) -> list[torch.Tensor]:
+    """The step's micro-batches of the global batch (the same tokens under every layout)."""
+    g = torch.Generator().manual_seed(step)
+    return [torch.randint(0, SHAPE["vocab_size"], (rows, seq), generator=g) for _ in range(micro)]
+
+
+def config(micro_per_rank: int, rows: int, extra: dict) -> dict:
+    return {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": micro_per_rank,
+            "gradient_clipping": 0.0, "steps_per_print": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}, **extra}
+
+
+def run_pp(schedule: str, args: argparse.Namespace) -> tuple[float, float]:
+    world = dist.get_world_size()
+    model = llama(SHAPE, seed=0)
+    engine, *_ = shardwise.initialize(model=model, config=config(args.micro, args.rows, {
+        "pipeline": {"stages": world, "schedule": schedule}}))
+
+    def step(s: int) -> float:
+        return float(engine.train_batch(iter([{"input_ids": t} for t in data(s, args.micro, args.rows, args.seq)])))
+    return timed(step, args)
+
+
+def run_zero3(args: argparse.Namespace) -> tuple[float, float]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_rank = args.micro // world
+    model = llama(SHAPE, seed=0)
+    engine, *_ = shardwise.initialize(model=model, config=config(per_rank, args.rows, {
+        "zero_optimization": {"stage": 3}}))
+
+    def step(s: int) -> float:
+        total = 0.0
+        for mb in data(s, args.micro, args.rows, args.seq)[rank * per_rank:(rank + 1) * per_rank]:
+            loss = engine(input_ids=mb, labels=mb).loss
+            engine.backward(loss)
+            engine.step()
+            total += float(loss) / per_rank
+        mean = torch.tensor([total])
+        dist.all_reduce(mean)
+        return float(mean) / world
+    return timed(step, args)
+
+
+def timed(step, args: argparse.Namespace) -> tuple[float, float]:
+    """(seconds a step, the first step's loss)."""
+    first = step(0)
+    for s in range(1, args.warmup):
+        step(s)
+    dist.barrier()
+    start = time.perf_counter()
+    for s in range(args.steps):
+        step(args.warmup + s)
+    dist.barrier()
+    return (time.perf_counter() - start) / args.steps, first
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedules", default="1f1b,zb_h1")
+    parser.add_argument("--micro", type=int, default=8, help="micro-batches in the global batch")
+    parser.add_argument("--rows", type=int, default=2, help="sequences a micro-batch")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    shardwise.init_distributed()
+    world = dist.get_world_size()
+    rows = [(f"PP {world} ({s}), {args.micro} micro-batches", *run_pp(s, args)) for s in args.schedules.split(",")]
+    rows.append((f"ZeRO-3 over {world} ranks, {args.micro // world} micro-batches a rank", *run_zero3(args)))
+    if dist.get_rank() == 0:
+        print(f"| layout ({world} ranks, {args.micro * args.rows} x {args.seq} tokens a step) | step, s | "
+              "first loss |")
+        print("| --- | --- | --- |")
+        for name, seconds, loss in rows:
+            print(f"| {name} | {seconds:.3f} | {loss:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
