@@ -69,7 +69,7 @@ def run_zero3(args: argparse.Namespace) -> tuple[float, float]:
             loss = engine(input_ids=mb, labels=mb).loss
             engine.backward(loss)
             engine.step()
-            total += float(loss) / per_rank
+            total += float(loss.detach()) / per_rank
         mean = torch.tensor([total])
         dist.all_reduce(mean)
         return float(mean) / world
