@@ -114,7 +114,13 @@ class SplitBackward:
 
     def input_pass(self) -> list[torch.Tensor | None]:
         """B: the inputs' gradients (None where an input got none), capturing each intermediate's incoming
-        gradients. The graph is kept for W."""
+        gradients. The graph is kept for W (through the intermediates); the outputs themselves are let go."""
+        try:
+            return self._input_grads()
+        finally:
+            self.roots, self.grads, self.inputs = [], [], []
+
+    def _input_grads(self) -> list[torch.Tensor | None]:
         if not self.inputs:
             return []
 

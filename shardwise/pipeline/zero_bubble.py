@@ -43,10 +43,11 @@ class ZeroBubbleSteps:
         inputs = [t for t in state["inputs"].pop((i, 0), ()) if t.is_floating_point()]
         split = SplitBackward(roots, grads, inputs, [p for p in self.module.parameters() if p.requires_grad])
         self.sharding.arm_passes(False)  # no parameter gets a gradient here: nothing to reduce
+        wanted = [t for t in inputs if t.requires_grad]
         got = split.input_pass()
         self.sharding.finish_backward()
         if not self._first(0):
-            sent = dict(zip(map(id, split.inputs), got, strict=True))
+            sent = dict(zip(map(id, wanted), got, strict=True))
             self.link.send(tuple(sent.get(id(t)) if sent.get(id(t)) is not None else torch.zeros_like(t)
                                  for t in inputs), self.stage_id - 1, what=f"the gradients of micro-batch {i}")
         state["splits"][i] = split
