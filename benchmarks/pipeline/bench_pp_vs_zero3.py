@@ -7,9 +7,11 @@ A small Llama (``benchmarks/shared/models.py``) trained for a few steps on ``WOR
 - ``zero3``: the whole model under ZeRO-3 over every rank, each rank ``--micro / WORLD_SIZE``
   micro-batches of ``--rows`` sequences (the same global batch of ``--micro x --rows`` sequences).
 
-A step's time is the wall time of ``--steps`` steps after ``--warmup`` (between barriers), divided by
-the steps; rank 0 prints one markdown row per layout with the step time and the first step's loss (the
-same model and data: the layouts start from the same loss).
+Every layout's engine is built first; after ``--warmup`` steps each, the layouts take turns for
+``--rounds`` rounds of ``--steps`` steps (so a change in the machine's load falls on all of them), a
+round's time being its wall time between barriers over its steps. Rank 0 prints one markdown row per
+layout with the median and the range of its rounds' step times, and its first step's loss (the same
+model and data: the layouts start from the same loss).
 
     python -m torch.distributed.run --nproc-per-node 4 benchmarks/pipeline/bench_pp_vs_zero3.py
 """
@@ -45,7 +47,7 @@ def config(micro_per_rank: int, rows: int, extra: dict) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}, **extra}
 
 
-def run_pp(schedule: str, args: argparse.Namespace) -> tuple[float, float]:
+def pp_stepper(schedule: str, args: argparse.Namespace):
     world = dist.get_world_size()
     model = llama(SHAPE, seed=0)
     engine, *_ = shardwise.initialize(model=model, config=config(args.micro, args.rows, {
@@ -53,10 +55,10 @@ def run_pp(schedule: str, args: argparse.Namespace) -> tuple[float, float]:
 
     def step(s: int) -> float:
         return float(engine.train_batch(iter([{"input_ids": t} for t in data(s, args.micro, args.rows, args.seq)])))
-    return timed(step, args)
+    return step
 
 
-def run_zero3(args: argparse.Namespace) -> tuple[float, float]:
+def zero3_stepper(args: argparse.Namespace):
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = args.micro // world
     model = llama(SHAPE, seed=0)
@@ -73,20 +75,25 @@ def run_zero3(args: argparse.Namespace) -> tuple[float, float]:
         mean = torch.tensor([total])
         dist.all_reduce(mean)
         return float(mean) / world
-    return timed(step, args)
+    return step
 
 
-def timed(step, args: argparse.Namespace) -> tuple[float, float]:
-    """(seconds a step, the first step's loss)."""
-    first = step(0)
-    for s in range(1, args.warmup):
-        step(s)
-    dist.barrier()
-    start = time.perf_counter()
-    for s in range(args.steps):
-        step(args.warmup + s)
-    dist.barrier()
-    return (time.perf_counter() - start) / args.steps, first
+def timed(steppers: dict, args: argparse.Namespace) -> dict:
+    """Per layout: (its rounds' seconds a step, sorted; its first step's loss)."""
+    first = {name: step(0) for name, step in steppers.items()}
+    for step in steppers.values():
+        for s in range(1, args.warmup):
+            step(s)
+    rounds: dict = {name: [] for name in steppers}
+    for r in range(args.rounds):
+        for name, step in steppers.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for s in range(args.steps):
+                step(args.warmup + r * args.steps + s)
+            dist.barrier()
+            rounds[name].append((time.perf_counter() - start) / args.steps)
+    return {name: (sorted(rounds[name]), first[name]) for name in steppers}
 
 
 def main() -> None:
@@ -95,19 +102,21 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8, help="micro-batches in the global batch")
     parser.add_argument("--rows", type=int, default=2, help="sequences a micro-batch")
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2, help="steps a round")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     shardwise.init_distributed()
     world = dist.get_world_size()
-    rows = [(f"PP {world} ({s}), {args.micro} micro-batches", *run_pp(s, args)) for s in args.schedules.split(",")]
-    rows.append((f"ZeRO-3 over {world} ranks, {args.micro // world} micro-batches a rank", *run_zero3(args)))
+    steppers = {f"PP {world} ({s}), {args.micro} micro-batches": pp_stepper(s, args) for s in args.schedules.split(",")}
+    steppers[f"ZeRO-3 over {world} ranks, {args.micro // world} micro-batches a rank"] = zero3_stepper(args)
+    results = timed(steppers, args)
     if dist.get_rank() == 0:
-        print(f"| layout ({world} ranks, {args.micro * args.rows} x {args.seq} tokens a step) | step, s | "
-              "first loss |")
-        print("| --- | --- | --- |")
-        for name, seconds, loss in rows:
-            print(f"| {name} | {seconds:.3f} | {loss:.4f} |")
+        print(f"| layout ({world} ranks, {args.micro * args.rows} x {args.seq} tokens a step) | step, s (median of "
+              f"{args.rounds} rounds) | rounds' range, s | first loss |")
+        print("| --- | --- | --- | --- |")
+        for name, (secs, loss) in results.items():
+            print(f"| {name} | {secs[len(secs) // 2]:.3f} | {secs[0]:.3f}-{secs[-1]:.3f} | {loss:.4f} |")
 
 
 if __name__ == "__main__":
