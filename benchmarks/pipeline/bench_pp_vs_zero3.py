@@ -55,6 +55,7 @@ def pp_stepper(schedule: str, args: argparse.Namespace):
 
     def step(s: int) -> float:
         return float(engine.train_batch(iter([{"input_ids": t} for t in data(s, args.micro, args.rows, args.seq)])))
+    step.engine = engine
     return step
 
 
@@ -75,16 +76,23 @@ def zero3_stepper(args: argparse.Namespace):
         mean = torch.tensor([total])
         dist.all_reduce(mean)
         return float(mean) / world
+    step.engine = engine
     return step
 
 
+def moved(step) -> int:
+    """The bytes this rank's engine moved so far (``comm_stats()``: every collective, send and receive)."""
+    return sum(v for v in step.engine.comm_stats().values() if isinstance(v, int))
+
+
 def timed(steppers: dict, args: argparse.Namespace) -> dict:
-    """Per layout: (its rounds' seconds a step, sorted; its first step's loss)."""
+    """Per layout: (its rounds' seconds a step, sorted; its first step's loss; bytes rank 0 moved a step)."""
     first = {name: step(0) for name, step in steppers.items()}
     for step in steppers.values():
         for s in range(1, args.warmup):
             step(s)
     rounds: dict = {name: [] for name in steppers}
+    before = {name: moved(step) for name, step in steppers.items()}
     for r in range(args.rounds):
         for name, step in steppers.items():
             dist.barrier()
@@ -93,7 +101,9 @@ def timed(steppers: dict, args: argparse.Namespace) -> dict:
                 step(args.warmup + r * args.steps + s)
             dist.barrier()
             rounds[name].append((time.perf_counter() - start) / args.steps)
-    return {name: (sorted(rounds[name]), first[name]) for name in steppers}
+    n = args.rounds * args.steps
+    return {name: (sorted(rounds[name]), first[name], (moved(step) - before[name]) / n)
+            for name, step in steppers.items()}
 
 
 def main() -> None:
@@ -113,10 +123,11 @@ def main() -> None:
     results = timed(steppers, args)
     if dist.get_rank() == 0:
         print(f"| layout ({world} ranks, {args.micro * args.rows} x {args.seq} tokens a step) | step, s (median of "
-              f"{args.rounds} rounds) | rounds' range, s | first loss |")
-        print("| --- | --- | --- | --- |")
-        for name, (secs, loss) in results.items():
-            print(f"| {name} | {secs[len(secs) // 2]:.3f} | {secs[0]:.3f}-{secs[-1]:.3f} | {loss:.4f} |")
+              f"{args.rounds} rounds) | rounds' range, s | MB rank 0 moved a step | first loss |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, (secs, loss, nbytes) in results.items():
+            print(f"| {name} | {secs[len(secs) // 2]:.3f} | {secs[0]:.3f}-{secs[-1]:.3f} | {nbytes / 1e6:.1f} | "
+                  f"{loss:.4f} |")
 
 
 if __name__ == "__main__":
