@@ -5,7 +5,7 @@ shape), preceded by the header's length, then the tensors themselves; so stages 
 any shapes, which may change from one micro-batch to the next. A stage output that is not a tensor
 or a tuple/list of tensors is refused in one line naming the stage. A receive that fails (the peer
 died, or stalled past the timeout) raises one line naming this stage, this rank, the peer and the
-transfer.
+transfer; so does a send that fails (the peer's connection closed).
 """
 
 from __future__ import annotations
