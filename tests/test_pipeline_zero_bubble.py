@@ -44,9 +44,13 @@ def test_zb_h1_pp_x_dp_zero2_equals_1f1b(pool4) -> None:
 
 
 def test_zb_h1_refusals_are_one_line(pool2) -> None:
-    for checkpointing, per_micro in pool2.run("zero_bubble_cases:refusals"):
+    """Activation checkpointing and ZeRO-2's per-micro-batch reduction (2 stages), layers that checkpoint
+    themselves reentrantly (1 stage x DP 2, refused in the weight pass): one line on every rank."""
+    for checkpointing, per_micro, reentrant in pool2.run("zero_bubble_cases:refusals"):
         assert "activation checkpointing with pipeline.schedule zb_h1 is not served" in checkpointing, checkpointing
         assert "set_reduce_once(False) with pipeline.schedule zb_h1 is not served" in per_micro, per_micro
+        assert "UsageError: pipeline.schedule zb_h1 with reentrant activation checkpointing" in reentrant, reentrant
+        assert all("\n" not in line for line in (checkpointing, per_micro, reentrant))
 
 
 def test_zb_h1_schedule_in_process() -> None:

@@ -18,14 +18,26 @@ def zb_and_1f1b(stages: int, config: dict | None = None, **kwargs) -> tuple[dict
     return pc.train(stages, config=with_zb(config), **kwargs), pc.train(stages, config=config, **kwargs)
 
 
-def refusals() -> list[str]:
-    """Each rank's line for zb_h1 with activation checkpointing, and with ZeRO-2's per-micro-batch reduction."""
-    import shardwise
-    from shardwise.pipeline import PipelineModule
+class ReentrantBlock(pc.Block):
+    """A layer that checkpoints itself the reentrant way (as some models' own gradient checkpointing does)."""
 
-    lines = []
-    for interval, zero in ((2, 0), (0, 2)):
-        model = PipelineModule(pc.specs(), num_stages=2, loss_fn=F.mse_loss, activation_checkpoint_interval=interval)
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, x, use_reentrant=True)
+
+
+def refusals() -> list[str]:
+    """Each rank's line for zb_h1 with activation checkpointing, with ZeRO-2's per-micro-batch reduction, and
+    with layers that checkpoint themselves reentrantly."""
+    import shardwise
+    from shardwise.pipeline import LayerSpec, PipelineModule
+
+    lines = []  # (the reentrant layers at 1 stage x DP 2: a refusal mid-batch at 2 stages would leave the
+    # neighbour's activations unreceived in the pool's pipeline group)
+    for interval, zero, layers, stages in ((2, 0, pc.specs(), 2), (0, 2, pc.specs(), 2),
+                                           (0, 0, [LayerSpec(pc.Block), LayerSpec(ReentrantBlock)], 1)):
+        model = PipelineModule(layers, num_stages=stages, loss_fn=F.mse_loss, activation_checkpoint_interval=interval)
         engine, *_ = shardwise.initialize(model=model, config=with_zb({**pc.CONFIG, "zero_optimization":
                                                                         {"stage": zero}}))
         try:

@@ -10,6 +10,8 @@ The schedule runs the W passes in micro-batch order, so the sums are 1F1B's (``d
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,6 +20,20 @@ from shardwise.engine import Engine
 from shardwise.engine.checks import track_used
 from shardwise.engine.compat import UsageError
 from shardwise.pipeline.split import SplitBackward
+
+
+@contextlib.contextmanager
+def _splittable() -> Iterator[None]:
+    """Autograd's refusal of a reentrant checkpoint in a split pass, as one line saying what to change."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "use_reentrant=True" not in str(e):
+            raise
+        raise UsageError("pipeline.schedule zb_h1 with reentrant activation checkpointing inside the layers "
+                         "(torch.utils.checkpoint(use_reentrant=True), e.g. a model's own gradient checkpointing) "
+                         "is not served: its backward cannot be split; use use_reentrant=False or the 1f1b "
+                         "schedule") from None
 
 
 class ZeroBubbleSteps:
@@ -44,7 +60,8 @@ class ZeroBubbleSteps:
         split = SplitBackward(roots, grads, inputs, [p for p in self.module.parameters() if p.requires_grad])
         self.sharding.arm_passes(False)  # no parameter gets a gradient here: nothing to reduce
         wanted = [t for t in inputs if t.requires_grad]
-        got = split.input_pass()
+        with _splittable():
+            got = split.input_pass()
         self.sharding.finish_backward()
         if not self._first(0):
             sent = dict(zip(map(id, wanted), got, strict=True))
@@ -60,7 +77,8 @@ class ZeroBubbleSteps:
         reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         track_used(self)
         self.sharding.arm_passes(reduce_now)
-        state["splits"].pop(i).weight_pass()
+        with _splittable():
+            state["splits"].pop(i).weight_pass()
         self.sharding.finish_backward()
         self._grads_reduced = reduce_now
         if last:
