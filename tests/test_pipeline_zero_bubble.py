@@ -109,3 +109,26 @@ def test_a_stalled_stage_ends_its_neighbour_at_the_timeout(tmp_path) -> None:
     assert 3 <= s0 < 20, s0
     assert "StageTransferError: pipeline stage 1 (rank 1) failed" in second and "stage 0 (rank 0)" in second, second
     assert "\n" not in second, second
+
+
+def test_shardwise_train_pp2_under_zb_h1_exports_1f1bs_weights(pool2, tmp_path) -> None:
+    """`shardwise train --pp 2` with the run's DeepSpeed config naming `pipeline.schedule: zb_h1`: the same
+    losses and exported weights as under 1F1B, bit for bit."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_train_pipeline import CFG
+    from train_cases import train_in
+
+    runs = {}
+    for schedule in ("1f1b", "zb_h1"):
+        cfg, out = tmp_path / f"{schedule}.json", tmp_path / schedule
+        cfg.write_text(json.dumps({**CFG, "pipeline": {"schedule": schedule}}))
+        train_in(pool2, ["--config", str(cfg), "--model", "llama-micro", "--seq", "32", "--steps", "2", "--pp", "2",
+                         "--eval-every", "0", "--save-every", "0", "--sample-tokens", "0", "--out", str(out)])
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[schedule] = ([r["loss"] for r in rows if r["kind"] == "train"],
+                          load_file(str(out / "hf" / "model.safetensors")))
+    (losses, weights), (zb_losses, zb_weights) = runs["1f1b"], runs["zb_h1"]
+    assert len(losses) == 2 and zb_losses == losses
+    assert sorted(weights) == sorted(zb_weights) and all(torch.equal(weights[n], zb_weights[n]) for n in weights)
