@@ -43,7 +43,9 @@ class ZeroBubbleSteps:
         """What B differentiates: the last stage's scaled loss (as ``Engine.backward``: loss x 1/gas), or
         this stage's outputs with the gradients the next stage sent back."""
         if self._last(0):
-            return [state["loss_of"].pop(i) * (1.0 / self.gas)], [None]
+            loss = state["loss_of"].pop(i)
+            state["loss_now"] = loss  # for the monitor, as Engine.backward records it
+            return [loss * (1.0 / self.gas)], [None]
         outs = state["outputs"].pop((i, 0))
         grads = self.link.recv(self.stage_id + 1, f"the gradients of micro-batch {i}", self.device)
         floats = [o for o in outs if o.is_floating_point()]  # one gradient came back for each
@@ -60,7 +62,9 @@ class ZeroBubbleSteps:
         split = SplitBackward(roots, grads, inputs, [p for p in self.module.parameters() if p.requires_grad])
         self.sharding.arm_passes(False)  # no parameter gets a gradient here: nothing to reduce
         wanted = [t for t in inputs if t.requires_grad]
-        with _splittable():
+        loss = state.pop("loss_now", None)  # the monitor's timers and loss record, as in one backward
+        timer = self.monitor.backward(loss) if loss is not None else self.monitor.phase("bwd", "backward")
+        with timer, self.monitor.backward_inner(), _splittable():
             got = split.input_pass()
         self.sharding.finish_backward()
         if not self._first(0):
@@ -77,9 +81,10 @@ class ZeroBubbleSteps:
         reduce_now = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         track_used(self)
         self.sharding.arm_passes(reduce_now)
-        with _splittable():
+        with self.monitor.phase("bwd", "backward"), self.monitor.backward_inner(), _splittable():
             state["splits"].pop(i).weight_pass()
-        self.sharding.finish_backward()
+        with self.monitor.phase("bwd_allreduce"):
+            self.sharding.finish_backward()
         self._grads_reduced = reduce_now
         if last:
             self.tied.send_aside()
