@@ -34,6 +34,15 @@ def test_zb_h1_four_stages_zero1_with_tuples(pool4) -> None:
            pc.reference(dp=1, tied="tuple", steps=2))
 
 
+def test_zb_h1_pp_x_dp_zero3_gives_plain_pytorch(pool4) -> None:
+    """PP 2 x DP 2 at ZeRO-3 (each stage sharded over its 2 replicas, held gathered through the batch): plain
+    PyTorch's results bit for bit, one reduce-scatter and one all-gather per group per batch."""
+    results = pool4.run("pipeline_cases:train", 2, config={"pipeline": {"schedule": "zb_h1"}, **ZERO3}, steps=2)
+    _check(results, pc.reference(dp=2, steps=2))
+    for r in results:
+        assert r["calls"] == {"reduce_scatter": 2 * r["groups"], "all_gather": 2 * r["groups"]}, r["calls"]
+
+
 def test_zb_h1_pp_x_dp_zero2_equals_1f1b(pool4) -> None:
     """PP 2 x DP 2 at ZeRO-2: 1F1B's results bit for bit (which are ZeRO-1's), one reduce-scatter per group
     per batch, as under 1F1B."""
