@@ -18,10 +18,12 @@ def test_zb_h1_at_two_stages_gives_plain_pytorch(pool2, zero: int) -> None:
     _check(pool2.run("pipeline_cases:train", 2, config=config, steps=2), pc.reference(dp=1, steps=2))
 
 
-def test_zb_h1_with_tied_layers_equals_1f1b(pool2) -> None:
-    """A weight tied across stages 0 and 1: its gradient, summed by the owner in its last W, is 1F1B's bit
-    for bit (both within 1e-5 of plain PyTorch: the tie's sum order)."""
-    for zb, f1b in pool2.run("zero_bubble_cases:zb_and_1f1b", 2, tied=True, steps=2):
+@pytest.mark.parametrize("stages", [2, 4])
+def test_zb_h1_with_tied_layers_equals_1f1b(pool2, pool4, stages: int) -> None:
+    """A weight tied across the first and the last stage (PP 2, PP 4): its gradient, summed by the owner in its
+    last W, is 1F1B's bit for bit (both within 1e-5 of plain PyTorch: the tie's sum order)."""
+    pool = pool2 if stages == 2 else pool4
+    for zb, f1b in pool.run("zero_bubble_cases:zb_and_1f1b", stages, tied=True, steps=2):
         assert zb["losses"] == f1b["losses"] and zb["eval"] == f1b["eval"]
         assert all(torch.equal(v, f1b["weights"][n]) for n, v in zb["weights"].items())
 
