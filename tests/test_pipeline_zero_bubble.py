@@ -143,3 +143,13 @@ def test_shardwise_train_pp2_under_zb_h1_exports_1f1bs_weights(pool2, tmp_path) 
     (losses, weights), (zb_losses, zb_weights) = runs["1f1b"], runs["zb_h1"]
     assert len(losses) == 2 and zb_losses == losses
     assert sorted(weights) == sorted(zb_weights) and all(torch.equal(weights[n], zb_weights[n]) for n in weights)
+
+
+def test_zb_h1_bf16_zero3_offload_equals_1f1b(pool2) -> None:
+    """bf16 at ZeRO-3 with optimizer and parameter offload (bf16 gradients folded into the fp32 accumulation
+    in each W): 1F1B's losses and weights bit for bit."""
+    config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                               "offload_param": {"device": "cpu"}}}
+    for zb, f1b in pool2.run("zero_bubble_cases:zb_and_1f1b", 2, config, steps=2):
+        assert zb["losses"] == f1b["losses"] and zb["eval"] == f1b["eval"]
+        assert all(torch.equal(v, f1b["weights"][n]) for n, v in zb["weights"].items())
