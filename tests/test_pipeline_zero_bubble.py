@@ -153,3 +153,50 @@ def test_zb_h1_bf16_zero3_offload_equals_1f1b(pool2) -> None:
     for zb, f1b in pool2.run("zero_bubble_cases:zb_and_1f1b", 2, config, steps=2):
         assert zb["losses"] == f1b["losses"] and zb["eval"] == f1b["eval"]
         assert all(torch.equal(v, f1b["weights"][n]) for n, v in zb["weights"].items())
+
+
+class _Twice(torch.nn.Module):
+    """One weight used twice (the W pass starts from two intermediates, one behind the other) and a norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.norm = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.a(self.b(torch.tanh(self.a(x))))) * 2
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["inner_stage", "first_stage"])
+@pytest.mark.parametrize("kind", ["mlp", "twice", "attention", "split_output"])
+def test_split_backward_equals_one_backward(kind: str, first: bool) -> None:
+    """In one process: B then W (shardwise/pipeline/split.py) give one backward's input and weight gradients
+    bit for bit over 3 accumulated micro-batches, for a chain of layers, a weight used twice, an attention
+    layer, and two outputs made by one node (a chunk); at a first stage (no input gradient) W does it all.
+    No parameter receives anything in B."""
+    import copy
+
+    from shardwise.pipeline.split import SplitBackward
+
+    torch.manual_seed(0)
+    one = {"mlp": lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)),
+           "twice": _Twice, "split_output": lambda: torch.nn.Linear(8, 16),
+           "attention": lambda: torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)}[kind]()
+    two = copy.deepcopy(one)
+    seen: list[int] = []
+    for p in two.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: seen.append(1))
+    n = len(list(two.parameters()))
+    for micro in range(3):
+        x = torch.randn(2, 3, 8) if kind == "attention" else torch.randn(4, 8)
+        xa, xb = x.clone().requires_grad_(not first), x.clone().requires_grad_(not first)
+        outs_a, outs_b = one(xa), two(xb)
+        outs_a, outs_b = (outs_a.chunk(2, -1), outs_b.chunk(2, -1)) if kind == "split_output" else ([outs_a], [outs_b])
+        grads = [torch.randn_like(o) for o in outs_a]
+        torch.autograd.backward(list(outs_a), grads)
+        split = SplitBackward(list(outs_b), grads, [xb], list(two.parameters()))
+        got = split.input_pass()
+        assert len(seen) == micro * n
+        split.weight_pass()
+        assert len(seen) == (micro + 1) * n
+        assert first or torch.equal(got[0], xa.grad)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(one.parameters(), two.parameters(), strict=True))

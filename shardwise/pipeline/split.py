@@ -75,9 +75,12 @@ class SplitBackward:
             reach_in[n] = n in in_targets or any(reach_in[c] for c in children[n])
             reach_w[n] = n in by_node or any(reach_w[c] for c in children[n])
         self.inner = [n for n in order if reach_in[n] and any(reach_w[c] and not reach_in[c] for c in children[n])]
-        # outputs outside I: their given gradient is the W pass's starting point (no capture needed)
-        self.given = {e.node: (e, g) for e, g in zip(edges, self.grads, strict=True)
-                      if not reach_in[e.node] and reach_w[e.node]}
+        # outputs outside I: their given gradient is the W pass's starting point (no capture needed); one
+        # node may make several outputs (a split), each its own edge
+        self.given: dict[Node, list[tuple[GradientEdge, torch.Tensor]]] = {}
+        for e, g in zip(edges, self.grads, strict=True):
+            if not reach_in[e.node] and reach_w[e.node]:
+                self.given.setdefault(e.node, []).append((e, g))
         self.groups = self._group(by_node, parents, reach_in)
         self.captured: dict[Node, tuple] = {}
 
@@ -145,9 +148,8 @@ class SplitBackward:
             grads: list[torch.Tensor] = []
             for n in points:
                 if n in self.given:
-                    edge, g = self.given[n]
-                    edges.append(edge)
-                    grads.append(g)
+                    edges += [e for e, _ in self.given[n]]
+                    grads += [g for _, g in self.given[n]]
                     continue
                 for k, g in enumerate(self.captured.get(n, ())):
                     if g is not None:
