@@ -225,11 +225,13 @@ class RankPool:
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         while len(results) + len(errors) < self.world:
-            try:
-                rank, ok, val = self.outbox.get(timeout=max(deadline - time.monotonic(), 0.01))
+            try:  # polled: a silent rank whose process is gone will never answer, so its wait ends early
+                rank, ok, val = self.outbox.get(timeout=min(max(deadline - time.monotonic(), 0.01), 0.5))
             except queue.Empty:
                 silent = [r for r in range(self.world) if r not in results and r not in errors]
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if time.monotonic() < deadline and not set(silent) <= set(dead):
+                    continue
                 self._kill()
                 raise RankError(f"{target}: no answer within {timeout}s from ranks {silent} "
                                 f"(dead ranks: {dead}); the pool was restarted") from None

@@ -318,11 +318,12 @@ def test_prefetch_used_before_its_copy_fails(world1, model_folder, monkeypatch):
                        pad_token_id=0)
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_pipeline_engine_one_stage(world2, zero: int):
+@pytest.mark.parametrize(("zero", "schedule"), [(0, "1f1b"), (3, "1f1b"), (3, "zb_h1")])
+def test_pipeline_engine_one_stage(world2, zero: int, schedule: str):
     """A PipelineModule at 1 stage x DP 2 (the fake group cannot carry sends between stages): its batches
     moved to the device, the stage's loss and the averaged loss made there, and eval_batch; at ZeRO-3 the
-    gradients accumulated in the local buckets and reduce-scattered once, the stage held gathered."""
+    gradients accumulated in the local buckets and reduce-scattered once, the stage held gathered; under
+    zb_h1 the backward split in two (pipeline/split.py: the weight pass from the loss's gradient)."""
     import pipeline_cases as pc
     import torch.nn.functional as F
 
@@ -330,7 +331,8 @@ def test_pipeline_engine_one_stage(world2, zero: int):
     from shardwise.pipeline import PipelineModule
 
     model = PipelineModule(pc.specs(), num_stages=1, loss_fn=F.mse_loss)
-    config = {**pc.CONFIG, "zero_optimization": {"stage": zero, "stage3_param_persistence_threshold": 0}}
+    config = {**pc.CONFIG, "zero_optimization": {"stage": zero, "stage3_param_persistence_threshold": 0},
+              "pipeline": {"schedule": schedule}}
     with device_guard():
         engine, *_ = shardwise.initialize(model=model, config=config)
         loss = engine.train_batch(pc.batches(0, 0, pc.CONFIG))

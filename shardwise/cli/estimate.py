@@ -117,7 +117,7 @@ def run_estimate(args: argparse.Namespace, facts: Any) -> int:
 
 def render(est: Any, args: argparse.Namespace, params: int) -> str:
     """The report (or its JSON), under the pipeline line with --pp."""
-    stages = pipeline_note(args.pp, args.micro_batches, params, args.devices)
+    stages = pipeline_note(args.pp, args.micro_batches, params, args.devices, args.schedule)
     if args.json:
         return json.dumps({**est.to_dict(), **({"pipeline": stages} if stages else {})})
     return (stages["line"] + "\n" if stages else "") + format_report(est)
@@ -129,6 +129,9 @@ def add_pipeline_args(p: OneLineParser) -> None:
                         "holds pp micro-batches of layers/pp layers, the activations of one micro-batch of all layers")
     p.add_argument("--micro-batches", type=_arg(parse_count, "count", 10**6), default=None,
                    help="micro-batches per batch with --pp (gradient_accumulation_steps): the bubble (pp-1)/(m+pp-1)")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "zb_h1"], default="1f1b",
+                   help="pipeline schedule with --pp (pipeline.schedule): zb_h1's bubble is (pp-1)/(3m+pp-1), every "
+                        "stage holding pp micro-batches (docs/pipeline.md)")
 
 
 def check_pipeline_args(p: OneLineParser, args: argparse.Namespace) -> None:
@@ -139,15 +142,22 @@ def check_pipeline_args(p: OneLineParser, args: argparse.Namespace) -> None:
         p.error("--pp is not combined with the step-time planner (--nodes) or --budget yet")
     if args.micro_batches is not None and args.pp == 1:
         p.error("--micro-batches goes with --pp")
+    if args.schedule != "1f1b" and args.pp == 1:
+        p.error("--schedule goes with --pp")
 
 
-def pipeline_note(pp: int, micro_batches: int | None, params: int, devices: int) -> dict | None:
+def pipeline_note(pp: int, micro_batches: int | None, params: int, devices: int,
+                  schedule: str = "1f1b") -> dict | None:
     """With --pp: the stages, the micro-batches and the bubble, and the line printed above the stage's report."""
     if pp == 1:
         return None
-    m = micro_batches
-    bubble = None if m is None else (pp - 1) / (m + pp - 1)
+    m, zb = micro_batches, schedule == "zb_h1"  # zb_h1: forward, input and weight backward of equal times
+    bubble = None if m is None else (pp - 1) / ((3 if zb else 1) * m + pp - 1)
+    held = {"zb_h1": "every stage's activations under zb_h1: one micro-batch of every layer",
+            "1f1b": "stage 0's activations under 1F1B: one micro-batch of every layer",
+            "gpipe": f"every stage's activations under GPipe: {m or 'm'} micro-batches of layers/pp layers"}[schedule]
     line = (f"pipeline: {pp} stages of {devices // pp} devices; below is one stage ({-(-params // pp):,} params, "
-            "the layers split evenly; stage 0's activations under 1F1B: one micro-batch of every layer)"
-            + ("" if bubble is None else f"; bubble (p-1)/(m+p-1) = {bubble:.3f} at {m} micro-batches"))
-    return {"stages": pp, "micro_batches": m, "bubble": bubble, "line": line}
+            f"the layers split evenly; {held})"
+            + ("" if bubble is None else f"; bubble (p-1)/({'3m' if zb else 'm'}+p-1) = {bubble:.3f} at {m} "
+                                         "micro-batches"))
+    return {"stages": pp, "micro_batches": m, "schedule": schedule, "bubble": bubble, "line": line}

@@ -4,7 +4,8 @@
   and the grid of groups (``engine.grid``; ``current_grid()`` while a ``PipelineModule``'s layers are
   built); ``spec``: ``LayerSpec``, ``TiedLayerSpec``, the partition
   methods; ``module``: ``PipelineModule`` (each rank builds its stage's layers only);
-- ``schedule``: 1F1B, GPipe and interleaved 1F1B; ``wire``: the transfers between stages; ``tied``: tied weights
+- ``schedule``: 1F1B, GPipe, interleaved 1F1B and zero-bubble ZB-H1 (``zb_h1``, whose backward ``split``
+  cuts in two and ``zero_bubble`` runs); ``wire``: the transfers between stages; ``tied``: tied weights
   across stages; ``engine``: ``PipelineEngine`` (``train_batch`` / ``eval_batch``) on shardwise's
   engine; ``build``: what ``shardwise.initialize(model=PipelineModule)`` returns; ``hf``: a Hugging Face
   causal LM split into stages (``pipeline.stages``); ``stage_init``: such a model built with only this

@@ -29,9 +29,10 @@ from shardwise.pipeline.module import PipelineModule
 from shardwise.pipeline.schedule import eval_steps, train_steps
 from shardwise.pipeline.tied import TiedWeights
 from shardwise.pipeline.wire import Link, StageTransferError, as_tensors
+from shardwise.pipeline.zero_bubble import ZeroBubbleSteps
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(ZeroBubbleSteps, Engine):
     """One stage's engine (DeepSpeed's ``PipelineEngine``): ``train_batch()``, ``eval_batch()``."""
 
     def __init__(self, module: PipelineModule, config: Any, schedule: str = "1f1b", **engine_kwargs: Any):
@@ -65,6 +66,9 @@ class PipelineEngine(Engine):
         reduce-scatter them once, after the batch's last micro-batch, with the stage-3 parameters held
         gathered from the first forward to the last backward (``on``, the default); or reduce-scatter
         after every micro-batch into the shard, gathering per unit, as the engine's accumulation does."""
+        if self.schedule == "zb_h1" and self.policy.shard_grads and not on:
+            raise UsageError("set_reduce_once(False) with pipeline.schedule zb_h1 is not served: its split backward "
+                             "reduces once per batch")
         self.reduce_once = bool(on) and self.policy.shard_grads
         for g in self.sharding.groups:
             g.defer_reduce = self.reduce_once
@@ -178,7 +182,8 @@ class PipelineEngine(Engine):
         out = self.module(x) if self.virtual == 1 else self.module(x, chunk=c, micro_offset=state["offset"] + i + 1)
         if not self._last(c):
             tensors = as_tensors(out, self.stage_id, "output")
-            self.link.send(tensors, (self.stage_id + 1) % self.num_stages, self._label(i, c, 0, 1))
+            self.link.send(tensors, (self.stage_id + 1) % self.num_stages, self._label(i, c, 0, 1),
+                           f"the activations of micro-batch {i}")
             state["outputs"][(i, c)] = tensors
             return
         labels = state["labels"].pop(i)
@@ -208,7 +213,8 @@ class PipelineEngine(Engine):
         if not self._first(c):
             inputs = state["inputs"].pop((i, c))
             sent = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point())
-            self.link.send(sent, (self.stage_id - 1) % self.num_stages, self._label(i, c, 1, -1))
+            self.link.send(sent, (self.stage_id - 1) % self.num_stages, self._label(i, c, 1, -1),
+                           f"the gradients of micro-batch {i}")
         self.tied.after_backward(i, c)
         if c == 0:  # one step() per micro-batch (its chunk-0 backward comes last), as the engine counts them
             Engine.step(self)
@@ -216,9 +222,14 @@ class PipelineEngine(Engine):
     def _run(self, steps: list[tuple], state: dict) -> None:
         backwards = [tuple(st[1:]) + (0,) * (3 - len(st)) for st in steps if st[0] == "B"]
         state["last_backward"] = backwards[-1] if backwards else None
+        split = self.schedule == "zb_h1"  # B to the inputs, W to the weights (pipeline/zero_bubble.py)
+        if split and self.module.training and self.module.activation_checkpoint_interval > 0:
+            raise UsageError("activation checkpointing with pipeline.schedule zb_h1 is not served (its weight pass "
+                             "would recompute each checkpointed chunk once per layer); use 1f1b")
+        run = {"F": self._forward, "B": self._backward_input if split else self._backward, "W": self._backward_weight}
         try:
             for kind, i, *chunk in steps:
-                (self._forward if kind == "F" else self._backward)(i, state, *chunk)
+                run[kind](i, state, *chunk)
         except (UsageError, StageTransferError):
             self.link.stop()  # the neighbours waiting on this stage end now, naming it
             raise
@@ -237,7 +248,7 @@ class PipelineEngine(Engine):
     @staticmethod
     def _state(compute_loss: bool = True, logits: bool = False) -> dict:
         return {"labels": {}, "inputs": {}, "outputs": {}, "loss_of": {}, "losses": [], "loss": compute_loss,
-                "logits": logits, "offset": 0}
+                "logits": logits, "offset": 0, "splits": {}}
 
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """Train on one batch (``gradient_accumulation_steps`` micro-batches from ``data_iter`` on the

@@ -5,7 +5,7 @@ shape), preceded by the header's length, then the tensors themselves; so stages 
 any shapes, which may change from one micro-batch to the next. A stage output that is not a tensor
 or a tuple/list of tensors is refused in one line naming the stage. A receive that fails (the peer
 died, or stalled past the timeout) raises one line naming this stage, this rank, the peer and the
-transfer.
+transfer; so does a send that fails (the peer's connection closed).
 """
 
 from __future__ import annotations
@@ -65,14 +65,21 @@ class Link:
         self.stash: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.ring = False  # the last stage sends on to the first (virtual stages): both are neighbours
 
-    def send(self, tensors: tuple[torch.Tensor, ...], peer: int, label: int | None = None) -> None:
+    def send(self, tensors: tuple[torch.Tensor, ...], peer: int, label: int | None = None,
+             what: str = "a transfer") -> None:
         header = ([] if label is None else [label]) + [len(tensors)]
         for t in tensors:
             header += [_CODE[t.dtype], t.dim(), *t.shape]
         head = torch.tensor(header, dtype=torch.int64, device=self.device)
-        self.pending += [self.p2p.send(torch.tensor([len(header)], dtype=torch.int64, device=self.device), peer),
-                         self.p2p.send(head, peer)]
-        self.pending += [self.p2p.send(t.detach(), peer) for t in tensors]
+        try:
+            self.pending += [self.p2p.send(torch.tensor([len(header)], dtype=torch.int64, device=self.device), peer),
+                             self.p2p.send(head, peer)]
+            self.pending += [self.p2p.send(t.detach(), peer) for t in tensors]
+        except RanksDivergedError as e:  # the peer is gone (its connection closed), or the group already failed
+            raise StageTransferError(
+                f"pipeline stage {self.stage} (rank {self.ranks[self.stage]}) failed sending {what} to stage {peer} "
+                f"(rank {self.ranks[peer]}): that stage died, stalled past the timeout or stopped; restart the "
+                f"job. ({_detail(e)})") from e
 
     def recv(self, peer: int, what: str, device: torch.device, label: int | None = None) -> tuple[torch.Tensor, ...]:
         """The next transfer from ``peer``; with a ``label``, the one sent with it (others are kept)."""

@@ -179,6 +179,12 @@ class Sharding:
         self._armed = True
         self._queued = False
 
+    def arm_passes(self, sync: bool) -> None:
+        """Arm for one backward made of several autograd passes (a pipeline's split backward): the
+        passes' hooks queue no finish of their own; the caller's ``finish_backward()`` ends it."""
+        self.arm(sync)
+        self._queued = True
+
     def on_backward(self) -> None:
         """Called from hooks inside a backward: arm (unless the engine did) and queue the finish."""
         if not self._armed:
