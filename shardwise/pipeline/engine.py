@@ -49,6 +49,10 @@ class PipelineEngine(ZeroBubbleSteps, Engine):
         self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
         self.virtual = module.virtual_stages  # chunks of layers on this rank (interleaved_1f1b)
         self.link.ring = self.virtual > 1
+        # labelled transfers (a stash for those that arrive early) where a pair of ranks does not send in the
+        # order the other receives: the ring of virtual stages, and zb_h1 (a copy's tied sums of micro-batch
+        # i leave after its B of i + 1, while the owner takes them in its W of i)
+        self.labelled = self.tied.labelled = self.virtual > 1 or schedule == "zb_h1"
         self.data_iterator: Iterator | None = None
         self.training_dataloader = None
         self.holds_one_stage = self.num_stages > 1  # its checkpoint loads take this stage's tensors only
@@ -146,8 +150,8 @@ class PipelineEngine(ZeroBubbleSteps, Engine):
         return self.stage_id == self.num_stages - 1 and c == self.virtual - 1
 
     def _label(self, i: int, c: int, kind: int, step: int) -> int | None:
-        """Interleaved: the transfer's label (micro-batch, receiving virtual stage, kind), else None."""
-        if self.virtual == 1:
+        """Labelled transfers: the transfer's label (micro-batch, receiving virtual stage, kind), else None."""
+        if not self.labelled:
             return None
         return (i * self.num_stages * self.virtual + c * self.num_stages + self.stage_id + step) * 2 + kind
 

@@ -77,6 +77,7 @@ class TiedWeights:
         # (key, stages, weights) of the ties across ranks, owner first (the engine's checkpoint reads it)
         self.ties = [(t.key, t.ranks, t.weights) for t in self.local if len(t.ranks) > 1]
         self.exact, self.micro_batches = True, 1
+        self.labelled = False  # the engine's transfers carry labels (set by the engine)
         self.current = (0, 0)  # (micro-batch, chunk) of the backward running
         # by (tensor, micro-batch: 0 when summed over the batch): (virtual stage, gradient) set aside or received
         self._aside: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
@@ -160,8 +161,8 @@ class TiedWeights:
         return total + g
 
     def _label(self, tie: Tie, i: int) -> int | None:
-        """Interleaved (a ring of labelled transfers): this exchange's label, apart from the engine's."""
-        return -(2 + i * self.keys + tie.index) if self.link.ring else None
+        """Labelled transfers (interleaved, zb_h1): this exchange's label, apart from the engine's."""
+        return -(2 + i * self.keys + tie.index) if self.labelled else None
 
     def _receive(self, tie: Tie, i: int) -> None:
         """The copies' gradients of micro-batch ``i`` (every tensor of the tie, from each copy)."""

@@ -47,7 +47,8 @@ class ZeroBubbleSteps:
             state["loss_now"] = loss  # for the monitor, as Engine.backward records it
             return [loss * (1.0 / self.gas)], [None]
         outs = state["outputs"].pop((i, 0))
-        grads = self.link.recv(self.stage_id + 1, f"the gradients of micro-batch {i}", self.device)
+        grads = self.link.recv(self.stage_id + 1, f"the gradients of micro-batch {i}", self.device,
+                               self._label(i, 0, 1, 0))
         floats = [o for o in outs if o.is_floating_point()]  # one gradient came back for each
         pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
         if not pairs:
@@ -70,7 +71,8 @@ class ZeroBubbleSteps:
         if not self._first(0):
             sent = dict(zip(map(id, wanted), got, strict=True))
             self.link.send(tuple(sent.get(id(t)) if sent.get(id(t)) is not None else torch.zeros_like(t)
-                                 for t in inputs), self.stage_id - 1, what=f"the gradients of micro-batch {i}")
+                                 for t in inputs), self.stage_id - 1, self._label(i, 0, 1, -1),
+                           f"the gradients of micro-batch {i}")
         state["splits"][i] = split
 
     def _backward_weight(self: Any, i: int, state: dict) -> None:
