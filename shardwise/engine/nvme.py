@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from shardwise.aio import AioConfig, IOEngine
+from shardwise.aio import ALIGN, AioConfig, IOEngine
 from shardwise.errors import UserError
 from shardwise.nvme import NvmeSettings, OptimizerSwapper, ParamSwap, SwapFolder, check_room, is_stand_in
 
@@ -90,12 +90,18 @@ def param_swap(config, model: Any) -> ParamSwap | None:
     if not op.nvme_path:
         raise UserError(f"{OP}.nvme_path: required with {OP}.device 'nvme' (a folder on the NVMe disk)")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    # the files hold the parameters' own dtype (4 bytes an element for an fp32 model), a rank's shard rounded up
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    need = -(-total // world) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    check_room(f"{OP}.nvme_path", Path(op.nvme_path), need)
+    check_room(f"{OP}.nvme_path", Path(op.nvme_path), param_file_bytes(model, world),
+               int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     folder = SwapFolder(f"{OP}.nvme_path", op.nvme_path, rank, kind="param-")
     return ParamSwap(folder, IOEngine(aio_config(dict(config.aio))), op.buffer_count, op.buffer_size, op.max_in_cpu)
+
+
+def param_file_bytes(model: Any, world: int) -> int:
+    """One rank's parameter swap files, at most: its shard in the parameters' own dtype (4 bytes an element
+    for an fp32 model), plus a header block and a block of padding per group (a module's own parameters)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    groups = sum(1 for m in model.modules() if next(m.parameters(recurse=False), None) is not None)
+    return -(-total // world) + 2 * ALIGN * groups
 
 
 def nvme_resident(engine: EngineParts, write_back: bool):

@@ -7,6 +7,12 @@ rest go to files; every transfer passes through ``buffer_count`` aligned bounce 
 elements (a shard larger than one moves in pieces), so the host holds at most ``max_in_cpu`` elements and
 the bounce buffers. The file holds the 16-bit shard bit for bit, so a gather gives CPU parameter offload's
 values exactly. A trainable group's checkpoint is its master; this store is never read for it.
+
+A file is a header block (``swap_file.put_header``: magic, generation, the shard's bytes, checksum) and the
+shard from byte :data:`~shardwise.aio.ALIGN` on, each piece padded with zeros to a whole block. Every write
+of the shard stamps the next generation (kept in memory too) after its pieces; every read checks the header
+and the sum of the pieces it read, so a truncated, stale or changed file is a :class:`SwapFileError` naming
+it, never parameters made of garbage.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from typing import Any
 
 import torch
 
-from shardwise.aio import AlignedBuffer, IOEngine, align_up, open_file
+from shardwise.aio import ALIGN, AlignedBuffer, IOEngine, align_up, open_file
 from shardwise.nvme.folder import SwapFolder
+from shardwise.nvme.swap_file import PARAM_MAGIC, SwapFileError, check_header, checksum, put_header
 from shardwise.zero.pending import ReadWork, read_pool
 from shardwise.zero.store import ShardStore
 
@@ -57,6 +64,7 @@ class ParamSwap:
         return sum(b.nbytes for b in self.made)
 
     def disk_bytes(self) -> int:
+        """The shards in files (their headers and block padding not counted)."""
         return sum(s.numel * s.dtype.itemsize for s in self.stores if s.file is not None)
 
     def close(self) -> None:
@@ -78,6 +86,7 @@ class NvmeParamStore(ShardStore):
         super().__init__(None)
         self.swap, self.path, self.file = swap, path, None
         self.numel, self.dtype = 0, torch.bfloat16
+        self.generation = 0  # of the file's last write (its header says the same)
 
     def keep(self, group: Any, owned: torch.Tensor | None) -> None:
         self.numel, self.dtype = group.own_numel, group.dtype
@@ -126,12 +135,40 @@ class NvmeParamStore(ShardStore):
 
     @torch.no_grad()
     def _write(self, src: torch.Tensor) -> None:
+        """The pieces at ``ALIGN + offset``, then the header of the next generation with their sum."""
+        total = 0
         for _buf, view, piece, off in self._pieces(src):
             view[:piece.numel()].copy_(piece)  # (a device tensor is copied to the host here)
-            self.swap.io.write(self.file, view, off).wait()
+            view[piece.numel():].zero_()  # the block's padding: the same bytes in the file and its sum
+            total = wrap_sum(total + checksum(view))
+            self.swap.io.write(self.file, view, ALIGN + off).wait()
+        buf = self.swap.take()
+        try:
+            put_header(buf.tensor, PARAM_MAGIC, self.generation + 1, self.numel * self.dtype.itemsize, 0, total)
+            self.swap.io.write(self.file, buf.tensor[:ALIGN], 0).wait()
+        finally:
+            self.swap.bounce.put(buf)
+        self.generation += 1
 
     @torch.no_grad()
     def _read(self, dst: torch.Tensor) -> None:
+        """The pieces into ``dst``; the header and the sum checked (SwapFileError naming the file)."""
+        buf = self.swap.take()
+        try:
+            self.swap.io.read(self.file, buf.tensor[:ALIGN], 0).wait()
+            where = f"{self.path}: parameter swap file"
+            want = check_header(where, buf.tensor, PARAM_MAGIC, self.generation, self.numel * self.dtype.itemsize, 0)
+        finally:
+            self.swap.bounce.put(buf)
+        total = 0
         for _buf, view, piece, off in self._pieces(dst):
-            self.swap.io.read(self.file, view, off, need=piece.numel()).wait()
+            self.swap.io.read(self.file, view, ALIGN + off).wait()
+            total = wrap_sum(total + checksum(view))
             piece.copy_(view[:piece.numel()])
+        if total != want:
+            raise SwapFileError(f"{where} fails its checksum: its bytes changed after they were written")
+
+
+def wrap_sum(total: int) -> int:
+    """``total`` as the signed 64-bit integer torch's int64 sum wraps to (sums of pieces add up to the whole's)."""
+    return (total + (1 << 63)) % (1 << 64) - (1 << 63)
