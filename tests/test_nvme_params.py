@@ -128,3 +128,28 @@ def test_the_optimizers_room_check_counts_the_parameters_files_of_every_rank(tmp
             check_room(OPT_KEY, tmp_path, mib, local_ranks=2)
     finally:
         swap.close()
+
+
+def test_a_failed_engine_constructor_releases_the_parameters_swap_folder(tmp_path: Path, monkeypatch) -> None:
+    """The constructor raises after the parameters' folder was locked: the folder is gone and the lock free at
+    once (the traceback, which holds the half-built engine, still alive), so a retry on the path starts."""
+    import shardwise
+    from shardwise.engine import engine as engine_module
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 0, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+
+    def broken_monitor(_engine):
+        raise RuntimeError("a late failure")
+
+    monkeypatch.setattr(engine_module, "EngineMonitor", broken_monitor)
+    with pytest.raises(RuntimeError, match="a late failure") as failed:
+        shardwise.initialize(model=torch.nn.Linear(8, 8), config=cfg)
+    assert failed.value.__traceback__ is not None and os.listdir(tmp_path) == []  # both folders and locks gone
+    monkeypatch.undo()
+    engine, *_ = shardwise.initialize(model=torch.nn.Linear(8, 8), config=cfg)  # not "in use"
+    engine.destroy()
+    assert os.listdir(tmp_path) == []

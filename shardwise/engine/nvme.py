@@ -4,8 +4,10 @@ swapper wired to the engine's step, checkpoints and memory report. Thin on purpo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +73,33 @@ def attach_nvme(engine: EngineParts) -> OptimizerSwapper | None:
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     return OptimizerSwapper(engine.sharding.groups, engine.optimizer, settings, rank)
+
+
+def swaps_closed_on_failure(init: Callable[..., None]) -> Callable[..., None]:
+    """``Engine.__init__`` wrapped: when it raises after a swap folder was locked (``attach_param_swap``
+    takes the parameters' before sharding, ``attach_nvme`` the optimizer's after it), the folders are
+    removed and their locks released before the error leaves, not when the half-built engine is collected
+    (the traceback holds it), so a retry in the same process is not refused as "in use"."""
+    @functools.wraps(init)
+    def guarded(engine: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(engine, *args, **kwargs)
+        except BaseException:
+            close_swaps(engine)
+            raise
+    return guarded
+
+
+def close_swaps(engine: Any) -> None:
+    """The engine's NVMe swappers (optimizer, parameters) closed: threads stopped, files removed, locks
+    released (each idempotent; a close that fails is logged, the first error is the one raised)."""
+    for name in ("nvme", "nvme_params"):
+        swap = engine.__dict__.get(name)
+        if swap is not None:
+            try:
+                swap.close()
+            except Exception:  # noqa: BLE001 - the constructor's own error is the one to raise
+                log.exception("shardwise: closing the %s swap folder after a failed start", name)
 
 
 def attach_param_swap(engine: EngineParts, options: Any, model: Any) -> Any:
