@@ -70,7 +70,9 @@ def test_parameters_on_nvme_are_cpu_parameter_offload_to_the_bit(pool1, pool2, t
         assert r["resumed"] == r["cpu"][2:], r  # saved with NVMe parameters, loaded on another nvme_path
         rep = r["report"]
         assert r["store_bytes"] == 0 and r["param_files"] > 0, r
-        assert rep["master_params"] == 0 and rep["nvme_offloaded"] > 0, rep
+        assert rep["master_params"] == 0 and rep["nvme_offloaded"] > rep["nvme_param_offloaded"], rep
+        assert rep["nvme_param_offloaded"] == r["param_file_bytes"] > 0, (rep, r)
+        assert 0 < rep["nvme_param_buffers"] <= 2 * 3000 * 2 + 2 * 4096, rep  # buffer_count 2 of 3000 bf16 elements
         assert r["left"] == [], r
 
 

@@ -142,9 +142,9 @@ def nvme_resident(engine: EngineParts, write_back: bool):
 def nvme_memory(engine: EngineParts, rep: dict[str, int]) -> None:
     """``memory_report()``: what is on disk is not held (stand-ins counted out); the buffers are."""
     params = getattr(engine, "nvme_params", None)
-    if params is not None:  # the parameters' bounce buffers and max_in_cpu shards (counted in params already)
-        rep["nvme_buffers"] = params.bounce_bytes()
-        rep["nvme_offloaded"] = params.disk_bytes()
+    if params is not None:  # the parameters' bounce buffers (their max_in_cpu shards are in "params" already)
+        rep["nvme_param_buffers"] = params.bounce_bytes()
+        rep["nvme_param_offloaded"] = rep["nvme_offloaded"] = params.disk_bytes()
     swapper = getattr(engine, "nvme", None)
     if swapper is None:
         return
