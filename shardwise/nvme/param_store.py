@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
@@ -43,6 +44,10 @@ class ParamSwap:
         self.largest = 0  # bytes of the largest shard kept so far
         self.lock = threading.Lock()
         self.stores: list[NvmeParamStore] = []
+        # the overlap, measured: seconds the gathering thread waited for shard reads (a read needed now,
+        # or a read-ahead not finished when its layer came), against the seconds reads were in flight
+        # (``io.busy["read"]``); seconds the step's writes took (on the stepping thread)
+        self.waits = {"read_wait": 0.0, "reads": 0, "ahead": 0, "write": 0.0}
 
     def take(self) -> AlignedBuffer:
         """A bounce buffer: a free one, a new one while fewer than ``buffer_count`` exist, else the next freed."""
@@ -76,6 +81,22 @@ class ParamSwap:
         self.folder.close()
 
 
+class TimedRead(ReadWork):
+    """A read-ahead on the reader thread; :meth:`wait` adds the seconds it blocked to ``waits``."""
+
+    def __init__(self, future: Any, waits: dict):
+        super().__init__(future)
+        self.waits = waits
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            super().wait()
+        finally:
+            self.waits["read_wait"] += time.perf_counter() - t0
+            self.waits["reads"] += 1
+
+
 class NvmeParamStore(ShardStore):
     """A stage-3 shard in a swap file (or, within ``max_in_cpu``, in host memory)."""
 
@@ -105,15 +126,21 @@ class NvmeParamStore(ShardStore):
                 owned.copy_(self.shard, non_blocking=True)
             return None
         if async_read:
-            return ReadWork(read_pool().submit(self._read, owned))
+            self.swap.waits["ahead"] += 1
+            return TimedRead(read_pool().submit(self._read, owned), self.swap.waits)
+        t0 = time.perf_counter()
         self._read(owned)
+        self.swap.waits["read_wait"] += time.perf_counter() - t0
+        self.swap.waits["reads"] += 1
         return None
 
     def update(self, src: torch.Tensor, non_blocking: bool = False) -> None:  # noqa: ARG002
         if self.shard is not None:
             self.shard.copy_(src)
         else:  # the master (fp32) rounded to the parameters' dtype, as a resident shard's copy_ rounds it
+            t0 = time.perf_counter()
             self._write(src if src.dtype == self.dtype else src.to(self.dtype))
+            self.swap.waits["write"] += time.perf_counter() - t0
 
     @property
     def nbytes(self) -> int:
