@@ -153,3 +153,29 @@ def test_a_failed_engine_constructor_releases_the_parameters_swap_folder(tmp_pat
     engine, *_ = shardwise.initialize(model=torch.nn.Linear(8, 8), config=cfg)  # not "in use"
     engine.destroy()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_write_behind_is_raised_by_the_reads_never_a_stale_shard(tmp_path: Path, monkeypatch) -> None:
+    """The step's writes run behind it on the writer thread: one that fails is raised by its store's next
+    read and by those of every store written after it (their files keep the previous generation, which
+    must not be read as current), and by close()."""
+    swap = _swap(tmp_path)
+    try:
+        a, b = _stored(swap, torch.ones(6, dtype=torch.bfloat16)), _stored(swap, torch.ones(6, dtype=torch.bfloat16))
+        real = swap.io.write
+
+        def full_disk(f, t, offset=0):
+            if f.path.name == "param00000.swap":
+                raise AioError(f"{f.path}: write of {t.numel()} bytes at offset {offset} failed: No space left")
+            return real(f, t, offset)
+
+        monkeypatch.setattr(swap.io, "write", full_disk)
+        a.update(torch.full((6,), 2.0))  # returns: the write is behind
+        b.update(torch.full((6,), 3.0))
+        for store in (a, b):
+            with pytest.raises(AioError, match=r"param00000.swap: write of .* No space left"):
+                _read(store, 6)
+    finally:
+        with pytest.raises(AioError, match="No space left"):
+            swap.close()
+    assert os.listdir(tmp_path) == []

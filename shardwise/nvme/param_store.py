@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ class ParamSwap:
         # or a read-ahead not finished when its layer came), against the seconds reads were in flight
         # (``io.busy["read"]``); seconds the step's writes took (on the stepping thread)
         self.waits = {"read_wait": 0.0, "reads": 0, "ahead": 0, "write": 0.0}
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="shardwise-param-write")
+        self.last: Future | None = None  # the write queued last
 
     def take(self) -> AlignedBuffer:
         """A bounce buffer: a free one, a new one while fewer than ``buffer_count`` exist, else the next freed."""
@@ -72,13 +75,30 @@ class ParamSwap:
         """The shards in files (their headers and block padding not counted)."""
         return sum(s.numel * s.dtype.itemsize for s in self.stores if s.file is not None)
 
+    def queue_write(self, store: NvmeParamStore, data: torch.Tensor) -> Future:
+        """``store``'s new shard (a host tensor of its own) written on the writer thread, after the write
+        queued before it is done: one write in flight, overlapping what the stepping thread does next
+        (the next group's step, the next forward), so at most two shards are in transit on the host."""
+        prev = self.last
+        if prev is not None:
+            wait([prev])
+        # a failed write fails every write queued after it, so each of those stores' reads raises it too
+        # (never a store left holding its previous, stale, generation as if current)
+        self.last = self.writer.submit(store.write_now, data, prev)
+        return self.last
+
     def close(self) -> None:
-        """Wait for the transfers, close and remove the files, release the lock (idempotent)."""
+        """Wait for the transfers, close and remove the files, release the lock (idempotent); a failed
+        write no read has met yet is raised after the cleanup."""
+        self.writer.shutdown(wait=True)
         self.io.close()
         for s in self.stores:
             if s.file is not None:
                 s.file.close()
         self.folder.close()
+        last, self.last = self.last, None
+        if last is not None and last.exception() is not None:
+            raise last.exception()
 
 
 class TimedRead(ReadWork):
@@ -108,6 +128,7 @@ class NvmeParamStore(ShardStore):
         self.swap, self.path, self.file = swap, path, None
         self.numel, self.dtype = 0, torch.bfloat16
         self.generation = 0  # of the file's last write (its header says the same)
+        self.pending: Future | None = None  # the write queued last (write-behind), waited for by reads
 
     def keep(self, group: Any, owned: torch.Tensor | None) -> None:
         self.numel, self.dtype = group.own_numel, group.dtype
@@ -127,9 +148,9 @@ class NvmeParamStore(ShardStore):
             return None
         if async_read:
             self.swap.waits["ahead"] += 1
-            return TimedRead(read_pool().submit(self._read, owned), self.swap.waits)
+            return TimedRead(read_pool().submit(self._read_after_write, owned), self.swap.waits)
         t0 = time.perf_counter()
-        self._read(owned)
+        self._read_after_write(owned)
         self.swap.waits["read_wait"] += time.perf_counter() - t0
         self.swap.waits["reads"] += 1
         return None
@@ -139,8 +160,24 @@ class NvmeParamStore(ShardStore):
             self.shard.copy_(src)
         else:  # the master (fp32) rounded to the parameters' dtype, as a resident shard's copy_ rounds it
             t0 = time.perf_counter()
-            self._write(src if src.dtype == self.dtype else src.to(self.dtype))
+            # a host copy of its own, made here (a device's on this thread's stream): the caller may change
+            # ``src`` (the next step) while the writer thread writes it
+            data = src.detach().to("cpu", self.dtype, copy=True)
+            self.pending = self.swap.queue_write(self, data)
             self.swap.waits["write"] += time.perf_counter() - t0
+
+    def write_now(self, data: torch.Tensor, prev: Future | None) -> None:
+        """On the writer thread: ``data`` into the file, the next generation stamped (``prev``'s error,
+        the write queued before, raised instead)."""
+        if prev is not None:
+            prev.result()
+        self._write(data)
+
+    def _read_after_write(self, dst: torch.Tensor) -> None:
+        """The store's last write done (its error raised: the file is not what it should hold), then read."""
+        if self.pending is not None:
+            self.pending.result()
+        self._read(dst)
 
     @property
     def nbytes(self) -> int:
