@@ -165,7 +165,8 @@ def _param_table(disk: dict, cpu: dict, nvme: dict) -> list[str]:
         f"| reads per step: made ahead (prefetch) / all | {nvme['ahead']:.0f} / {nvme['reads']:.0f} |",
         f"| seconds reads were in flight / the gathers waited for them | {nvme['read_s']:.3f} / "
         f"{nvme['read_wait_s']:.3f} s: {hidden:.0%} of the read time hidden behind compute |",
-        f"| seconds the step's parameter writes took (not overlapped) | {nvme['write_wait_s']:.3f} s |",
+        f"| seconds the stepping thread spent handing the writes over (a host copy, a wait for one of "
+        f"buffer_count write slots) | {nvme['write_wait_s']:.3f} s |",
         f"| step, parameters on CPU / on NVMe | {cpu['step_s']:.3f} / {nvme['step_s']:.3f} s "
         f"({nvme['step_s'] / cpu['step_s']:.2f}x) |",
         f"| peak RSS, parameters on CPU / on NVMe | {cpu['peak_rss'] / gb:.3f} / {nvme['peak_rss'] / gb:.3f} GB |",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -51,6 +52,7 @@ class ParamSwap:
         self.waits = {"read_wait": 0.0, "reads": 0, "ahead": 0, "write": 0.0}
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="shardwise-param-write")
         self.last: Future | None = None  # the write queued last
+        self.in_flight: deque[Future] = deque()  # writes queued, oldest first
 
     def take(self) -> AlignedBuffer:
         """A bounce buffer: a free one, a new one while fewer than ``buffer_count`` exist, else the next freed."""
@@ -76,15 +78,17 @@ class ParamSwap:
         return sum(s.numel * s.dtype.itemsize for s in self.stores if s.file is not None)
 
     def queue_write(self, store: NvmeParamStore, data: torch.Tensor) -> Future:
-        """``store``'s new shard (a host tensor of its own) written on the writer thread, after the write
-        queued before it is done: one write in flight, overlapping what the stepping thread does next
-        (the next group's step, the next forward), so at most two shards are in transit on the host."""
+        """``store``'s new shard (a host tensor of its own) written on the writer thread, in order: at most
+        ``buffer_count`` writes in flight (the oldest waited for first), overlapping what the stepping
+        thread does next (the next groups' publish, the next forward), so at most ``buffer_count + 1``
+        shards are in transit on the host."""
+        while len(self.in_flight) >= self.buffers:
+            wait([self.in_flight.popleft()])
         prev = self.last
-        if prev is not None:
-            wait([prev])
         # a failed write fails every write queued after it, so each of those stores' reads raises it too
         # (never a store left holding its previous, stale, generation as if current)
         self.last = self.writer.submit(store.write_now, data, prev)
+        self.in_flight.append(self.last)
         return self.last
 
     def close(self) -> None:
@@ -121,6 +125,7 @@ class NvmeParamStore(ShardStore):
     """A stage-3 shard in a swap file (or, within ``max_in_cpu``, in host memory)."""
 
     rereads = True  # no resident shard to compare with or to quantize from
+    reads_ahead_of_gather = True  # several ranks: a prefetch reads on the reader thread, all-gathers at the wait
     writable = True  # a trainable group may use it: update() rewrites the file
 
     def __init__(self, swap: ParamSwap, path: Any):
