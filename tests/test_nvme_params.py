@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections import namedtuple
+from concurrent.futures import wait
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,8 +48,10 @@ def test_a_parameter_file_reads_back_and_refuses_a_change_a_stale_copy_and_a_tru
         store = _stored(swap, values)
         assert torch.equal(_read(store, numel), values) and store.generation == 1
         stale = store.path.read_bytes()
-        store.update(values * 2)  # a step: the next generation
-        assert torch.equal(_read(store, numel), values * 2) and store.generation == 2
+        store.update(values * 2)  # a step: the next generation, written behind
+        assert torch.equal(_read(store, numel), values * 2)  # from the write's copy, or from the file
+        store.pending.result()
+        assert torch.equal(_read(store, numel), values * 2) and store.generation == 2  # from the file
         current = store.path.read_bytes()
         store.path.write_bytes(stale)  # the previous write's file, intact but stale
         with pytest.raises(SwapFileError, match=r"param00000.swap: parameter swap file is generation 1 .* "
@@ -172,6 +175,7 @@ def test_a_failed_write_behind_is_raised_by_the_reads_never_a_stale_shard(tmp_pa
         monkeypatch.setattr(swap.io, "write", full_disk)
         a.update(torch.full((6,), 2.0))  # returns: the write is behind
         b.update(torch.full((6,), 3.0))
+        wait(list(swap.in_flight))  # (a read before the writes end copies their data: the step's values)
         for store in (a, b):
             with pytest.raises(AioError, match=r"param00000.swap: write of .* No space left"):
                 _read(store, 6)
@@ -179,3 +183,25 @@ def test_a_failed_write_behind_is_raised_by_the_reads_never_a_stale_shard(tmp_pa
         with pytest.raises(AioError, match="No space left"):
             swap.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_read_while_its_write_is_behind_gets_the_new_shard(tmp_path: Path, monkeypatch) -> None:
+    """The next forward may gather a group whose write is still in flight: it gets the step's values from the
+    write's own host copy (no wait, and never the file's previous generation)."""
+    import threading
+
+    swap = _swap(tmp_path)
+    try:
+        store = _stored(swap, torch.ones(6, dtype=torch.bfloat16))
+        gate, real = threading.Event(), swap.io.write
+        monkeypatch.setattr(swap.io, "write", lambda f, t, offset=0: (gate.wait(), real(f, t, offset))[1])
+        store.update(torch.full((6,), 2.0))
+        assert torch.equal(_read(store, 6), torch.full((6,), 2.0)) and not store.pending.done()
+        assert store.generation == 1  # the file still holds the first generation
+        gate.set()
+        store.pending.result()
+        assert store.unwritten is None and store.generation == 2
+        assert torch.equal(_read(store, 6), torch.full((6,), 2.0))
+    finally:
+        gate.set()
+        swap.close()

@@ -134,6 +134,7 @@ class NvmeParamStore(ShardStore):
         self.numel, self.dtype = 0, torch.bfloat16
         self.generation = 0  # of the file's last write (its header says the same)
         self.pending: Future | None = None  # the write queued last (write-behind), waited for by reads
+        self.unwritten: torch.Tensor | None = None  # its data while the write is not done (reads copy it)
 
     def keep(self, group: Any, owned: torch.Tensor | None) -> None:
         self.numel, self.dtype = group.own_numel, group.dtype
@@ -168,18 +169,30 @@ class NvmeParamStore(ShardStore):
             # a host copy of its own, made here (a device's on this thread's stream): the caller may change
             # ``src`` (the next step) while the writer thread writes it
             data = src.detach().to("cpu", self.dtype, copy=True)
+            self.unwritten = data
             self.pending = self.swap.queue_write(self, data)
             self.swap.waits["write"] += time.perf_counter() - t0
 
     def write_now(self, data: torch.Tensor, prev: Future | None) -> None:
         """On the writer thread: ``data`` into the file, the next generation stamped (``prev``'s error,
         the write queued before, raised instead)."""
-        if prev is not None:
-            prev.result()
-        self._write(data)
+        try:
+            if prev is not None:
+                prev.result()
+            self._write(data)
+        finally:
+            if self.unwritten is data:
+                self.unwritten = None  # the host copy goes with the write (a read holding it keeps its own)
 
     def _read_after_write(self, dst: torch.Tensor) -> None:
-        """The store's last write done (its error raised: the file is not what it should hold), then read."""
+        """The new shard copied from its write's host copy while that write is not done (no wait, no disk
+        read: the bytes the file will hold); else the last write's error raised (the file is not what it
+        should hold), then the file read."""
+        data = self.unwritten
+        if data is not None:  # the new shard is still on its way to the disk: its bytes, not the file's
+            with torch.no_grad():
+                dst.copy_(data)
+            return
         if self.pending is not None:
             self.pending.result()
         self._read(dst)
