@@ -1,6 +1,7 @@
 """Parameters on NVMe (ZeRO-Infinity's ``offload_param.device: nvme``): a stage-3 store whose shard lives
 in a swap file, read back at every gather (ahead of use: the fetcher's prefetch runs the read on the reader
-thread when one rank gathers) and rewritten when the parameters change (a step, an edit, a load).
+thread, at any number of ranks: ``reads_ahead_of_gather``) and rewritten when the parameters change (a
+step, an edit, a load: on the writer thread, behind the step, ``ParamSwap.queue_write``).
 
 ``max_in_cpu`` elements of shards stay in host memory (the first groups built, as a resident copy), the
 rest go to files; every transfer passes through ``buffer_count`` aligned bounce buffers of ``buffer_size``
