@@ -92,7 +92,7 @@ def swaps_closed_on_failure(init: Callable[..., None]) -> Callable[..., None]:
 
 def close_swaps(engine: Any) -> None:
     """The engine's NVMe swappers (optimizer, parameters) closed: threads stopped, files removed, locks
-    released (each idempotent; a close that fails is logged, the first error is the one raised)."""
+    released (each idempotent; a close that fails is logged: the constructor's own error is the one raised)."""
     for name in ("nvme", "nvme_params"):
         swap = engine.__dict__.get(name)
         if swap is not None:
