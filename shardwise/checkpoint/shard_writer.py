@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,6 +123,12 @@ def write_shard_engine(path: Path, pieces: list[tuple[str, torch.Tensor]]) -> tu
     finally:
         f.close()
     return sha, size
+
+
+def safetensors_writer(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Any:
+    """A streaming safetensors writer for an HF export file: :class:`EngineSafetensorsWriter`, or the
+    buffered ``SafetensorsWriter`` when :data:`ENGINE` is off (the same switch as a shard's)."""
+    return EngineSafetensorsWriter(path, specs) if ENGINE else SafetensorsWriter(path, specs)
 
 
 class EngineSafetensorsWriter:
