@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -51,10 +51,10 @@ def main() -> None:
     if len(shas["buffered"] | shas["engine"]) != 1:
         raise SystemExit(f"the two writers' files differ: {shas}")
     nbytes = len(tensors) * (4 << 20)
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name}: median {med:.3f} s for {nbytes >> 20} MiB: {nbytes / med / 1e9:.2f} GB/s "
-              f"(rounds: {', '.join(f'{t:.3f}' for t in ts)})")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers in shared/
+    from shared.timing import median_lines
+
+    print("\n".join(median_lines(times, nbytes, "")))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
     python benchmarks/inference/bench_read_engine.py --folder /tmp --mib 256 --rounds 5
 
-``files/safetensors_io.read_into`` hands every read to ``shardwise.aio.shared_engine()`` (one hop to the
-engine's worker thread). This measures what that hop costs: ``--mib`` MiB written as 4 MiB tensors to one
+``files/safetensors_io.read_into`` reads through ``shardwise.aio.shared_engine().read_now`` (the engine's
+calls, checks and counters on the calling thread). This measures what that costs: ``--mib`` MiB written as 4 MiB tensors to one
 safetensors file, then read back tensor by tensor into one reused buffer, alternating the engine path and a
 plain ``os.preadv`` loop (the former ``read_into``), ``--rounds`` times each; prints the median seconds and
 GB/s of each (the page cache warm after the first round: the hop's cost, not the disk, is measured).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -60,10 +60,10 @@ def main() -> None:
         sio.read_into = engine_read_into
         path.unlink()
     nbytes = len(names) * (4 << 20)
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name}: median {med:.3f} s for {nbytes >> 20} MiB in {len(names)} reads: {nbytes / med / 1e9:.2f} GB/s "
-              f"(rounds: {', '.join(f'{t:.3f}' for t in ts)})")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers in shared/
+    from shared.timing import median_lines
+
+    print("\n".join(median_lines(times, nbytes, f" in {len(names)} reads")))
 
 
 if __name__ == "__main__":

@@ -133,13 +133,26 @@ class IOEngine:
         """Wait for every transfer in flight, then stop the threads (idempotent)."""
         self._pool.shutdown(wait=True)
 
-    def _submit(self, f: AioFile, t: torch.Tensor, offset: int, write: bool, need: int | None = None) -> IOHandle:
+    def read_now(self, f: AioFile, t: torch.Tensor, offset: int = 0, need: int | None = None) -> None:
+        """:meth:`read` done on the calling thread, for a caller that would only wait for it (a reader
+        thread of its own, as ZeRO-Inference's): the same calls, checks, errors and counters, without
+        the hop to a worker (a thread wake-up per read, which a loaded host delays)."""
+        view = self._checked_view(f, t, offset)
+        if len(view):
+            self._move(f, view, offset, False, len(view) if need is None else need, t)
+
+    def _checked_view(self, f: AioFile, t: torch.Tensor, offset: int) -> memoryview:
         view = _byte_view(t)
         n = len(view)
-        need = n if need is None else need
         if f.direct and (offset % ALIGN or n % ALIGN or t.data_ptr() % ALIGN):
             raise ValueError(f"{f.path}: direct I/O needs the address, offset ({offset}) and length ({n}) "
                              f"aligned to {ALIGN} bytes (use shardwise.aio.AlignedBuffer)")
+        return view
+
+    def _submit(self, f: AioFile, t: torch.Tensor, offset: int, write: bool, need: int | None = None) -> IOHandle:
+        view = self._checked_view(f, t, offset)
+        n = len(view)
+        need = n if need is None else need
         parts = min(self.config.intra_op_parallelism, max(1, n // ALIGN))
         step = align_up(-(-n // parts))
         futures = [self._pool.submit(self._move, f, view[a:min(n, a + step)], offset + a, write,

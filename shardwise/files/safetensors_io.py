@@ -53,12 +53,12 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def read_into(fd: int, pos: int, dst: torch.Tensor, what: str) -> None:
     """``dst``'s bytes read at ``pos`` straight into the contiguous CPU tensor ``dst``, through the library's
-    one I/O engine (``shardwise.aio.shared_engine``: ``preadv`` on its worker, which releases the GIL; a
-    short read is an ``AioError`` naming ``what``). Buffered, not ``O_DIRECT``: a safetensors tensor starts
-    at any byte."""
+    one I/O engine (``shardwise.aio.shared_engine().read_now``: its ``preadv`` calls, which release the
+    GIL, on the calling thread, ZeRO-Inference's reader thread; a short read is an ``AioError`` naming
+    ``what``). Buffered, not ``O_DIRECT``: a safetensors tensor starts at any byte."""
     if dst.numel() == 0:
         return
-    shared_engine().read(AioFile(Path(what), fd, direct=False), dst, pos).wait()
+    shared_engine().read_now(AioFile(Path(what), fd, direct=False), dst, pos)
 
 
 @dataclass(frozen=True)
