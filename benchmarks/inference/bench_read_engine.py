@@ -3,9 +3,10 @@
     python benchmarks/inference/bench_read_engine.py --folder /tmp --mib 256 --rounds 5
 
 ``files/safetensors_io.read_into`` reads through ``shardwise.aio.shared_engine().read_now`` (the engine's
-calls, checks and counters on the calling thread). This measures what that costs: ``--mib`` MiB written as 4 MiB tensors to one
-safetensors file, then read back tensor by tensor into one reused buffer, alternating the engine path and a
-plain ``os.preadv`` loop (the former ``read_into``), ``--rounds`` times each; prints the median seconds and
+calls, checks and counters on the calling thread). This measures what that costs: ``--mib`` MiB written
+as 4 MiB tensors to one safetensors file, then read back tensor by tensor into one reused buffer,
+alternating the engine path and a plain ``os.preadv`` loop (the former ``read_into``), ``--rounds`` times
+each; prints the median seconds and
 GB/s of each (the page cache warm after the first round: the hop's cost, not the disk, is measured).
 """
 
