@@ -37,6 +37,7 @@ def test_nvme_parameters_on_a_device(world2, tmp_path, monkeypatch):
     device buffer; the file transfers skipped as above (a fake tensor has no bytes)."""
     from shardwise.nvme import NvmeParamStore
 
+    monkeypatch.setattr(NvmeParamStore, "reads_ahead_of_gather", True)  # the read-then-all-gather path too
     monkeypatch.setattr(NvmeParamStore, "_read", lambda self, dst: None)
     monkeypatch.setattr(NvmeParamStore, "_write", lambda self, src: None)
     cfg = config(3, "bf16", offload_param={"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0},

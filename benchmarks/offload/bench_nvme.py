@@ -2,6 +2,9 @@
 
     python benchmarks/offload/bench_nvme.py --nvme-path /mnt/nvme          # the measurement
     python benchmarks/offload/bench_nvme.py --nvme-path /tmp --smoke       # tiny sizes
+    python benchmarks/offload/bench_nvme.py --nvme-path /mnt/nvme --params # ZeRO-3 parameters, CPU vs NVMe
+    shardwise launch --nproc 2 benchmarks/offload/bench_nvme.py --child nvme --params --nvme-path /mnt/nvme
+                                                                            # one mode at two ranks: a RESULT line each
 
 1. **The disk**: sequential write then read of ``--disk-mib`` MiB in one file through shardwise's I/O engine
    (``shardwise.aio``: O_DIRECT where the filesystem takes it, so the page cache is not measured), with the
@@ -88,6 +91,10 @@ def child(args) -> None:
                       num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
                       num_key_value_heads=max(1, args.hidden // 64), max_position_embeddings=args.seq)
     model = AutoModelForCausalLM.from_config(cfg)
+    if args.param_read_then_gather:  # several ranks: the read on the reader thread, the all-gather at the wait
+        from shardwise.nvme import NvmeParamStore
+
+        NvmeParamStore.reads_ahead_of_gather = True
     engine, *_ = shardwise.initialize(model=model, config=_config(args, args.child, args.nvme_path))
     ids = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     times, losses, io0 = [], [], None
@@ -231,6 +238,9 @@ def main() -> None:
     p.add_argument("--params", action="store_true",
                    help="stage 3 with offload_param on the CPU, then on NVMe (the optimizer on the CPU in both)")
     p.add_argument("--param-buffer-size", type=int, default=100_000_000, help="offload_param.buffer_size")
+    p.add_argument("--param-read-then-gather", action="store_true",
+                   help="several ranks: read a prefetched shard on the reader thread and all-gather it when "
+                        "waited for (NvmeParamStore.reads_ahead_of_gather), against the default")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:

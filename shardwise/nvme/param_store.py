@@ -1,6 +1,7 @@
 """Parameters on NVMe (ZeRO-Infinity's ``offload_param.device: nvme``): a stage-3 store whose shard lives
 in a swap file, read back at every gather (ahead of use: the fetcher's prefetch runs the read on the reader
-thread, at any number of ranks: ``reads_ahead_of_gather``) and rewritten when the parameters change (a
+thread at one rank; at several the read runs at the prefetch, its all-gather after it: see
+``reads_ahead_of_gather``) and rewritten when the parameters change (a
 step, an edit, a load: on the writer thread, behind the step, ``ParamSwap.queue_write``).
 
 ``max_in_cpu`` elements of shards stay in host memory (the first groups built, as a resident copy), the
@@ -126,7 +127,12 @@ class NvmeParamStore(ShardStore):
     """A stage-3 shard in a swap file (or, within ``max_in_cpu``, in host memory)."""
 
     rereads = True  # no resident shard to compare with or to quantize from
-    reads_ahead_of_gather = True  # several ranks: a prefetch reads on the reader thread, all-gathers at the wait
+    # several ranks: True reads a prefetched shard on the reader thread and all-gathers when the gather is
+    # waited for (zero/pending.ReadThenGather); off, the read runs on the main thread at the prefetch and the
+    # all-gather after it is asynchronous. Off by default: at two CPU ranks the step took 1.79-2.32 s with it
+    # and 1.02-1.52 s without, in three pairs of runs (the all-gathers lose their overlap; docs/offload.md,
+    # bench_nvme.py --param-read-then-gather). One rank always reads ahead on the reader thread.
+    reads_ahead_of_gather = False
     writable = True  # a trainable group may use it: update() rewrites the file
 
     def __init__(self, swap: ParamSwap, path: Any):
