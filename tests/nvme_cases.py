@@ -230,6 +230,8 @@ def params_on_nvme(save_dir: str) -> dict:
             units = [g for gs in engine.unit_groups for g in gs]
             out["store_bytes"] = sum(g.store.nbytes for g in units)  # no shard in memory (max_in_cpu 0)
             out["param_files"] = sum(s.file is not None for s in engine.nvme_params.stores)
+            out["param_file_bytes"] = sum(s.numel * 2 for s in engine.nvme_params.stores if s.file is not None)
+            out["reads"] = dict(engine.nvme_params.waits)  # reads made ahead (prefetch) and all reads
         engine.destroy()
     out["left"] = os.listdir(roots[0])
     first, _ = _train(cfg("nvme", "cpu", roots[1]), 2, data=data)

@@ -63,14 +63,18 @@ def test_offload_states_then_reload_is_bit_equal(pool2, stage, precision, tp):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_parameters_on_nvme_are_cpu_parameter_offload_to_the_bit(pool1, pool2, tmp_path, ranks):
-    """offload_param.device nvme (stage 3): one rank reads ahead on the reader thread, two read at the gather."""
+    """offload_param.device nvme (stage 3): one rank reads ahead on the reader thread, two read at the prefetch."""
     res = (pool1 if ranks == 1 else pool2).run("nvme_cases:params_on_nvme", str(tmp_path / "ckpt"))
     for r in res:
         assert r["nvme_cpu"] == r["cpu"] and r["nvme_nvme"] == r["cpu"], r
         assert r["resumed"] == r["cpu"][2:], r  # saved with NVMe parameters, loaded on another nvme_path
         rep = r["report"]
         assert r["store_bytes"] == 0 and r["param_files"] > 0, r
-        assert rep["master_params"] == 0 and rep["nvme_offloaded"] > 0, rep
+        assert rep["master_params"] == 0 and rep["nvme_offloaded"] > rep["nvme_param_offloaded"], rep
+        assert rep["nvme_param_offloaded"] == r["param_file_bytes"] > 0, (rep, r)
+        assert 0 < rep["nvme_param_buffers"] <= 2 * 3000 * 2 + 2 * 4096, rep  # buffer_count 2 of 3000 bf16 elements
+        if ranks == 1:  # one rank reads ahead on the reader thread (several: at the prefetch, reads_ahead_of_gather)
+            assert 0 < r["reads"]["ahead"] <= r["reads"]["reads"], r["reads"]
         assert r["left"] == [], r
 
 

@@ -29,3 +29,21 @@ def test_nvme_offload_steps_on_a_device(world2, tmp_path, monkeypatch, stage):
     assert engine.nvme is not None and all(g.master.device.type == "cpu" for g in engine.groups)
     assert not guard.in_flight
     engine.destroy()
+
+
+def test_nvme_parameters_on_a_device(world2, tmp_path, monkeypatch):
+    """Parameters on NVMe under the guard at two (fake) ranks: the prefetch's read-then-all-gather, the
+    step's hand-over of each new shard to the writer (a host copy of a device tensor), the gathers into the
+    device buffer; the file transfers skipped as above (a fake tensor has no bytes)."""
+    from shardwise.nvme import NvmeParamStore
+
+    monkeypatch.setattr(NvmeParamStore, "reads_ahead_of_gather", True)  # the read-then-all-gather path too
+    monkeypatch.setattr(NvmeParamStore, "_read", lambda self, dst: None)
+    monkeypatch.setattr(NvmeParamStore, "_write", lambda self, src: None)
+    cfg = config(3, "bf16", offload_param={"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0},
+                 offload_optimizer={"device": "cpu"})
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, guard = train_steps(cfg)
+    assert engine.nvme_params is not None and engine.nvme_params.waits["ahead"] > 0
+    assert not guard.in_flight
+    engine.destroy()

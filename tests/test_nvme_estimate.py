@@ -28,3 +28,25 @@ def test_nvme_with_bf16_states_and_ranks(capsys) -> None:
     n = _json(capsys, "--params", "8B", "--devices", "8", "--offload", "nvme", "--master", "states")["stages"]["2"]
     assert n["nvme_bytes"] == 8 * 10**9  # 8 B/param (2 master copy + 2 + 2 moments + 2 Kahan) / 8 ranks
     assert n["host_bytes"] == 4 * 8 * (500_000_000 // 8) + 2 * 10**9  # + the bf16 gradient shard
+
+
+def test_nvme_parameters_put_the_16_bit_shard_on_disk_and_count_their_buffers(capsys) -> None:
+    """--nvme-params (stage 3): the device holds parameter offload's bytes; the optimizer part is --offload
+    nvme's; the parameter shard less max_in_cpu elements goes to disk, and the host adds the bounce buffers."""
+    argv = ["--params", "14B", "--devices", "2", "--offload", "nvme", "--nvme-buffers", "2", "--nvme-group", "778M"]
+    opt = _json(capsys, *argv)["stages"]["3"]
+    params = _json(capsys, "--params", "14B", "--devices", "2", "--offload", "params")["stages"]["3"]
+    n = _json(capsys, *argv, "--nvme-params", "--nvme-param-buffers", "4", "--nvme-param-buffer-size", "1e8",
+              "--nvme-max-in-cpu", "1e9", "--nvme-bandwidth", "7GB")
+    both = n["stages"]["3"]
+    shard = 2 * 7 * 10**9  # bf16 parameters over 2 ranks
+    assert both["per_device_bytes"] == params["per_device_bytes"]
+    assert both["nvme_bytes"] == opt["nvme_bytes"] + shard - 2 * 10**9  # max_in_cpu 1e9 elements stay
+    assert both["host_bytes"] == opt["host_bytes"] + 2 * 10**9 + 4 * 2 * 10**8  # + in-CPU shards + 4 buffers
+    assert n["stages"]["2"] == _json(capsys, *argv)["stages"]["2"]  # stages 1-2 do not offload parameters
+    assert "Parameter I/O: 2·12.00 GB read per micro-batch" in n["notes"][-1]
+
+
+def test_nvme_params_without_nvme_offload_is_refused(capsys) -> None:
+    assert main(["--params", "1B", "--devices", "1", "--offload", "params", "--nvme-params"]) == 2
+    assert "--nvme-params goes with --offload nvme" in capsys.readouterr().err

@@ -44,13 +44,13 @@ def test_a_failed_read_under_resident_does_not_restamp_the_bad_file(tmp_path: Pa
 
 def test_the_parameters_room_check_counts_an_fp32_models_four_bytes(tmp_path: Path, monkeypatch) -> None:
     """The parameters' files hold the model's own dtype: an fp32 model's need is 4 bytes an element, not 2."""
-    model = torch.nn.Linear(100, 10)  # 1010 fp32 parameters: 4040 bytes in swap files
+    model = torch.nn.Linear(100, 10)  # 1010 fp32 parameters: 4040 bytes, a header and a padding block in swap files
     op = SimpleNamespace(device="nvme", nvme_path=str(tmp_path), buffer_count=2, buffer_size=1 << 20,
                          max_in_cpu=0)
     config = SimpleNamespace(zero_optimization=SimpleNamespace(offload_param=op), aio={})
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr("shutil.disk_usage", lambda _p: usage(1 << 30, 1 << 30, 3000))
-    with pytest.raises(UserError, match=r"the swap files need .*\(4040 bytes\)"):
+    with pytest.raises(UserError, match=r"the swap files need .*\(12232 bytes\)"):
         swap = param_swap(config, model)
         swap.close()
 

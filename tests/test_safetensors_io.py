@@ -201,3 +201,19 @@ def test_converted_reads_go_through_bounded_staging(tmp_path, monkeypatch):
         for t in threads:
             t.join()
         assert all(torch.equal(g, w.double()) for g in got.values())
+
+
+def test_reads_go_through_the_libraries_io_engine_and_a_short_read_names_the_file(tmp_path) -> None:
+    """ZeRO-Inference's disk tier reads through ``shardwise.aio`` (its shared engine counts the bytes); a
+    file cut short after its header was checked is an AioError naming the file and the tensor."""
+    from shardwise.aio import AioError, shared_engine
+
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(1000)}, str(path))
+    with SafetensorsFile(path) as f:
+        before = shared_engine().bytes_read
+        assert torch.equal(f.read_tensor("a"), torch.arange(1000, dtype=torch.float32))
+        assert shared_engine().bytes_read - before == 4000
+        os.truncate(path, f.info("b").offset + 100)
+        with pytest.raises(AioError, match=r"m\.safetensors \(b\): the file ends at byte"):
+            f.read_tensor("b")

@@ -2,6 +2,9 @@
 
     python benchmarks/offload/bench_nvme.py --nvme-path /mnt/nvme          # the measurement
     python benchmarks/offload/bench_nvme.py --nvme-path /tmp --smoke       # tiny sizes
+    python benchmarks/offload/bench_nvme.py --nvme-path /mnt/nvme --params # ZeRO-3 parameters, CPU vs NVMe
+    shardwise launch --nproc 2 benchmarks/offload/bench_nvme.py --child nvme --params --nvme-path /mnt/nvme
+                                                                            # one mode at two ranks: a RESULT line each
 
 1. **The disk**: sequential write then read of ``--disk-mib`` MiB in one file through shardwise's I/O engine
    (``shardwise.aio``: O_DIRECT where the filesystem takes it, so the page cache is not measured), with the
@@ -65,6 +68,8 @@ def disk_bandwidth(folder: Path, mib: int, threads: int) -> dict:
 
 
 def _config(args, device: str, nvme_path: str) -> dict:
+    if args.params:  # parameters on ``device`` at stage 3, the optimizer on the CPU in both runs
+        return _param_config(args, device, nvme_path)
     oo = {"device": device}
     if device == "nvme":
         oo.update(nvme_path=nvme_path, buffer_count=args.buffers, pipeline_read=True, pipeline_write=True)
@@ -86,11 +91,17 @@ def child(args) -> None:
                       num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
                       num_key_value_heads=max(1, args.hidden // 64), max_position_embeddings=args.seq)
     model = AutoModelForCausalLM.from_config(cfg)
+    if args.param_read_then_gather:  # several ranks: the read on the reader thread, the all-gather at the wait
+        from shardwise.nvme import NvmeParamStore
+
+        NvmeParamStore.reads_ahead_of_gather = True
     engine, *_ = shardwise.initialize(model=model, config=_config(args, args.child, args.nvme_path))
     ids = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     times, losses, io0 = [], [], None
     for s in range(args.steps):
-        if s == 1 and engine.nvme is not None:  # after the warm-up step
+        if s == 1 and engine.nvme_params is not None:  # after the warm-up step
+            io0 = _param_counters(engine.nvme_params)
+        elif s == 1 and engine.nvme is not None:
             io = engine.nvme.io
             io0 = (io.bytes_read, io.bytes_written, io.seconds_read, io.seconds_written, io.busy["any"])
         t0 = time.perf_counter()
@@ -102,6 +113,8 @@ def child(args) -> None:
     out = {"step_s": statistics.median(times[1:]), "losses": losses,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "params": sum(p.numel() for p in model.parameters()), "report": dict(engine.memory_report())}
+    if engine.nvme_params is not None:
+        out.update(_param_io(engine.nvme_params, io0, args.steps - 1))
     if engine.nvme is not None:
         io, n = engine.nvme.io, args.steps - 1
         out.update(read_bytes=(io.bytes_read - io0[0]) / n, write_bytes=(io.bytes_written - io0[1]) / n,
@@ -109,6 +122,64 @@ def child(args) -> None:
                    busy_s=(io.busy["any"] - io0[4]) / n)
     engine.destroy()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+# -- parameters on NVMe (--params) ---------------------------------------------------------------------
+def _param_config(args, device: str, nvme_path: str) -> dict:
+    """Stage 3, every group sharded (persistence threshold 0), ``offload_param`` on ``device`` (NVMe:
+    ``--buffers`` bounce buffers of ``--param-buffer-size`` elements, ``max_in_cpu`` 0: every shard on disk)."""
+    op = {"device": device}
+    if device == "nvme":
+        op.update(nvme_path=nvme_path, buffer_count=args.buffers, buffer_size=args.param_buffer_size, max_in_cpu=0)
+    return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+            "bf16": {"enabled": True}, "aio": {"intra_op_parallelism": args.threads},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "offload_param": op, "offload_optimizer": {"device": "cpu"}},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
+
+
+def _param_counters(swap) -> tuple:
+    io = swap.io
+    return (io.bytes_read, io.bytes_written, io.busy["read"], io.busy["write"], io.busy["any"],
+            swap.waits["read_wait"], swap.waits["reads"], swap.waits["ahead"], swap.waits["write"])
+
+
+def _param_io(swap, io0: tuple, n: int) -> dict:
+    """Per step since ``io0``: bytes read / written, seconds reads / writes were in flight, seconds the
+    gathers waited for reads, reads made ahead (of all reads), seconds the step's writes took."""
+    d = [(b - a) / n for a, b in zip(io0, _param_counters(swap), strict=True)]
+    return {"read_bytes": d[0], "write_bytes": d[1], "read_s": d[2], "write_s": d[3], "busy_s": d[4],
+            "read_wait_s": d[5], "reads": d[6], "ahead": d[7], "write_wait_s": d[8],
+            "param_disk_bytes": swap.disk_bytes()}
+
+
+def _param_table(disk: dict, cpu: dict, nvme: dict) -> list[str]:
+    gb = 1e9
+    rd_bw = nvme["read_bytes"] / nvme["read_s"] if nvme["read_s"] else 0.0
+    wr_bw = nvme["write_bytes"] / nvme["write_s"] if nvme["write_s"] else 0.0
+    io_floor = nvme["read_bytes"] / disk["read"] + nvme["write_bytes"] / disk["write"]
+    hidden = 1 - nvme["read_wait_s"] / nvme["read_s"] if nvme["read_s"] else 0.0
+    return [
+        "| figure (ZeRO-3, parameters on CPU / on NVMe, optimizer on CPU) | value |", "| --- | --- |",
+        f"| disk sequential write / read (O_DIRECT: {disk['direct']}) | {disk['write'] / gb:.2f} / "
+        f"{disk['read'] / gb:.2f} GB/s |",
+        f"| parameters in swap files | {nvme['param_disk_bytes'] / gb:.3f} GB |",
+        f"| parameter I/O per step: read / written | {nvme['read_bytes'] / gb:.3f} / "
+        f"{nvme['write_bytes'] / gb:.3f} GB |",
+        f"| parameter I/O bandwidth: read / write | {rd_bw / gb:.2f} / {wr_bw / gb:.2f} GB/s "
+        f"({rd_bw / disk['read']:.0%} / {wr_bw / disk['write']:.0%} of the disk's) |",
+        f"| the step's parameter I/O at the disk's bandwidth | {io_floor:.3f} s |",
+        f"| reads per step: made ahead (prefetch) / all | {nvme['ahead']:.0f} / {nvme['reads']:.0f} |",
+        f"| seconds reads were in flight / the gathers waited for them | {nvme['read_s']:.3f} / "
+        f"{nvme['read_wait_s']:.3f} s: {hidden:.0%} of the read time hidden behind compute |",
+        f"| seconds the stepping thread spent handing the writes over (a host copy, a wait for one of "
+        f"buffer_count write slots) | {nvme['write_wait_s']:.3f} s |",
+        f"| step, parameters on CPU / on NVMe | {cpu['step_s']:.3f} / {nvme['step_s']:.3f} s "
+        f"({nvme['step_s'] / cpu['step_s']:.2f}x) |",
+        f"| peak RSS, parameters on CPU / on NVMe | {cpu['peak_rss'] / gb:.3f} / {nvme['peak_rss'] / gb:.3f} GB |",
+        f"| NVMe parameter bounce buffers | {nvme['report'].get('nvme_param_buffers', 0) / gb:.3f} GB |",
+        f"| losses equal to the bit | {cpu['losses'] == nvme['losses']} |",
+    ]
 
 
 def _run(args, device: str) -> dict:
@@ -164,6 +235,12 @@ def main() -> None:
     p.add_argument("--disk-mib", type=int, default=1024)
     p.add_argument("--smoke", action="store_true", help="tiny sizes")
     p.add_argument("--out", default=None)
+    p.add_argument("--params", action="store_true",
+                   help="stage 3 with offload_param on the CPU, then on NVMe (the optimizer on the CPU in both)")
+    p.add_argument("--param-buffer-size", type=int, default=100_000_000, help="offload_param.buffer_size")
+    p.add_argument("--param-read-then-gather", action="store_true",
+                   help="several ranks: read a prefetched shard on the reader thread and all-gather it when "
+                        "waited for (NvmeParamStore.reads_ahead_of_gather), against the default")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
@@ -175,7 +252,7 @@ def main() -> None:
     cpu, nvme = _run(args, "cpu"), _run(args, "nvme")
     if cpu["losses"] != nvme["losses"]:
         raise SystemExit(f"losses differ: CPU offload {cpu['losses']}, NVMe {nvme['losses']}")
-    lines = _table(disk, cpu, nvme)
+    lines = (_param_table if args.params else _table)(disk, cpu, nvme)
     print("\n".join(lines))
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": platform.platform(), "cpus": os.cpu_count(), "command": " ".join(sys.argv),

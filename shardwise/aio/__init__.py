@@ -1,7 +1,8 @@
 """shardwise's one I/O engine: tensors to and from files, off the main thread, past the page cache.
 
-NVMe offload swaps optimizer states through it (``nvme/``); checkpoint writers and readers may
-use it too. The public face::
+NVMe offload swaps optimizer states and parameters through it (``nvme/``), checkpoint shards are written
+and hashed through it (``checkpoint/``), and ZeRO-Inference's disk tier reads through :func:`shared_engine`
+(``files/safetensors_io.read_into``). The public face::
 
     from shardwise.aio import AioConfig, AlignedBuffer, IOEngine, open_file
 
@@ -17,9 +18,9 @@ bounce buffer when the tensor is not aligned).
 """
 
 from shardwise.aio.buffer import ALIGN, AlignedBuffer, align_up
-from shardwise.aio.engine import AioConfig, IOEngine, IOHandle
+from shardwise.aio.engine import AioConfig, IOEngine, IOHandle, shared_engine
 from shardwise.aio.files import AioError, AioFile, open_file, takes_direct_io
 from shardwise.aio.whole import read_tensor, write_tensor
 
 __all__ = ["ALIGN", "AioConfig", "AioError", "AioFile", "AlignedBuffer", "IOEngine", "IOHandle", "align_up",
-           "open_file", "read_tensor", "takes_direct_io", "write_tensor"]
+           "open_file", "read_tensor", "shared_engine", "takes_direct_io", "write_tensor"]

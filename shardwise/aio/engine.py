@@ -13,6 +13,8 @@ so nothing runs after the buffers it reads are gone; an engine used as a context
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import threading
 import time
@@ -70,9 +72,13 @@ class IOHandle:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
+    """``t``'s bytes as a memoryview, made with ctypes: ``.numpy()`` would mark the storage not resizable
+    for good (a stage-3 gather buffer read into must still be released by ``resize_(0)``). The view does
+    not keep ``t`` alive: each transfer holds ``t`` until it is done (:meth:`IOEngine._move`)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("aio: tensors read or written are contiguous host tensors")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
 
 
 class IOEngine:
@@ -127,21 +133,35 @@ class IOEngine:
         """Wait for every transfer in flight, then stop the threads (idempotent)."""
         self._pool.shutdown(wait=True)
 
-    def _submit(self, f: AioFile, t: torch.Tensor, offset: int, write: bool, need: int | None = None) -> IOHandle:
+    def read_now(self, f: AioFile, t: torch.Tensor, offset: int = 0, need: int | None = None) -> None:
+        """:meth:`read` done on the calling thread, for a caller that would only wait for it (a reader
+        thread of its own, as ZeRO-Inference's): the same calls, checks, errors and counters, without
+        the hop to a worker (a thread wake-up per read, which a loaded host delays)."""
+        view = self._checked_view(f, t, offset)
+        if len(view):
+            self._move(f, view, offset, False, len(view) if need is None else need, t)
+
+    def _checked_view(self, f: AioFile, t: torch.Tensor, offset: int) -> memoryview:
         view = _byte_view(t)
         n = len(view)
-        need = n if need is None else need
         if f.direct and (offset % ALIGN or n % ALIGN or t.data_ptr() % ALIGN):
             raise ValueError(f"{f.path}: direct I/O needs the address, offset ({offset}) and length ({n}) "
                              f"aligned to {ALIGN} bytes (use shardwise.aio.AlignedBuffer)")
+        return view
+
+    def _submit(self, f: AioFile, t: torch.Tensor, offset: int, write: bool, need: int | None = None) -> IOHandle:
+        view = self._checked_view(f, t, offset)
+        n = len(view)
+        need = n if need is None else need
         parts = min(self.config.intra_op_parallelism, max(1, n // ALIGN))
         step = align_up(-(-n // parts))
         futures = [self._pool.submit(self._move, f, view[a:min(n, a + step)], offset + a, write,
-                                     min(max(need - a, 0), step))
+                                     min(max(need - a, 0), step), t)
                    for a in range(0, n, step)] if n else []
         return IOHandle(futures)
 
-    def _move(self, f: AioFile, view: memoryview, offset: int, write: bool, need: int) -> None:
+    def _move(self, f: AioFile, view: memoryview, offset: int, write: bool, need: int,
+              keep: torch.Tensor) -> None:  # noqa: ARG002 - ``keep``: the tensor under ``view``, alive until done
         """One worker's part: calls of ``call_bytes`` at most, each ``queue_depth`` blocks; a read may
         stop at the end of the file once ``need`` bytes are in."""
         kind = "write" if write else "read"
@@ -177,3 +197,21 @@ class IOEngine:
             done += got
         if write:
             drop_cached(f, offset, n)
+
+
+_SHARED: dict[int, IOEngine] = {}  # process id -> its engine (a forked child's threads are not its parent's)
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_engine() -> IOEngine:
+    """The process's engine for reads that have no run configuration of their own (ZeRO-Inference's disk
+    tier, through ``files.safetensors_io.read_into``): made when first needed (again in a forked child,
+    which has none of its parent's threads), closed at exit. Its ``bytes_read`` and ``busy["read"]`` are
+    those reads' totals."""
+    pid = os.getpid()
+    with _SHARED_LOCK:
+        if pid not in _SHARED:
+            _SHARED.clear()
+            _SHARED[pid] = IOEngine(AioConfig())
+            atexit.register(_SHARED[pid].close)
+        return _SHARED[pid]

@@ -52,6 +52,16 @@ def safetensors_header(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]
     return len(raw).to_bytes(8, "little") + raw, order
 
 
+def check_planned(path: Path, planned: tuple[str, torch.dtype, tuple[int, ...]], name: str,
+                  tensor: torch.Tensor) -> None:
+    """``tensor`` is the planned next one of a safetensors file being written (name, dtype, shape), or
+    ValueError naming the file."""
+    want, dtype, shape = planned
+    if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        raise ValueError(f"{path.name}: expected {want} {dtype} {shape}, got {name} "
+                         f"{tensor.dtype} {tuple(tensor.shape)}")
+
+
 class SafetensorsWriter:
     """Writes one .safetensors file tensor by tensor, in the order the header was planned.
 
@@ -75,10 +85,7 @@ class SafetensorsWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append ``tensor``; must be the next planned name, with the planned dtype and shape."""
-        want, dtype, shape = self._order[self._next]
-        if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"{self.path.name}: expected {want} {dtype} {shape}, got {name} "
-                             f"{tensor.dtype} {tuple(tensor.shape)}")
+        check_planned(self.path, self._order[self._next], name, tensor)
         t = tensor.detach().reshape(-1).contiguous().cpu()
         if t.numel():
             self._put(memoryview(t.view(torch.uint8).numpy()))

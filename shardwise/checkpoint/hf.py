@@ -16,7 +16,6 @@ import torch
 from shardwise.checkpoint.experts import gather_experts, refuse_frozen_experts, saved_shape
 from shardwise.checkpoint.fileio import (
     CheckpointError,
-    SafetensorsWriter,
     ShardReader,
     agree,
     dtype_from_name,
@@ -30,6 +29,7 @@ from shardwise.checkpoint.frozen import frozen_groups, full_shape, module_extras
 from shardwise.checkpoint.load import read_saved, resolve_tag
 from shardwise.checkpoint.publish import model_config
 from shardwise.checkpoint.run_files import checkpoints_folder, copy_side_files, find_side_files
+from shardwise.checkpoint.shard_writer import safetensors_writer
 from shardwise.checkpoint.tp import logical_shape, logical_shape_of, rebuild, saved_index, spec_of
 from shardwise.checkpoint.validate import confined_path
 from shardwise.comm import Comm, CommStats
@@ -74,7 +74,7 @@ class ShardedHFWriter:
 
     def write(self, name: str, t: torch.Tensor) -> None:
         if self._w is None:  # written to a hidden temporary name, renamed when complete
-            self._w = SafetensorsWriter(temp_of(self.out / self.names[self._i]), self.shards[self._i])
+            self._w = safetensors_writer(temp_of(self.out / self.names[self._i]), self.shards[self._i])
         self._w.write(name, t)
         self._j += 1
         if self._j == len(self.shards[self._i]):

@@ -17,11 +17,12 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from shardwise.aio import AioConfig, AioError, AioFile, AlignedBuffer, IOEngine, IOHandle, align_up, open_file
-from shardwise.checkpoint.fileio import SafetensorsWriter, safetensors_header
+from shardwise.checkpoint.fileio import SafetensorsWriter, check_planned, safetensors_header
 
 PHASES = ("staging", "writing", "fsync", "publishing")
 ENGINE = True  # False: the buffered writer (slower in docs/checkpoints.md; the benchmark's baseline)
@@ -122,3 +123,50 @@ def write_shard_engine(path: Path, pieces: list[tuple[str, torch.Tensor]]) -> tu
     finally:
         f.close()
     return sha, size
+
+
+def safetensors_writer(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Any:
+    """A streaming safetensors writer for an HF export file: :class:`EngineSafetensorsWriter`, or the
+    buffered ``SafetensorsWriter`` when :data:`ENGINE` is off (the same switch as a shard's)."""
+    return EngineSafetensorsWriter(path, specs) if ENGINE else SafetensorsWriter(path, specs)
+
+
+class EngineSafetensorsWriter:
+    """:class:`~shardwise.checkpoint.fileio.SafetensorsWriter`'s contract (tensors appended in the planned
+    order, ``close()`` returns sha256 and size, fsynced) through ``shardwise/aio``, as
+    :func:`write_shard_engine` writes a checkpoint shard: HF exports and ``shardwise consolidate`` stream
+    one tensor at a time through it (``checkpoint/hf.py``)."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        head, self._order = safetensors_header(specs)
+        self.path, self._next = Path(path), 0
+        self.path.unlink(missing_ok=True)  # a fresh file (a symlink at the name is removed, never followed)
+        # made here with the permissions (under the umask) of the buffered writer's files, then opened
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+        self.f = open_file(self.path, write=True)
+        self.io = IOEngine(IO)
+        self.ring = _Ring(self.io, self.f)
+        self.ring.put(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        check_planned(self.path, self._order[self._next], name, tensor)
+        self.ring.put(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8))
+        self._next += 1
+
+    def close(self) -> tuple[str, int]:
+        """Every write waited for, the file cut to its size and fsynced; (sha256 hex, size in bytes)."""
+        if self._next != len(self._order):
+            raise ValueError(f"{self.path.name}: {len(self._order) - self._next} planned tensors unwritten")
+        try:
+            sha, size = self.ring.finish()
+            self.io.close()
+            self.f.truncate(size)
+            self.f.sync()
+        finally:
+            self.abort()
+        return sha, size
+
+    def abort(self) -> None:
+        """Stop the engine (waiting for its writes) and close the file (idempotent; the caller removes it)."""
+        self.io.close()
+        self.f.close()

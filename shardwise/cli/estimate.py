@@ -12,7 +12,7 @@ from shardwise.cli.planner import add_planner_args, run_planner
 from shardwise.errors import OneLineParser, UserError
 from shardwise.estimate.long_context import add_long_context_args, run_long_context
 from shardwise.estimate.memory import estimate, model_facts, parse_bytes, parse_count
-from shardwise.estimate.nvme import add_offload_args, nvme_from_args
+from shardwise.estimate.nvme import add_offload_args, base_offload, check_nvme_args, nvme_from_args
 from shardwise.estimate.report import check_model_config, format_report
 from shardwise.train.presets import MODEL_PRESETS
 
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.devices % args.tp:
             p.error(f"--devices {args.devices} is not divisible by --tp {args.tp}")
         check_pipeline_args(p, args)
+        check_nvme_args(p, args)
         if (args.micro_batch is None) != (args.seq is None):
             p.error("--micro-batch and --seq go together")
         if args.master != "fp32" and (args.dtype == "fp32" or (args.master == "states" and args.dtype != "bf16")):
@@ -107,7 +108,7 @@ def run_estimate(args: argparse.Namespace, facts: Any) -> int:
     """The memory estimate (one stage's with --pp; the NVMe tier with --offload nvme), printed."""
     params = facts.params if facts else args.params
     est = estimate(-(-params // args.pp), args.devices // args.pp, tp=args.tp, dtype=args.dtype,
-                   offload="optimizer" if args.offload == "nvme" else args.offload, micro_batch=args.micro_batch,
+                   offload=base_offload(args), micro_batch=args.micro_batch,
                    seq=args.seq, facts=facts, activation_checkpointing=args.activation_checkpointing,
                    device_memory=args.device_memory, master=args.master, kahan=args.master_update == "kahan")
     nvme_from_args(est, args)  # --offload nvme: the optimizer's host bytes on disk, the buffers on the host

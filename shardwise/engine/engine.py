@@ -27,7 +27,7 @@ from shardwise.engine.checks import check_all_used, check_save_args, direct_step
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.memory import memory_report
 from shardwise.engine.nonfinite import skip_nonfinite_step
-from shardwise.engine.nvme import attach_nvme, attach_param_swap, nvme_resident
+from shardwise.engine.nvme import attach_nvme, attach_param_swap, nvme_resident, swaps_closed_on_failure
 from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
 from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
@@ -114,11 +114,11 @@ def client_scheduler(client, optimizer: torch.optim.Optimizer):
 class Engine(EngineAccessors, nn.Module):
     """DeepSpeed-style engine around ``module`` (the contract: docs/deepspeed_api.md)."""
 
+    @swaps_closed_on_failure  # a constructor that raises releases the NVMe swap folders' locks at once
     def __init__(self, model: nn.Module, config, model_parameters=None, optimizer=None,
                  lr_scheduler=None, model_is_tp: bool = False, layout: RunLayout | None = None):
-        """``layout``: the run's groups, cut once (``shardwise/layout/``; None: cut here from the config),
-        each counted into ``layout.stats`` (``comm_stats()``). ``model_is_tp``: the script split the
-        model over the TP group already (DeepSpeed's ``mpu``), so no TP plan is applied."""
+        """``layout``: the run's groups, cut once (``shardwise/layout/``; None: from the config), counted in
+        ``comm_stats()``. ``model_is_tp``: the script split the model over TP already (DeepSpeed's ``mpu``)."""
         super().__init__()
         self.config = config
         configure_comms_log(config)  # comms_logger: from the first collective on, as DeepSpeed (comm/log.py)

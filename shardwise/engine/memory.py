@@ -69,10 +69,12 @@ def memory_report(engine: EngineParts) -> dict[str, int]:
     offload_memory(engine, rep)  # engine.offload_states(): what moved to the host (engine/offload_states.py)
     offloaded = rep.pop("offloaded_states", None)
     nvme_memory(engine, rep)  # NVMe offload: stand-ins counted out, its buffers in (engine/nvme.py)
-    on_disk = rep.pop("nvme_offloaded", 0)
+    on_disk, params_on_disk = rep.pop("nvme_offloaded", 0), rep.pop("nvme_param_offloaded", None)
     rep["total"] = sum(rep.values())
     if getattr(engine, "nvme", None) is not None or getattr(engine, "nvme_params", None) is not None:
         rep["nvme_offloaded"] = on_disk  # on disk, not in total
+    if params_on_disk is not None:
+        rep["nvme_param_offloaded"] = params_on_disk  # the parameters' part of it
     if offloaded is not None:
         rep["offloaded_states"] = offloaded  # on the host until reload_states(), not in total
     rep["whole_tensor_step_buffers"] = extra["whole_tensor_step_buffers"]  # transient, during step()

@@ -4,15 +4,17 @@ swapper wired to the engine's step, checkpoints and memory report. Thin on purpo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from shardwise.aio import AioConfig, IOEngine
+from shardwise.aio import ALIGN, AioConfig, IOEngine
 from shardwise.errors import UserError
 from shardwise.nvme import NvmeSettings, OptimizerSwapper, ParamSwap, SwapFolder, check_room, is_stand_in
 
@@ -73,6 +75,33 @@ def attach_nvme(engine: EngineParts) -> OptimizerSwapper | None:
     return OptimizerSwapper(engine.sharding.groups, engine.optimizer, settings, rank)
 
 
+def swaps_closed_on_failure(init: Callable[..., None]) -> Callable[..., None]:
+    """``Engine.__init__`` wrapped: when it raises after a swap folder was locked (``attach_param_swap``
+    takes the parameters' before sharding, ``attach_nvme`` the optimizer's after it), the folders are
+    removed and their locks released before the error leaves, not when the half-built engine is collected
+    (the traceback holds it), so a retry in the same process is not refused as "in use"."""
+    @functools.wraps(init)
+    def guarded(engine: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(engine, *args, **kwargs)
+        except BaseException:
+            close_swaps(engine)
+            raise
+    return guarded
+
+
+def close_swaps(engine: Any) -> None:
+    """The engine's NVMe swappers (optimizer, parameters) closed: threads stopped, files removed, locks
+    released (each idempotent; a close that fails is logged: the constructor's own error is the one raised)."""
+    for name in ("nvme", "nvme_params"):
+        swap = engine.__dict__.get(name)
+        if swap is not None:
+            try:
+                swap.close()
+            except Exception:  # noqa: BLE001 - the constructor's own error is the one to raise
+                log.exception("shardwise: closing the %s swap folder after a failed start", name)
+
+
 def attach_param_swap(engine: EngineParts, options: Any, model: Any) -> Any:
     """``options``; with ``offload_param.device: nvme`` (stage 3) the parameters' swap folder made (checked
     for this rank's 16-bit shards, every rank of the node counted), ``engine.nvme_params``, and its stores'
@@ -90,12 +119,18 @@ def param_swap(config, model: Any) -> ParamSwap | None:
     if not op.nvme_path:
         raise UserError(f"{OP}.nvme_path: required with {OP}.device 'nvme' (a folder on the NVMe disk)")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    # the files hold the parameters' own dtype (4 bytes an element for an fp32 model), a rank's shard rounded up
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    need = -(-total // world) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    check_room(f"{OP}.nvme_path", Path(op.nvme_path), need)
+    check_room(f"{OP}.nvme_path", Path(op.nvme_path), param_file_bytes(model, world),
+               int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     folder = SwapFolder(f"{OP}.nvme_path", op.nvme_path, rank, kind="param-")
     return ParamSwap(folder, IOEngine(aio_config(dict(config.aio))), op.buffer_count, op.buffer_size, op.max_in_cpu)
+
+
+def param_file_bytes(model: Any, world: int) -> int:
+    """One rank's parameter swap files, at most: its shard in the parameters' own dtype (4 bytes an element
+    for an fp32 model), plus a header block and a block of padding per group (a module's own parameters)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    groups = sum(1 for m in model.modules() if next(m.parameters(recurse=False), None) is not None)
+    return -(-total // world) + 2 * ALIGN * groups
 
 
 def nvme_resident(engine: EngineParts, write_back: bool):
@@ -107,9 +142,9 @@ def nvme_resident(engine: EngineParts, write_back: bool):
 def nvme_memory(engine: EngineParts, rep: dict[str, int]) -> None:
     """``memory_report()``: what is on disk is not held (stand-ins counted out); the buffers are."""
     params = getattr(engine, "nvme_params", None)
-    if params is not None:  # the parameters' bounce buffers and max_in_cpu shards (counted in params already)
-        rep["nvme_buffers"] = params.bounce_bytes()
-        rep["nvme_offloaded"] = params.disk_bytes()
+    if params is not None:  # the parameters' bounce buffers (their max_in_cpu shards are in "params" already)
+        rep["nvme_param_buffers"] = params.bounce_bytes()
+        rep["nvme_param_offloaded"] = rep["nvme_offloaded"] = params.disk_bytes()
     swapper = getattr(engine, "nvme", None)
     if swapper is None:
         return

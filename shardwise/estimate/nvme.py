@@ -24,6 +24,14 @@ from collections.abc import Callable
 from typing import Any
 
 
+def base_offload(args: argparse.Namespace) -> str:
+    """The estimate ``apply_nvme`` starts from: parameter offload's with ``--nvme-params``, else optimizer
+    offload's (for ``--offload nvme``), else the command line's own."""
+    if args.offload != "nvme":
+        return args.offload
+    return "params" if getattr(args, "nvme_params", False) else "optimizer"
+
+
 def add_offload_args(p: argparse.ArgumentParser, count: Callable[[str], int], size: Callable[[str], int]) -> None:
     """``--offload`` and, for ``--offload nvme``, ``--nvme-buffers``, ``--nvme-group``, ``--nvme-bandwidth``."""
     p.add_argument("--offload", choices=["none", "optimizer", "params", "nvme"], default="none",
@@ -33,12 +41,17 @@ def add_offload_args(p: argparse.ArgumentParser, count: Callable[[str], int], si
                    help="elements of the largest group (min(reduce_bucket_size, allgather_bucket_size))")
     p.add_argument("--nvme-bandwidth", type=size, default=None,
                    help="the disk's bandwidth per second, e.g. 6GB: the step's I/O seconds")
+    add_param_args(p, count)
 
 
 def nvme_from_args(est: Any, args: argparse.Namespace) -> None:
     """:func:`apply_nvme` with the command line's flags, when ``--offload nvme``."""
     if args.offload == "nvme":
+        shard = param_shard_out(est) if args.nvme_params else 0
         apply_nvme(est, args.nvme_buffers, args.nvme_group, args.nvme_bandwidth)
+        if args.nvme_params:
+            apply_nvme_params(est, shard, args.nvme_param_buffers, args.nvme_param_buffer_size,
+                              args.nvme_max_in_cpu, args.nvme_group, args.nvme_bandwidth)
 
 
 def apply_nvme(est: Any, buffer_count: int = 4, group_elements: int = 500_000_000,
@@ -66,5 +79,70 @@ def apply_nvme(est: Any, buffer_count: int = 4, group_elements: int = 500_000_00
     if bandwidth:
         note += (f" I/O per step 2·{s1.nvme_bytes / 1e9:,.2f} GB at {bandwidth / 1e9:g} GB/s: "
                  f"{2 * s1.nvme_bytes / bandwidth:,.1f} s.")
+    est.notes.append(note)
+    return est
+
+
+# -- parameters on NVMe (offload_param.device: nvme, stage 3) ---------------------------------------------
+def add_param_args(p: argparse.ArgumentParser, count: Callable[[str], int]) -> None:
+    """``--nvme-params`` and its ``offload_param`` keys (DeepSpeed's defaults)."""
+    p.add_argument("--nvme-params", action="store_true",
+                   help="with --offload nvme: offload_param.device nvme too (stage 3)")
+    p.add_argument("--nvme-param-buffers", type=count, default=5, help="offload_param.buffer_count")
+    p.add_argument("--nvme-param-buffer-size", type=count, default=100_000_000,
+                   help="offload_param.buffer_size (elements)")
+    p.add_argument("--nvme-max-in-cpu", type=_count_or_zero(count), default=1_000_000_000,
+                   help="offload_param.max_in_cpu (elements of shards kept in host memory; 0: none)")
+
+
+def _count_or_zero(count: Callable[[str], int]) -> Callable[[str], int]:
+    """``count`` (1e9, 500M) that also takes 0 (``max_in_cpu: 0``: every shard on disk)."""
+    def conv(text: str) -> int:
+        return 0 if text.strip() in ("0", "0.0") else count(text)
+    conv.__name__ = "count"
+    return conv
+
+
+def check_nvme_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--nvme-params`` goes with ``--offload nvme`` (else it would change nothing: refused, exit 2)."""
+    if args.nvme_params and args.offload != "nvme":
+        p.error(f"--nvme-params goes with --offload nvme (got --offload {args.offload})")
+
+
+def param_shard_out(est: Any) -> int:
+    """Stage 3 of a parameter-offload ``est``: the parameter shard's host bytes taken out (returned), so
+    that :func:`apply_nvme` sees the optimizer's bytes alone."""
+    st = est.stages[3]
+    shard = (4 if est.dtype == "fp32" else 2) * -(-est.psi // est.dp)
+    st.host_bytes -= shard
+    return shard
+
+
+def apply_nvme_params(est: Any, shard: int, buffer_count: int = 5, buffer_size: int = 100_000_000,
+                      max_in_cpu: int = 1_000_000_000, group_elements: int = 500_000_000,
+                      bandwidth: float | None = None) -> Any:
+    """Stage 3 with the parameter shard (``shard`` bytes a rank) in swap files: the host keeps the first
+    ``max_in_cpu`` elements of shards and ``buffer_count`` bounce buffers of ``min(buffer_size, G)``
+    elements (``nvme/param_store.py``); the rest is on disk. Read at every gather (a forward and a
+    backward per micro-batch), written once per optimizer step."""
+    st = est.stages[3]
+    el = 4 if est.dtype == "fp32" else 2
+    group = -(-min(group_elements, est.psi) // est.dp)
+    in_cpu = min(max_in_cpu, shard // el) * el
+    buffers = max(1, buffer_count) * min(buffer_size, group) * el
+    on_disk = shard - in_cpu
+    st.host_bytes += in_cpu + buffers
+    st.nvme_bytes += on_disk
+    st.host_formula += f" + {max(1, buffer_count)}·{el}·min(buffer_size, G) + {el}·min(max_in_cpu, Ψ/N)"
+    st.cluster_host_bytes = st.host_bytes * est.devices
+    st.offload = "nvme+params"
+    note = (f"NVMe parameters (stage 3): {on_disk / 1e9:,.2f} GB of the {el}-byte parameter shard in swap files "
+            f"(max_in_cpu {max_in_cpu:,} elements, {in_cpu / 1e9:,.2f} GB, stay in host memory); the host adds "
+            f"{max(1, buffer_count)} bounce buffers of min(buffer_size {buffer_size:,}, G {group:,}) elements = "
+            f"{buffers / 1e9:,.2f} GB.")
+    if bandwidth:
+        note += (f" Parameter I/O: 2·{on_disk / 1e9:,.2f} GB read per micro-batch (forward and backward "
+                 f"gathers), {on_disk / 1e9:,.2f} GB written per step: {2 * on_disk / bandwidth:,.1f} s + "
+                 f"{on_disk / bandwidth:,.1f} s at {bandwidth / 1e9:g} GB/s.")
     est.notes.append(note)
     return est

@@ -6,21 +6,23 @@ only its folder-level concerns (index files, name aliases, checkpoint hashes, qu
 metadata); the header is parsed and checked here, once per file, so a hostile or damaged header
 is refused the same way whichever path meets it.
 
-Files are read with ``pread`` straight into the caller's tensor, never mmapped: ZeRO-Inference's
-memory bound relies on pages of layers already used not staying mapped into the process.
+Files are read with ``pread`` straight into the caller's tensor (through the library's one I/O engine,
+``shardwise.aio``), never mmapped: ZeRO-Inference's memory bound relies on pages of layers already used
+not staying mapped into the process.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from shardwise.aio import AioFile, shared_engine
 from shardwise.files.safe import open_regular
 
 # safetensors dtype name <-> torch dtype: the only such table in shardwise
@@ -50,17 +52,13 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def read_into(fd: int, pos: int, dst: torch.Tensor, what: str) -> None:
-    """``pread`` ``dst``'s bytes at ``pos`` straight into the contiguous CPU tensor ``dst``."""
-    size = dst.numel() * dst.element_size()  # ctypes, not .numpy(): that pins the storage's size
-    if size == 0:
+    """``dst``'s bytes read at ``pos`` straight into the contiguous CPU tensor ``dst``, through the library's
+    one I/O engine (``shardwise.aio.shared_engine().read_now``: its ``preadv`` calls, which release the
+    GIL, on the calling thread, ZeRO-Inference's reader thread; a short read is an ``AioError`` naming
+    ``what``). Buffered, not ``O_DIRECT``: a safetensors tensor starts at any byte."""
+    if dst.numel() == 0:
         return
-    buf = memoryview((ctypes.c_char * size).from_address(dst.data_ptr())).cast("B")
-    done = 0
-    while done < size:
-        n = os.preadv(fd, [buf[done:]], pos + done)
-        if n <= 0:
-            raise OSError(f"short read of {what} at byte {pos + done}")
-        done += n
+    shared_engine().read_now(AioFile(Path(what), fd, direct=False), dst, pos)
 
 
 @dataclass(frozen=True)
@@ -207,7 +205,7 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: {key!r} is read into contiguous CPU tensors only")
         if not 0 <= byte_start <= byte_start + n <= t.nbytes:
             raise ValueError(f"{self.path}: bytes [{byte_start}, {byte_start + n}) of {key!r}, which has {t.nbytes}")
-        read_into(self.fd, t.offset + byte_start, dst, key)
+        read_into(self.fd, t.offset + byte_start, dst, f"{self.path} ({key})")
         if self.cold:
             os.posix_fadvise(self.fd, t.offset + byte_start, n, os.POSIX_FADV_DONTNEED)
         with self._lock:

@@ -21,19 +21,60 @@ from shardwise.errors import UserError
 from shardwise.units import human_bytes
 
 
-def check_room(key: str, path: Path, need: int) -> None:
-    """``path`` exists, is a writable folder, and its filesystem has ``need`` bytes free, or one line
-    naming ``key``, the path and the bytes."""
+def check_room(key: str, path: Path, need: int, local_ranks: int = 1) -> None:
+    """``path`` exists, is a writable folder, and its filesystem has room for ``local_ranks`` ranks' swap
+    files of ``need`` bytes each, or one line naming ``key``, the path and the bytes.
+
+    The ranks of one node share the disk and check it one after another, each while the others may already
+    be writing: so the room is the free bytes plus those that live runs' swap folders under ``path`` hold
+    already (:func:`swap_usage`), the same for every rank whenever it looks, and the need counts, for each
+    of the node's ranks, ``need`` and what this process's other swap folders there hold (the parameters'
+    files, when the optimizer's check comes after them)."""
     if not path.exists():
         raise UserError(f"{key}: {path} does not exist; create it (a folder on the NVMe disk) or fix the path")
     if not path.is_dir():
         raise UserError(f"{key}: {path} is not a folder")
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{key}: {path} is not writable by this user")
-    free = shutil.disk_usage(path).free
-    if free < need:
-        raise UserError(f"{key}: {path} has {human_bytes(free)} ({free} bytes) free, the swap files need "
-                        f"{human_bytes(need)} ({need} bytes); free space or choose another disk")
+    if need <= 0:
+        return
+    mine, held = swap_usage(path)
+    free = shutil.disk_usage(path).free  # read after the folders: a write in between only lowers the room
+    total = local_ranks * (need + mine)
+    if free + held < total:
+        ranks = f" for {local_ranks} ranks of this node" if local_ranks > 1 else ""
+        held_note = f" (+ {human_bytes(held)} in this run's swap files)" if held else ""
+        raise UserError(f"{key}: {path} has {human_bytes(free)} ({free} bytes) free{held_note}, the swap files"
+                        f"{ranks} need {human_bytes(total)} ({total} bytes); free space or choose another disk")
+
+
+def swap_usage(path: Path) -> tuple[int, int]:
+    """(bytes in this process's swap folders under ``path``, bytes in every live run's): a folder is live
+    while the process whose id its lock file holds runs (a killed run's folder is not: its rank's next
+    start removes it)."""
+    mine = held = 0
+    base = Path(path) / "shardwise-swap"
+    for lock in base.glob("*.lock") if base.is_dir() else ():
+        pid = _holder(lock)
+        if pid is None:
+            continue
+        folder = lock.with_suffix("")
+        nbytes = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0
+        held += nbytes
+        mine += nbytes if pid == os.getpid() else 0
+    return mine, held
+
+
+def _holder(lock: Path) -> int | None:
+    """The id of the live process that wrote ``lock``, else None (dead, unreadable, or not yet written)."""
+    try:
+        pid = int(lock.read_text().split()[0])
+        os.kill(pid, 0)
+    except PermissionError:
+        return pid  # alive, another user's
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid
 
 
 def _remove(folder: Path, lock_fd: list[int]) -> None:

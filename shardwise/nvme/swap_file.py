@@ -9,6 +9,10 @@ The header carries a generation stamp (incremented by every write of this run, a
 and a checksum of the slots (the sum of their bytes as int64 words: one pass at memory speed, which
 any single changed word changes). A read that finds the file shorter than written, another stamp, or another
 sum is an :class:`SwapFileError` naming the file: never garbage handed to the optimizer.
+
+A parameter swap file (``param_store.py``) carries the same kind of header (:data:`PARAM_MAGIC`): its
+data, written piece by piece through the bounce buffers, starts at :data:`~shardwise.aio.ALIGN`, and its
+checksum is the sum of the pieces' sums (the int64 sum is additive over aligned pieces).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 from shardwise.aio import ALIGN, AioError, align_up
 
 MAGIC = b"SWNVME01"
-_HEADER = struct.Struct("<8sQQQq")  # magic, generation, file bytes, has_state, checksum
+PARAM_MAGIC = b"SWPARAM1"
+_HEADER = struct.Struct("<8sQQQq")  # magic, generation, file bytes (a parameter file: data bytes), has_state, checksum
 
 
 class SwapFileError(AioError):
@@ -83,25 +88,37 @@ def checksum(data: torch.Tensor) -> int:
     return int(data.view(torch.int64).sum())
 
 
+def put_header(buf: torch.Tensor, magic: bytes, generation: int, nbytes: int, flag: int, total: int) -> None:
+    """The header block written into the first :data:`ALIGN` bytes of ``buf`` (the rest of the block zeroed)."""
+    head = _HEADER.pack(magic, generation, nbytes, flag, total)
+    buf[:ALIGN].zero_()
+    buf[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+
+
+def check_header(where: str, buf: torch.Tensor, magic: bytes, generation: int, nbytes: int, flag: int) -> int:
+    """The header in ``buf`` is ``magic``'s, of ``generation``, ``nbytes`` and ``flag``, or SwapFileError
+    naming ``where``; returns the checksum it records."""
+    found, gen, size, has, total = _HEADER.unpack(bytes(buf[:_HEADER.size].numpy()))
+    if found != magic:
+        raise SwapFileError(f"{where} has no shardwise header (overwritten or not a swap file)")
+    if gen != generation or size != nbytes or has != flag:
+        raise SwapFileError(f"{where} is generation {gen} of {size} bytes, this run wrote generation "
+                            f"{generation} of {nbytes} bytes (a stale copy, or changed underneath)")
+    return total
+
+
 def stamp(layout: SwapLayout, buf: torch.Tensor) -> int:
     """Write the header of the next generation into ``buf`` (the slots are filled); returns the bytes to write."""
     n = layout.used()
     layout.generation += 1
-    head = _HEADER.pack(MAGIC, layout.generation, n, int(layout.has_state), checksum(buf[ALIGN:n]))
-    buf[:ALIGN].zero_()
-    buf[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    put_header(buf, MAGIC, layout.generation, n, int(layout.has_state), checksum(buf[ALIGN:n]))
     return n
 
 
 def check(layout: SwapLayout, buf: torch.Tensor) -> None:
     """``buf`` holds what the last write of ``layout`` put in the file, or SwapFileError naming it."""
     n = layout.used()
-    magic, generation, size, has_state, total = _HEADER.unpack(bytes(buf[:_HEADER.size].numpy()))
     where = f"{layout.path}: swap file"
-    if magic != MAGIC:
-        raise SwapFileError(f"{where} has no shardwise header (overwritten or not a swap file)")
-    if generation != layout.generation or size != n or bool(has_state) != layout.has_state:
-        raise SwapFileError(f"{where} is generation {generation} of {size} bytes, this run wrote generation "
-                               f"{layout.generation} of {n} bytes (a stale copy, or changed underneath)")
+    total = check_header(where, buf, MAGIC, layout.generation, n, int(layout.has_state))
     if checksum(buf[ALIGN:n]) != total:
         raise SwapFileError(f"{where} fails its checksum: its bytes changed after they were written")

@@ -107,7 +107,7 @@ class OptimizerSwapper:
         self.layouts = [SwapLayout.build(self.folder.file(f"group{i:05d}.swap"), g.own_numel, g.master.dtype,
                                          state_keys(self.optimizer, g)) for i, g in self.units]
         self.disk_bytes = sum(layout.nbytes for layout in self.layouts)
-        check_room(settings.key, Path(settings.nvme_path), self.disk_bytes * settings.local_ranks)
+        check_room(settings.key, Path(settings.nvme_path), self.disk_bytes, settings.local_ranks)
         for layout in self.layouts:
             self.files.append(open_file(layout.path))
         size = max((layout.nbytes for layout in self.layouts), default=4096)

@@ -15,7 +15,7 @@ import torch
 
 from shardwise.comm import Work
 from shardwise.zero.gather_pool import PoolFull
-from shardwise.zero.pending import ReadWork
+from shardwise.zero.pending import ReadThenGather, ReadWork
 from shardwise.zero.quantized_comm import quantized_all_gather
 
 
@@ -41,7 +41,7 @@ class StageThreeGather:
         """The flat buffer is (or is being) filled: parameters are views of it."""
         return self.state is not GatherState.RELEASED
 
-    def _to_gathered(self, work: Work | ReadWork | None) -> None:
+    def _to_gathered(self, work: Work | ReadWork | ReadThenGather | None) -> None:
         """GATHERING while ``work`` (the all-gather or read filling the buffer) runs, else GATHERED."""
         self._gather_work = work
         self.state = GatherState.GATHERED if work is None else GatherState.GATHERING
@@ -75,8 +75,11 @@ class StageThreeGather:
             work = quantized_all_gather(self.comm, self.param_shard, self.flat_param, self.weight_bits,
                                         async_op=async_op)
         else:  # one rank: a file read goes to the reader thread (gloo collectives are async already)
-            read = self.store.fill(self, owned, async_read=async_op and self.comm.size == 1)
-            work = read or self.comm.all_gather(self.flat_param, async_op=async_op)
+            ahead = async_op and (self.comm.size == 1 or getattr(self.store, "reads_ahead_of_gather", False))
+            read = self.store.fill(self, owned, async_read=ahead)
+            flat, comm = self.flat_param, self.comm
+            work = (ReadThenGather(read, lambda: comm.all_gather(flat)) if read is not None and comm.size > 1
+                    else read or comm.all_gather(flat, async_op=async_op))
         self._point_params_at_buffer(work, async_op)
 
     def _take_pool_buffer(self, async_op: bool) -> bool:
@@ -96,7 +99,7 @@ class StageThreeGather:
         self.flat_param = buf
         return True
 
-    def _point_params_at_buffer(self, work: Work | ReadWork | None, async_op: bool) -> None:
+    def _point_params_at_buffer(self, work: Work | ReadWork | ReadThenGather | None, async_op: bool) -> None:
         """The gather is under way: parameters become views of the (filling) flat buffer."""
         self._to_gathered(work)
         for p, off in zip(self.params, self.offsets, strict=True):

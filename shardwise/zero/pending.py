@@ -4,6 +4,7 @@ the stage >= 2 gradient buckets those reductions hold, reused from one backward 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -18,6 +19,22 @@ class ReadWork:
 
     def wait(self) -> None:
         self._future.result()
+
+
+class ReadThenGather:
+    """A shard read ahead on the reader thread, then the all-gather that shares it (several ranks, a file
+    store): the all-gather is issued when the gather is waited for, on the main thread and in the same
+    program order on every rank, so the read overlaps compute and no collective runs off the main thread
+    (the all-gather is then not overlapped: on a disk it is the shorter of the two)."""
+
+    def __init__(self, read: ReadWork, all_gather: Callable[[], Any]):
+        self._read, self._all_gather = read, all_gather
+
+    def wait(self) -> None:
+        self._read.wait()
+        work = self._all_gather()
+        if work is not None:
+            work.wait()
 
 
 _POOL: list[ThreadPoolExecutor] = []

@@ -213,7 +213,8 @@ class ParamFetcher:
             self._gather(ui)
             if ui in self.order:
                 pos = self.order.index(ui)
-                self._prefetch(self.order[:pos][::-1])
+                # the root's backward starts first and its units' follow (last first): read them ahead now
+                self._prefetch(self.order[pos + 1:][::-1] if ui == self.root else self.order[:pos][::-1])
         return hook
 
     # -- helpers ----------------------------------------------------------------------
