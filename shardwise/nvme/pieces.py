@@ -17,7 +17,8 @@ gradient where the reduction put it (the accelerator's gradient shard, held ther
 and moves it through host buffers twice: once a group at a time for the norm (scaled, squared, dropped)
 and again a piece at a time into the buffer its piece steps in (scaled, clipped). The copies and the
 arithmetic on them are CPU offload's (``flat_group.attach_master_grad``: cast to the master's dtype, times
-the unscale; then the engine's clip, ``_foreach_mul_`` by the coefficient), so the norm and the step are CPU offload's to the bit.
+the unscale; then the engine's clip, ``_foreach_mul_`` by the coefficient), so the norm and the step are
+CPU offload's to the bit.
 """
 
 from __future__ import annotations
