@@ -70,9 +70,23 @@ def _config(args, device: str, nvme_path: str) -> dict:
         oo.update(nvme_path=nvme_path, buffer_count=args.buffers, pipeline_read=True, pipeline_write=True)
     return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "steps_per_print": 0,
             "bf16": {"enabled": True}, "aio": {"intra_op_parallelism": args.threads},
-            "zero_optimization": {"stage": args.stage, "reduce_bucket_size": args.bucket,
-                                  "allgather_bucket_size": args.bucket, "offload_optimizer": oo},
+            "zero_optimization": {"stage": args.stage, "sub_group_size": args.sub_group,
+                                  "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
+                                  "offload_optimizer": oo},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
+
+
+def _vm(field: str) -> int:
+    """``/proc/self/status``'s ``field`` in bytes (VmHWM: the peak resident set since the last reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux: ``5`` into ``/proc/self/clear_refs``)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def child(args) -> None:
@@ -87,6 +101,8 @@ def child(args) -> None:
                       num_key_value_heads=max(1, args.hidden // 64), max_position_embeddings=args.seq)
     model = AutoModelForCausalLM.from_config(cfg)
     engine, *_ = shardwise.initialize(model=model, config=_config(args, args.child, args.nvme_path))
+    built_rss = _vm("VmHWM")  # the peak so far: the model and engine built (every master made once)
+    _reset_peak()  # from here VmHWM is the peak while training
     ids = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     times, losses, io0 = [], [], None
     for s in range(args.steps):
@@ -101,6 +117,7 @@ def child(args) -> None:
         losses.append(float(loss))
     out = {"step_s": statistics.median(times[1:]), "losses": losses,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "built_rss": built_rss, "train_peak_rss": _vm("VmHWM"),
            "params": sum(p.numel() for p in model.parameters()), "report": dict(engine.memory_report())}
     if engine.nvme is not None:
         io, n = engine.nvme.io, args.steps - 1
@@ -142,6 +159,10 @@ def _table(disk: dict, cpu: dict, nvme: dict) -> list[str]:
         f"| NVMe step floor: max(CPU step, I/O at the disk's bandwidth {io_floor:.3f} s) | {floor:.3f} s "
         f"({floor / cpu['step_s']:.2f}x: the 1.3x goal is {verdict}) |",
         f"| peak RSS, CPU offload / NVMe offload | {cpu['peak_rss'] / gb:.3f} / {nvme['peak_rss'] / gb:.3f} GB |",
+        f"| peak RSS while training (after the build), CPU offload / NVMe offload | "
+        f"{cpu['train_peak_rss'] / gb:.3f} / {nvme['train_peak_rss'] / gb:.3f} GB |",
+        f"| RSS peak of the build, CPU offload / NVMe offload | {cpu['built_rss'] / gb:.3f} / "
+        f"{nvme['built_rss'] / gb:.3f} GB |",
         f"| offloaded master + states (on disk with NVMe) | {nvme['report'].get('nvme_offloaded', 0) / gb:.3f} GB |",
         f"| NVMe host buffers | {nvme['report'].get('nvme_buffers', 0) / gb:.3f} GB |",
         f"| losses equal to the bit | {cpu['losses'] == nvme['losses']} |",
@@ -160,6 +181,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--bucket", type=int, default=10_000_000)
     p.add_argument("--buffers", type=int, default=4)
+    p.add_argument("--sub-group", type=int, default=1_000_000_000, help="zero_optimization.sub_group_size")
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--disk-mib", type=int, default=1024)
     p.add_argument("--smoke", action="store_true", help="tiny sizes")
