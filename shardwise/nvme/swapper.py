@@ -24,8 +24,7 @@ split group's shard.
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,7 @@ from shardwise.aio import ALIGN, AioConfig, AlignedBuffer, IOEngine, align_up, o
 from shardwise.errors import UserError
 from shardwise.nvme.folder import SwapFolder, check_room
 from shardwise.nvme.pieces import copy_scaled, plan, scalars_of, stand_in, state_keys, step_piece
+from shardwise.nvme.resident import Resident
 from shardwise.nvme.swap_file import SwapLayout, check, stamp
 from shardwise.optim.grad_norm import grad_square
 from shardwise.zero.bucket_step import steps_exactly_per_group
@@ -63,7 +63,7 @@ class NvmeSettings:
     aio: AioConfig = field(default_factory=AioConfig)
 
 
-class OptimizerSwapper:
+class OptimizerSwapper(Resident):
     """The swap files of ``groups`` (this rank's trainable groups, cut into ``sub_group_size`` pieces) and the
     pipeline that steps them."""
 
@@ -87,6 +87,8 @@ class OptimizerSwapper:
         self.files: list = []
         self.staging: AlignedBuffer | None = None
         self.prefetched: deque[tuple[AlignedBuffer, Future]] = deque()  # the next step's first reads
+        self.writing: deque[tuple[AlignedBuffer, Future]] = deque()  # the last step's last writes, in flight
+        self.write_of: dict[int, Future] = {}  # piece -> its latest write (a read of it waits for it)
         try:
             self._open(settings)
         except BaseException:
@@ -199,6 +201,8 @@ class OptimizerSwapper:
         """Host room for ``g``'s whole gradient: a free buffer's gradient slot, or (a split group) the staging."""
         if self.staging is not None and g.own_numel * g.master.element_size() > self.buffers[0].nbytes - self.grad_at:
             return self.staging.view(g.master.dtype, 0, g.own_numel)
+        if not self.free:  # every buffer read ahead or still written behind: the oldest write first
+            self.free.append(self._acquire(self.writing))
         return self.free[-1].view(g.master.dtype, self.grad_at, g.own_numel)
 
     def _grad(self, u: int, buf: AlignedBuffer) -> torch.Tensor:
@@ -273,40 +277,57 @@ class OptimizerSwapper:
             self.free.append(buf)
             raise
 
+    def _submit_read(self, u: int, buf: AlignedBuffer) -> Future:
+        """Read piece ``u`` into ``buf`` on a worker, after its last write (still in flight with write-behind)."""
+        pending = self.write_of.pop(u, None)
+        if pending is not None:  # waited, not raised here: its error comes from the drain that frees its buffer
+            wait([pending])
+        return self.workers.submit(self._read, u, buf)
+
+    def _submit_write(self, u: int, buf: AlignedBuffer) -> tuple[AlignedBuffer, Future]:
+        self.write_of[u] = handle = self.workers.submit(self._write, u, buf)
+        return buf, handle
+
     @torch.no_grad()
     def step_and_publish(self, sharding: Any) -> None:
         """Step every piece through its swap file and publish it (as ``bucket_step.step_and_publish``); the
-        gradients are the ones :meth:`grad_norm` measured, times :meth:`clip`'s coefficient."""
+        gradients are the ones :meth:`grad_norm` measured, times :meth:`clip`'s coefficient. With
+        ``pipeline_write`` the last writes go on during the next forward and backward (write-behind)."""
         opt, s = self.optimizer, self.settings
         group_of = {id(p): pg for pg in opt.param_groups for p in pg["params"]}
         ahead = len(self.buffers) - 1 if s.pipeline_read else 0
         reads, self.prefetched = self.prefetched, deque()  # read during the forward and backward
-        writes: deque[tuple[AlignedBuffer, Future]] = deque()
+        writes, self.writing = self.writing, deque()  # the last step's write-behind, if still in flight
         issued = len(reads)
         try:
             for u in range(len(self.pieces)):
                 while issued < len(self.pieces) and (issued <= u + ahead):
                     buf = self._acquire(writes)
-                    reads.append((buf, self.workers.submit(self._read, issued, buf)))
+                    reads.append((buf, self._submit_read(issued, buf)))
                     issued += 1
                 buf, handle = reads.popleft()
                 self._drain(deque([(buf, handle)]), keep=buf)
                 self._step_in(u, buf, group_of)
-                writes.append((buf, self.workers.submit(self._write, u, buf)))
+                writes.append(self._submit_write(u, buf))
                 if not s.pipeline_write:
                     self._drain(writes)
-        finally:
+        except BaseException:
             self._drain(writes, reads)
+            raise
+        self.writing = writes
         sharding.wait_for_params()
         if s.pipeline_read:  # the next step's first pieces, read while the next forward and backward run
             for u in range(min(ahead, len(self.pieces))):
-                buf = self.free.pop()
-                self.prefetched.append((buf, self.workers.submit(self._read, u, buf)))
+                buf = self._acquire(self.writing)
+                self.prefetched.append((buf, self._submit_read(u, buf)))
 
     def drop_prefetched(self) -> None:
-        """Forget the reads issued for the next step (before anything else reads or writes the files)."""
+        """Finish the write-behind and forget the reads issued for the next step (before anything else
+        reads or writes the files)."""
         reads, self.prefetched = self.prefetched, deque()
-        self._drain(deque(), reads)
+        writes, self.writing = self.writing, deque()
+        self.write_of.clear()
+        self._drain(writes, reads)
 
     def _drain(self, writes: deque, reads: deque | None = None, keep: AlignedBuffer | None = None) -> None:
         """Wait for every transfer in ``writes`` (and ``reads``), giving their buffers back (``keep``: not
@@ -323,57 +344,6 @@ class OptimizerSwapper:
                     self.free.append(buf)
         if error is not None:
             raise error
-
-    # -- everything resident, for a checkpoint -------------------------------------------
-    @contextmanager
-    def resident(self, write_back: bool):
-        """Every group's master and state in host memory (tensors of their own) for the body: a save
-        reads them, a load (``write_back``) writes them and they go back to disk after."""
-        self.drop_prefetched()  # a load writes the files: a read issued before would be stale
-        made: list[ShardedGroup] = []
-        try:
-            for _, g in self.units:
-                self._load_group(g)
-                made.append(g)  # only a group read and checked is written back (never its stand-ins)
-            yield
-        finally:
-            for g in made:
-                if write_back:
-                    live, buf = self._group_tensors(g), self._scratch(g)
-                    for u in self.by_group[id(g)]:
-                        self._fill(u, buf, live)
-                        self._write(u, buf)
-                self._leave(g)
-
-    def _scratch(self, g: ShardedGroup) -> AlignedBuffer:
-        return AlignedBuffer(max(self.layouts[u].nbytes for u in self.by_group[id(g)]))
-
-    @torch.no_grad()
-    def _load_group(self, g: ShardedGroup) -> None:
-        """``g``'s master and state read from its files into tensors of their own."""
-        us, buf = self.by_group[id(g)], self._scratch(g)
-        first = self.layouts[us[0]]
-        slots = first.slots if first.has_state else first.slots[:1]
-        whole = {s.key: torch.empty(g.own_numel, dtype=s.dtype) for s in slots}
-        for u in us:
-            self._read(u, buf)
-            piece = self.pieces[u]
-            for s in self.layouts[u].slots[:len(slots)]:
-                whole[s.key].narrow(0, piece.start, piece.numel).copy_(buf.view(s.dtype, s.offset, s.numel))
-        g.master.set_(whole.pop("master"))
-        if whole:
-            self.optimizer.state[g.master].update(whole)
-
-    @torch.no_grad()
-    def overwrite_master(self, g: ShardedGroup, src: torch.Tensor) -> None:
-        """``g``'s master becomes ``src`` (an edit of the parameters), in its swap files; the state stays."""
-        self.drop_prefetched()
-        buf = self._scratch(g)
-        for u in self.by_group[id(g)]:
-            self._read(u, buf)
-            piece, slot = self.pieces[u], self.layouts[u].slots[0]
-            buf.view(slot.dtype, slot.offset, piece.numel).copy_(src.narrow(0, piece.start, piece.numel))
-            self._write(u, buf)
 
     # -- reports and the end -------------------------------------------------------------
     def host_bytes(self) -> int:
