@@ -156,6 +156,8 @@ def _table(disk: dict, cpu: dict, nvme: dict) -> list[str]:
         f"{io_floor:.3f} s: the step's I/O at {io_floor / busy:.0%} of the disk's bandwidth |",
         f"| step, CPU offload / NVMe offload (median of {len(cpu.get('step_s_rounds', [1]))} alternate runs) | "
         f"{cpu['step_s']:.3f} / {nvme['step_s']:.3f} s ({nvme['step_s'] / cpu['step_s']:.2f}x) |",
+        f"| overlap: CPU step + disk busy - NVMe step (the transfers' time run beside compute) | "
+        f"{max(0.0, cpu['step_s'] + busy - nvme['step_s']):.3f} s of {min(cpu['step_s'], busy):.3f} s possible |",
         f"| NVMe step floor: max(CPU step, I/O at the disk's bandwidth {io_floor:.3f} s) | {floor:.3f} s "
         f"({floor / cpu['step_s']:.2f}x: the 1.3x goal is {verdict}) |",
         f"| peak RSS, CPU offload / NVMe offload | {cpu['peak_rss'] / gb:.3f} / {nvme['peak_rss'] / gb:.3f} GB |",
