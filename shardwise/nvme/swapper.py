@@ -212,6 +212,15 @@ class OptimizerSwapper(Resident):
         return copy_scaled(dst, g.owned_grad().narrow(0, piece.start, piece.numel), self.unscale, self.coef)
 
     # -- the step ----------------------------------------------------------------------
+    def _reap(self, writes: deque) -> None:
+        """Give back the buffers of the writes already finished (oldest first), without waiting."""
+        while writes and writes[0][1].done():
+            buf, handle = writes.popleft()
+            try:
+                handle.result()
+            finally:
+                self.free.append(buf)
+
     def _acquire(self, writes: deque) -> AlignedBuffer:
         while not self.free:
             buf, handle = writes.popleft()
@@ -301,7 +310,10 @@ class OptimizerSwapper(Resident):
         issued = len(reads)
         try:
             for u in range(len(self.pieces)):
-                while issued < len(self.pieces) and (issued <= u + ahead):
+                self._reap(writes)
+                # read ahead into buffers that are free now; wait for one only for the piece needed now
+                # (waiting for a write just issued before stepping would put the step after the I/O)
+                while issued < len(self.pieces) and issued <= u + ahead and (self.free or issued == u):
                     buf = self._acquire(writes)
                     reads.append((buf, self._submit_read(issued, buf)))
                     issued += 1
