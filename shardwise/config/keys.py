@@ -236,7 +236,8 @@ KEYS: tuple[Key, ...] = (
     Key(Z + "leaf_module", I, "stage-3 fetch granularity; " + _PERF, subtree=True),
     Key(OO + "nvme_path", H, "device nvme: the folder of the swap files (checked for room, locked per run, "
         "emptied at exit)"),
-    Key(OO + "buffer_count", H, "device nvme: host buffers, each one sub-group's swap file and its gradient (the host bytes held)"),
+    Key(OO + "buffer_count", H, "device nvme: host buffers, each one sub-group's swap file and its gradient "
+        "(the host bytes held)"),
     Key(OO + "pipeline_read", H, "device nvme: read the next groups while one steps"),
     Key(OO + "pipeline_write", H, "device nvme: write a group while the next steps, the last ones during the "
         "next forward"),
