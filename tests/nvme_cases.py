@@ -357,6 +357,7 @@ def sub_groups(stage: int, precision: str, sub_group_size: int) -> dict:
                                                                  _weights(nvme.module).values(), strict=True)),
            "groups": [g.own_numel for _, g in sw.units], "pieces": [(p.index, p.numel) for p in sw.pieces],
            "file_bytes": [layout.nbytes for layout in sw.layouts], "per_buffer": per_buffer,
+           "element": sw.units[0][1].master.element_size(),
            "staging": sw.staging.nbytes if sw.staging is not None else 0,
            "nvme_buffers": dict(nvme.memory_report())["nvme_buffers"],
            "host_grads": [g.master.grad is not None or g.to_host is not None for _, g in sw.units]}

@@ -6,10 +6,10 @@ sized by the piece, not by the largest group (an embedding's shard). Stepping a 
 optimizer on a tensor over the piece's master slice, with the piece's slices of the group's state and a
 copy of the group's scalar state (Adam's ``step``): every piece starts from the same count and ends one
 further, and the group's count becomes that. Exact (the bits of one whole step) for elementwise optimizers,
-which are the only ones NVMe offload steps (``swapper.py``). Not split, stated in docs/offload.md: a
-low-precision master (its fp32 window's rounding seeds are per group offset, ``zero/low_precision.py``) and
-a stage-3 group whose parameters have no resident shard to update a range of (``offload_param.device:
-nvme``).
+which are the only ones NVMe offload steps (``swapper.py``); a 16-bit master's piece steps through its own
+fp32 window (``zero/low_precision.py``), also elementwise. Not split, stated in docs/offload.md: a 16-bit
+master rounded stochastically (the rounding seeds are per group offset) and a stage-3 group whose
+parameters have no resident shard to update a range of (``offload_param.device: nvme``).
 
 **Gradients.** CPU offload gives every group's master an fp32 gradient on the host before the step (the
 norm and clipping read all of them first): ``g x Ψ/N`` host bytes. NVMe offload leaves the reduced
@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import optim
 
 from shardwise.zero.host_copy import accelerated, fence
-from shardwise.zero.low_precision import COMPENSATION, is_low_precision, kept_state_dtype
+from shardwise.zero.low_precision import COMPENSATION, is_low_precision, kept_state_dtype, step_group
 
 if TYPE_CHECKING:
     from shardwise.zero.flat_group import ShardedGroup
@@ -60,8 +61,9 @@ class Piece:
 
 
 def splittable(g: ShardedGroup) -> bool:
-    """May ``g`` be stepped in pieces? (Not a low-precision master; at stage 3 a resident shard.)"""
-    if is_low_precision(g):
+    """May ``g`` be stepped in pieces? (Not a 16-bit master rounded stochastically: its seeds are per group
+    offset; at stage 3 a resident shard.)"""
+    if is_low_precision(g) and g.precision.master_update == "stochastic":
         return False
     return not g.policy.shard_params or g.store.shard is not None
 
@@ -101,6 +103,21 @@ def step_piece(optimizer: optim.Optimizer, options: dict[str, Any], master: torc
         optimizer.step()
     finally:
         optimizer.param_groups = whole
+        new = optimizer.state.pop(master, {})
+        master.grad = None
+    return new
+
+
+def step_low_piece(optimizer: optim.Optimizer, options: dict[str, Any], g: ShardedGroup, master: torch.Tensor,
+                   grad: torch.Tensor, state: dict[str, Any] | None, index: int) -> dict[str, Any]:
+    """:func:`step_piece` for a 16-bit master: ``low_precision.step_group`` on the piece (its fp32 window,
+    its Kahan compensation in the piece's state), exact as the whole group's step for nearest and Kahan
+    rounding (elementwise); returns the piece's state after the step."""
+    master.grad = grad
+    optimizer.state[master] = state if state is not None else {}
+    try:
+        step_group(optimizer, SimpleNamespace(master=master, precision=g.precision, comm=g.comm), options, index)
+    finally:
         new = optimizer.state.pop(master, {})
         master.grad = None
     return new

@@ -35,7 +35,7 @@ from torch import optim
 from shardwise.aio import ALIGN, AioConfig, AlignedBuffer, IOEngine, align_up, open_file
 from shardwise.errors import UserError
 from shardwise.nvme.folder import SwapFolder, check_room
-from shardwise.nvme.pieces import copy_scaled, plan, scalars_of, stand_in, state_keys, step_piece
+from shardwise.nvme.pieces import copy_scaled, plan, scalars_of, stand_in, state_keys, step_low_piece, step_piece
 from shardwise.nvme.resident import Resident
 from shardwise.nvme.swap_file import SwapLayout, check, stamp
 from shardwise.optim.grad_norm import grad_square
@@ -251,7 +251,10 @@ class OptimizerSwapper(Resident):
         if layout.has_state:
             state = {**scalars_of(self.optimizer.state.get(g.master, {}), g.own_numel),
                      **{s.key: buf.view(s.dtype, s.offset, s.numel) for s in layout.slots[1:]}}
-        new = step_piece(self.optimizer, options, master, grad, state)
+        if is_low_precision(g):
+            new = step_low_piece(self.optimizer, options, g, master, grad, state, piece.index)
+        else:
+            new = step_piece(self.optimizer, options, master, grad, state)
         g.publish_piece(master, piece.start)
         if piece.last:  # the group's scalars (Adam's step) are every piece's, the per-element state on disk
             self.optimizer.state[g.master] = {**scalars_of(new, piece.numel), **{
