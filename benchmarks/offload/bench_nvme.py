@@ -143,8 +143,9 @@ def _table(disk: dict, cpu: dict, nvme: dict) -> list[str]:
     wr_bw = nvme["write_bytes"] / nvme["write_s"] if nvme["write_s"] else 0.0
     io_floor = nvme["read_bytes"] / disk["read"] + nvme["write_bytes"] / disk["write"]
     busy = nvme["busy_s"]
-    floor = max(cpu["step_s"], io_floor)
-    verdict = "reachable" if floor <= 1.3 * cpu["step_s"] else "out of reach on this disk"
+    best = min(cpu.get("step_s_rounds", [cpu["step_s"]]))  # the least loaded CPU-offload run: the reference
+    floor = max(best, io_floor)
+    verdict = "reachable" if floor <= 1.3 * best else "out of reach on this disk"
     return [
         "| figure | value |", "| --- | --- |",
         f"| disk sequential write / read (O_DIRECT: {disk['direct']}) | {disk['write'] / gb:.2f} / "
@@ -158,8 +159,8 @@ def _table(disk: dict, cpu: dict, nvme: dict) -> list[str]:
         f"{cpu['step_s']:.3f} / {nvme['step_s']:.3f} s ({nvme['step_s'] / cpu['step_s']:.2f}x) |",
         f"| overlap: CPU step + disk busy - NVMe step (the transfers' time run beside compute) | "
         f"{max(0.0, cpu['step_s'] + busy - nvme['step_s']):.3f} s of {min(cpu['step_s'], busy):.3f} s possible |",
-        f"| NVMe step floor: max(CPU step, I/O at the disk's bandwidth {io_floor:.3f} s) | {floor:.3f} s "
-        f"({floor / cpu['step_s']:.2f}x: the 1.3x goal is {verdict}) |",
+        f"| NVMe step floor: max(fastest CPU step {best:.3f} s, I/O at the disk's bandwidth {io_floor:.3f} s) | "
+        f"{floor:.3f} s ({floor / best:.2f}x: the 1.3x goal is {verdict}) |",
         f"| peak RSS, CPU offload / NVMe offload | {cpu['peak_rss'] / gb:.3f} / {nvme['peak_rss'] / gb:.3f} GB |",
         f"| peak RSS while training (after the build), CPU offload / NVMe offload | "
         f"{cpu['train_peak_rss'] / gb:.3f} / {nvme['train_peak_rss'] / gb:.3f} GB |",
