@@ -369,7 +369,7 @@ class OptimizerSwapper(Resident):
         """Stop the I/O threads, close and remove the swap files, release the lock."""
         try:
             self.drop_prefetched()
-        except Exception:  # noqa: BLE001, S110 - closing: a failed read-ahead of a step that never comes
+        except Exception:  # noqa: BLE001, S110 - closing: a read-ahead of a step that never comes, a write-behind of a file removed next
             pass
         self.workers.shutdown(wait=True)
         self.io.close()
