@@ -74,15 +74,19 @@ def cpu_vs_nvme(stage: int, precisions: list[str], param_cpu: bool = False) -> d
     return out
 
 
-def checkpoint_resume(stage: int, precision: str, save_dir: str) -> dict:
+def checkpoint_resume(stage: int, precision: str, save_dir: str, sub_group_size: int = 1_000_000_000) -> dict:
     """Save at step 2 with NVMe-held state, run to step 4; load into a fresh engine on another nvme_path
-    and into a CPU-offload engine at another stage (another layout), run steps 3-4 in each."""
+    and into a CPU-offload engine at another stage (another layout), run steps 3-4 in each. The NVMe
+    engines cut their groups into ``sub_group_size`` pieces."""
     data = batches(4, 1, 2 * dist.get_world_size(), 16)
     paths = [tempfile.mkdtemp() for _ in range(2)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(paths := [paths], src=0)
         paths = paths[0]
-    first, _ = _train(config(stage, precision, "nvme", paths[0], pipeline_read=True), 2, data=data)
+    nvme_cfg = [config(stage, precision, "nvme", p, pipeline_read=True) for p in paths]
+    for cfg in nvme_cfg:
+        cfg["zero_optimization"]["sub_group_size"] = sub_group_size
+    first, _ = _train(nvme_cfg[0], 2, data=data)
     first.save_checkpoint(save_dir, tag="s2")
     _, straight = _train({}, 2, engine=first, data=data, start=2)
     first.destroy()
@@ -96,7 +100,7 @@ def checkpoint_resume(stage: int, precision: str, save_dir: str) -> dict:
         tensors = [dict(iter_consolidated(save_dir, tag)[2]) for tag in ("s2", "cpu2")]
         same_consolidated = tensors[0].keys() == tensors[1].keys() and all(
             torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
-    again = shardwise.initialize(model=build("llama"), config=config(stage, precision, "nvme", paths[1]))[0]
+    again = shardwise.initialize(model=build("llama"), config=nvme_cfg[1])[0]
     again.load_checkpoint(save_dir, tag="s2")
     _, resumed = _train({}, 2, engine=again, data=data, start=2)
     other_stage = 3 if stage != 3 else 1
@@ -298,14 +302,16 @@ def ep_offload_reload(stage: int) -> dict:
     return {"straight": run(-1), "offloaded": run(1)}
 
 
-def edit_then_train(stage: int) -> dict:
+def edit_then_train(stage: int, sub_group_size: int = 1_000_000_000) -> dict:
     """An edit of the parameters between steps (GatheredParameters with a modifier rank): with NVMe offload
-    the master in the swap file takes it, as the CPU-offload master does."""
+    the master in the swap file(s) takes it, as the CPU-offload master does."""
     from shardwise.zero import GatheredParameters
 
     out = {}
     for device in ("cpu", "nvme"):
-        engine, first = _train(config(stage, "bf16", device, tempfile.mkdtemp() if device == "nvme" else None), 1)
+        cfg = config(stage, "bf16", device, tempfile.mkdtemp() if device == "nvme" else None)
+        cfg["zero_optimization"]["sub_group_size"] = sub_group_size
+        engine, first = _train(cfg, 1)
         with GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
             if dist.get_rank() == 0:
                 with torch.no_grad():
@@ -331,4 +337,32 @@ def client_deepspeed_adam() -> dict:
         out[device] = _train({}, 3, engine=engine)[1]
         out[f"{device}_swapped"] = engine.nvme is not None
         engine.destroy()
+    return out
+
+
+def sub_groups(stage: int, precision: str, sub_group_size: int) -> dict:
+    """CPU offload against NVMe offload with ``sub_group_size`` pieces, two micro-batches a step and clipping:
+    losses, weights, the pieces, and the host bytes (the buffers, by their formula) with no gradient kept."""
+    world = dist.get_world_size()
+    cfgs = [config(stage, precision, "cpu"), config(stage, precision, "nvme", tempfile.mkdtemp(), buffer_count=2,
+                                                    pipeline_read=True, pipeline_write=True)]
+    for cfg in cfgs:
+        cfg.update(gradient_accumulation_steps=2, train_batch_size=4 * world)
+        cfg["zero_optimization"]["sub_group_size"] = sub_group_size
+    data = batches(3, 2, 2 * world, 16)
+    cpu, cpu_losses = _train(cfgs[0], 3, data=data)
+    nvme, nvme_losses = _train(cfgs[1], 3, data=data)
+    sw = nvme.nvme
+    per_buffer = sw.grad_at + -(-max(p.numel * p.group.master.element_size() for p in sw.pieces) // 4096) * 4096
+    out = {"losses": (cpu_losses, nvme_losses), "norms": (cpu.last_grad_norm, nvme.last_grad_norm),
+           "same_weights": all(torch.equal(a, b) for a, b in zip(_weights(cpu.module).values(),
+                                                                 _weights(nvme.module).values(), strict=True)),
+           "groups": [g.own_numel for _, g in sw.units], "pieces": [(p.index, p.numel) for p in sw.pieces],
+           "file_bytes": [layout.nbytes for layout in sw.layouts], "per_buffer": per_buffer,
+           "element": sw.units[0][1].master.element_size(),
+           "staging": sw.staging.nbytes if sw.staging is not None else 0,
+           "nvme_buffers": dict(nvme.memory_report())["nvme_buffers"],
+           "host_grads": [g.master.grad is not None or g.to_host is not None for _, g in sw.units]}
+    nvme.destroy()
+    cpu.destroy()
     return out

@@ -134,7 +134,7 @@ def test_generate_at_stage_3():
 
 # -- the three defects of issue 43, put back one at a time: the guard must fail on each --------------
 
-def _norm_accumulated_on_the_cpu(grads, tp=None, shard=None):
+def _norm_accumulated_on_the_cpu(grads, tp=None, shard=None, squared=False):  # noqa: ARG001
     """Defect (a) as it was: the squares summed into a CPU float64 tensor."""
     sq = torch.zeros(2, dtype=torch.float64)
     for g, tp_slice in grads:

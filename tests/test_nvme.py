@@ -28,9 +28,10 @@ def test_nvme_offload_is_cpu_offload_to_the_bit(pool2, stage, precisions, param_
             assert r["left_after_destroy"] == []  # the swap files and the lock are gone
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_checkpoint_with_nvme_state_resumes_exactly(pool2, tmp_path, stage):
-    res = pool2.run("nvme_cases:checkpoint_resume", stage, "bf16", str(tmp_path / "ckpt"))
+@pytest.mark.parametrize(("stage", "sub_group_size"), [(2, 3000), (3, 1_000_000_000)])
+def test_checkpoint_with_nvme_state_resumes_exactly(pool2, tmp_path, stage, sub_group_size):
+    """At stage 2 the groups are cut into sub-groups: a save reads every piece, a load writes them back."""
+    res = pool2.run("nvme_cases:checkpoint_resume", stage, "bf16", str(tmp_path / "ckpt"), sub_group_size)
     for r in res:
         assert r["resumed"] == r["straight"], r  # another nvme_path, the step's state (not a stale file)
         assert r["resharded"] == r["straight"], r  # into CPU offload at another stage
@@ -90,9 +91,10 @@ def test_offload_states_with_expert_parallelism(pool2, stage):
         assert r["offloaded"] == r["straight"] and len(r["straight"]) == 3, r
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_an_edit_of_the_parameters_reaches_the_swapped_master(pool2, stage):
-    for r in pool2.run("nvme_cases:edit_then_train", stage):
+@pytest.mark.parametrize(("stage", "sub_group_size"), [(2, 1_000_000_000), (3, 3000)])
+def test_an_edit_of_the_parameters_reaches_the_swapped_master(pool2, stage, sub_group_size):
+    """At stage 3 in sub-groups: the edit is written into every piece's file."""
+    for r in pool2.run("nvme_cases:edit_then_train", stage, sub_group_size):
         assert r["nvme"] == r["cpu"] and len(r["cpu"]) == 3, r
         assert r["cpu"][1] != r["unedited"][1], r  # the edit took effect
 
@@ -100,3 +102,21 @@ def test_an_edit_of_the_parameters_reaches_the_swapped_master(pool2, stage):
 def test_a_client_deepspeed_cpu_adam_steps_through_nvme(pool2):
     for r in pool2.run("nvme_cases:client_deepspeed_adam"):
         assert r["nvme"] == r["cpu"] and r["nvme_swapped"] and not r["cpu_swapped"], r
+
+
+@pytest.mark.parametrize(("stage", "precision"), [(2, "bf16"), (3, "fp16"), (1, "bf16_states")])
+def test_sub_groups_and_no_host_gradient_are_cpu_offload_to_the_bit(pool2, stage, precision):
+    """``sub_group_size`` cuts a group into pieces (one file and one buffer's worth each; a 16-bit master's
+    through its own fp32 window); gradients are never held on the host; over two micro-batches a step with
+    clipping, the losses, norm and weights are CPU offload's to the bit."""
+    for r in pool2.run("nvme_cases:sub_groups", stage, precision, 3000):
+        assert r["losses"][0] == r["losses"][1] and r["norms"][0] == r["norms"][1], r["losses"]
+        assert r["same_weights"]
+        assert len(r["pieces"]) > len(r["groups"]) and max(n for _, n in r["pieces"]) <= 3000
+        assert sum(n for _, n in r["pieces"]) == sum(r["groups"])
+        # by construction: two buffers of one piece's file and its gradient slot, and the norm's staging
+        slot = 4096 * -(-max(n for _, n in r["pieces"]) * r["element"] // 4096)
+        assert r["per_buffer"] == max(r["file_bytes"]) + slot
+        assert r["nvme_buffers"] == 2 * r["per_buffer"] + r["staging"]
+        assert r["staging"] == 4096 * -(-max(r["groups"]) * r["element"] // 4096)
+        assert not any(r["host_grads"])

@@ -16,17 +16,20 @@ def world2():
         yield
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_nvme_offload_steps_on_a_device(world2, tmp_path, monkeypatch, stage):
-    """The swap path's tensors (stand-ins, buffer views, the step, the publish to the device) under the
-    guard; the file transfers are skipped (a fake tensor has no bytes: the guard's checkpoint tests skip
-    them the same way), tests/test_nvme.py runs them for real."""
+@pytest.mark.parametrize(("stage", "sub_group_size"), [(2, 1_000_000_000), (3, 1_000_000_000), (2, 64), (3, 64)])
+def test_nvme_offload_steps_on_a_device(world2, tmp_path, monkeypatch, stage, sub_group_size):
+    """The swap path's tensors (stand-ins, buffer views, the gradients from the device into the buffers,
+    the step, the publish to the device, whole or by sub-group) under the guard; the file transfers are
+    skipped (a fake tensor has no bytes: the guard's checkpoint tests skip them the same way),
+    tests/test_nvme.py runs them for real."""
     monkeypatch.setattr(OptimizerSwapper, "_read", lambda self, u, buf: None)
     monkeypatch.setattr(OptimizerSwapper, "_write", lambda self, u, buf: None)
     cfg = config(stage, "bf16", offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path),
                                                     "pipeline_read": True, "pipeline_write": True})
+    cfg["zero_optimization"]["sub_group_size"] = sub_group_size
     engine, guard = train_steps(cfg)
     assert engine.nvme is not None and all(g.master.device.type == "cpu" for g in engine.groups)
+    assert (len(engine.nvme.pieces) > len(engine.nvme.units)) == (sub_group_size == 64)
     assert not guard.in_flight
     engine.destroy()
 

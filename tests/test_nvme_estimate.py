@@ -20,14 +20,14 @@ def test_nvme_moves_the_optimizer_host_bytes_to_disk(capsys) -> None:
         c, n = cpu["stages"][st], nvme["stages"][st]
         assert n["per_device_bytes"] == c["per_device_bytes"]  # the device holds the same
         assert n["nvme_bytes"] == c["host_bytes"] == 12 * 14 * 10**9  # fp32 master + Adam moments, on disk
-        assert n["host_bytes"] == 2 * 12 * 100 * 10**6 + 4 * 14 * 10**9  # buffer_count x k x G + fp32 grads
+        assert n["host_bytes"] == 2 * (12 + 4) * 100 * 10**6  # buffer_count x (k + g) x G: no gradient shard
     assert "I/O per step 2·168.00 GB at 6 GB/s: 56.0 s" in nvme["notes"][-1]
 
 
 def test_nvme_with_bf16_states_and_ranks(capsys) -> None:
     n = _json(capsys, "--params", "8B", "--devices", "8", "--offload", "nvme", "--master", "states")["stages"]["2"]
     assert n["nvme_bytes"] == 8 * 10**9  # 8 B/param (2 master copy + 2 + 2 moments + 2 Kahan) / 8 ranks
-    assert n["host_bytes"] == 4 * 8 * (500_000_000 // 8) + 2 * 10**9  # + the bf16 gradient shard
+    assert n["host_bytes"] == 4 * (8 + 2) * (500_000_000 // 8)  # each buffer: a group's file and its bf16 gradient
 
 
 def test_nvme_parameters_put_the_16_bit_shard_on_disk_and_count_their_buffers(capsys) -> None:
@@ -50,3 +50,11 @@ def test_nvme_parameters_put_the_16_bit_shard_on_disk_and_count_their_buffers(ca
 def test_nvme_params_without_nvme_offload_is_refused(capsys) -> None:
     assert main(["--params", "1B", "--devices", "1", "--offload", "params", "--nvme-params"]) == 2
     assert "--nvme-params goes with --offload nvme" in capsys.readouterr().err
+
+
+def test_nvme_sub_groups_bound_the_buffers(capsys) -> None:
+    """--nvme-sub-group S: the buffers hold S elements each, plus one split group's gradient for the norm."""
+    n = _json(capsys, "--params", "14B", "--devices", "1", "--offload", "nvme", "--nvme-buffers", "4",
+              "--nvme-group", "500M", "--nvme-sub-group", "100M")
+    assert n["stages"]["2"]["host_bytes"] == 4 * (12 + 4) * 100 * 10**6 + 4 * 500 * 10**6
+    assert "S = min(sub_group_size, G) = 100,000,000 elements" in n["notes"][-1]

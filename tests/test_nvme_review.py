@@ -21,7 +21,11 @@ KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
 def _group(numel: int) -> SimpleNamespace:
-    return SimpleNamespace(master=torch.arange(numel, dtype=torch.float32), own_numel=numel)
+    """A group as the swapper reads it: its master, and (NVMe offload reads the gradient where the
+    reduction left it) its reduced gradient, ones."""
+    return SimpleNamespace(master=torch.arange(numel, dtype=torch.float32), own_numel=numel,
+                           device=torch.device("cpu"), owned_grad=lambda: torch.ones(numel),
+                           release_grad_shard=lambda: None)
 
 
 def test_a_failed_read_under_resident_does_not_restamp_the_bad_file(tmp_path: Path) -> None:
@@ -93,8 +97,7 @@ def test_a_step_that_raises_gives_its_buffer_back(tmp_path: Path, pipeline_read:
     group to its stand-ins (nothing points into a buffer that will be reused), so the next step is exact."""
     groups = [_group(8), _group(8)]
     for g in groups:
-        g.master.grad = torch.ones(8)
-        g.publish_master, g.master_writable = (lambda async_op: None), (lambda: None)
+        g.publish_master = lambda async_op: None
     ref = [g.master.clone().requires_grad_() for g in groups]
     for r in ref:
         r.grad = torch.ones(8)

@@ -6,8 +6,9 @@ For each mode (bf16 compute, AdamW; fp32 masters, or bf16 masters with bf16 stat
 compensation), a binary search over the parameter count for the largest model whose model states fit:
 device bytes (``shardwise.estimate``'s stage-3 figure, one device) at most the device memory less the
 estimator's margin, and host bytes at most ``--host-fraction`` of the host memory. Host bytes are the
-estimator's (``--offload nvme``: ``estimate/nvme.py``'s buffers plus the gradient shard) and, for CPU
-offload, the gradient shard in the master's dtype too (shardwise keeps it on the host there as well). NVMe
+estimator's (``--offload nvme``: ``estimate/nvme.py``'s buffers, or the masters at the build if more: every
+master exists once on the host before its first swap-out) and, for CPU offload, the gradient shard in the
+master's dtype too (shardwise keeps it on the host there). NVMe
 parameter offload (``max_in_cpu`` 0): the device bytes of CPU parameter offload, the host bytes of NVMe
 optimizer offload plus the parameters' bounce buffers (DeepSpeed's defaults: 5 x 1e8 elements), and the
 16-bit parameters on disk too.
@@ -38,12 +39,15 @@ def need(params: int, offload: str, master: str, buffers: int, group: int) -> tu
     if offload == "nvme+params":  # the device figure of parameter offload; parameters and states on disk
         dev = estimate(params, 1, dtype="bf16", offload="params", master=master).stages[3].resident_bytes
         est = apply_nvme(estimate(params, 1, dtype="bf16", offload="optimizer", master=master), buffers, group)
-        return dev, est.stages[3].host_bytes + PARAM_BOUNCE, est.stages[3].nvme_bytes + 2 * params
+        host = max(est.stages[3].host_bytes + PARAM_BOUNCE, (4 if master == "fp32" else 2) * params)  # the build
+        return dev, host, est.stages[3].nvme_bytes + 2 * params
     est = estimate(params, 1, dtype="bf16", offload="optimizer" if offload == "nvme" else offload, master=master)
     if offload == "nvme":
         apply_nvme(est, buffers, group)
     st = est.stages[3]
     host = st.host_bytes + ((4 if master == "fp32" else 2) * params if offload in ("optimizer", "params") else 0)
+    if offload == "nvme":  # at the build every master exists once in host memory before its first swap-out
+        host = max(host, (4 if master == "fp32" else 2) * params)
     return st.resident_bytes, host, st.nvme_bytes
 
 

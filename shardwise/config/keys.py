@@ -219,11 +219,14 @@ KEYS: tuple[Key, ...] = (
         default(True)),
     *(Key(Z + k, I, _PERF) for k in (
         "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce", "allgather_partitions",
-        "round_robin_gradients", "sub_group_size", "stage3_max_reuse_distance", "model_persistence_threshold",
+        "round_robin_gradients", "stage3_max_reuse_distance", "model_persistence_threshold",
         "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
         "stage3_allgather_sequential", "use_all_reduce_for_fetch_params", "allgather_sequential",
         "legacy_stage1", "memory_efficient_linear", "mics_hierarchical_params_gather",
         "pipeline_loading_checkpoint", "override_module_apply", "save_muon_momentum_buffer_in_memory")),
+    Key(Z + "sub_group_size", H, "offload_optimizer.device nvme: elements of one sub-group, a group's master shard "
+        "larger is stepped in pieces (one swap file and one host buffer's worth each, bit for bit one step; "
+        "[offload.md](offload.md)); without NVMe offload nothing depends on it"),
     Key(Z + "stage3_gather_16bit_weights_on_model_save", I,
         "engine.save_16bit_model() always writes full weights"),
     Key(Z + "elastic_checkpoint", I, "shardwise checkpoints load at any world size"),
@@ -233,9 +236,11 @@ KEYS: tuple[Key, ...] = (
     Key(Z + "leaf_module", I, "stage-3 fetch granularity; " + _PERF, subtree=True),
     Key(OO + "nvme_path", H, "device nvme: the folder of the swap files (checked for room, locked per run, "
         "emptied at exit)"),
-    Key(OO + "buffer_count", H, "device nvme: host buffers of one group's swap file each (the host bytes held)"),
+    Key(OO + "buffer_count", H, "device nvme: host buffers, each one sub-group's swap file and its gradient "
+        "(the host bytes held)"),
     Key(OO + "pipeline_read", H, "device nvme: read the next groups while one steps"),
-    Key(OO + "pipeline_write", H, "device nvme: write a group while the next steps"),
+    Key(OO + "pipeline_write", H, "device nvme: write a group while the next steps, the last ones during the "
+        "next forward"),
     *(Key(OO + k, I, "partial offload tuning; " + _PERF) for k in (
         "fast_init", "ratio", "super_offload", "cpuadam_cores_perc")),
     Key(OP + "nvme_path", H, "device nvme: the folder of the parameters' swap files (checked, locked, emptied)"),

@@ -27,7 +27,14 @@ from shardwise.engine.checks import check_all_used, check_save_args, direct_step
 from shardwise.engine.compat import EngineAccessors, UsageError
 from shardwise.engine.memory import memory_report
 from shardwise.engine.nonfinite import skip_nonfinite_step
-from shardwise.engine.nvme import attach_nvme, attach_param_swap, nvme_resident, swaps_closed_on_failure
+from shardwise.engine.nvme import (
+    attach_nvme,
+    attach_param_swap,
+    clip_grads,
+    nvme_resident,
+    reduce_and_norm,
+    swaps_closed_on_failure,
+)
 from shardwise.engine.plain_backward import plain_backward_rule, scale_loss
 from shardwise.fsdp.compiled import compile_sharded
 from shardwise.fsdp.module import shard_module
@@ -278,8 +285,7 @@ class Engine(EngineAccessors, nn.Module):
         unscale = 1.0 / self.sharding.dp_world if self.gradient_average else 1.0
         if self.loss_scaler is not None:
             unscale /= self.loss_scaler.scale
-        grads = self.sharding.reduced_grads(unscale)
-        norm = self.sharding.grad_norm(grads)
+        grads, norm = reduce_and_norm(self, unscale)  # NVMe offload: no gradient held on the host (engine/nvme.py)
         overflow = not math.isfinite(norm)
         skip = self.loss_scaler.update(overflow) if self.loss_scaler is not None else False
         if overflow and self.loss_scaler is not None:
@@ -292,7 +298,7 @@ class Engine(EngineAccessors, nn.Module):
             if clip and clip > 0:
                 coef = min(1.0, clip / (norm + 1e-6))
                 if coef < 1.0:
-                    torch._foreach_mul_(grads, coef)
+                    clip_grads(self, grads, coef)
             self._engine_stepping = True
             try:  # stages 1-2: each bucket's all-gather overlaps the next one's step; done before step() returns
                 if self.nvme is not None:  # group by group through the swap files

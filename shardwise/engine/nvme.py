@@ -12,6 +12,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from shardwise.aio import ALIGN, AioConfig, IOEngine
@@ -63,6 +64,7 @@ def nvme_settings(config) -> NvmeSettings | None:
     return NvmeSettings(nvme_path=Path(oo.nvme_path), key=f"{OO}.nvme_path", buffer_count=max(1, oo.buffer_count),
                         pipeline_read=bool(oo.pipeline_read), pipeline_write=bool(oo.pipeline_write),
                         pin_memory=bool(oo.pin_memory), local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                        sub_group_size=int(config.zero_optimization.sub_group_size),
                         aio=aio_config(dict(config.aio)))
 
 
@@ -131,6 +133,24 @@ def param_file_bytes(model: Any, world: int) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     groups = sum(1 for m in model.modules() if next(m.parameters(recurse=False), None) is not None)
     return -(-total // world) + 2 * ALIGN * groups
+
+
+def reduce_and_norm(engine: EngineParts, unscale: float) -> tuple[list[torch.Tensor] | None, float]:
+    """The step's gradients (times ``unscale``) and their global norm. With NVMe offload no gradient is
+    kept on the host: the norm streams them through one buffer (``nvme/pieces.py``) and the list is None."""
+    swapper = getattr(engine, "nvme", None)
+    if swapper is not None:
+        return None, swapper.grad_norm(engine.sharding, unscale)
+    grads = engine.sharding.reduced_grads(unscale)
+    return grads, engine.sharding.grad_norm(grads)
+
+
+def clip_grads(engine: EngineParts, grads: list[torch.Tensor] | None, coef: float) -> None:
+    """Gradient clipping by ``coef``: in place, or (NVMe offload) as each piece's gradient is loaded."""
+    if grads is None:
+        engine.nvme.clip(coef)
+    else:
+        torch._foreach_mul_(grads, coef)
 
 
 def nvme_resident(engine: EngineParts, write_back: bool):

@@ -1,20 +1,23 @@
 """NVMe offload in the estimate (``shardwise estimate --offload nvme``): what CPU offload puts on the host
-goes to swap files, and the host keeps ``buffer_count`` buffers of one group each.
+goes to swap files, and the host keeps ``buffer_count`` buffers of one sub-group each.
 
-The host bytes of a rank with ``offload_optimizer.device: nvme`` (``nvme/``, engine stages 1-3)::
+The host bytes of a rank with ``offload_optimizer.device: nvme`` (``nvme/``, engine stages 1-3), by
+construction (``nvme/swapper.py``)::
 
-    host = buffer_count x (4 KiB + sum over the master and each optimizer state of align_4KiB(k_i x G))
-           + g x Ψ/N
-         ~ buffer_count x k x G + g x Ψ/N,   G = the largest group's shard = min(group elements, Ψ) / N
+    host = buffer_count x (4 KiB + sum over the master and each optimizer state of align_4KiB(k_i x S)
+                           + align_4KiB(g x S))
+           + [S < G] x g x G
+         ~ buffer_count x (k + g) x S  (+ g x G when a group is cut into sub-groups)
+    G = the largest group's shard = min(group elements, Ψ) / N,   S = min(sub_group_size, G)
 
 where ``k`` is the offloaded bytes per parameter (fp32 master + Adam moments: 12; bf16 master with bf16
-states and a Kahan compensation: 8) and a group is a bucket of ``min(reduce_bucket_size,
-allgather_bucket_size)`` elements at stages 1-2, a module's parameters at stage 3. The swap files hold
-``k x Ψ/N`` bytes per rank. The step reads and writes every group once: ``2 x k x Ψ/N`` bytes of I/O.
-``g x Ψ/N`` is the gradient shard in the master's dtype (``g`` = 4 with fp32 masters, 2 with 16-bit ones),
-which stays on the host as with CPU offload (the step's gradient norm and clipping read every group's
-gradient before the first group steps; on an accelerator it is a persistent pinned buffer per group):
-NVMe offload does not swap gradients.
+states and a Kahan compensation: 8), ``g`` the master's bytes per element (4 fp32, 2 16-bit: each buffer's
+gradient slot, where a sub-group's gradient is loaded as it steps), and a group is a bucket of
+``min(reduce_bucket_size, allgather_bucket_size)`` elements at stages 1-2, a module's parameters at stage 3.
+No gradient shard stays on the host: the norm streams each group's gradient through one buffer, and a
+group cut into sub-groups is measured in one staging buffer of its whole gradient (``g x G``: the norm is
+CPU offload's to the bit only over the same whole tensor). The swap files hold ``k x Ψ/N`` bytes per rank;
+the step reads and writes every one once: ``2 x k x Ψ/N`` bytes of I/O.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ def base_offload(args: argparse.Namespace) -> str:
 
 
 def add_offload_args(p: argparse.ArgumentParser, count: Callable[[str], int], size: Callable[[str], int]) -> None:
-    """``--offload`` and, for ``--offload nvme``, ``--nvme-buffers``, ``--nvme-group``, ``--nvme-bandwidth``."""
+    """``--offload`` and, for ``--offload nvme``, ``--nvme-buffers``, ``--nvme-group``, ``--nvme-sub-group``,
+    ``--nvme-bandwidth``."""
     p.add_argument("--offload", choices=["none", "optimizer", "params", "nvme"], default="none",
                    help="nvme: offload_optimizer.device nvme (the host keeps --nvme-buffers buffers)")
     p.add_argument("--nvme-buffers", type=count, default=4, help="offload_optimizer.buffer_count (--offload nvme)")
     p.add_argument("--nvme-group", type=count, default=500_000_000,
                    help="elements of the largest group (min(reduce_bucket_size, allgather_bucket_size))")
+    p.add_argument("--nvme-sub-group", type=count, default=1_000_000_000,
+                   help="zero_optimization.sub_group_size: elements of one sub-group (--offload nvme)")
     p.add_argument("--nvme-bandwidth", type=size, default=None,
                    help="the disk's bandwidth per second, e.g. 6GB: the step's I/O seconds")
     add_param_args(p, count)
@@ -48,34 +54,38 @@ def nvme_from_args(est: Any, args: argparse.Namespace) -> None:
     """:func:`apply_nvme` with the command line's flags, when ``--offload nvme``."""
     if args.offload == "nvme":
         shard = param_shard_out(est) if args.nvme_params else 0
-        apply_nvme(est, args.nvme_buffers, args.nvme_group, args.nvme_bandwidth)
+        apply_nvme(est, args.nvme_buffers, args.nvme_group, args.nvme_bandwidth, args.nvme_sub_group)
         if args.nvme_params:
             apply_nvme_params(est, shard, args.nvme_param_buffers, args.nvme_param_buffer_size,
                               args.nvme_max_in_cpu, args.nvme_group, args.nvme_bandwidth)
 
 
 def apply_nvme(est: Any, buffer_count: int = 4, group_elements: int = 500_000_000,
-               bandwidth: float | None = None) -> Any:
+               bandwidth: float | None = None, sub_group: int = 1_000_000_000) -> Any:
     """``est`` (an optimizer-offload estimate) turned into NVMe offload's: per stage >= 1 the host bytes
-    become the buffers and the former host bytes ``nvme_bytes``; a note states the formula and, with
-    ``bandwidth`` (bytes/s of the disk, read and write alike), the step's I/O seconds."""
+    become the buffers (and a split group's gradient staging), the former host bytes ``nvme_bytes``; a
+    note states the formula and, with ``bandwidth`` (bytes/s of the disk, read and write alike), the
+    step's I/O seconds."""
     est.offload = "nvme"
+    group = -(-min(group_elements, est.psi) // est.dp)  # G
+    piece = min(sub_group, group)  # S
+    g = 4 if est.master == "fp32" else 2
     for st in est.stages.values():
         if st.stage == 0:
             continue
         k = st.host_bytes * est.dp // max(est.psi, 1)  # offloaded bytes per parameter (rounded down)
-        group = -(-min(group_elements, est.psi) // est.dp)
         st.offload, st.nvme_bytes = "nvme", st.host_bytes
-        grads = (4 if est.master == "fp32" else 2) * -(-est.psi // est.dp)
-        st.host_bytes = buffer_count * k * group + grads
-        st.host_formula = f"{buffer_count}·{k}·G + {4 if est.master == 'fp32' else 2}Ψ/N"
+        st.host_bytes = buffer_count * (k + g) * piece + (g * group if piece < group else 0)
+        st.host_formula = f"{buffer_count}·({k}+{g})·S" + (f" + {g}·G" if piece < group else "")
         st.cluster_host_bytes = st.host_bytes * est.devices
     s1 = est.stages[1]
     note = (f"NVMe: the offloaded states ({s1.nvme_bytes / 1e9:,.2f} GB per rank at stage 1) are in swap files "
-            f"under nvme_path; the host keeps {buffer_count} buffers of the largest group, G = min(group, Ψ)/N = "
-            f"{-(-min(group_elements, est.psi) // est.dp):,} elements (group: {group_elements:,} elements, "
-            "min(reduce_bucket_size, allgather_bucket_size) at stages 1-2); host = buffer_count·k·G + the "
-            "gradient shard in the master's dtype (not swapped).")
+            f"under nvme_path; the host keeps {buffer_count} buffers of one sub-group, S = min(sub_group_size, G) "
+            f"= {piece:,} elements, G = min(group, Ψ)/N = {group:,} (group: {group_elements:,} elements, "
+            "min(reduce_bucket_size, allgather_bucket_size) at stages 1-2); host = buffer_count·(k+g)·S, each "
+            "buffer a sub-group's file and its gradient (g bytes an element), + g·G (a split group's gradient, "
+            "for the norm) when S < G; no gradient shard is kept on the host. At the build every master "
+            "exists once on the host (4Ψ/N fp32, 2Ψ/N 16-bit) before its first swap-out.")
     if bandwidth:
         note += (f" I/O per step 2·{s1.nvme_bytes / 1e9:,.2f} GB at {bandwidth / 1e9:g} GB/s: "
                  f"{2 * s1.nvme_bytes / bandwidth:,.1f} s.")

@@ -6,8 +6,9 @@ Built on ``shardwise.aio`` (the I/O engine); the engine reads the config and han
 
 from shardwise.nvme.folder import SwapFolder, check_room
 from shardwise.nvme.param_store import NvmeParamStore, ParamSwap
+from shardwise.nvme.pieces import is_stand_in
 from shardwise.nvme.swap_file import SwapFileError
-from shardwise.nvme.swapper import NvmeSettings, OptimizerSwapper, is_stand_in
+from shardwise.nvme.swapper import NvmeSettings, OptimizerSwapper
 
 __all__ = ["NvmeParamStore", "NvmeSettings", "OptimizerSwapper", "ParamSwap", "SwapFileError", "SwapFolder",
            "check_room", "is_stand_in"]

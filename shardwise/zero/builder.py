@@ -242,20 +242,22 @@ class Sharding:
             g.start_master_grad()
         return [g.attach_master_grad(unscale) for g in self.groups]
 
-    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+    def grad_norm(self, grads: list[torch.Tensor], squared: bool = False) -> float:
         """L2 norm over every shard on every rank of ``reduced_grads``' result.
 
         Groups sharded over their own groups (experts) are disjoint pieces over their ``shard`` group
         (stages >= 1) and hold other slices than the ranks of ``split``: their squares are summed over
-        both, so each expert is counted exactly once."""
+        both, so each expert is counted exactly once. ``squared``: each grad is its ``grad_square`` (NVMe)."""
         pairs = [(grad, g.tp_sharded) for g, grad in zip(self.groups, grads, strict=True) if g.own_groups is None]
-        norm = global_grad_norm(pairs, tp=self.tp, shard=self.comm if self.policy.shard_optimizer else None)
+        norm = global_grad_norm(pairs, tp=self.tp, shard=self.comm if self.policy.shard_optimizer else None,
+                                squared=squared)
         own = [(grad, g.own_groups) for g, grad in zip(self.groups, grads, strict=True) if g.own_groups is not None]
         if not own:
             return float(norm)
         groups = own[0][1]
         sq = global_grad_norm([(grad, False) for grad, _ in own],
-                              shard=groups.shard if self.policy.shard_optimizer else None).square().reshape(1)
+                              shard=groups.shard if self.policy.shard_optimizer else None,
+                              squared=squared).square().reshape(1)
         if groups.split.size > 1:
             sq = sq.to(compute_device())  # offloaded (CPU) expert grads: NCCL reduces no host tensor
             groups.split.all_reduce(sq)

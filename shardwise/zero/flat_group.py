@@ -300,16 +300,27 @@ class ShardedGroup(StageThreeGather, GradReduction):
             self._shard_grad_empty = True
             self.grad_released = True  # owned_grad() makes a zeroed one again for a reader (tensor_fragment)
 
-    def publish_master(self, async_op: bool = False) -> Work | None:
-        """Write the stepped master into ``flat_param`` and share it with every rank."""
+    def publish_piece(self, src: torch.Tensor, start: int) -> None:
+        """NVMe sub-groups (``nvme/``): elements ``[start, start + n)`` of the stepped master into the shard
+        (the stage-3 store, else ``flat_param``'s owned range); ``publish_master(copied=True)`` after the
+        last piece shares it."""
+        if self.policy.shard_params:
+            self.store.update_range(src, start, non_blocking=True)
+        else:
+            self.flat_param.narrow(0, self.own_start + start, src.numel()).copy_(src, non_blocking=True)
+        self._copied_out()
+
+    def publish_master(self, async_op: bool = False, copied: bool = False) -> Work | None:
+        """Write the stepped master into ``flat_param`` and share it with every rank (``copied``: the
+        master is there already, piece by piece: ``publish_piece``)."""
         if self.policy.shard_params:  # the next gather() reads the shard
             self.drop_secondary()
-            if not self.master_is_view:
+            if not self.master_is_view and not copied:
                 self.store.update(self.master, non_blocking=True)
                 self._copied_out()
             return None
         owned = self.flat_param.narrow(0, self.own_start, self.own_numel)
-        if not self.master_is_view:
+        if not self.master_is_view and not copied:
             owned.copy_(self.master, non_blocking=True)  # from pinned memory: ordered on the compute stream
             self._copied_out()
         if self.policy.shard_optimizer:

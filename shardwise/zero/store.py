@@ -93,6 +93,15 @@ class ShardStore:
                 fence(compute_device(), copies_too=True)  # no gather's copy out of this (pinned) shard pending
             self.shard.copy_(src, non_blocking=non_blocking)
 
+    def update_range(self, src: torch.Tensor, start: int, non_blocking: bool = False) -> None:
+        """Elements ``[start, start + n)`` of the shard become ``src`` (NVMe sub-groups); a store with
+        no resident shard has no range to write (``nvme/`` steps its groups whole)."""
+        if self.shard is None:
+            raise ValueError(f"{type(self).__name__}: no resident shard to update a range of")
+        if self.shard.device.type == "cpu" and src.device.type == "cpu":
+            fence(compute_device(), copies_too=True)  # as update(): no gather's copy out of this shard pending
+        self.shard.narrow(0, start, src.numel()).copy_(src, non_blocking=non_blocking)
+
     @property
     def nbytes(self) -> int:
         return 0 if self.shard is None else self.shard.numel() * self.shard.element_size()

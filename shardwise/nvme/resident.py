@@ -1,0 +1,74 @@
+"""Every NVMe-held group in host memory for a checkpoint, and an edit of the parameters written through
+(the :class:`~shardwise.nvme.swapper.OptimizerSwapper`'s methods that read whole groups, not pieces).
+
+A save reads each group's pieces into tensors of the group's own (the master and each state, whole, as CPU
+offload holds them), a load writes them back piece by piece after: the one time NVMe offload holds a whole
+optimizer state on the host, as a checkpoint of CPU offload does.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardwise.aio import AlignedBuffer
+
+if TYPE_CHECKING:
+    from shardwise.zero.flat_group import ShardedGroup
+
+
+class Resident:
+    """Mixed into ``OptimizerSwapper`` (which has the pieces, layouts and the read, fill, write, leave steps)."""
+
+    @contextmanager
+    def resident(self, write_back: bool):
+        """Every group's master and state in host memory (tensors of their own) for the body: a save
+        reads them, a load (``write_back``) writes them and they go back to disk after."""
+        self.drop_prefetched()  # a load writes the files: a read issued before would be stale
+        made: list[ShardedGroup] = []
+        try:
+            for _, g in self.units:
+                self._load_group(g)
+                made.append(g)  # only a group read and checked is written back (never its stand-ins)
+            yield
+        finally:
+            for g in made:
+                if write_back:
+                    live, buf = self._group_tensors(g), self._scratch(g)
+                    for u in self.by_group[id(g)]:
+                        self._fill(u, buf, live)
+                        self._write(u, buf)
+                self._leave(g)
+
+    def _scratch(self, g: ShardedGroup) -> AlignedBuffer:
+        return AlignedBuffer(max(self.layouts[u].nbytes for u in self.by_group[id(g)]))
+
+    @torch.no_grad()
+    def _load_group(self, g: ShardedGroup) -> None:
+        """``g``'s master and state read from its files into tensors of their own."""
+        us, buf = self.by_group[id(g)], self._scratch(g)
+        first = self.layouts[us[0]]
+        slots = first.slots if first.has_state else first.slots[:1]
+        whole = {s.key: torch.empty(g.own_numel, dtype=s.dtype) for s in slots}
+        for u in us:
+            self._read(u, buf)
+            piece = self.pieces[u]
+            for s in self.layouts[u].slots[:len(slots)]:
+                whole[s.key].narrow(0, piece.start, piece.numel).copy_(buf.view(s.dtype, s.offset, s.numel))
+        g.master.set_(whole.pop("master"))
+        if whole:
+            self.optimizer.state[g.master].update(whole)
+
+    @torch.no_grad()
+    def overwrite_master(self, g: ShardedGroup, src: torch.Tensor) -> None:
+        """``g``'s master becomes ``src`` (an edit of the parameters), in its swap files; the state stays."""
+        self.drop_prefetched()
+        buf = self._scratch(g)
+        for u in self.by_group[id(g)]:
+            self._read(u, buf)
+            piece, slot = self.pieces[u], self.layouts[u].slots[0]
+            buf.view(slot.dtype, slot.offset, piece.numel).copy_(src.narrow(0, piece.start, piece.numel))
+            self._write(u, buf)
+
