@@ -55,3 +55,22 @@ def all_reduce_sum() -> float:
     t = torch.tensor([float(os.environ["RANK"]) + 1.0])
     compat.all_reduce(t)
     return t.item()
+
+
+def garbage_collected() -> dict:
+    """How the rank's collector treats old and new objects (rank_pool._freeze_heap): how many are frozen,
+    whether a reference cycle this case makes and drops is freed, and whether ``gc.get_objects()`` lists
+    an object this case made."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    alive = weakref.ref(a)
+    listed = any(o is b for o in gc.get_objects())
+    del a, b
+    gc.collect()
+    return {"frozen": gc.get_freeze_count(), "cycle_freed": alive() is None, "listed": listed}

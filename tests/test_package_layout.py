@@ -12,6 +12,7 @@ left out (they never run), except in the check between files, which counts them 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ def _module_name(path: Path, src: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # five checks read the library's trees: parsed once a process (~1 CPU s each time), never changed
 def _modules(src: Path = SRC) -> dict[str, ast.Module]:
     return {_module_name(p, src): ast.parse(p.read_text(), str(p)) for p in sorted(src.rglob("*.py"))}
 

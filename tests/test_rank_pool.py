@@ -25,6 +25,13 @@ def test_each_case_starts_clean_whatever_the_last_one_left(pool2: RankPool, tmp_
     assert pool2.run(f"{CASES}:all_reduce_sum") == [3.0, 3.0]
 
 
+def test_a_session_pool_freezes_only_what_its_ranks_held_when_they_joined(pool2: RankPool) -> None:
+    """The session pools' ranks leave their imports out of the collector's walks (a CPU saving); what a case
+    makes is still listed by gc.get_objects() and freed when it is a dropped cycle."""
+    for r in pool2.run(f"{CASES}:garbage_collected"):
+        assert r["frozen"] > 100_000 and r["cycle_freed"] and r["listed"], r
+
+
 @pytest.mark.subprocess  # its subject is the ranks themselves: killed and started again
 def test_a_hang_or_a_one_rank_failure_fails_that_case_and_the_next_runs() -> None:
     pool = RankPool(2, timeout_s=30)
@@ -43,5 +50,7 @@ def test_a_hang_or_a_one_rank_failure_fails_that_case_and_the_next_runs() -> Non
             pool.run(f"{CASES}:fail_everywhere")
         assert pool.run(f"{CASES}:rank_and_pid") == kept  # a failure every rank shared keeps the ranks
         assert pool.run(f"{CASES}:all_reduce_sum") == [3.0, 3.0]
+        # not a session pool (as run_fresh's): a heap like a new process's, nothing frozen
+        assert [r["frozen"] for r in pool.run(f"{CASES}:garbage_collected")] == [0, 0]
     finally:
         pool.close()
