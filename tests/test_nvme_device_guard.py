@@ -34,19 +34,25 @@ def test_nvme_offload_steps_on_a_device(world2, tmp_path, monkeypatch, stage, su
     engine.destroy()
 
 
-def test_nvme_parameters_on_a_device(world2, tmp_path, monkeypatch):
+@pytest.mark.parametrize("opt", ["cpu", "nvme"])
+def test_nvme_parameters_on_a_device(world2, tmp_path, monkeypatch, opt):
     """Parameters on NVMe under the guard at two (fake) ranks: the prefetch's read-then-all-gather, the
     step's hand-over of each new shard to the writer (a host copy of a device tensor), the gathers into the
-    device buffer; the file transfers skipped as above (a fake tensor has no bytes)."""
+    device buffer; the file transfers skipped as above (a fake tensor has no bytes). ``opt`` nvme: the
+    build makes each master from its shard read back into a swap buffer (``OptimizerSwapper._made``)."""
     from shardwise.nvme import NvmeParamStore
+
+    monkeypatch.setattr(OptimizerSwapper, "_read", lambda self, u, buf: None)
+    monkeypatch.setattr(OptimizerSwapper, "_write", lambda self, u, buf: None)
 
     monkeypatch.setattr(NvmeParamStore, "reads_ahead_of_gather", True)  # the read-then-all-gather path too
     monkeypatch.setattr(NvmeParamStore, "_read", lambda self, dst: None)
     monkeypatch.setattr(NvmeParamStore, "_write", lambda self, src: None)
     cfg = config(3, "bf16", offload_param={"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0},
-                 offload_optimizer={"device": "cpu"})
+                 offload_optimizer={"device": opt, **({"nvme_path": str(tmp_path)} if opt == "nvme" else {})})
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, guard = train_steps(cfg)
     assert engine.nvme_params is not None and engine.nvme_params.waits["ahead"] > 0
+    assert (engine.nvme is not None) == (opt == "nvme")
     assert not guard.in_flight
     engine.destroy()

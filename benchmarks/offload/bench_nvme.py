@@ -3,6 +3,7 @@
     python benchmarks/offload/bench_nvme.py --nvme-path /mnt/nvme          # the measurement
     python benchmarks/offload/bench_nvme.py --nvme-path /tmp --smoke       # tiny sizes
     python benchmarks/offload/bench_nvme.py --nvme-path /mnt/nvme --params # ZeRO-3 parameters, CPU vs NVMe
+    python benchmarks/offload/bench_nvme.py --nvme-path /mnt/nvme --build-only  # the build's RSS peak only
     shardwise launch --nproc 2 benchmarks/offload/bench_nvme.py --child nvme --params --nvme-path /mnt/nvme
                                                                             # one mode at two ranks: a RESULT line each
 
@@ -109,8 +110,16 @@ def child(args) -> None:
         from shardwise.nvme import NvmeParamStore
 
         NvmeParamStore.reads_ahead_of_gather = True
+    model_rss = _vm("VmRSS")  # the model alone (fp32, as from_config makes it)
+    _reset_peak()  # from here VmHWM is the build's peak
     engine, *_ = shardwise.initialize(model=model, config=_config(args, args.child, args.nvme_path))
-    built_rss = _vm("VmHWM")  # the peak so far: the model and engine built (every master made once)
+    built_rss = _vm("VmHWM")  # the build's peak (with NVMe offload: the buffers, no master made whole)
+    if args.build_only:
+        out = {"model_rss": model_rss, "built_rss": built_rss, "after_build_rss": _vm("VmRSS"),
+               "params": sum(p.numel() for p in model.parameters()), "report": dict(engine.memory_report())}
+        engine.destroy()
+        print("RESULT " + json.dumps(out), flush=True)
+        return
     _reset_peak()  # from here VmHWM is the peak while training
     ids = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     times, losses, io0 = [], [], None
@@ -243,6 +252,22 @@ def _table(disk: dict, cpu: dict, nvme: dict) -> list[str]:
     ]
 
 
+def _build_table(cpu: dict, nvme: dict) -> list[str]:
+    """``--build-only``: the build's RSS peak over the model's RSS, CPU offload against NVMe offload."""
+    gb = 1e9
+    rows = ["| figure | CPU offload | NVMe offload |", "| --- | ---: | ---: |"]
+    for name, key in (("RSS of the model alone (before initialize)", "model_rss"),
+                      ("RSS peak of the build", "built_rss"), ("RSS after the build", "after_build_rss")):
+        rows.append(f"| {name} | {cpu[key] / gb:.3f} GB | {nvme[key] / gb:.3f} GB |")
+    rows.append(f"| the build's peak over the model | {(cpu['built_rss'] - cpu['model_rss']) / gb:.3f} GB | "
+                f"{(nvme['built_rss'] - nvme['model_rss']) / gb:.3f} GB |")
+    rows.append(f"| master + states (host / in swap files), NVMe buffers | "
+                f"{(cpu['report']['master_params'] + cpu['report']['optimizer_states']) / gb:.3f} GB | "
+                f"{nvme['report'].get('nvme_offloaded', 0) / gb:.3f} GB, "
+                f"{nvme['report'].get('nvme_buffers', 0) / gb:.3f} GB |")
+    return rows
+
+
 def _rounds(args) -> tuple[dict, dict]:
     """CPU offload and NVMe offload, alternately ``--rounds`` times (a shared machine's load moves between
     runs): each mode's last run, with ``step_s`` the median over the rounds and ``step_s_rounds`` all."""
@@ -253,6 +278,10 @@ def _rounds(args) -> tuple[dict, dict]:
     out = []
     for rs in runs.values():
         last = dict(rs[-1])
+        if args.build_only:
+            last["built_rss_rounds"] = [r["built_rss"] for r in rs]
+            out.append(last)
+            continue
         last["step_s_rounds"] = [r["step_s"] for r in rs]
         last["step_s"] = statistics.median(last["step_s_rounds"])
         out.append(last)
@@ -283,6 +312,8 @@ def main() -> None:
     p.add_argument("--param-read-then-gather", action="store_true",
                    help="several ranks: read a prefetched shard on the reader thread and all-gather it when "
                         "waited for (NvmeParamStore.reads_ahead_of_gather), against the default")
+    p.add_argument("--build-only", action="store_true",
+                   help="only build each engine: the build's RSS peak, CPU offload against NVMe offload")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
@@ -290,11 +321,11 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    disk = disk_bandwidth(Path(args.nvme_path), args.disk_mib, args.threads)
+    disk = {} if args.build_only else disk_bandwidth(Path(args.nvme_path), args.disk_mib, args.threads)
     cpu, nvme = _rounds(args)
-    if cpu["losses"] != nvme["losses"]:
+    if cpu.get("losses") != nvme.get("losses"):
         raise SystemExit(f"losses differ: CPU offload {cpu['losses']}, NVMe {nvme['losses']}")
-    lines = (_param_table if args.params else _table)(disk, cpu, nvme)
+    lines = _build_table(cpu, nvme) if args.build_only else (_param_table if args.params else _table)(disk, cpu, nvme)
     print("\n".join(lines))
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": platform.platform(), "cpus": os.cpu_count(), "command": " ".join(sys.argv),

@@ -6,8 +6,9 @@ For each mode (bf16 compute, AdamW; fp32 masters, or bf16 masters with bf16 stat
 compensation), a binary search over the parameter count for the largest model whose model states fit:
 device bytes (``shardwise.estimate``'s stage-3 figure, one device) at most the device memory less the
 estimator's margin, and host bytes at most ``--host-fraction`` of the host memory. Host bytes are the
-estimator's (``--offload nvme``: ``estimate/nvme.py``'s buffers, or the masters at the build if more: every
-master exists once on the host before its first swap-out) and, for CPU offload, the gradient shard in the
+estimator's (``--offload nvme``: ``estimate/nvme.py``'s buffers, plus the first step's one piece of optimizer
+state, ``(k - g) x S``, made by the optimizer before it is copied into a buffer; the build makes each master
+a piece at a time in a buffer, so it adds nothing) and, for CPU offload, the gradient shard in the
 master's dtype too (shardwise keeps it on the host there). NVMe
 parameter offload (``max_in_cpu`` 0): the device bytes of CPU parameter offload, the host bytes of NVMe
 optimizer offload plus the parameters' bounce buffers (DeepSpeed's defaults: 5 x 1e8 elements), and the
@@ -39,16 +40,24 @@ def need(params: int, offload: str, master: str, buffers: int, group: int) -> tu
     if offload == "nvme+params":  # the device figure of parameter offload; parameters and states on disk
         dev = estimate(params, 1, dtype="bf16", offload="params", master=master).stages[3].resident_bytes
         est = apply_nvme(estimate(params, 1, dtype="bf16", offload="optimizer", master=master), buffers, group)
-        host = max(est.stages[3].host_bytes + PARAM_BOUNCE, (4 if master == "fp32" else 2) * params)  # the build
+        host = est.stages[3].host_bytes + PARAM_BOUNCE + first_step(est, params, master, group)
         return dev, host, est.stages[3].nvme_bytes + 2 * params
     est = estimate(params, 1, dtype="bf16", offload="optimizer" if offload == "nvme" else offload, master=master)
     if offload == "nvme":
         apply_nvme(est, buffers, group)
     st = est.stages[3]
     host = st.host_bytes + ((4 if master == "fp32" else 2) * params if offload in ("optimizer", "params") else 0)
-    if offload == "nvme":  # at the build every master exists once in host memory before its first swap-out
-        host = max(host, (4 if master == "fp32" else 2) * params)
+    if offload == "nvme":
+        host += first_step(est, params, master, group)
     return st.resident_bytes, host, st.nvme_bytes
+
+
+def first_step(est, params: int, master: str, group: int) -> int:
+    """NVMe: the first step's transient, one piece's optimizer state (``k - g`` bytes an element: Adam's
+    moments) that the optimizer makes before it is copied into the piece's buffer (no sub_group_size cut
+    here: a piece is a group, at most ``group`` elements)."""
+    k = est.stages[3].nvme_bytes // max(params, 1)
+    return (k - (4 if master == "fp32" else 2)) * min(group, params)
 
 
 def largest(offload: str, master: str, device: int, host: int, buffers: int, group: int) -> int:

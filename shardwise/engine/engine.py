@@ -57,7 +57,7 @@ log = logging.getLogger("shardwise")
 def options_from_config(config) -> ShardOptions:
     """The DeepSpeed config's ``zero_optimization`` section as the builder's options."""
     zero = config.zero_optimization
-    # nvme: the master and state on the host first, then in swap files (engine/nvme.py)
+    # nvme: the masters made straight into their swap files, a piece at a time (engine/nvme.py)
     off_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device in ("cpu", "nvme")
     off_param = zero.offload_param.device in ("cpu", "nvme")  # nvme: the stores of engine/nvme.py
     return ShardOptions(
@@ -67,6 +67,7 @@ def options_from_config(config) -> ShardOptions:
         prefetch_numel=int(zero.stage3_prefetch_bucket_size),
         max_live_numel=int(zero.stage3_max_live_parameters),
         offload_optimizer=off_opt, offload_param=off_param,
+        master_later=off_opt and zero.offload_optimizer.device == "nvme",  # made into the swap files
         pin_memory=bool((off_opt and zero.offload_optimizer.pin_memory)
                         or (off_param and zero.offload_param.pin_memory)),
         overlap_comm=bool(zero.overlap_comm),

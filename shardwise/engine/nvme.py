@@ -72,6 +72,8 @@ def attach_nvme(engine: EngineParts) -> OptimizerSwapper | None:
     """The engine's optimizer states onto NVMe, if the config asks (before training: the path checked)."""
     settings = nvme_settings(engine.config)
     if settings is None or engine.optimizer is None:
+        for g in engine.sharding.groups:  # no swapper to make the masters in their files: made on the host
+            g.make_master()
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     return OptimizerSwapper(engine.sharding.groups, engine.optimizer, settings, rank)

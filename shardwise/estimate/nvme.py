@@ -84,8 +84,9 @@ def apply_nvme(est: Any, buffer_count: int = 4, group_elements: int = 500_000_00
             f"= {piece:,} elements, G = min(group, Ψ)/N = {group:,} (group: {group_elements:,} elements, "
             "min(reduce_bucket_size, allgather_bucket_size) at stages 1-2); host = buffer_count·(k+g)·S, each "
             "buffer a sub-group's file and its gradient (g bytes an element), + g·G (a split group's gradient, "
-            "for the norm) when S < G; no gradient shard is kept on the host. At the build every master "
-            "exists once on the host (4Ψ/N fp32, 2Ψ/N 16-bit) before its first swap-out.")
+            "for the norm) when S < G; no gradient shard is kept on the host. The build makes each master a "
+            "sub-group at a time in a buffer (never whole on the host); the first step adds one sub-group's "
+            "optimizer state, (k-g)·S, while the optimizer makes it.")
     if bandwidth:
         note += (f" I/O per step 2·{s1.nvme_bytes / 1e9:,.2f} GB at {bandwidth / 1e9:g} GB/s: "
                  f"{2 * s1.nvme_bytes / bandwidth:,.1f} s.")

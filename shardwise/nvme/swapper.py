@@ -113,14 +113,30 @@ class OptimizerSwapper(Resident):
         split = [p.group.own_numel * p.group.master.element_size() for p in self.pieces if not p.whole]
         if split:  # the norm of a split group is taken on its whole gradient (bit for bit CPU offload's)
             self.staging = AlignedBuffer(max(split), settings.pin_memory)
-        for _, g in self.units:  # the masters (and any state) to disk, their host copies dropped
+        for _, g in self.units:  # each master made in a buffer a piece at a time and written (never whole)
             g.to_host = None  # the gradient moves through the buffers (pieces.py), no persistent host copy
-            live = self._group_tensors(g)
             for u in self.by_group[id(g)]:
-                self._fill(u, self.free[0], live)
+                self._fill(u, self.free[0], self._made(g, u, self.free[0]))
                 self._write(u, self.free[0])
+            g.master_start, g.master_pending = None, False
             self._leave(g)
             g.master_swap = self  # an edit of the parameters (adopt_full) writes through overwrite_master
+
+    def _made(self, g: ShardedGroup, u: int, buf: AlignedBuffer) -> dict[str, torch.Tensor]:
+        """``g``'s tensors at the build, for piece ``u``: the master is still to be made (the builder left a
+        stand-in, ``OffloadPolicy.master_later``), so what it starts from is copied into ``buf`` instead: the
+        16-bit shard (cast as CPU offload's ``master.copy_`` casts it: the same bits), or, a file-held stage-3
+        shard (never cut into pieces), read back from its parameter file into ``buf``'s gradient slot first."""
+        live = self._group_tensors(g)
+        if not getattr(g, "master_pending", False):  # a master made already: copied from
+            return live
+        start = g.master_start
+        if start is None:
+            if not self.pieces[u].whole:
+                raise RuntimeError(f"{self.layouts[u].path}: a file-held shard is stepped whole, not in pieces")
+            start = buf.view(g.dtype, self.grad_at, g.own_numel)
+            g.store.fill(g, start, async_read=False)
+        return {**live, "master": start}
 
     # -- one piece in and out -----------------------------------------------------------
     def _group_tensors(self, g: ShardedGroup) -> dict[str, torch.Tensor]:

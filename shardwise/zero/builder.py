@@ -50,6 +50,7 @@ class ShardOptions:
     max_live_numel: int = 1_000_000_000
     offload_optimizer: bool = False  # fp32 master and optimizer state on the CPU
     offload_param: bool = False  # stage 3: the persistent parameter shard on the CPU
+    master_later: bool = False  # NVMe offload: masters made later, into their swap files (policy.OffloadPolicy)
     pin_memory: bool = False
     overlap_comm: bool = False
     weight_bits: int = 0  # ZeRO++ qwZ
@@ -332,7 +333,8 @@ def build_sharding(model: nn.Module, param_groups: list[dict], options: ShardOpt
 def group_options(options: ShardOptions, device: torch.device | None, replica: Comm | None,
                   secondary: Comm | None) -> GroupOptions:
     """The policies every group of one model shares, read once from the flat ``ShardOptions``."""
-    offload = OffloadPolicy(torch.device("cpu") if options.offload_optimizer else None, options.pin_memory)
+    offload = OffloadPolicy(torch.device("cpu") if options.offload_optimizer else None, options.pin_memory,
+                            master_later=options.offload_optimizer and options.master_later)
     precision = replace(options.precision, grad_dtype=options.grad_accum_dtype)
     return GroupOptions(device=device, offload=offload, precision=precision,
                         comm=CommPolicy(options.overlap_comm, options.weight_bits, options.grad_bits, replica,

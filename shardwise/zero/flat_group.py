@@ -87,16 +87,17 @@ class ShardedGroup(StageThreeGather, GradReduction):
         self.pool = options.pool if policy.shard_params and not trainable else None
         self.state = GatherState.GATHERED  # changed only by _to_gathered / _to_released
         self._gather_work: Work | ReadWork | None = None
-        owned = self._init_params()
+        owned = self._init_params(later=options.offload.master_later and trainable)
         self.precision = options.precision  # a bf16/fp16 master only for groups of that dtype:
         low = options.precision.master_dtype == self.dtype
         self._init_master(owned, self.dtype if low else torch.float32, options.offload)
         self._init_grads()
 
-    def _init_params(self) -> torch.Tensor | None:
+    def _init_params(self, later: bool = False) -> torch.Tensor | None:
         """Fill the flat buffer (every rank from rank 0's weights) and point the parameters at it;
         stage 3 then moves this rank's shard into the store and releases the rest. Returns what the
-        master starts from (None: a file-backed store keeps no copy)."""
+        master starts from (None: a file-backed store keeps no copy, or, ``later`` (the master made by
+        NVMe offload), the store's file is read again then instead of a copy held until it is)."""
         # Read straight into the shard (zero.Init from a checkpoint): the full group is never built.
         from_files = self.store.reader is not None and self.policy.shard_params
         if from_files:  # a pooled group has no buffer until its first gather
@@ -126,7 +127,7 @@ class ShardedGroup(StageThreeGather, GradReduction):
         # flat buffer is refilled from it by gather().
         self.store.keep(self, None if from_files else owned)
         # what the master starts from: the store's shard, or (a store keeping none in memory: NVMe) a copy
-        start = self.store.shard if self.store.shard is not None or from_files else owned.clone()
+        start = self.store.shard if self.store.shard is not None or from_files or later else owned.clone()
         self.release()
         return start
 
@@ -134,10 +135,15 @@ class ShardedGroup(StageThreeGather, GradReduction):
         """What the optimizer steps on: a view of the shard when dtype and device allow (no copy)."""
         # (with parameter offload the view is of the CPU shard: the optimizer steps there)
         self.master_is_view = master_dtype == self.dtype and offload.device is None
+        self.master_start, self.to_host, self.master_pending = None, None, False
         if not self.trainable:
             self.master = None
         elif self.master_is_view:
             self.master = owned
+        elif offload.master_later:  # NVMe offload makes it in its swap files (nvme/swapper.py), or make_master
+            self.master = torch.full((1,), float("nan"), dtype=master_dtype).expand(self.own_numel)
+            self.master_start, self.master_offload, self.master_pending = owned, offload, True
+            return
         else:
             dev = offload.device if offload.device is not None else self.device
             self.master = torch.empty(self.own_numel, dtype=master_dtype, device=dev,
@@ -149,6 +155,23 @@ class ShardedGroup(StageThreeGather, GradReduction):
         on_host = self.master is not None and self.master.device.type == "cpu" and accelerated(self.device)
         self.to_host = GradToHost(self.device, self.own_numel, self.master.dtype,
                                   offload.pin_memory) if on_host else None
+
+    def make_master(self) -> None:
+        """A master left for NVMe offload (``OffloadPolicy.master_later``) made in host memory after all, as
+        CPU offload makes it, in place (the same tensor): an engine with no optimizer has no swapper to."""
+        if not self.master_pending:
+            return
+        start, offload = self.master_start, self.master_offload
+        if start is None:  # a file-held stage-3 shard (offload_param nvme): read back
+            start = torch.empty(self.own_numel, dtype=self.dtype)
+            self.store.fill(self, start, async_read=False)
+        made = torch.empty(self.own_numel, dtype=self.master.dtype, device=offload.device,
+                           pin_memory=offload.pin_memory and torch.cuda.is_available())
+        made.copy_(start)
+        self.master.set_(made)
+        self.master_start, self.master_pending = None, False
+        if accelerated(self.device):  # as _init_master: the owned gradient to the host on a side stream
+            self.to_host = GradToHost(self.device, self.own_numel, made.dtype, offload.pin_memory)
 
     def _master_is_the_store(self, offload: OffloadPolicy) -> bool:
         """Stage 3, a separate master on the compute device (not offloaded), the shard resident there and

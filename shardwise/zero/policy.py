@@ -45,6 +45,10 @@ class OffloadPolicy:
 
     device: torch.device | None = None
     pin_memory: bool = False
+    # NVMe offload: no master is made at the build; a stand-in (reads NaN) until the swapper makes each
+    # group's, a piece at a time, straight into its swap file (``master_start``: what it is made from), so
+    # the host never holds every master at once (docs/offload.md, "Host memory, bounded by construction")
+    master_later: bool = False
 
 
 @dataclass(frozen=True)
