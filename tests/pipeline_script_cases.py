@@ -169,13 +169,14 @@ def cifar_data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(images, torch.randint(0, 10, (16,), generator=g))
 
 
-CIFAR_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 100,
+CIFAR_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 2,
                 "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "pipeline": {"seed_layers": False}}
 
 
-def cifar_script(folder: str) -> list[float]:
-    """As DeepSpeed's example: args.deepspeed_config, PipelineModule(layers=..., partition_method=...),
-    initialize(args=..., training_data=...), train_batch() with no iterator."""
+def cifar_script(folder: str) -> tuple[list[float], list[str]]:
+    """As DeepSpeed's example: args.deepspeed_config, deepspeed.runtime.utils.set_random_seed,
+    PipelineModule(layers=..., partition_method=...), initialize(args=..., training_data=...), train_batch()
+    with no iterator. Returns the losses and the progress lines (``steps_per_print``) rank 0 printed."""
     import argparse
     import json
 
@@ -190,11 +191,14 @@ def cifar_script(folder: str) -> list[float]:
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", f"{folder}/ds_config.json"])
     deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.runtime.utils.set_random_seed(1138)  # as the example; the layers seed their own build
     net = PipelineModule(layers=cifar_layers(), loss_fn=nn.CrossEntropyLoss(), num_stages=2,
                          partition_method="parameters", activation_checkpoint_interval=0)
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, training_data=cifar_data(),
                                            model_parameters=[p for p in net.parameters() if p.requires_grad])
-    return [float(engine.train_batch()) for _ in range(5)]  # 5 batches of 4 from 16 samples: the loader repeats
+    lines: list[str] = []
+    engine.monitor.printer = lines.append
+    return [float(engine.train_batch()) for _ in range(5)], lines  # 5 batches of 4 from 16 samples: it repeats
 
 
 def cifar_reference() -> list[float]:
