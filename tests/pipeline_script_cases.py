@@ -97,7 +97,8 @@ def train_lm(stages: int, tied: bool, steps: int = 3) -> list[float]:
 
 
 def lm_reference(dp: int, tied: bool, steps: int = 3) -> list[float]:
-    """The same model trained in one process with HF's own loss (labels = inputs)."""
+    """The same model trained in one process with HF's own loss (labels = inputs), clipped at a global norm
+    of 1.0: DeepSpeed 0.19.8's default for a config without ``gradient_clipping``, which the facade keeps."""
     model = tiny_lm(tied)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     out = []
@@ -115,6 +116,7 @@ def lm_reference(dp: int, tied: bool, steps: int = 3) -> list[float]:
             mean += total / 2
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g / dp
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         out.append(float(mean / dp))
     return out
@@ -219,6 +221,7 @@ def cifar_reference() -> list[float]:
             loss = nn.CrossEntropyLoss()(x, y)
             (loss * 0.5).backward()
             total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # DeepSpeed's default without gradient_clipping
         opt.step()
         out.append(float(total / 2))
     return out
