@@ -97,7 +97,8 @@ def train_lm(stages: int, tied: bool, steps: int = 3) -> list[float]:
 
 
 def lm_reference(dp: int, tied: bool, steps: int = 3) -> list[float]:
-    """The same model trained in one process with HF's own loss (labels = inputs)."""
+    """The same model trained in one process with HF's own loss (labels = inputs), clipped at a global norm
+    of 1.0: DeepSpeed 0.19.8's default for a config without ``gradient_clipping``, which the facade keeps."""
     model = tiny_lm(tied)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     out = []
@@ -115,6 +116,7 @@ def lm_reference(dp: int, tied: bool, steps: int = 3) -> list[float]:
             mean += total / 2
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g / dp
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         out.append(float(mean / dp))
     return out
@@ -169,13 +171,14 @@ def cifar_data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(images, torch.randint(0, 10, (16,), generator=g))
 
 
-CIFAR_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 100,
+CIFAR_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 2,
                 "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "pipeline": {"seed_layers": False}}
 
 
-def cifar_script(folder: str) -> list[float]:
-    """As DeepSpeed's example: args.deepspeed_config, PipelineModule(layers=..., partition_method=...),
-    initialize(args=..., training_data=...), train_batch() with no iterator."""
+def cifar_script(folder: str) -> tuple[list[float], list[str]]:
+    """As DeepSpeed's example: args.deepspeed_config, deepspeed.runtime.utils.set_random_seed,
+    PipelineModule(layers=..., partition_method=...), initialize(args=..., training_data=...), train_batch()
+    with no iterator. Returns the losses and the progress lines (``steps_per_print``) rank 0 printed."""
     import argparse
     import json
 
@@ -190,11 +193,14 @@ def cifar_script(folder: str) -> list[float]:
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", f"{folder}/ds_config.json"])
     deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.runtime.utils.set_random_seed(1138)  # as the example; the layers seed their own build
     net = PipelineModule(layers=cifar_layers(), loss_fn=nn.CrossEntropyLoss(), num_stages=2,
                          partition_method="parameters", activation_checkpoint_interval=0)
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, training_data=cifar_data(),
                                            model_parameters=[p for p in net.parameters() if p.requires_grad])
-    return [float(engine.train_batch()) for _ in range(5)]  # 5 batches of 4 from 16 samples: the loader repeats
+    lines: list[str] = []
+    engine.monitor.printer = lines.append
+    return [float(engine.train_batch()) for _ in range(5)], lines  # 5 batches of 4 from 16 samples: it repeats
 
 
 def cifar_reference() -> list[float]:
@@ -215,6 +221,7 @@ def cifar_reference() -> list[float]:
             loss = nn.CrossEntropyLoss()(x, y)
             (loss * 0.5).backward()
             total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # DeepSpeed's default without gradient_clipping
         opt.step()
         out.append(float(total / 2))
     return out

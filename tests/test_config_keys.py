@@ -308,3 +308,13 @@ def test_sequence_parallel_divides_the_batch_rule_by_sp():
                        "sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, world_size=8,
                       supported=SupportedFeatures.everything())
     assert cfg.dp_world == 2 and cfg.train_batch_size == 4  # TP x SP x DP = world
+
+
+def test_the_pipeline_section_is_read_without_an_ignored_notice():
+    """`pipeline` is read by shardwise/pipeline/ (`shardwise train --pp` writes `stages` into the config):
+    no "accepted and ignored" line for it, and its keys stay in the config."""
+    from shardwise.config import load_config
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2, "schedule": "gpipe"}})
+    assert not any("pipeline" in n for n in cfg.ignored_keys), cfg.ignored_keys
+    assert cfg.pipeline == {"stages": 2, "schedule": "gpipe"}

@@ -174,3 +174,27 @@ def test_conformance_tool_reads_the_facade_errors():
                               "reads DeepSpeed internals"),
                              ("deepspeed.accelerator.get_accelerator().foo", "", "harness (accelerator)")]:
         assert tool.classify(f"E   {DeepSpeedNameNotImplemented(name, use)}\n") == cause
+
+
+def test_a_config_without_gradient_clipping_gets_deepspeeds_default(tmp_path):
+    """DeepSpeed 0.19.8 clips at a global norm of 1.0 when the config has no gradient_clipping; the facade's
+    initialize gives its config that default from every source (config, config_params, args.deepspeed_config),
+    keeps an explicit value, and leaves the caller's dict and args alone."""
+    import argparse
+    import json
+
+    from shardwise.deepspeed.stage3 import with_deepspeed_defaults
+
+    mine = {"train_micro_batch_size_per_gpu": 1}
+    _, kw = with_deepspeed_defaults((), {"model": None, "config": mine})
+    assert kw["config"]["gradient_clipping"] == 1.0 and "gradient_clipping" not in mine
+    _, kw = with_deepspeed_defaults((), {"config_params": {**mine, "gradient_clipping": 0.0}})
+    assert kw["config"]["gradient_clipping"] == 0.0 and "config_params" not in kw
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(mine))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+    got_args, kw = with_deepspeed_defaults((args,), {})
+    assert kw["config"]["gradient_clipping"] == 1.0 and got_args[0].deepspeed_config is None
+    assert args.deepspeed_config == str(path) and got_args[0].local_rank == 0
+    both = ((args,), {"config": mine})  # two configs: handed on unchanged, for initialize's one line
+    assert with_deepspeed_defaults(*both) == both

@@ -62,9 +62,14 @@ def test_a_stage_that_dies_ends_its_neighbour_with_one_line(tmp_path) -> None:
 
 def test_deepspeeds_cifar_example_shape(pool2, tmp_path) -> None:
     """A script shaped as DeepSpeed's CIFAR pipeline example (args.deepspeed_config, plain modules and a
-    lambda, training_data, train_batch() without an iterator, its loader repeating): the single-process losses."""
+    lambda, training_data, train_batch() without an iterator, its loader repeating): the single-process losses;
+    rank 0 (stage 0, which computes no loss) prints the batch's loss every steps_per_print steps, as DeepSpeed."""
     folder = tmp_path / "run"
     folder.mkdir()
     ref = psc.cifar_reference()
-    for losses in pool2.run("pipeline_script_cases:cifar_script", str(folder)):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+    (losses, lines), (losses1, lines1) = pool2.run("pipeline_script_cases:cifar_script", str(folder))
+    for got in (losses, losses1):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    assert len(lines) == 2 and lines1 == [], (lines, lines1)
+    for line, step in zip(lines, (2, 4), strict=True):
+        assert line.startswith(f"[shardwise] step {step}: loss {losses[step - 1]:.4f} |"), line

@@ -282,8 +282,9 @@ KEYS: tuple[Key, ...] = (
     *(Key(EP + k, I, "DeepEP tuning; " + _PERF) for k in ("comm_num_sm", "comm_qp_margin",
                                                           "comm_max_tokens_per_rank")),
     Key("use_data_before_expert_parallelism", I, "used only with MoE"),
-    Key("pipeline", I, "not read by the loader: `stages` cuts a Hugging Face model (shardwise.initialize, "
-        "`shardwise train --pp`); a PipelineModule's engine reads `schedule` (1f1b, gpipe, interleaved_1f1b, zb_h1; "
+    Key("pipeline", H, "read by shardwise/pipeline/, not the loader: `stages` cuts a Hugging Face model "
+        "(shardwise.initialize, `shardwise train --pp`); a PipelineModule's engine reads `schedule` "
+        "(1f1b, gpipe, interleaved_1f1b, zb_h1; "
         "shardwise's); DeepSpeed's other keys are the module's arguments ([pipeline.md](pipeline.md))",
         subtree=True),
     # -- features not implemented --------------------------------------------------------------------

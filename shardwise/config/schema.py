@@ -246,6 +246,7 @@ class ShardwiseConfig(_Section):
     activation_checkpointing: FreeDict = Field(default_factory=dict)
     data_types: FreeDict = Field(default_factory=dict)
     checkpoint: FreeDict = Field(default_factory=dict)
+    pipeline: FreeDict = Field(default_factory=dict)  # read from the raw config by shardwise/pipeline/ (keys.py)
     datastates_ckpt: FreeDict | Bool | None = None  # DataStates' switch: asynchronous saves (any value but false)
     # monitoring and profiling: checked sections, honoured by shardwise/monitor/
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)

@@ -10,11 +10,14 @@ are set so that code taking DeepSpeed's branch reads the same numbers.
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
 from typing import Any
 
 import torch
 
+from shardwise.config import read_config
 from shardwise.config.schema import ConfigError
 from shardwise.deepspeed.accelerate_state import process_count_note
 from shardwise.deepspeed.params import attach
@@ -51,8 +54,40 @@ def mark_stage3_params(engine: Engine) -> None:
             next_id += 1
 
 
+# DeepSpeed 0.19.8's default for a config without "gradient_clipping" (runtime/constants.py:
+# GRADIENT_CLIPPING_DEFAULT = 1.0: it clips at a global norm of 1.0); shardwise's own default is 0 (off).
+DEEPSPEED_GRADIENT_CLIPPING = 1.0
+
+
+def with_deepspeed_defaults(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with its config (``config``, ``config_params`` or ``args.deepspeed_config``)
+    read into a dict given DeepSpeed's defaults where they differ from shardwise's, so that a
+    DeepSpeed script computes DeepSpeed's numbers."""
+    bound = inspect.signature(shardwise_initialize).bind_partial(*args, **kwargs)
+    given = bound.arguments
+    config = given.get("config") if given.get("config") is not None else given.get("config_params")
+    cli = given.get("args")
+    from_args = getattr(cli, "deepspeed_config", None) or getattr(cli, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        return args, kwargs  # two configs: shardwise's initialize says so
+    if from_args is not None:
+        config, cli = from_args, copy.copy(cli)
+        cli.deepspeed_config = None
+        if hasattr(cli, "deepscale_config"):
+            cli.deepscale_config = None
+        given["args"] = cli
+    if config is None:
+        return args, kwargs  # shardwise's initialize asks for one
+    raw = read_config(config)
+    raw.setdefault("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING)
+    given.pop("config_params", None)
+    given["config"] = raw
+    return bound.args, bound.kwargs
+
+
 @functools.wraps(shardwise_initialize)
 def initialize(*args: Any, **kwargs: Any) -> tuple[Engine, Any, Any, Any]:
+    args, kwargs = with_deepspeed_defaults(args, kwargs)
     try:
         result = shardwise_initialize(*args, **kwargs)
     except ConfigError as e:  # a batch size filled for the wrong process count: say why, and the fix

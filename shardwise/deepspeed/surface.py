@@ -70,6 +70,7 @@ SURFACE: dict[str, dict[str, Any]] = {
     "deepspeed.runtime.pipe.topology": _take(pipeline, [
         "ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid"]),
     "deepspeed.runtime.pipe.engine": {"PipelineEngine": pipeline.PipelineEngine},
+    "deepspeed.runtime.utils": {"set_random_seed": pipeline.set_random_seed},
     "deepspeed.runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": names.MIN_SWAPPABLE_BYTES},
     "deepspeed.runtime.sequence_parallel": {},
     "deepspeed.runtime.sequence_parallel.ulysses_sp": _take(ulysses, [

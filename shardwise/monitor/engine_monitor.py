@@ -69,6 +69,11 @@ class EngineMonitor:
         self._tokens = 0  # this rank's tokens since the last progress line
         self._step_timed = False  # whether a phase of the current optimizer step was timed
         self._window = (time.perf_counter(), 0)  # (start, global_steps) of the progress line's window
+        # A pipeline's loss is known on its last stage only, and on every stage after the batch: its engine
+        # sets ``defer_boundary`` and hands the loss to ``finish_batch`` (rank 0, on stage 0, would otherwise
+        # report its stage's backward surrogates as the loss).
+        self.defer_boundary = False
+        self._deferred = False
 
     # -- phases --------------------------------------------------------------------------------
     def _say(self, lines: list[str] | str) -> None:
@@ -146,7 +151,6 @@ class EngineMonitor:
 
     # -- reports -------------------------------------------------------------------------------
     def _after_step(self, boundary: bool) -> None:
-        eng = self.engine
         if self._step_timed:  # an untimed step leaves the last timed step's values, never zeros
             self.wall_clock_cache = {n: self.timers.ms[n] for n in (MICRO + GLOBAL if self.wall else GLOBAL)}
         if self.wall:
@@ -155,8 +159,23 @@ class EngineMonitor:
             self.timers.reset(MICRO)
         if not boundary:
             return
+        if self.defer_boundary:
+            self._deferred = True
+            return
+        self._boundary_reports(None)
+
+    def finish_batch(self, loss: torch.Tensor | None) -> None:
+        """A pipeline's boundary reports (progress line, monitors), once its batch's mean loss is known."""
+        if self._deferred:
+            self._deferred = False
+            self._boundary_reports(loss)
+
+    def _boundary_reports(self, loss: torch.Tensor | None) -> None:
+        eng = self.engine
         printing = self.every > 0 and eng.global_steps % self.every == 0
         stats = self._reduce_step() if (self.monitors.enabled or printing) else None
+        if stats is not None and loss is not None:
+            stats = (float(loss), stats[1])
         if self.monitors.enabled and self.rank0:
             self.monitors.write_events(self._events(stats))
         if self.profiler is not None and self.profiler.fwd_flops and not self.profiler.done and self.rank0:

@@ -20,7 +20,7 @@ from shardwise.pipeline.engine import PipelineEngine
 from shardwise.pipeline.entry import initialize
 from shardwise.pipeline.generate import StageStopped
 from shardwise.pipeline.hf import causal_lm_loss, pipeline_stages, split_causal_lm
-from shardwise.pipeline.module import PipelineModule
+from shardwise.pipeline.module import PipelineModule, set_random_seed
 from shardwise.pipeline.schedule import SCHEDULES, bubble_fraction
 from shardwise.pipeline.spec import LayerSpec, TiedLayerSpec, partition_balanced, partition_uniform
 from shardwise.pipeline.stage_init import materialize_stage, stage_init
@@ -40,4 +40,4 @@ __all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopolo
            "PipelineModule", "PipelineParallelGrid", "ProcessTopology", "SCHEDULES", "StageStopped",
            "StageTransferError", "TiedLayerSpec", "bubble_fraction", "build_pipeline_engine", "causal_lm_loss",
            "current_grid", "initialize", "materialize_stage", "pipeline_stages", "split_causal_lm", "stage_init",
-           "partition_balanced", "partition_uniform"]
+           "partition_balanced", "partition_uniform", "set_random_seed"]

@@ -58,6 +58,7 @@ class PipelineEngine(ZeroBubbleSteps, Engine):
         self.holds_one_stage = self.num_stages > 1  # its checkpoint loads take this stage's tensors only
         self.batch_fn = None
         self.agg_train_loss: torch.Tensor | None = None
+        self.monitor.defer_boundary = True  # its progress line and monitors report train_batch's loss
         self.tied.hook()
         self.reduce_once = False
         self.set_reduce_once(self.policy.shard_grads)  # ZeRO-2/3: one reduce-scatter per batch (docs/pipeline.md)
@@ -280,6 +281,7 @@ class PipelineEngine(ZeroBubbleSteps, Engine):
         self.tied.publish()
         self.link.drain()
         self.agg_train_loss = self._mean_loss(state["losses"], self.micro_batches)
+        self.monitor.finish_batch(self.agg_train_loss)
         return self.agg_train_loss
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,

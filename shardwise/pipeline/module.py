@@ -34,7 +34,8 @@ from shardwise.pipeline.topology import (
 
 
 def set_random_seed(seed: int) -> None:
-    """DeepSpeed's default ``seed_fn``: Python's, NumPy's (when installed) and torch's generators."""
+    """DeepSpeed's default ``seed_fn`` (and ``deepspeed.runtime.utils.set_random_seed``, which DeepSpeed's
+    pipeline example calls): Python's, NumPy's (when installed) and torch's generators."""
     random.seed(seed)
     try:
         import numpy
@@ -42,7 +43,7 @@ def set_random_seed(seed: int) -> None:
         numpy = None
     if numpy is not None:
         numpy.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
+    torch.manual_seed(seed % (2**63))
 
 
 def _topology(num_stages: int | None, topology: ProcessTopology | None) -> ProcessTopology:
