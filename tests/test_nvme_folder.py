@@ -41,17 +41,41 @@ def test_no_room_names_the_bytes(tmp_path: Path, monkeypatch) -> None:
         check_room(KEY, tmp_path, 1 << 20)
 
 
+_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, f"{os.getpid()}\\n".encode())
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.subprocess
 def test_the_lock_refuses_a_second_run_and_close_removes_everything(tmp_path: Path) -> None:
     first = SwapFolder(KEY, tmp_path, rank=0)
     first.file("a.swap").write_bytes(b"x")
-    with pytest.raises(UserError, match=f"{KEY}: {tmp_path} is in use by another run"):
-        SwapFolder(KEY, tmp_path, rank=0)
+    # another engine of this process (DeepSpeed-Chat's actor and critic, a Trainer made again): its own folder
+    second = SwapFolder(KEY, tmp_path, rank=0)
+    assert second.path.name == "rank0.1" and list(second.path.iterdir()) == []
     other_rank = SwapFolder(KEY, tmp_path, rank=1)  # the ranks of one run share the path
     first.close()
     first.close()  # idempotent
+    second.close()
     assert sorted(os.listdir(tmp_path / "shardwise-swap")) == ["rank1", "rank1.lock"]
     other_rank.close()
     assert os.listdir(tmp_path) == []
+    # another process (a second run) holding rank 0's lock: refused
+    (tmp_path / "shardwise-swap").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path / "shardwise-swap" / "rank0.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(UserError, match=f"{KEY}: {tmp_path} is in use by another run"):
+            SwapFolder(KEY, tmp_path, rank=0)
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_killed_runs_files_go_at_the_next_start(tmp_path: Path) -> None:
