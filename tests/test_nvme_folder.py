@@ -22,6 +22,8 @@ KEY = "zero_optimization.offload_optimizer.nvme_path"
 def test_missing_path_and_a_file_are_refused_naming_key_and_path(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=f"^{KEY}: {tmp_path}/nope does not exist"):
         check_room(KEY, tmp_path / "nope", 1)
+    with pytest.raises(UserError, match=r"~/nope does not exist \(a leading '~' is not expanded"):
+        check_room(KEY, Path("~/nope"), 1)  # as a JSON config writes it; DeepSpeed would not expand it either
     (tmp_path / "f").write_text("")
     with pytest.raises(UserError, match=f"{tmp_path}/f is not a folder"):
         check_room(KEY, tmp_path / "f", 1)

@@ -35,7 +35,8 @@ def check_room(key: str, path: Path, need: int, local_ranks: int = 1) -> None:
     of the node's ranks, ``need`` and what this process's other swap folders there hold (the parameters'
     files, when the optimizer's check comes after them)."""
     if not path.exists():
-        raise UserError(f"{key}: {path} does not exist; create it (a folder on the NVMe disk) or fix the path")
+        tilde = " (a leading '~' is not expanded: write the full path)" if str(path).startswith("~") else ""
+        raise UserError(f"{key}: {path} does not exist{tilde}; create it (a folder on the NVMe disk) or fix the path")
     if not path.is_dir():
         raise UserError(f"{key}: {path} is not a folder")
     if not os.access(path, os.W_OK | os.X_OK):
