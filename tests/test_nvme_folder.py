@@ -81,12 +81,23 @@ def test_the_lock_refuses_a_second_run_and_close_removes_everything(tmp_path: Pa
 
 
 def test_a_killed_runs_files_go_at_the_next_start(tmp_path: Path) -> None:
-    stale = tmp_path / "shardwise-swap" / "rank0"
-    stale.mkdir(parents=True)
-    (stale / "group00000.swap").write_bytes(b"old")
-    folder = SwapFolder(KEY, tmp_path, rank=0)
-    assert list(folder.path.iterdir()) == []
-    folder.close()
+    """Its second engine's folder too (``rank0.1``), but not one this process's other engine holds."""
+    for name in ("rank0", "rank0.1", "rank0.2"):
+        stale = tmp_path / "shardwise-swap" / name
+        stale.mkdir(parents=True)
+        (stale / "group00000.swap").write_bytes(b"old")
+    (tmp_path / "shardwise-swap" / "rank0.2.lock").write_text("999999999\n")
+    held = SwapFolder(KEY, tmp_path, rank=0)  # takes rank0, sweeps rank0.1 and rank0.2
+    assert sorted(os.listdir(tmp_path / "shardwise-swap")) == ["rank0", "rank0.lock"]
+    assert list(held.path.iterdir()) == []
+    held.close()
+    live = [SwapFolder(KEY, tmp_path, rank=0), SwapFolder(KEY, tmp_path, rank=0)]  # rank0, rank0.1
+    live[0].close()
+    again = SwapFolder(KEY, tmp_path, rank=0)  # rank0 again: rank0.1 is held, left alone
+    assert live[1].path.is_dir() and again.path.name == "rank0"
+    again.close()
+    live[1].close()
+    assert os.listdir(tmp_path) == []
 
 
 _CHILD = """

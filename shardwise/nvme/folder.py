@@ -118,6 +118,25 @@ def _take_lock(key: str, root: Path, lock: Path) -> int | None:
         os.close(fd)
 
 
+def _sweep_stale(base: Path, name: str) -> None:
+    """Killed runs' ``<name>.<n>/`` folders (a second engine's) whose lock nobody holds: removed, as the
+    first folder is when its next run starts. A lock held (by an engine of this process or of a live run)
+    is left alone: ``flock`` refuses a second open file even in the holder's process."""
+    for folder in base.glob(f"{name}.*"):
+        if not (folder.is_dir() and folder.name[len(name) + 1:].isdigit()):
+            continue
+        lock = folder.with_name(folder.name + ".lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
 class SwapFolder:
     """This rank's swap folder under ``nvme_path``, locked; ``key`` names the config key in messages."""
 
@@ -138,6 +157,8 @@ class SwapFolder:
             if self.path.exists():  # a killed run's files (its lock died with it)
                 shutil.rmtree(self.path)
             self.path.mkdir()
+            if n == 1:  # the rank's first folder: a killed run's second engines' folders go too
+                _sweep_stale(base, self.path.name)
         except OSError as e:  # the lock released with the error, not held until the process ends
             os.close(fd)
             raise UserError(f"{key}: cannot replace {self.path} (a killed run's swap folder?): {e.strerror}") from None
