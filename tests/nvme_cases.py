@@ -113,14 +113,14 @@ def checkpoint_resume(stage: int, precision: str, save_dir: str, sub_group_size:
 
 
 def faults(root: str) -> dict:
-    """One rank: a swap file truncated, one changed, and a second run on the same nvme_path."""
+    """One rank: a swap file truncated, one changed, and a second engine of this process on the same
+    nvme_path (its own folder; another process is refused: tests/test_nvme_folder.py)."""
     out: dict[str, str] = {}
     cfg = config(2, "bf16", "nvme", root)
     engine, _ = _train(cfg, 1)
-    try:
-        shardwise.initialize(model=build("llama"), config=cfg)
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        out["second_run"] = f"{type(e).__name__}: {e}"
+    second, _ = _train(cfg, 1)
+    out["second_engine"] = f"{engine.nvme.folder.path.name} {second.nvme.folder.path.name}"
+    second.destroy()
     layouts = engine.nvme.layouts
     with open(layouts[0].path, "r+b") as f:
         f.truncate(layouts[0].used() - 4096)
@@ -365,4 +365,30 @@ def sub_groups(stage: int, precision: str, sub_group_size: int) -> dict:
            "host_grads": [g.master.grad is not None or g.to_host is not None for _, g in sw.units]}
     nvme.destroy()
     cpu.destroy()
+    return out
+
+
+def openrlhf_sleep_wake() -> dict:
+    """OpenRLHF's ``offload_deepspeed_states`` / ``reload_deepspeed_states`` on a facade engine (stage 3,
+    NVMe optimizer offload): it reads ``engine.config[...]["offload_optimizer"]["device"]`` and calls
+    ``engine.optimizer.offload_states(...)``, ``empty_partition_cache()``, then ``engine.reload_states()``;
+    the losses against CPU offload never put to sleep."""
+    from shardwise.deepspeed.names import OffloadDeviceEnum, OffloadStateTypeEnum
+    from shardwise.deepspeed.stage3 import initialize as facade_initialize
+
+    data = batches(3, 1, 2 * dist.get_world_size(), 16)
+    out: dict = {}
+    for device in ("cpu", "nvme"):
+        engine = facade_initialize(model=build("llama"), config=config(3, "bf16", device, tempfile.mkdtemp()))[0]
+        losses = run_micro_batches(engine, data[:1], dist.get_rank(), 2)
+        out[f"{device}_config"] = engine.config["zero_optimization"]["offload_optimizer"]["device"]
+        kinds = [OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.contiguous_grad_buffer,
+                 OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads]
+        engine.optimizer.offload_states(include=kinds, device=OffloadDeviceEnum.cpu, pin_memory=True,
+                                        non_blocking=True)
+        engine.empty_partition_cache()
+        out[f"{device}_refused"] = _step_error(engine)  # asleep: the call reached the engine
+        engine.optimizer.reload_states(non_blocking=True)
+        out[device] = losses + run_micro_batches(engine, data[1:], dist.get_rank(), 2)
+        engine.destroy()
     return out

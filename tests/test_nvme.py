@@ -40,7 +40,7 @@ def test_checkpoint_with_nvme_state_resumes_exactly(pool2, tmp_path, stage, sub_
 
 def test_swap_file_faults_and_the_lock(pool1, tmp_path):
     out = pool1.run("nvme_cases:faults", str(tmp_path))[0]
-    assert "nvme_path" in out["second_run"] and "in use by another run" in out["second_run"], out
+    assert out["second_engine"] == "rank0 rank0.1", out  # another engine of this process: its own folder
     assert "group00000.swap" in out["truncated"] and "ends at byte" in out["truncated"], out
     assert ".swap: swap file fails its checksum" in out["changed"], out
     assert out["left"] == "[]", out
@@ -120,3 +120,12 @@ def test_sub_groups_and_no_host_gradient_are_cpu_offload_to_the_bit(pool2, stage
         assert r["nvme_buffers"] == 2 * r["per_buffer"] + r["staging"]
         assert r["staging"] == 4096 * -(-max(r["groups"]) * r["element"] // 4096)
         assert not any(r["host_grads"])
+
+
+def test_openrlhf_sleep_and_wake_through_the_facade_optimizer(pool2):
+    """``engine.optimizer.offload_states`` / ``reload_states`` (where RL frameworks call them) and
+    ``engine.config[...]`` subscripts (OpenRLHF reads the offload device so), NVMe against CPU offload."""
+    for r in pool2.run("nvme_cases:openrlhf_sleep_wake"):
+        assert r["nvme"] == r["cpu"] and len(r["cpu"]) == 3, r
+        assert (r["cpu_config"], r["nvme_config"]) == ("cpu", "nvme"), r
+        assert "reload_states() before the next forward" in r["nvme_refused"], r

@@ -40,3 +40,13 @@ def test_initialize_refuses_bad_nvme_settings_before_training(pool1, tmp_path) -
     assert "aio.use_gds" in out["gds"] and "aio.queue_dept" in out["aio_typo"], out
     assert "NVMe offload steps one group at a time" in out["adafactor"], out
     assert out["left"] == [], out  # a refused run leaves no swap file or lock behind
+
+
+def test_aio_under_zero_optimization_is_refused_saying_where_it_goes() -> None:
+    """HF transformers' docs print the aio section inside zero_optimization; DeepSpeed refuses it there too."""
+    from shardwise.config import ConfigError, load_config
+
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": {"stage": 2, "aio": {"block_size": 262144, "thread_count": 1}}}
+    with pytest.raises(ConfigError, match="zero_optimization.aio: unknown key; 'aio' is a top-level section"):
+        load_config(cfg)

@@ -69,6 +69,16 @@ class _Section(BaseModel):
         Trainer reads ``engine.config.get("zero_optimization", {}).get("stage")``."""
         return getattr(self, key, default) if key in type(self).model_fields else default
 
+    def __getitem__(self, key: str) -> Any:
+        """``config["zero_optimization"]["offload_optimizer"]["device"]``, as OpenRLHF's
+        ``offload_deepspeed_states`` reads DeepSpeed's ``engine.config`` dict; KeyError as a dict's."""
+        if key not in type(self).model_fields:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in type(self).model_fields
+
 
 class FP16Config(_Section):
     enabled: Bool = False

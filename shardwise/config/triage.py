@@ -81,7 +81,10 @@ def _walk(section: dict[str, Any], path: str, model: type[BaseModel] | None, roo
         if key is None:
             if model is not None and name in fields:
                 continue  # a schema field the table does not list (pydantic checks it)
-            problems.append(f"{full}: unknown key; {suggest(str(name), set(known) | set(fields))}")
+            top = path and isinstance(name, str) and name in children("")  # e.g. "aio" (HF's docs print it so)
+            hint = (f"'{name}' is a top-level section, not under '{path}': move it out (DeepSpeed refuses it "
+                    "there too)") if top else suggest(str(name), set(known) | set(fields))
+            problems.append(f"{full}: unknown key; {hint}")
             del section[name]
             continue
         if key.accepts is not None and not _accepted(key, value, root):

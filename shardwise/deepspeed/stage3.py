@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -85,6 +86,24 @@ def with_deepspeed_defaults(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return bound.args, bound.kwargs
 
 
+def bind_optimizer_offload_calls(engine: Engine) -> None:
+    """``engine.optimizer.offload_states(...)`` / ``reload_states(...)``: DeepSpeed's ZeRO optimizers (stages
+    1-3) carry them, and RL frameworks (OpenRLHF's ``offload_deepspeed_states``, verl, ROLL) call them there,
+    not on the engine. They are the engine's (``engine/offload_states.py``), through a weak reference: the
+    optimizer must not keep a destroyed engine (and its swap files) alive."""
+    if engine.optimizer is None:
+        return
+    ref = weakref.ref(engine)
+
+    def offload_states(include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        ref().offload_states(include, device, pin_memory, non_blocking)
+
+    def reload_states(non_blocking: bool = False) -> None:
+        ref().reload_states(non_blocking)
+
+    engine.optimizer.offload_states, engine.optimizer.reload_states = offload_states, reload_states
+
+
 @functools.wraps(shardwise_initialize)
 def initialize(*args: Any, **kwargs: Any) -> tuple[Engine, Any, Any, Any]:
     args, kwargs = with_deepspeed_defaults(args, kwargs)
@@ -97,6 +116,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Engine, Any, Any, Any]:
         raise ConfigError(f"{e}. {note}") from None
     mark_stage3_params(result[0])
     attach(result[0])  # ds_status, ds_external_parameters(), optimizer.parameter_offload (params.py)
+    bind_optimizer_offload_calls(result[0])
     return result
 
 

@@ -2,7 +2,11 @@
 
 ``<nvme_path>/shardwise-swap/rank<R>/`` holds the rank's swap files; ``rank<R>.lock`` beside it is
 held with ``flock`` for the life of the run, so a second run on the same ``nvme_path`` is refused
-(its rank 0 finds rank 0's lock taken) instead of both overwriting each other's files. The lock dies
+(its rank 0 finds rank 0's lock taken) instead of both overwriting each other's files. A second engine of
+the same process (DeepSpeed-Chat's actor and critic built from one config, a Trainer made again after a
+first one, a hyperparameter search) is not another run: it takes the next free folder,
+``rank<R>.1/``, ``rank<R>.2/``..., each locked and removed on its own, as DeepSpeed lets such engines share
+a path. The lock dies
 with the process, so a run killed by ``SIGKILL`` leaves its files but not its lock: the next run takes
 the lock and removes them first. The files go at :meth:`SwapFolder.close`, which the engine's
 teardown, ``atexit`` (a normal exit, an exception, Ctrl-C) and garbage collection all call.
@@ -31,7 +35,8 @@ def check_room(key: str, path: Path, need: int, local_ranks: int = 1) -> None:
     of the node's ranks, ``need`` and what this process's other swap folders there hold (the parameters'
     files, when the optimizer's check comes after them)."""
     if not path.exists():
-        raise UserError(f"{key}: {path} does not exist; create it (a folder on the NVMe disk) or fix the path")
+        tilde = " (a leading '~' is not expanded: write the full path)" if str(path).startswith("~") else ""
+        raise UserError(f"{key}: {path} does not exist{tilde}; create it (a folder on the NVMe disk) or fix the path")
     if not path.is_dir():
         raise UserError(f"{key}: {path} is not a folder")
     if not os.access(path, os.W_OK | os.X_OK):
@@ -89,15 +94,18 @@ def _remove(folder: Path, lock_fd: list[int]) -> None:
         pass
 
 
-def _take_lock(key: str, root: Path, lock: Path) -> int:
+def _take_lock(key: str, root: Path, lock: Path) -> int | None:
     """``lock`` opened and flocked; retried when the file we locked is no longer the one at the path (its
-    holder unlinked it on exit between our open and our flock: a third run would lock a new file)."""
+    holder unlinked it on exit between our open and our flock: a third run would lock a new file). None when
+    this process holds it (another engine of this run: the caller takes the next folder)."""
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            if _holder(lock) == os.getpid():
+                return None
             raise UserError(f"{key}: {root} is in use by another run (the lock {lock} is held); give each "
                             "run its own nvme_path") from None
         held = os.fstat(fd)
@@ -110,6 +118,25 @@ def _take_lock(key: str, root: Path, lock: Path) -> int:
         os.close(fd)
 
 
+def _sweep_stale(base: Path, name: str) -> None:
+    """Killed runs' ``<name>.<n>/`` folders (a second engine's) whose lock nobody holds: removed, as the
+    first folder is when its next run starts. A lock held (by an engine of this process or of a live run)
+    is left alone: ``flock`` refuses a second open file even in the holder's process."""
+    for folder in base.glob(f"{name}.*"):
+        if not (folder.is_dir() and folder.name[len(name) + 1:].isdigit()):
+            continue
+        lock = folder.with_name(folder.name + ".lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
 class SwapFolder:
     """This rank's swap folder under ``nvme_path``, locked; ``key`` names the config key in messages."""
 
@@ -119,15 +146,19 @@ class SwapFolder:
         check_room(key, root, 0)
         base = root / "shardwise-swap"
         base.mkdir(exist_ok=True)
-        self.path = base / f"{kind}rank{rank}"
-        lock = base / f"{kind}rank{rank}.lock"
-        fd = _take_lock(key, root, lock)
+        fd, n = None, 0
+        while fd is None:  # this process's other engines hold rank<R>, rank<R>.1, ...: the next free one
+            self.path = base / (f"{kind}rank{rank}" + (f".{n}" if n else ""))
+            fd = _take_lock(key, root, self.path.with_name(self.path.name + ".lock"))
+            n += 1
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
             if self.path.exists():  # a killed run's files (its lock died with it)
                 shutil.rmtree(self.path)
             self.path.mkdir()
+            if n == 1:  # the rank's first folder: a killed run's second engines' folders go too
+                _sweep_stale(base, self.path.name)
         except OSError as e:  # the lock released with the error, not held until the process ends
             os.close(fd)
             raise UserError(f"{key}: cannot replace {self.path} (a killed run's swap folder?): {e.strerror}") from None
