@@ -12,6 +12,7 @@ from shardwise.deepspeed.stage3 import initialize
 from shardwise.zero import GatheredParameters
 
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "gradient_clipping": 0.0,  # the plain reference does not clip (DeepSpeed's own default is 1.0)
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
