@@ -125,12 +125,12 @@ def checkpoint_resume(stage: int, precision: str, save_dir: str, sub_group_size:
 def _spy_group_reads(swapper) -> list[tuple[int, bool]]:
     """Each group read of a streamed save: (the group's id, whether the group read before was dropped first)."""
     reads: list[tuple[int, bool]] = []
-    read = swapper._read_group
+    read = swapper._read_for_save
 
     def spy(g):
         reads.append((id(g), swapper.current is None))
         return read(g)
-    swapper._read_group = spy
+    swapper._read_for_save = spy
     return reads
 
 

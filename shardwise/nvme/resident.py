@@ -46,8 +46,9 @@ class Resident:
     @contextmanager
     def streamed(self):
         """A save: the groups stay on disk and :meth:`saved_slice` reads them for the writer, one group at a
-        time in the file's order, so the save holds one group's master and state (and one piece's read
-        buffer), never the whole optimizer state (``checkpoint/deferred.py``)."""
+        time in the file's order, so the save holds one group's master and state at most (none for a group
+        stepped whole: it is read into a free swap buffer), never the whole optimizer state
+        (``checkpoint/deferred.py``)."""
         self.drop_prefetched()  # a read-ahead buffer of the next step is not what the save reads
         self.streaming, self.current = True, None
         try:
@@ -64,8 +65,20 @@ class Resident:
         read from its files (checked) unless it is the group read last, whose tensors go first."""
         if self.current is None or self.current[0] is not g:
             self.current = None  # the last group's tensors are dropped before the next one's are made
-            self.current = (g, self._read_group(g))
+            self.current = (g, self._read_for_save(g))
         return self.current[1][key].narrow(0, offset, length)
+
+    def _read_for_save(self, g: ShardedGroup) -> dict[str, torch.Tensor]:
+        """``g``'s tensors by key for a save: views of a free swap buffer for a group stepped whole (no host
+        memory of the save's own: nothing else uses the buffers during a save, and the writer copies out of
+        them before the next group is read), or (a cut group) its pieces joined into tensors of their own."""
+        us = self.by_group[id(g)]
+        if len(us) > 1 or not self.free:
+            return self._read_group(g)
+        buf, layout = self.free[-1], self.layouts[us[0]]
+        self._read(us[0], buf)
+        slots = layout.slots if layout.has_state else layout.slots[:1]
+        return {s.key: buf.view(s.dtype, s.offset, s.numel) for s in slots}
 
     def _scratch(self, g: ShardedGroup) -> AlignedBuffer:
         return AlignedBuffer(max(self.layouts[u].nbytes for u in self.by_group[id(g)]))
