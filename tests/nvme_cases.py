@@ -155,6 +155,12 @@ def faults(root: str) -> dict:
         byte = f.read(1)
         f.seek(4096 + 8)
         f.write(bytes([byte[0] ^ 1]))
+    try:  # the streamed save reads the changed file: refused, nothing published, the save's read dropped
+        engine.save_checkpoint(tempfile.mkdtemp(), tag="bad")
+        out["save_changed"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["save_changed"] = f"{type(e).__name__}: {e}"
+    out["save_left"] = str((engine.nvme.streaming, engine.nvme.current))
     out["changed"] = _step_error(engine)
     engine.destroy()
     out["left"] = str(sorted(os.listdir(root)))

@@ -47,6 +47,8 @@ def test_swap_file_faults_and_the_lock(pool1, tmp_path):
     assert "nvme_path" in out["second_run"] and "in use by another run" in out["second_run"], out
     assert "group00000.swap" in out["truncated"] and "ends at byte" in out["truncated"], out
     assert ".swap: swap file fails its checksum" in out["changed"], out
+    assert ".swap: swap file fails its checksum" in out["save_changed"], out  # the streamed save's read
+    assert out["save_left"] == "(False, None)", out
     assert out["left"] == "[]", out
 
 
