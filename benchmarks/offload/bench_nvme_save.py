@@ -8,7 +8,7 @@ its optimizer state (fp32 masters, AdamW's moments) in NVMe swap files, then sav
 process: ``streamed`` (the engine's save: the writer reads one group at a time from the swap files,
 ``checkpoint/deferred.py``) and ``resident`` (every group read into host memory first, then written: the
 save before streaming, run through ``OptimizerSwapper.resident``), synchronous and asynchronous. Per mode the
-save's peak RSS over the RSS before it (``VmHWM`` reset just before the save) and the shard file's sha256,
+save's (or the load's) peak RSS over the RSS before it (``VmHWM`` reset just before it) and the shard file's sha256,
 which must be the same in every mode (the run fails otherwise). Prints a markdown table.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-MODES = ("resident", "streamed", "resident-async", "streamed-async")
+MODES = ("resident", "streamed", "resident-async", "streamed-async", "load")
 
 
 def _vm(field: str) -> int:
@@ -69,6 +69,11 @@ def child(args) -> None:
         engine.save_checkpoint(args.save_dir, tag=args.child, asynchronous=asynchronous)
     wait_for_checkpoint()
     peak = _vm("VmHWM")
+    if args.child == "load":  # the checkpoint just saved (streamed), loaded back: the load's peak
+        before = _vm("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")
+        engine.load_checkpoint(args.save_dir, tag=args.child)
+        peak = _vm("VmHWM")
     shard = Path(args.save_dir) / args.child / "rank00000.safetensors"
     sha = hashlib.sha256(shard.read_bytes()).hexdigest()
     out = {"before": before, "peak": peak, "extra": peak - before, "state_bytes": state, "sha256": sha,
@@ -113,7 +118,7 @@ def main() -> None:
     print(f"{first['params'] / 1e6:.0f}M parameters, optimizer state on NVMe {first['state_bytes'] / gb:.3f} GB, "
           f"shard file {first['file_bytes'] / gb:.3f} GB (the same sha256 in every mode), "
           f"NVMe buffers {first['buffers'] / gb:.3f} GB")
-    print("| save | RSS before | peak RSS during the save | the save's extra peak |\n|---|---|---|---|")
+    print("| mode | RSS before | peak RSS during the save (load) | its extra peak |\n|---|---|---|---|")
     for mode, r in res.items():
         print(f"| {mode} | {r['before'] / gb:.3f} GB | {r['peak'] / gb:.3f} GB | {r['extra'] / gb:.3f} GB |")
 
