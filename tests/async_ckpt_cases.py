@@ -78,8 +78,8 @@ def same_bytes_kept_buffer(root: str) -> dict:
 
 def same_bytes_nvme(root: str, stage: int, params: bool = False) -> dict:
     """:func:`same_bytes` with ``offload_optimizer.device: nvme`` (masters and Adam moments in swap files,
-    read back for the save by ``engine/nvme.py``'s ``nvme_resident``); ``params`` (stage 3): the parameter
-    shards in swap files too (``offload_param.device: nvme``, every shard on disk)."""
+    streamed from them a group at a time by the save: ``engine/nvme.py``'s ``nvme_streamed``); ``params``
+    (stage 3): the parameter shards in swap files too (``offload_param.device: nvme``, every shard on disk)."""
     import tempfile
 
     swap = tempfile.mkdtemp(dir=root)  # each rank its own folder (SwapFolder adds rank{r} below it anyway)

@@ -13,6 +13,7 @@ from tiny_models import batches, build
 from zero_cases import run_micro_batches
 
 import shardwise
+from shardwise.checkpoint import save_checkpoint as save_plain
 from shardwise.zero import GatheredParameters
 
 PRECISIONS = {  # name -> config sections: bf16/fp16 compute, and bf16 masters with bf16 optimizer states
@@ -87,7 +88,15 @@ def checkpoint_resume(stage: int, precision: str, save_dir: str, sub_group_size:
     for cfg in nvme_cfg:
         cfg["zero_optimization"]["sub_group_size"] = sub_group_size
     first, _ = _train(nvme_cfg[0], 2, data=data)
-    first.save_checkpoint(save_dir, tag="s2")
+    reads = _spy_group_reads(first.nvme)
+    first.save_checkpoint(save_dir, tag="s2")  # streamed: each group read as the writer reaches it
+    streamed = {"reads": len(reads), "groups_once": len(set(r[0] for r in reads)) == len(reads),
+                "previous_dropped": all(r[1] for r in reads), "left": first.nvme.current is not None}
+    with first.nvme.resident(write_back=False):  # the save before streaming: every group read whole first
+        save_plain(first, save_dir, tag="s2_resident")
+    rank_file = f"rank{dist.get_rank():05d}.safetensors"
+    streamed["same_bytes"] = (Path(save_dir) / "s2" / rank_file).read_bytes() == \
+        (Path(save_dir) / "s2_resident" / rank_file).read_bytes()
     _, straight = _train({}, 2, engine=first, data=data, start=2)
     first.destroy()
     cpu_first, _ = _train(config(stage, precision, "cpu"), 2, data=data)
@@ -109,7 +118,20 @@ def checkpoint_resume(stage: int, precision: str, save_dir: str, sub_group_size:
     _, resharded = _train({}, 2, engine=cpu, data=data, start=2)
     again.destroy()
     cpu.destroy()
-    return {"straight": straight, "resumed": resumed, "resharded": resharded, "consolidated": same_consolidated}
+    return {"straight": straight, "resumed": resumed, "resharded": resharded, "consolidated": same_consolidated,
+            "streamed": streamed}
+
+
+def _spy_group_reads(swapper) -> list[tuple[int, bool]]:
+    """Each group read of a streamed save: (the group's id, whether the group read before was dropped first)."""
+    reads: list[tuple[int, bool]] = []
+    read = swapper._read_for_save
+
+    def spy(g):
+        reads.append((id(g), swapper.current is None))
+        return read(g)
+    swapper._read_for_save = spy
+    return reads
 
 
 def faults(root: str) -> dict:
@@ -133,6 +155,12 @@ def faults(root: str) -> dict:
         byte = f.read(1)
         f.seek(4096 + 8)
         f.write(bytes([byte[0] ^ 1]))
+    try:  # the streamed save reads the changed file: refused, nothing published, the save's read dropped
+        engine.save_checkpoint(tempfile.mkdtemp(), tag="bad")
+        out["save_changed"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["save_changed"] = f"{type(e).__name__}: {e}"
+    out["save_left"] = str((engine.nvme.streaming, engine.nvme.current))
     out["changed"] = _step_error(engine)
     engine.destroy()
     out["left"] = str(sorted(os.listdir(root)))

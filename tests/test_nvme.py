@@ -36,6 +36,10 @@ def test_checkpoint_with_nvme_state_resumes_exactly(pool2, tmp_path, stage, sub_
         assert r["resumed"] == r["straight"], r  # another nvme_path, the step's state (not a stale file)
         assert r["resharded"] == r["straight"], r  # into CPU offload at another stage
     assert res[0]["consolidated"] is True  # consolidate: the saved state is CPU offload's
+    for r in res:  # the save streamed: each group read once, the one before dropped, the same file bytes
+        s = r["streamed"]
+        assert s["reads"] > 1 and s["groups_once"] and s["previous_dropped"] and not s["left"], s
+        assert s["same_bytes"], s  # as the save that read the whole state first wrote them
 
 
 def test_swap_file_faults_and_the_lock(pool1, tmp_path):
@@ -43,6 +47,8 @@ def test_swap_file_faults_and_the_lock(pool1, tmp_path):
     assert out["second_engine"] == "rank0 rank0.1", out  # another engine of this process: its own folder
     assert "group00000.swap" in out["truncated"] and "ends at byte" in out["truncated"], out
     assert ".swap: swap file fails its checksum" in out["changed"], out
+    assert ".swap: swap file fails its checksum" in out["save_changed"], out  # the streamed save's read
+    assert out["save_left"] == "(False, None)", out
     assert out["left"] == "[]", out
 
 

@@ -8,12 +8,14 @@ slices it needs from the metadata alone. See docs/checkpoints.md for the format.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise.checkpoint import async_save, shard_writer
+from shardwise.checkpoint.deferred import Deferred
 from shardwise.checkpoint.experts import (
     refuse_frozen_experts,
     saved_numel,
@@ -98,8 +100,7 @@ def _rank_pieces(engine: CheckpointTarget, rank: int, exclude_frozen: bool = Fal
             off = saved_offset(p)
             segments[key] = [seg.start + off, seg.stop + off]
             scalars[key] = sc
-            pieces.append((f"master/{key}", g.master.narrow(0, seg.offset, seg.length)))
-            pieces += [(f"{k}/{key}", v.narrow(0, seg.offset, seg.length)) for k, v in elem.items()]
+            pieces += _group_pieces(engine, g, key, seg, {"master": g.master, **elem})
     whole_writes = engine.comm.rank == 0 and first_replica  # unsharded: dp rank 0 (TP pieces per TP rank)
     frozen, frozen_segs, frozen_pieces, excluded = describe_frozen(engine, first_replica, whole_writes, tp_rank,
                                                                    exclude_frozen)
@@ -112,6 +113,18 @@ def _rank_pieces(engine: CheckpointTarget, rank: int, exclude_frozen: bool = Fal
                                 "frozen": frozen, "frozen_segments": frozen_segs, "excluded_frozen": excluded,
                                 "rng": rng_state(), SECTION: whole_state}
     return manifest, pieces
+
+
+def _group_pieces(engine: CheckpointTarget, g, key: str, seg, tensors: dict[str, torch.Tensor]) -> list[tuple]:
+    """One parameter's segment of ``g``'s master and per-element state: views of the live tensors, or, for a
+    group held in NVMe swap files (``engine.nvme``, during a save its ``streamed()``), deferred pieces its
+    swapper reads a group at a time as the writer reaches them (``checkpoint/deferred.py``)."""
+    swap = getattr(engine, "nvme", None)
+    if swap is not None and swap.swapped(g):
+        return [(f"{k}/{key}", Deferred(v.dtype, (seg.length,),
+                                         functools.partial(swap.saved_slice, g, k, seg.offset, seg.length)))
+                for k, v in tensors.items()]
+    return [(f"{k}/{key}", v.narrow(0, seg.offset, seg.length)) for k, v in tensors.items()]
 
 
 def write_rank(folder: Path, rank: int, manifest: dict, pieces: list[tuple[str, torch.Tensor]]) -> None:

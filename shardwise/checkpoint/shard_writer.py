@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from shardwise.aio import AioConfig, AioError, AioFile, AlignedBuffer, IOEngine, IOHandle, align_up, open_file
+from shardwise.checkpoint.deferred import Deferred, resolve
 from shardwise.checkpoint.fileio import SafetensorsWriter, check_planned, safetensors_header
 
 PHASES = ("staging", "writing", "fsync", "publishing")
@@ -35,14 +36,15 @@ def at_phase(phase: str) -> None:
     """Test seam, called when a save reaches ``phase`` (one of :data:`PHASES`); does nothing."""
 
 
-def write_shard(path: Path, pieces: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
-    """One safetensors file of ``pieces`` (host tensors that nothing overwrites meanwhile), flushed
-    and fsynced; returns (sha256 hex, size in bytes)."""
+def write_shard(path: Path, pieces: list[tuple[str, torch.Tensor | Deferred]]) -> tuple[str, int]:
+    """One safetensors file of ``pieces`` (host tensors that nothing overwrites meanwhile, or
+    ``checkpoint/deferred.py``'s pieces, read as the writer reaches them), flushed and fsynced; returns
+    (sha256 hex, size in bytes)."""
     if ENGINE:
         return write_shard_engine(path, pieces)
     w = SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in pieces])
     for i, (k, t) in enumerate(pieces):
-        w.write(k, t)
+        w.write(k, resolve(t))  # inline: a deferred piece's bytes are dropped once written
         if i == 0:
             at_phase("writing")
     at_phase("fsync")
@@ -103,7 +105,7 @@ class _Ring:
         return self.sha.hexdigest(), self.pos
 
 
-def write_shard_engine(path: Path, pieces: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
+def write_shard_engine(path: Path, pieces: list[tuple[str, torch.Tensor | Deferred]]) -> tuple[str, int]:
     """:func:`write_shard` through ``shardwise/aio``: the same bytes, sha256 and size; fsynced."""
     head, _ = safetensors_header([(k, t.dtype, tuple(t.shape)) for k, t in pieces])
     Path(path).unlink(missing_ok=True)  # a fresh file (a symlink at the name is removed, never followed)
@@ -113,7 +115,7 @@ def write_shard_engine(path: Path, pieces: list[tuple[str, torch.Tensor]]) -> tu
             ring = _Ring(io, f)
             ring.put(torch.frombuffer(bytearray(head), dtype=torch.uint8))
             for i, (_, t) in enumerate(pieces):
-                ring.put(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8))
+                ring.put(resolve(t).detach().reshape(-1).contiguous().cpu().view(torch.uint8))
                 if i == 0:
                     at_phase("writing")
             sha, size = ring.finish()

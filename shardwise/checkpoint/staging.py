@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.checkpoint.deferred import Deferred, resolve
+
 ALIGN = 64
 
 
@@ -45,7 +47,7 @@ class Staged:
         self.pieces, self.buffer, self.event = [], None, None
 
 
-def _padded(t: torch.Tensor) -> int:
+def _padded(t: torch.Tensor | Deferred) -> int:
     n = t.numel() * t.element_size()
     return n + (-n % ALIGN)
 
@@ -53,7 +55,7 @@ def _padded(t: torch.Tensor) -> int:
 _KEPT: list[torch.Tensor | None] = [None]  # keep=True: the buffer reused by the next save
 
 
-def stage(pieces: list[tuple[str, torch.Tensor]], keep: bool = False) -> Staged:
+def stage(pieces: list[tuple[str, torch.Tensor | Deferred]], keep: bool = False) -> Staged:
     """Copy ``pieces`` into one host buffer (pinned when a piece is on a GPU); see the module doc.
 
     ``keep`` (``shardwise.keep_checkpoint_buffer``; the caller passes it only when the last writer
@@ -73,7 +75,8 @@ def stage(pieces: list[tuple[str, torch.Tensor]], keep: bool = False) -> Staged:
     for name, t in pieces:
         n = t.numel() * t.element_size()
         view = buf.narrow(0, pos, n).view(t.dtype).view(t.shape)
-        view.copy_(t.detach(), non_blocking=t.device.type != "cpu")
+        # a deferred piece (NVMe-held state) read now, inline: its bytes are dropped once copied
+        view.copy_(resolve(t).detach(), non_blocking=t.device.type != "cpu")
         out.append((name, view))
         pos += _padded(t)
     event = None

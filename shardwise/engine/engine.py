@@ -32,6 +32,7 @@ from shardwise.engine.nvme import (
     attach_param_swap,
     clip_grads,
     nvme_resident,
+    nvme_streamed,
     reduce_and_norm,
     swaps_closed_on_failure,
 )
@@ -376,7 +377,7 @@ class Engine(EngineAccessors, nn.Module):
         copied, written in the background (docs/checkpoints.md).
         """
         tag = check_save_args(self, save_dir, tag)
-        with nvme_resident(self, write_back=False):
+        with nvme_streamed(self):  # NVMe-held state read a group at a time by the writer (engine/nvme.py)
             return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                    exclude_frozen_parameters=exclude_frozen_parameters, asynchronous=asynchronous)
 

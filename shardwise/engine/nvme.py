@@ -156,9 +156,16 @@ def clip_grads(engine: EngineParts, grads: list[torch.Tensor] | None, coef: floa
 
 
 def nvme_resident(engine: EngineParts, write_back: bool):
-    """A context with every NVMe-held state in host memory (checkpoints); nothing without NVMe offload."""
+    """A context with every NVMe-held state in host memory (a checkpoint load); nothing without NVMe offload."""
     swapper = getattr(engine, "nvme", None)
     return swapper.resident(write_back) if swapper is not None else nullcontext()
+
+
+def nvme_streamed(engine: EngineParts):
+    """A context for a save: NVMe-held groups read one at a time as the checkpoint writer reaches them
+    (``nvme/resident.py``'s ``streamed``); nothing without NVMe offload."""
+    swapper = getattr(engine, "nvme", None)
+    return swapper.streamed() if swapper is not None else nullcontext()
 
 
 def nvme_memory(engine: EngineParts, rep: dict[str, int]) -> None:
